@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast serve fetch bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+fetch: install
+	$(VENV)/bin/llmbus model fetch
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+serve: fetch
+	$(VENV)/bin/llmbus serve
+
+bench: fetch
+	$(VENV)/bin/llmbus bench throughput
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

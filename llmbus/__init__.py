@@ -1,0 +1,18 @@
+"""llmbus: an LLM serving engine in the shape of vLLM V1, cut into services over NATS."""
+
+from shared.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and transformers; importing llmbus for SamplingParams should not.
+    if name == "LLM":
+        from llmbus.llm import LLM
+
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from llmbus import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(name)

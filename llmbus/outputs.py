@@ -1,0 +1,33 @@
+"""What `LLM.generate` returns, shaped like vLLM's outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import Logprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[Logprobs] | None = None  # per generated token, when asked for
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(lp.logprobs[0] for lp in self.logprobs)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = False

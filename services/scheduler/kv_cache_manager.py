@@ -1,0 +1,104 @@
+"""Which blocks each request holds: prefix lookup, allocation, freeing.
+
+The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from services.scheduler.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up, cumulative
+        self.prefix_cache_hits = 0  # tokens found, cumulative
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chained hashes to every block its tokens fill."""
+        hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The longest run of cached full blocks that prefixes the request.
+
+        It stops one token short of the whole request: the last token is always computed,
+        because its logits are what the next token is sampled from.
+        """
+        if not self.enable_caching:
+            return []
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries += num_queried
+        self.prefix_cache_hits += num_hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+
+        Returns the newly allocated blocks (possibly none), or None when the pool cannot
+        hold them, in which case nothing has changed.
+        """
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = cdiv(num_computed + num_new_tokens, self.block_size)
+        num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
+        # A prefix hit on a block with no other user takes it off the free queue too.
+        num_reused_free = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_reused_free:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Register blocks that will be full once this step is computed. Another request
+            # may hit them in this same step: the worker writes every token's K/V of a layer
+            # before any attention of that layer reads the cache, so that is safe.
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
+    ) -> None:
+        self.update_block_hashes(request)
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        for block, block_hash in zip(req_blocks[:num_full], request.block_hashes[:num_full]):
+            self.block_pool.cache_full_block(block, block_hash)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))

@@ -1,0 +1,65 @@
+"""The scheduler's state for one request."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from services.scheduler.block_pool import BlockHash
+from shared.messages import FinishReason
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    max_tokens: int  # resolved against the context: never None here
+    arrival_time: float = 0.0
+    reply_subject: str = ""
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are (or, once the in-flight step lands, will be) in the cache.
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 before
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks so far
+    # True while a worker holds this request's state: it then gets deltas, not full data.
+    in_worker: bool = False
+    num_preemptions: int = 0
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

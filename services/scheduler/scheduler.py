@@ -1,0 +1,313 @@
+"""The scheduler core: who runs this step, and with how many tokens.
+
+No prefill or decode phase: every request has `num_computed_tokens` chasing
+`num_tokens`, and each step spends one token budget on closing those gaps, running
+requests first (FCFS), then waiting ones. A long prompt is spread over steps (chunked
+prefill); when blocks run out the newest running request is preempted by recompute.
+It knows nothing of tensors or transport: it takes and returns `shared.messages`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus
+from shared.config import SchedulerConfig
+from shared.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        # A request must fit in the cache on its own, or it could never finish.
+        self.max_model_len = min(config.max_model_len, num_kv_blocks * block_size)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the worker still holds but must drop at the next step.
+        self._finished_for_worker: set[str] = set()
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; a `ValueError` names what is wrong with it, and nothing changes."""
+        num_prompt = len(req.prompt_token_ids)
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        if num_prompt == 0:
+            raise ValueError("prompt must contain at least one token")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {num_prompt} tokens, but the model's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate"
+            )
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params = req.sampling_params
+        room = self.max_model_len - num_prompt
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=params,
+            eos_token_id=req.eos_token_id,
+            max_tokens=max_tokens,
+            arrival_time=req.arrival_time or time.time(),
+            reply_subject=req.reply_subject,
+            trace_headers=dict(req.trace_headers),
+        )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished:
+                self._finish(request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv_cache_manager.free(request)
+        if request.in_worker:
+            self._finished_for_worker.add(request.request_id)
+            request.in_worker = False
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: give back all blocks and start over from the front of the queue."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if request.in_worker:
+            self._finished_for_worker.add(request.request_id)
+            request.in_worker = False
+        self.waiting.appendleft(request)
+
+    # ---- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        scheduled: list[Request] = []
+        preempted_now = False
+
+        # Running requests first, oldest first; the newest is the first to be preempted.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if threshold:
+                num_new = min(num_new, threshold)
+            num_new = min(num_new, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while True:
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+                if blocks is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            if blocks is None:
+                break
+            scheduled.append(request)
+            num_scheduled[request.request_id] = num_new
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= num_new
+            index += 1
+
+        # Then waiting ones, unless this step had to preempt: there is no room to spare.
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted_now
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
+            num_hit = len(computed_blocks) * self.kv_cache_manager.block_size
+            num_new = request.num_tokens - num_hit
+            if threshold:
+                num_new = min(num_new, threshold)
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(request)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        output = self._make_output(scheduled, num_scheduled, new_blocks)
+        for request in scheduled:
+            # Counted as computed now, when the step is decided, not when it lands.
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        return output
+
+    def _make_output(
+        self,
+        scheduled: list[Request],
+        num_scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+    ) -> SchedulerOutput:
+        new_reqs, cached_reqs = [], []
+        for request in scheduled:
+            if request.in_worker:
+                cached_reqs.append(
+                    CachedRequestData(
+                        req_id=request.request_id,
+                        new_block_ids=new_blocks[request.request_id],
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                request.in_worker = True
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=request.request_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=list(request.output_token_ids),
+                        sampling_params=request.sampling_params,
+                        eos_token_id=request.eos_token_id,
+                        block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+        self._step_id += 1
+        finished, self._finished_for_worker = self._finished_for_worker, set()
+        return SchedulerOutput(
+            step_id=self._step_id,
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=sorted(finished),
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[str, EngineCoreOutputs]:
+        """Apply sampled tokens, finish what should finish; outputs grouped by reply subject."""
+        outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
+        if runner_output.error is not None:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                self._finish(request, FinishReason.ERROR)
+                outputs[request.reply_subject].append(
+                    EngineCoreOutput(req_id, [], FinishReason.ERROR, error=runner_output.error)
+                )
+            return self._pack(outputs)
+
+        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for req_id, sampled, lp in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, logprobs
+        ):
+            request = self.requests.get(req_id)
+            if request is None or not sampled:
+                continue  # finished meanwhile (aborted), or a prompt chunk with more to come
+            new_tokens = []
+            for token_id in sampled:
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                reason, stop_reason = self._check_stop(request, token_id)
+                if reason is not None:
+                    break
+            output = EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=new_tokens,
+                new_logprobs=[lp] if lp is not None else [],
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+            if reason is not None:
+                self._finish(request, reason, stop_reason)
+                output.finish_reason = reason
+                output.stop_reason = stop_reason
+            outputs[request.reply_subject].append(output)
+        return self._pack(outputs)
+
+    def _pack(self, outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, EngineCoreOutputs]:
+        stats = self.make_stats()
+        now = time.time()
+        return {
+            subject: EngineCoreOutputs(outs, scheduler_stats=stats, timestamp=now)
+            for subject, outs in outputs.items()
+        }
+
+    def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if (
+                not params.ignore_eos
+                and request.eos_token_id is not None
+                and token_id == request.eos_token_id
+            ):
+                return FinishReason.STOP, None
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP, token_id
+        if request.num_output_tokens >= request.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+

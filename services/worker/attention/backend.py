@@ -1,0 +1,37 @@
+"""The attention-backend interface: the model calls one of these and never knows which."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write the new keys/values into their cache slots, then attend over the cache."""
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from services.worker.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from kernels.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention_backend {name!r}: torch or triton")

@@ -1,0 +1,28 @@
+"""What attention needs to know about one step's flattened batch, passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    # Requests are ordered decodes first (one new token each), then prefill chunks.
+    num_decodes: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, offsets into the flattened tokens
+    seq_lens: torch.Tensor  # [num_reqs] int32, cached + new tokens of each request
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (-1 = pad)
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks] int32, padded with 0
+    # Host copies, so the CPU backend can loop over requests without device syncs.
+    query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
+    seq_lens_cpu: np.ndarray  # [num_reqs]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)

@@ -1,0 +1,102 @@
+"""Paged attention in plain PyTorch: the CPU path and the reference for the Triton kernels.
+
+Decodes (one query each) run as one padded batch over their gathered blocks; prefill
+chunks run one request at a time, where the matrix work dwarfs the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padded token
+) -> None:
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if bool((slot_mapping < 0).any()):
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # [..., num_blocks_used]
+) -> torch.Tensor:  # [..., num_kv_heads, num_blocks_used * block_size, head_dim]
+    blocks = cache[block_ids]  # [..., nb, block_size, num_kv_heads, head_dim]
+    shape = blocks.shape
+    flat = blocks.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
+    return flat.transpose(-3, -2)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(query)
+        block_size = kv_cache.shape[2]
+        num_decodes = metadata.num_decodes
+        if num_decodes:
+            out[:num_decodes] = self._decode(query[:num_decodes], kv_cache, metadata, scale)
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        for i in range(num_decodes, metadata.num_reqs):
+            start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+            query_len = end - start
+            num_blocks = -(-seq_len // block_size)
+            block_ids = metadata.block_table[i, :num_blocks]
+            k = gather_kv(kv_cache[0], block_ids)[:, :seq_len]  # [num_kv_heads, seq_len, d]
+            v = gather_kv(kv_cache[1], block_ids)[:, :seq_len]
+            q = query[start:end].transpose(0, 1)  # [num_heads, query_len, d]
+            if query_len == seq_len:
+                o = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                # The new tokens sit at the end of the sequence: each sees the cached prefix
+                # and the new tokens up to itself.
+                q_pos = torch.arange(seq_len - query_len, seq_len)
+                mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+        num_decodes = query.shape[0]
+        block_size = kv_cache.shape[2]
+        seq_lens = metadata.seq_lens[:num_decodes]
+        max_seq_len = int(metadata.seq_lens_cpu[:num_decodes].max())
+        num_blocks = -(-max_seq_len // block_size)
+        block_ids = metadata.block_table[:num_decodes, :num_blocks]
+        k = gather_kv(kv_cache[0], block_ids)  # [num_decodes, num_kv_heads, L, d]
+        v = gather_kv(kv_cache[1], block_ids)
+        length = k.shape[2]
+        mask = torch.arange(length)[None, :] < seq_lens[:, None]  # [num_decodes, L]
+        q = query.unsqueeze(2)  # [num_decodes, num_heads, 1, d]
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )
+        return o.squeeze(2)

@@ -1,0 +1,60 @@
+"""Build the native model from a Hugging Face folder: config.json + safetensors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.model_config import ModelConfig
+from services.worker.models.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise ValueError(f"{folder} has no safetensors weights")
+    return found
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    backend: AttentionBackend,
+    max_position: int,
+) -> LlamaForCausalLM:
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config, backend, max_position)
+    model.load_weights(iter_weights(folder))
+    # Parameters only: the RoPE tables stay float32, as transformers keeps them.
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,89 @@
+"""What the worker needs to know of a Hugging Face model folder, read from config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Architectures whose modules `models/llama.py` reproduces; Qwen2 differs only by qkv bias.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+}
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2 always; Llama with attention_bias
+    o_bias: bool  # Llama with attention_bias only
+    rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # Sliding-window attention is not implemented, so the context stops at the window.
+    sliding_window: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"{folder} is not a model folder: it has no config.json")
+        raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}: only silu")
+        heads = raw["num_attention_heads"]
+        # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
+        # beside an optional `rope_scaling`.
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear or llama3")
+        rope["rope_type"] = rope_type
+        eos = raw.get("eos_token_id")
+        if isinstance(eos, list):  # several EOS ids: the first is the one we stop on
+            eos = eos[0] if eos else None
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            o_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
+            rope_scaling=rope,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos,
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+        )

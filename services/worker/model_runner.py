@@ -1,0 +1,177 @@
+"""The model runner core: applies a `SchedulerOutput`, runs one forward, samples.
+
+It holds the model, the paged KV cache and the state of every request it serves; the
+scheduler sends full data only for requests new to it and deltas for the rest. It turns
+those requests into flat tensors (token ids, positions, query_start_loc, seq_lens,
+slot_mapping, block_table) and knows nothing of transport.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.worker.attention.backend import get_attention_backend
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.loader import load_model, parse_dtype
+from services.worker.model_config import ModelConfig
+from services.worker.request_state import RequestState
+from services.worker.sampler import Sampler
+from shared.config import CacheConfig
+from shared.messages import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str | Path,
+        cache_config: CacheConfig | None = None,
+        dtype: str = "float32",
+        attention_backend: str = "torch",
+        max_model_len: int | None = None,
+    ) -> None:
+        self.cache_config = cache_config or CacheConfig()
+        self.model_config = ModelConfig.from_folder(model_path)
+        self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
+        self.dtype = parse_dtype(dtype)
+        self.block_size = self.cache_config.block_size
+        backend = get_attention_backend(attention_backend)
+        self.model = load_model(model_path, self.dtype, backend, self.max_model_len)
+        self.num_blocks = self._num_kv_blocks()
+        cfg = self.model_config
+        self.kv_caches = [
+            torch.zeros(
+                2, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                dtype=self.dtype,
+            )  # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+            for _ in range(cfg.num_hidden_layers)
+        ]
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler()
+        log.info(
+            "model loaded",
+            extra={"model": str(model_path), "dtype": dtype, "kv_blocks": self.num_blocks},
+        )
+
+    def _num_kv_blocks(self) -> int:
+        if self.cache_config.num_kv_blocks is not None:
+            return self.cache_config.num_kv_blocks
+        cfg = self.model_config
+        bytes_per_block = (
+            2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
+            * self.dtype.itemsize
+        )
+        num_blocks = self.cache_config.kv_cache_memory_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError("kv_cache_memory_bytes is too small for one block")
+        # More blocks than the longest request could use at max_num_seqs are wasted memory,
+        # but we cannot know max_num_seqs here; the budget is the user's to set.
+        return int(num_blocks)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    # ---- one step -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if not num_scheduled:
+            return ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[])
+
+        # Decodes (one new token) first, so attention can batch them in one call.
+        order = sorted(num_scheduled, key=lambda rid: num_scheduled[rid] != 1)
+        states = [self.requests[rid] for rid in order]
+        input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_scheduled)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs = [None] * len(order)
+        if sample_rows:
+            last_token = metadata.query_start_loc_cpu[1:] - 1
+            logits = self.model.compute_logits(hidden[torch.from_numpy(last_token[sample_rows])])
+            sample_states = [states[i] for i in sample_rows]
+            token_ids, token_logprobs = self.sampler(logits, sample_states)
+            for row, state, token_id, lp in zip(sample_rows, sample_states, token_ids, token_logprobs):
+                state.token_ids.append(token_id)
+                sampled[row] = [token_id]
+                logprobs[row] = lp
+        for state in states:
+            state.num_computed_tokens += num_scheduled[state.req_id]
+
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id,
+            req_ids=order,
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                sampling_params=new.sampling_params,
+                eos_token_id=new.eos_token_id,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(
+        self, states: list[RequestState], num_scheduled: dict[str, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        block_size = self.block_size
+        num_reqs = len(states)
+        query_lens = np.fromiter((num_scheduled[s.req_id] for s in states), np.int64, num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = starts + query_lens
+
+        # positions: each request's run start..start+len, laid end to end
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+
+        input_ids = np.empty(num_tokens, np.int64)
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), np.int32)
+        sample_rows = []
+        for i, state in enumerate(states):
+            start, end = int(starts[i]), int(seq_lens[i])
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[start:end]
+            block_table[i, : len(state.block_ids)] = state.block_ids
+            if end == len(state.token_ids):  # caught up: this step yields the next token
+                sample_rows.append(i)
+        slot_mapping = (
+            block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+        num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
+        metadata = AttentionMetadata(
+            num_decodes=num_decodes,
+            num_actual_tokens=num_tokens,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            block_table=torch.from_numpy(block_table),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata, sample_rows

@@ -1,0 +1,172 @@
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2) over a paged KV cache.
+
+The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
+and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
+forward takes one step's flattened tokens, with no batch dimension and no padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.layers.rms_norm import RMSNorm
+from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.model_config import ModelConfig
+
+# checkpoint name part -> (our fused module, shard index)
+PACKED_WEIGHTS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.shard_sizes = (config.intermediate_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
+        gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, positions, hidden, kv_cache, metadata):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_position: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # One table shared by every layer (a plain attribute, not a submodule per layer).
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_position: int):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, max_position)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        hidden = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors in by Hugging Face name; every parameter must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue  # old checkpoints stored the table; we compute it
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves
+            for part, (fused, shard) in PACKED_WEIGHTS.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    module = self.get_submodule(target.rsplit(".", 2)[0])
+                    sizes = module.shard_sizes
+                    offset = sum(sizes[:shard])
+                    param = params[target]
+                    _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint has unexpected weight {name!r}")
+                _copy(params[name].data, tensor, name)
+                loaded.add(name)
+        missing = []
+        for name, param in params.items():
+            leaf = name.rsplit(".", 2)
+            module_name = leaf[-2] if len(leaf) > 1 else ""
+            if module_name in ("qkv_proj", "gate_up_proj"):
+                num_shards = 3 if module_name == "qkv_proj" else 2
+                missing += [f"{name}#{s}" for s in range(num_shards) if f"{name}#{s}" not in loaded]
+            elif name not in loaded:
+                missing.append(name)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

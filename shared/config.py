@@ -1,0 +1,44 @@
+"""Small configs, one per component, validated where they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128  # requests running at once
+    max_num_batched_tokens: int = 2048  # the token budget of one step
+    max_model_len: int = 2048  # context: prompt + output, capped by model and cache
+    # Cap on one request's share of a step's budget (0 = no cap), so a long prompt
+    # cannot starve the decodes running beside it.
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must cover max_model_len ({self.max_model_len})"
+            )
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact number of blocks; wins over the memory budget
+    kv_cache_memory_bytes: int = 1 << 30  # budget when num_kv_blocks is not given
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")

@@ -1,0 +1,111 @@
+"""Wire messages between gateway, scheduler and workers.
+
+msgspec structs, msgpack on the bus; `array_like` keeps them compact (fields go by
+position, not name) and `gc=False` because they hold no cycles. This module imports
+nothing heavy so every service (and the gateway's hot path) can load it cheaply.
+
+Naming follows vLLM V1: the scheduler sends full data for requests a worker has not
+seen (`NewRequestData`) and only deltas for the ones it holds (`CachedRequestData`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from shared.sampling_params import SamplingParams
+
+_WIRE = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or the model's context
+    ABORT = 2  # the client went away or asked to cancel
+    ERROR = 3  # the engine could not serve it
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, **_WIRE):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    reply_subject: str = ""  # which gateway gets the outputs
+    trace_headers: dict[str, str] = {}
+
+
+class NewRequestData(msgspec.Struct, **_WIRE):
+    """A request the worker does not hold yet: first schedule, or resumed after preemption."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # already generated (non-empty when resumed)
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, **_WIRE):
+    """Delta for a request the worker holds: blocks added since last step and progress."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, **_WIRE):
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must drop before this step: finished, aborted or preempted.
+    finished_req_ids: list[str] = []
+
+
+class Logprobs(msgspec.Struct, **_WIRE):
+    """Logprobs of one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]  # [1 + k]
+    logprobs: list[float]  # [1 + k]
+    sampled_rank: int  # 1-based rank of the sampled token in the distribution
+
+
+class ModelRunnerOutput(msgspec.Struct, **_WIRE):
+    step_id: int
+    req_ids: list[str]
+    # Per request: [] while a prompt is still being prefilled in chunks, else [token].
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None] = []  # per request, when asked for
+    error: str | None = None  # the step failed; the scheduler ends these requests
+
+
+class EngineCoreOutput(msgspec.Struct, **_WIRE):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    new_logprobs: list[Logprobs] = []
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, **_WIRE):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
+    prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
+    prefix_cache_hits: int = 0  # cumulative prompt tokens found
+    num_preemptions: int = 0  # cumulative
+
+
+class EngineCoreOutputs(msgspec.Struct, **_WIRE):
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0

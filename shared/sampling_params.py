@@ -1,0 +1,80 @@
+"""Sampling parameters: one struct that travels from the API to the sampler.
+
+It is a msgspec struct so it goes on the wire as it is; `__post_init__` validates,
+so a bad value fails where it is built (offline `SamplingParams(...)`, or decoding a
+message) with a `ValueError` that names the parameter.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+# Below this a temperature means greedy; dividing logits by it would overflow.
+GREEDY_EPSILON = 1e-5
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives besides the sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
