@@ -119,6 +119,7 @@ class LLM:
                     if done in pending:
                         pending.discard(done)
                         bar.update()
+            self.step()  # lets the worker drop the state of the requests that just finished
         return results
 
     def chat(
@@ -139,7 +140,7 @@ class LLM:
 
     def step(self) -> list[str]:
         """One engine step; returns the ids of sequences that finished in it."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self.scheduler.has_work():
             return []
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
@@ -165,6 +166,7 @@ class LLM:
 
     def _finish(self, seq: _Sequence, reason: FinishReason, stop_reason, error) -> None:
         completion = seq.output
+        seq.detokenizer.flush()
         completion.finish_reason = str(reason)
         completion.stop_reason = seq.detokenizer.stop_string or stop_reason
         completion.text = seq.detokenizer.output_text

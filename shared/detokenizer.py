@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._stream = DecodeStream(
             ids=list(prompt_token_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
         )
@@ -33,6 +34,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self._num_sent = 0  # characters already handed out by get_delta
         self.stop_string: str | None = None
+        self._pending: list[int] = []  # tokens stepped in that have not produced text yet
 
     def update(self, new_token_ids: list[int]) -> str | None:
         """Add tokens; returns the stop string when one appeared (the text then ends before it)."""
@@ -41,12 +43,21 @@ class IncrementalDetokenizer:
                 break
             piece = self._stream.step(self._tokenizer, token_id)
             if not piece:
+                self._pending.append(token_id)
                 continue
+            self._pending.clear()
             old_len = len(self.output_text)
             self.output_text += piece
             if self.stop:
                 self._check_stop(old_len)
         return self.stop_string
+
+    def flush(self) -> None:
+        """At the end, bytes that never completed a character become U+FFFD, as in a plain
+        decode, rather than vanishing."""
+        if self._pending and self.stop_string is None:
+            self.output_text += self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)
+            self._pending.clear()
 
     def _check_stop(self, old_len: int) -> None:
         # Only a match that ends in the new piece is new; it may start earlier.

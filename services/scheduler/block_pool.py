@@ -80,9 +80,9 @@ class BlockPool:
         """Drop a reference; blocks reaching zero join the free queue in the order given,
         so callers pass a request's blocks tail first: its last blocks are evicted first."""
         for block in ordered_blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt < 0:
+            if block.ref_cnt <= 0:  # checked before the decrement: never negative
                 raise AssertionError(f"block {block.block_id} freed more often than taken")
+            block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 

@@ -92,6 +92,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_work(self) -> bool:
+        """Something to schedule, or finished requests the worker has yet to drop."""
+        return self.has_unfinished_requests() or bool(self._finished_for_worker)
+
     def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)

@@ -1,0 +1,3 @@
+from llmbus.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,108 @@
+"""`llmbus bench throughput`: one fixed workload through `LLM` and through transformers'
+static batching, in the same run, on the same weights and dtype; prints both and the ratio."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from llmbus.bench.workload import W1, BenchRequest, random_workload
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=W1["num_requests"])
+    parser.add_argument("--input-len", type=int, nargs=2, default=W1["input_len"], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=W1["output_len"], metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument(
+        "--hf-num-requests", type=int, default=None,
+        help="run transformers on only the first N requests (default: all); rates stay comparable",
+    )
+    parser.add_argument("--skip-hf", action="store_true", help="measure llmbus only")
+
+
+def run_llmbus(llm, requests: list[BenchRequest]) -> dict:
+    from llmbus import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return _rates("llmbus", requests, num_out, elapsed)
+
+
+def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    pad_id = 0
+    num_out = 0
+    start = time.perf_counter()
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    with torch.inference_mode():
+        for batch in tqdm(batches, desc="transformers", unit="batch", file=sys.stderr):
+            longest = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), longest), pad_id)
+            mask = torch.zeros((len(batch), longest), dtype=torch.long)
+            for row, r in enumerate(batch):  # left padding, as generate expects
+                ids[row, longest - len(r.prompt_token_ids) :] = torch.tensor(r.prompt_token_ids)
+                mask[row, longest - len(r.prompt_token_ids) :] = 1
+            # A static batch runs until its longest request is done; each request counts
+            # only its own tokens.
+            model.generate(
+                ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+                max_new_tokens=max(r.max_tokens for r in batch), min_new_tokens=0,
+            )
+            num_out += sum(r.max_tokens for r in batch)
+    elapsed = time.perf_counter() - start
+    return _rates("transformers", requests, num_out, elapsed)
+
+
+def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float) -> dict:
+    num_in = sum(len(r.prompt_token_ids) for r in requests)
+    return {
+        "engine": name,
+        "requests": len(requests),
+        "input_tokens": num_in,
+        "output_tokens": num_out,
+        "seconds": round(elapsed, 2),
+        "output_tok_s": round(num_out / elapsed, 1),
+        "total_tok_s": round((num_in + num_out) / elapsed, 1),
+    }
+
+
+def run_throughput_bench(args: argparse.Namespace) -> int:
+    from llmbus import LLM
+    from llmbus.cli import engine_kwargs
+    from llmbus.model_fetch import resolve_model
+    from services.worker.loader import parse_dtype
+
+    path = resolve_model(args.model)
+    llm = LLM(str(path), **engine_kwargs(args))
+    requests = random_workload(
+        args.num_requests, tuple(args.input_len), tuple(args.output_len),
+        llm.runner.vocab_size, seed=args.seed,
+    )
+    print(f"workload: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
+          f"seed {args.seed}, model {path}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+    results = [run_llmbus(llm, requests)]
+    if not args.skip_hf:
+        del llm  # free its KV cache before transformers loads its own copy
+        hf_requests = requests[: args.hf_num_requests] if args.hf_num_requests else requests
+        results.append(run_transformers(path, parse_dtype(args.dtype), hf_requests, args.hf_batch_size))
+    for r in results:
+        print(f"{r['engine']:>13}: {r['requests']} req, {r['output_tokens']} out tok in {r['seconds']} s "
+              f"-> {r['output_tok_s']} output tok/s, {r['total_tok_s']} total tok/s")
+    if len(results) == 2:
+        ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
+        total_ratio = results[0]["total_tok_s"] / results[1]["total_tok_s"]
+        print(f"ratio llmbus/transformers: output {ratio:.2f}x, total {total_ratio:.2f}x")
+    print(json.dumps(results))
+    return 0

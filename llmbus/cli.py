@@ -1,0 +1,117 @@
+"""The `llmbus` command line: one subcommand per job, each a thin call into the project."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the engine core, shared by `generate`, `bench` and the services."""
+    parser.add_argument("--model", default=None, help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        attention_backend=args.attention_backend,
+    )
+
+
+def cmd_model_fetch(args: argparse.Namespace) -> int:
+    from llmbus.model_fetch import fetch_model
+
+    path = fetch_model(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmbus import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed,
+    )
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for out in outputs:
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from llmbus.bench.throughput import run_throughput_bench
+
+    return run_throughput_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmbus", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="manage models").add_subparsers(dest="model_command", required=True)
+    fetch = model.add_parser("fetch", help="download and convert a known model once")
+    fetch.add_argument("name", nargs="?", default=DEFAULT_MODEL)
+    fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    fetch.set_defaults(func=cmd_model_fetch)
+
+    gen = sub.add_parser("generate", help="generate offline, in this process")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    tput = bench.add_parser("throughput", help="offline throughput: llmbus vs transformers static batching")
+    from llmbus.bench.throughput import add_throughput_args
+
+    add_throughput_args(tput)
+    add_engine_args(tput)
+    tput.set_defaults(func=cmd_bench_throughput)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format='{"ts": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "msg": "%(message)s"}',
+    )
+    try:
+        return args.func(args)
+    except (ModelFetchError, ValueError) as exc:
+        print(f"llmbus: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,116 @@
+"""The offline `LLM` API: text in, text out, and bad input that is refused cleanly."""
+
+import pytest
+
+from llmbus import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), max_model_len=256)
+
+
+def test_generate_from_text_returns_text_and_token_ids(llm):
+    [out] = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    completion = out.outputs[0]
+    assert out.prompt == "The quick brown fox"
+    assert out.prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
+    assert len(completion.token_ids) == 8
+    assert completion.finish_reason == "length"
+    assert completion.text == llm.tokenizer.decode(completion.token_ids)
+
+
+def test_chat_renders_the_template(llm):
+    [out] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))
+    expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", False)
+    assert out.prompt_token_ids == expected
+
+
+def test_n_samples_per_prompt_with_seed_are_distinct_and_reproducible(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    first = llm.generate("naïve café", params)[0]
+    again = llm.generate("naïve café", params)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def test_stop_token_ids_and_max_tokens_finish_reasons(llm):
+    [free] = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    stop_at = free.outputs[0].token_ids[3]
+    first_index = free.outputs[0].token_ids.index(stop_at)
+    [out] = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], ignore_eos=True))
+    assert out.outputs[0].token_ids == free.outputs[0].token_ids[: first_index + 1]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop_at
+
+
+def test_stop_string_cuts_the_text_before_it(llm):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    [free] = llm.generate("Paged attention", params)
+    text = free.outputs[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    [out] = llm.generate("Paged attention", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))
+    assert out.outputs[0].text == text[: text.index(stop)]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop
+
+
+def test_logprobs_are_returned_per_token(llm):
+    [out] = llm.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 5
+    for token_id, lp in zip(completion.token_ids, completion.logprobs):
+        assert lp.token_ids[0] == token_id
+        assert len(lp.token_ids) == 4
+        assert lp.sampled_rank == 1  # greedy takes the top token
+        assert lp.logprobs[0] == pytest.approx(lp.logprobs[1])
+    assert completion.cumulative_logprob == pytest.approx(sum(lp.logprobs[0] for lp in completion.logprobs))
+
+
+@pytest.mark.parametrize(
+    "make_params, name",
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_sampling_params_raise_value_error_naming_the_parameter(make_params, name):
+    with pytest.raises(ValueError, match=name):
+        make_params()
+
+
+def test_prompt_longer_than_context_is_refused_without_disturbing_others(llm):
+    good = [1, 2, 3]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [expected] = llm.generate(good, params)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([good, [7] * 300], params)
+    # Nothing of the refused call is left behind, and the engine still serves.
+    assert not llm.scheduler.has_unfinished_requests()
+    [again] = llm.generate(good, params)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_bad_request_mid_batch_does_not_disturb_running_requests(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [expected] = llm.generate([4, 5, 6], params)
+    # Queue a request, run a few steps, then submit a bad one: the first is unaffected.
+    llm._add_all([[4, 5, 6]], [params])
+    llm.step()
+    llm.step()
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[4, 5, 10**6]], params)
+    while llm.scheduler.has_unfinished_requests():
+        llm.step()
+    pool = llm.scheduler.kv_cache_manager.block_pool
+    assert pool.num_free_blocks == pool.num_blocks
+    assert expected.outputs[0].token_ids  # reference ran
+
+
+def test_unknown_model_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
