@@ -109,3 +109,46 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+# ---- service-to-service messages on the bus ---------------------------------------------
+
+
+class TokenizeRequest(msgspec.Struct, **_WIRE):
+    """Exactly one of `prompt` and `messages` is set."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(msgspec.Struct, **_WIRE):
+    token_ids: list[int] = []
+    error: str | None = None  # the input was bad (e.g. a template error); a 400 for the client
+
+
+class AbortRequests(msgspec.Struct, **_WIRE):
+    request_ids: list[str]
+
+
+class WorkerInfo(msgspec.Struct, **_WIRE):
+    """A worker's announcement (and heartbeat): who it is and what its cache holds."""
+
+    worker_id: str
+    model: str
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None = None
+
+
+class SchedulerInfo(msgspec.Struct, **_WIRE):
+    """The scheduler's answer to a health/info query."""
+
+    scheduler_id: str
+    model: str
+    num_workers: int
+    max_model_len: int
+    stats: SchedulerStats | None = None

@@ -95,6 +95,9 @@ class BlockPool:
             block.block_hash = block_hash
             self._cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

@@ -99,6 +99,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, forget_cached: bool = False) -> None:
+        """Give the request's blocks back. `forget_cached` after a failed step: the K/V of
+        blocks registered for that step may never have been written, so no later request
+        may hit them (blocks shared with others were computed earlier and stay)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        if forget_cached:
+            for block in blocks:
+                if block.ref_cnt == 1:
+                    self.block_pool.uncache(block)
         self.block_pool.free_blocks(reversed(blocks))

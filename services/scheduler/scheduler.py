@@ -97,6 +97,7 @@ class Scheduler:
         return self.has_unfinished_requests() or bool(self._finished_for_worker)
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
+        """End a request for good; an ERROR also forgets the prefix blocks it registered."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
@@ -104,7 +105,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
-        self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free(request, forget_cached=reason == FinishReason.ERROR)
         if request.in_worker:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False

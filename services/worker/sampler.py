@@ -96,6 +96,8 @@ class Sampler:
                 banned = list(params.stop_token_ids)
                 if state.eos_token_id is not None and not params.ignore_eos:
                     banned.append(state.eos_token_id)
+                # A stop id past the vocabulary can never be sampled: nothing to ban.
+                banned = [t for t in banned if t < logits.shape[-1]]
             if not (banned or params.needs_penalties):
                 continue
             if not copied:

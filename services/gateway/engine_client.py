@@ -1,0 +1,123 @@
+"""The gateway's side of the bus: tokenize, submit, receive outputs, abort.
+
+One subscription on this gateway's outputs subject fans `EngineCoreOutput`s out to
+the queue of the request they belong to; the HTTP handlers only ever see queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from shared.bus import Subjects, encode
+from shared.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerInfo,
+    SchedulerStats,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+log = logging.getLogger("llmbus.gateway")
+
+
+class BadRequest(ValueError):
+    """The client's input is wrong: a 400."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Unavailable(RuntimeError):
+    """A service the request needs does not answer: a 503."""
+
+
+class EngineClient:
+    def __init__(self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.gateway_id = gateway_id
+        self.reply_subject = subjects.outputs(gateway_id)
+        self.timeout_s = timeout_s
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._tokenize_decoder = msgspec.msgpack.Decoder(TokenizeResponse)
+        self._info_decoder = msgspec.msgpack.Decoder(SchedulerInfo)
+        self._info: SchedulerInfo | None = None
+        self._info_at = 0.0
+        self.last_stats: SchedulerStats | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.reply_subject, cb=self._on_outputs)
+        await self.nc.flush()
+
+    async def _on_outputs(self, msg) -> None:
+        try:
+            outputs = self._outputs_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("dropped malformed outputs")
+            return
+        if outputs.scheduler_stats is not None:
+            self.last_stats = outputs.scheduler_stats
+        for output in outputs.outputs:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:
+                queue.put_nowait(output)
+
+    # ---- calls ------------------------------------------------------------------------
+
+    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+        try:
+            reply = await self.nc.request(self.subjects.tokenize, encode(request), timeout=self.timeout_s)
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+            raise Unavailable(f"no tokenizer answered ({type(exc).__name__})") from exc
+        response = self._tokenize_decoder.decode(reply.data)
+        if response.error is not None:
+            raise BadRequest(response.error, "messages" if request.messages is not None else "prompt")
+        return response.token_ids
+
+    async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
+        now = time.monotonic()
+        if self._info is not None and now - self._info_at < max_age_s:
+            return self._info
+        try:
+            reply = await self.nc.request(self.subjects.scheduler_info, b"", timeout=min(self.timeout_s, 2.0))
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+            self._info = None
+            raise Unavailable(f"no scheduler answered ({type(exc).__name__})") from exc
+        self._info, self._info_at = self._info_decoder.decode(reply.data), now
+        return self._info
+
+    def open(self, request_ids: list[str], queue: asyncio.Queue) -> None:
+        for request_id in request_ids:
+            self._queues[request_id] = queue
+
+    def close(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+
+    async def submit(self, request: EngineCoreRequest) -> None:
+        await self.nc.publish(self.subjects.requests, encode(request))
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Abort from anywhere, even a cancelled task's cleanup: the publish runs on its own."""
+        if not request_ids:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self.nc.publish(self.subjects.abort, encode(AbortRequests(list(request_ids))))
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._queues)

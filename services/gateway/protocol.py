@@ -1,0 +1,109 @@
+"""OpenAI request bodies, parsed and validated with msgspec; the engine's params from them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.gateway.engine_client import BadRequest
+from shared.sampling_params import SamplingParams
+
+
+class StreamOptions(msgspec.Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+def parse_body(body: bytes, kind: type) -> Any:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`"
+        message = str(exc)
+        param = message.rsplit("$.", 1)[1].split("[")[0].split(".")[0] if "$." in message else None
+        raise BadRequest(message, param) from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+
+def completion_prompt(request: CompletionRequest) -> str | list[int]:
+    """A string or a list of token ids; batches of prompts are not supported."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt must not be empty", "prompt")
+        return prompt
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return completion_prompt(msgspec.structs.replace(request, prompt=prompt[0]))
+    raise BadRequest("prompt must be a string or a non-empty list of token ids", "prompt")
+
+
+def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+    else:
+        max_tokens, logprobs = request.max_tokens, request.logprobs
+    if request.n > 16:
+        raise BadRequest(f"n must be at most 16, got {request.n}", "n")
+    fields: dict[str, Any] = dict(
+        n=request.n,
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        seed=request.seed,
+        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        stop_token_ids=list(request.stop_token_ids or []),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(request, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        return SamplingParams(**fields)
+    except ValueError as exc:
+        message = str(exc)
+        raise BadRequest(message, message.split()[0]) from exc

@@ -1,0 +1,183 @@
+"""The scheduler service: the tick loop around the scheduler core.
+
+Requests and aborts arrive from gateways between ticks (the same event loop, so the
+core is never touched concurrently). A tick: `schedule()` -> the `SchedulerOutput` to
+the worker as a NATS request -> its `ModelRunnerOutput` -> `update_from_output()` ->
+`EngineCoreOutputs` published to each request's gateway. With nothing to do the loop
+sleeps on an event; a step reply that never comes is a timeout that fails that step's
+requests, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import msgspec
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+
+from services.scheduler.scheduler import Scheduler
+from shared.bus import Subjects, connect, encode, stop_on_signals
+from shared.config import SchedulerConfig
+from shared.messages import (
+    AbortRequests,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    SchedulerInfo,
+    WorkerInfo,
+)
+
+log = logging.getLogger("llmbus.scheduler")
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        nc,
+        subjects: Subjects,
+        config: SchedulerConfig,
+        enable_prefix_caching: bool = True,
+        step_timeout_s: float = 120.0,
+    ) -> None:
+        self.nc = nc
+        self.subjects = subjects
+        self.config = config
+        self.enable_prefix_caching = enable_prefix_caching
+        self.step_timeout_s = step_timeout_s
+        self.scheduler_id = uuid.uuid4().hex[:8]
+        self.core: Scheduler | None = None
+        self.worker: WorkerInfo | None = None
+        self.wake = asyncio.Event()
+        self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
+        self._worker_decoder = msgspec.msgpack.Decoder(WorkerInfo)
+        self._runner_output_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
+
+    async def start(self) -> None:
+        s = self.subjects
+        await self.nc.subscribe(s.requests, cb=self.on_request)
+        await self.nc.subscribe(s.abort, cb=self.on_abort)
+        await self.nc.subscribe(s.announce, cb=self.on_announce)
+        await self.nc.subscribe(s.scheduler_info, cb=self.on_info)
+        await self.nc.flush()
+        await self.nc.publish(s.scheduler_hello, b"")  # workers already up announce themselves
+
+    # ---- inbound --------------------------------------------------------------------
+
+    async def on_request(self, msg) -> None:
+        try:
+            request = self._request_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            log.warning("dropped a malformed request: %s", exc)
+            return
+        if self.core is None:
+            await self._reject(request, "no worker has joined yet")
+            return
+        try:
+            self.core.add_request(request)
+        except ValueError as exc:
+            await self._reject(request, str(exc))
+            return
+        self.wake.set()
+
+    async def _reject(self, request: EngineCoreRequest, reason: str) -> None:
+        output = EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=reason)
+        if request.reply_subject:
+            await self.nc.publish(request.reply_subject, encode(EngineCoreOutputs([output])))
+
+    async def on_abort(self, msg) -> None:
+        try:
+            ids = self._abort_decoder.decode(msg.data).request_ids
+        except msgspec.DecodeError:
+            return
+        if self.core is not None:
+            self.core.abort_requests(ids)
+            self.wake.set()  # so the worker hears of it at the next tick
+
+    async def on_announce(self, msg) -> None:
+        try:
+            info = self._worker_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if self.worker is None:
+            self.worker = info
+            self.config.max_model_len = min(self.config.max_model_len, info.max_model_len)
+            self.core = Scheduler(
+                self.config, info.num_kv_blocks, info.block_size, info.vocab_size,
+                self.enable_prefix_caching,
+            )
+            log.info("worker %s joined: %d KV blocks", info.worker_id, info.num_kv_blocks)
+            self.wake.set()
+
+    async def on_info(self, msg) -> None:
+        info = SchedulerInfo(
+            scheduler_id=self.scheduler_id,
+            model=self.subjects.model,
+            num_workers=0 if self.worker is None else 1,
+            max_model_len=self.core.max_model_len if self.core else 0,
+            stats=self.core.make_stats() if self.core else None,
+        )
+        await msg.respond(encode(info))
+
+    # ---- the tick loop ----------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            core = self.core
+            if core is None or not core.has_work():
+                await self._sleep(stop)
+                continue
+            scheduler_output = core.schedule()
+            if not scheduler_output.num_scheduled_tokens and not scheduler_output.finished_req_ids:
+                await self._sleep(stop, timeout=0.05)
+                continue
+            runner_output = await self._execute(scheduler_output)
+            for subject, outputs in core.update_from_output(scheduler_output, runner_output).items():
+                if subject:
+                    await self.nc.publish(subject, encode(outputs))
+
+    async def _execute(self, scheduler_output) -> ModelRunnerOutput:
+        assert self.worker is not None
+        try:
+            reply = await self.nc.request(
+                self.subjects.step(self.worker.worker_id), encode(scheduler_output),
+                timeout=self.step_timeout_s,
+            )
+            return self._runner_output_decoder.decode(reply.data)
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+            reason = f"worker {self.worker.worker_id} did not answer step {scheduler_output.step_id}: {type(exc).__name__}"
+        except msgspec.DecodeError as exc:
+            reason = f"malformed step reply: {exc}"
+        log.error(reason)
+        return ModelRunnerOutput(scheduler_output.step_id, [], [], error=reason)
+
+    async def _sleep(self, stop: asyncio.Event, timeout: float = 1.0) -> None:
+        self.wake.clear()
+        waiter = asyncio.ensure_future(self.wake.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+
+
+async def serve(
+    nats_url: str,
+    model_name: str,
+    config: SchedulerConfig,
+    enable_prefix_caching: bool = True,
+    step_timeout_s: float = 120.0,
+    ready: asyncio.Event | None = None,
+) -> None:
+    nc = await connect(nats_url, "scheduler")
+    service = SchedulerService(nc, Subjects(model_name), config, enable_prefix_caching, step_timeout_s)
+    await service.start()
+    stop = stop_on_signals()
+    log.info("scheduler %s ready", service.scheduler_id)
+    if ready is not None:
+        ready.set()
+    await service.run(stop)
+    await nc.drain()

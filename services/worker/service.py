@@ -1,0 +1,94 @@
+"""The worker service: the model runner behind the bus.
+
+It announces itself (model, KV capacity, context) on start, whenever a scheduler says
+hello, and every `heartbeat_s` after that; then it answers `SchedulerOutput` requests on
+its step subject with a `ModelRunnerOutput`. The forward pass runs in a thread so the
+event loop keeps heartbeats and NATS pings alive during a long step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import msgspec
+
+from services.worker.model_runner import ModelRunner
+from shared.bus import Subjects, connect, encode, stop_on_signals
+from shared.config import CacheConfig
+from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
+
+log = logging.getLogger("llmbus.worker")
+
+
+def run_step(runner: ModelRunner, data: bytes, decoder: msgspec.msgpack.Decoder) -> ModelRunnerOutput:
+    try:
+        scheduler_output: SchedulerOutput = decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        return ModelRunnerOutput(step_id=-1, req_ids=[], sampled_token_ids=[], error=f"malformed step: {exc}")
+    try:
+        return runner.execute_model(scheduler_output)
+    except Exception as exc:  # noqa: BLE001 - report the failure; the scheduler ends those requests
+        log.exception("step %d failed", scheduler_output.step_id)
+        # The runner's state for these requests may be half-updated: drop it, the
+        # scheduler will not send them again.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            runner.requests.pop(req_id, None)
+        return ModelRunnerOutput(
+            step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[],
+            error=f"{type(exc).__name__}: {exc}",
+        )
+
+
+async def serve(
+    model_path: str,
+    nats_url: str,
+    model_name: str,
+    cache_config: CacheConfig,
+    dtype: str = "float32",
+    attention_backend: str = "torch",
+    max_model_len: int | None = None,
+    worker_id: str | None = None,
+    heartbeat_s: float = 1.0,
+    ready: asyncio.Event | None = None,
+) -> None:
+    worker_id = worker_id or uuid.uuid4().hex[:8]
+    runner = ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len)
+    subjects = Subjects(model_name)
+    info = WorkerInfo(
+        worker_id=worker_id,
+        model=model_name,
+        num_kv_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.vocab_size,
+        eos_token_id=runner.model_config.eos_token_id,
+    )
+    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    nc = await connect(nats_url, f"worker-{worker_id}")
+    step_lock = asyncio.Lock()  # steps run strictly one after another
+
+    async def handle_step(msg) -> None:
+        async with step_lock:
+            output = await asyncio.to_thread(run_step, runner, msg.data, decoder)
+        await msg.respond(encode(output))
+
+    async def announce(_msg=None) -> None:
+        await nc.publish(subjects.announce, encode(info))
+
+    await nc.subscribe(subjects.step(worker_id), cb=handle_step)
+    await nc.subscribe(subjects.scheduler_hello, cb=announce)
+    await nc.flush()
+    stop = stop_on_signals()
+    log.info("worker %s ready: %d KV blocks of %d", worker_id, runner.num_blocks, runner.block_size)
+    if ready is not None:
+        ready.set()
+    while not stop.is_set():
+        if nc.is_connected:
+            await announce()
+        try:
+            await asyncio.wait_for(stop.wait(), heartbeat_s)
+        except asyncio.TimeoutError:
+            pass
+    await nc.drain()

@@ -1,0 +1,364 @@
+"""The sampler on hand-made logits and RequestStates; SamplingParams validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.worker.request_state import RequestState
+from services.worker.sampler import Sampler, apply_penalties
+from shared.messages import Logprobs
+from shared.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def state(
+    prompt=(1, 2, 3),
+    output=(),
+    eos: int | None = EOS,
+    req_id: str = "r",
+    **params,
+) -> RequestState:
+    return RequestState(
+        req_id=req_id,
+        token_ids=list(prompt) + list(output),
+        num_prompt_tokens=len(prompt),
+        sampling_params=SamplingParams(**params),
+        eos_token_id=eos,
+        block_ids=[],
+        num_computed_tokens=len(prompt) + len(output),
+    )
+
+
+def logits_of(probs: list[float], rows: int = 1) -> torch.Tensor:
+    return torch.tensor([math.log(p) for p in probs], dtype=torch.float32).repeat(rows, 1)
+
+
+@pytest.fixture(autouse=True)
+def _fixed_global_rng():
+    """Unseeded rows draw from torch's global generator: fix it so every run is the same."""
+    torch.manual_seed(1234)
+
+
+def sample(logits: torch.Tensor, states) -> list[int]:
+    return Sampler()(logits, states)[0]
+
+
+# ---- greedy -------------------------------------------------------------------------------
+
+
+def test_greedy_picks_the_argmax_of_every_row():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0], [-3.0, -2.0, -1.0, -1.5]])
+    states = [state(temperature=0.0, req_id=str(i)) for i in range(3)]
+    assert sample(logits, states) == [1, 0, 2]
+
+
+def test_a_temperature_below_the_greedy_epsilon_is_greedy():
+    logits = logits_of([0.3, 0.2, 0.5], rows=50)
+    assert sample(logits, [state(temperature=1e-6) for _ in range(50)]) == [2] * 50
+
+
+def test_greedy_rows_stay_greedy_beside_random_rows():
+    logits = logits_of([0.1, 0.6, 0.3], rows=40)
+    states = [state(temperature=0.0 if i % 2 else 1.0, req_id=str(i)) for i in range(40)]
+    sampled = sample(logits, states)
+    assert sampled[1::2] == [1] * 20
+    assert set(sampled[0::2]) > {1}  # the random rows do sample
+
+
+def test_the_input_logits_are_not_modified():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    before = logits.clone()
+    st = state(prompt=[3], output=[3, 2], repetition_penalty=2.0, presence_penalty=1.0,
+               min_tokens=5, stop_token_ids=[1], temperature=0.7)
+    Sampler()(logits, [st])
+    assert torch.equal(logits, before)
+
+
+# ---- random sampling and seeds ------------------------------------------------------------
+
+
+def test_random_sampling_follows_the_distribution():
+    sampled = sample(logits_of([0.75, 0.25], rows=4000), [state(eos=None) for _ in range(4000)])
+    share = sampled.count(0) / 4000
+    assert abs(share - 0.75) < 0.03
+
+
+def test_temperature_flattens_the_distribution():
+    rows = 4000
+    hot = sample(logits_of([0.9, 0.1], rows), [state(eos=None, temperature=100.0)] * rows)
+    assert abs(hot.count(0) / rows - 0.5) < 0.05  # 0.9 : 0.1 at T=100 is about 0.51
+    cold = sample(logits_of([0.6, 0.4], rows), [state(eos=None, temperature=0.05)] * rows)
+    assert cold.count(0) / rows > 0.99  # (0.6/0.4)**20 : 1
+
+
+def _noisy_logits(seed: int, rows: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_seeded_request_samples_the_same_token_alone_or_in_a_batch():
+    row = _noisy_logits(0, 1)
+    others = _noisy_logits(1, 4)
+    for seed in range(100):
+        seeded = state(seed=seed, eos=None, req_id="seeded")
+        alone = sample(row, [seeded])[0]
+        batch = torch.cat([others[:2], row, others[2:]])
+        neighbours = [
+            state(eos=None, req_id="x"),  # unseeded random
+            state(eos=None, seed=seed + 1, req_id="y"),  # another seed
+            state(eos=None, top_k=3, top_p=0.5, min_p=0.1, req_id="z"),  # other filters
+            state(eos=None, temperature=0.0, req_id="g"),  # greedy
+        ]
+        in_batch = sample(batch, neighbours[:2] + [seeded] + neighbours[2:])[2]
+        assert in_batch == alone, f"seed {seed}"
+
+
+def test_a_seeded_request_repeats_its_token_for_the_same_step():
+    row = _noisy_logits(2, 1)
+    st = state(seed=7, eos=None, output=[5, 6])
+    assert len({sample(row, [st])[0] for _ in range(10)}) == 1
+
+
+def test_different_seeds_sample_different_tokens_somewhere():
+    row = _noisy_logits(3, 1)
+    tokens = {sample(row, [state(seed=seed, eos=None)])[0] for seed in range(50)}
+    assert len(tokens) > 5
+
+
+def test_a_seeded_request_draws_new_noise_at_each_output_position():
+    row = _noisy_logits(4, 1)
+    tokens = {sample(row, [state(seed=11, eos=None, output=[9] * n)])[0] for n in range(30)}
+    assert len(tokens) > 5
+
+
+# ---- top-k, top-p, min-p ------------------------------------------------------------------
+
+
+def test_top_k_only_ever_picks_among_the_k_largest_logits():
+    row = _noisy_logits(5, 1, vocab=50)
+    top5 = set(row[0].topk(5).indices.tolist())
+    rows = 200
+    sampled = sample(row.repeat(rows, 1), [state(eos=None, top_k=5, temperature=3.0)] * rows)
+    assert set(sampled) <= top5
+    assert len(set(sampled)) >= 3  # it does sample, not just take the argmax
+
+
+def test_top_k_applies_per_row():
+    row = _noisy_logits(6, 1, vocab=50)
+    top2 = set(row[0].topk(2).indices.tolist())
+    rows = 200
+    states = [state(eos=None, top_k=2 if i % 2 else 0, temperature=5.0) for i in range(rows)]
+    sampled = sample(row.repeat(rows, 1), states)
+    assert set(sampled[1::2]) <= top2
+    assert len(set(sampled[0::2]) - top2) > 5  # rows without top-k range over the vocabulary
+
+
+def test_top_p_only_picks_from_the_nucleus():
+    probs = [0.05, 0.3, 0.1, 0.5, 0.05]
+    rows = 200
+    # The smallest set reaching 0.75 is {3 (0.5), 1 (0.3)}.
+    sampled = sample(logits_of(probs, rows), [state(eos=None, top_p=0.75)] * rows)
+    assert set(sampled) == {1, 3}
+    # 0.85 needs token 2 (0.1) too.
+    sampled = sample(logits_of(probs, rows), [state(eos=None, top_p=0.85)] * rows)
+    assert set(sampled) == {1, 2, 3}
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    rows = 100
+    sampled = sample(logits_of([0.2, 0.3, 0.5], rows), [state(eos=None, top_p=0.01)] * rows)
+    assert sampled == [2] * rows
+
+
+def test_min_p_only_picks_tokens_above_min_p_times_the_top_probability():
+    probs = [0.4, 0.05, 0.1, 0.3, 0.15]
+    rows = 200
+    # Threshold 0.3 * 0.4 = 0.12: tokens 0, 3 and 4 remain.
+    sampled = sample(logits_of(probs, rows), [state(eos=None, min_p=0.3)] * rows)
+    assert set(sampled) == {0, 3, 4}
+
+
+# ---- penalties ----------------------------------------------------------------------------
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
+    # Seen: 0 and 1 in the prompt, 4 in the output; 2, 3 and 5 are unseen.
+    apply_penalties(logits, state(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0))
+    assert logits.tolist() == [1.0, -4.0, 1.0, -1.0, 0.25, 3.0]
+
+
+def test_presence_and_frequency_penalties_apply_to_output_tokens_only():
+    logits = torch.zeros(5)
+    st = state(prompt=[0, 1], output=[2, 2, 3], presence_penalty=1.0, frequency_penalty=0.5)
+    apply_penalties(logits, st)
+    # token 2: 2 * 0.5 + 1.0; token 3: 1 * 0.5 + 1.0; prompt tokens 0 and 1 untouched.
+    assert logits.tolist() == [0.0, 0.0, -2.0, -1.5, 0.0]
+
+
+def test_negative_presence_penalty_raises_output_tokens():
+    logits = torch.zeros(3)
+    apply_penalties(logits, state(prompt=[0], output=[1], presence_penalty=-0.5))
+    assert logits.tolist() == [0.0, 0.5, 0.0]
+
+
+def test_penalties_ignore_token_ids_outside_the_logits():
+    logits = torch.zeros(3)
+    st = state(prompt=[7], output=[1, 9], repetition_penalty=2.0, frequency_penalty=1.0)
+    apply_penalties(logits, st)
+    assert logits.tolist() == [0.0, -1.0, 0.0]
+
+
+def test_a_presence_penalty_flips_the_greedy_choice():
+    logits = torch.tensor([[0.0, 2.0, 1.8, 0.0]])
+    plain = state(output=[1], temperature=0.0, eos=None)
+    assert sample(logits, [plain]) == [1]
+    penalized = state(output=[1], temperature=0.0, eos=None, presence_penalty=0.5)
+    assert sample(logits, [penalized]) == [2]
+
+
+def test_a_frequency_penalty_grows_with_the_count():
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    once = state(output=[1], temperature=0.0, eos=None, frequency_penalty=0.4)
+    assert sample(logits, [once]) == [1]  # 2.0 - 0.4 > 1.5
+    twice = state(output=[1, 1], temperature=0.0, eos=None, frequency_penalty=0.4)
+    assert sample(logits, [twice]) == [2]  # 2.0 - 0.8 < 1.5
+
+
+def test_a_repetition_penalty_flips_the_greedy_choice_away_from_a_prompt_token():
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    assert sample(logits, [state(prompt=[1], temperature=0.0, eos=None)]) == [1]
+    st = state(prompt=[1], temperature=0.0, eos=None, repetition_penalty=1.5)
+    assert sample(logits, [st]) == [2]  # 2.0 / 1.5 < 1.5
+
+
+# ---- min_tokens -----------------------------------------------------------------------------
+
+
+def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 3.0]])  # EOS (0) first, stop id 2 second
+    params = dict(temperature=0.0, min_tokens=2, stop_token_ids=[2])
+    assert sample(logits, [state(output=[], **params)]) == [3]
+    assert sample(logits, [state(output=[1], **params)]) == [3]
+    assert sample(logits, [state(output=[1, 1], **params)]) == [0]
+
+
+def test_min_tokens_with_ignore_eos_still_bans_stop_token_ids():
+    logits = torch.tensor([[4.0, 1.0, 5.0, 3.0]])
+    st = state(temperature=0.0, min_tokens=1, stop_token_ids=[2], ignore_eos=True)
+    assert sample(logits, [st]) == [0]
+
+
+def test_min_tokens_keeps_eos_out_of_random_samples():
+    rows = 200
+    logits = logits_of([0.9, 0.05, 0.05], rows)
+    sampled = sample(logits, [state(min_tokens=1)] * rows)
+    assert EOS not in sampled
+    assert set(sampled) == {1, 2}
+
+
+def test_min_tokens_ignores_stop_token_ids_outside_the_vocabulary():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    st = state(temperature=0.0, min_tokens=1, stop_token_ids=[1, 1000], eos=None)
+    assert sample(logits, [st]) == [2]
+
+
+# ---- logprobs -------------------------------------------------------------------------------
+
+
+def test_logprobs_are_those_of_the_raw_logits_with_the_sampled_token_first():
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0, 3.0, 0.0]])
+    ids, lps = Sampler()(logits, [state(temperature=0.0, logprobs=3)])
+    (lp,) = lps
+    assert isinstance(lp, Logprobs)
+    expected = torch.log_softmax(logits[0], -1)
+    assert ids == [4]
+    assert lp.token_ids == [4, 4, 1, 3]
+    assert lp.logprobs == pytest.approx([expected[i].item() for i in (4, 4, 1, 3)], abs=1e-6)
+    assert lp.logprobs[1:] == sorted(lp.logprobs[1:], reverse=True)
+    assert lp.sampled_rank == 1
+
+
+def test_logprobs_ignore_penalties_and_rank_the_sampled_token_in_the_raw_distribution():
+    logits = torch.tensor([[3.0, 2.0, 0.5, 1.0, -1.0]])
+    # EOS (0) is banned by min_tokens, so greedy takes token 1: rank 2 of the raw logits.
+    ids, (lp,) = Sampler()(logits, [state(temperature=0.0, min_tokens=1, logprobs=2)])
+    expected = torch.log_softmax(logits[0], -1)
+    assert ids == [1]
+    assert lp.token_ids == [1, 0, 1]
+    assert lp.logprobs == pytest.approx([expected[1].item(), expected[0].item(), expected[1].item()])
+    assert lp.sampled_rank == 2
+    # Token 3 is fourth of five when both 0 and 1 are out of the way.
+    st = state(temperature=0.0, min_tokens=1, stop_token_ids=[1], logprobs=0, eos=EOS)
+    logits2 = torch.tensor([[3.0, 2.0, 0.5, 0.7, -1.0]])
+    ids, (lp,) = Sampler()(logits2, [st])
+    assert ids == [3]
+    assert lp.token_ids == [3]
+    assert lp.sampled_rank == 3
+
+
+def test_logprobs_are_returned_only_for_rows_that_ask():
+    logits = _noisy_logits(8, 3, vocab=10)
+    states = [state(temperature=0.0, req_id="a"), state(temperature=0.0, logprobs=5, req_id="b"),
+              state(temperature=0.0, logprobs=0, req_id="c")]
+    ids, lps = Sampler()(logits, states)
+    assert lps[0] is None
+    assert len(lps[1].token_ids) == 6
+    assert lps[1].token_ids[0] == ids[1]
+    assert lps[1].token_ids[1:] == logits[1].topk(5).indices.tolist()
+    assert lps[2].token_ids == [ids[2]]
+    assert lps[2].sampled_rank == 1
+
+
+def test_logprobs_of_a_random_sample_match_its_rank():
+    rows = 200
+    logits = logits_of([0.1, 0.4, 0.2, 0.3], rows)
+    ids, lps = Sampler()(logits, [state(eos=None, logprobs=1)] * rows)
+    rank_of = {1: 1, 3: 2, 2: 3, 0: 4}
+    for token, lp in zip(ids, lps):
+        assert lp.token_ids == [token, 1]
+        assert lp.sampled_rank == rank_of[token]
+        assert lp.logprobs[0] == pytest.approx(math.log([0.1, 0.4, 0.2, 0.3][token]), abs=1e-5)
+    assert set(ids) == {0, 1, 2, 3}
+
+
+# ---- SamplingParams validation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, names",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=-0.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(n=0), "n"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(stop=["ok", ""]), "stop"),
+    ],
+)
+def test_invalid_sampling_params_raise_a_value_error_naming_the_parameter(kwargs, names):
+    with pytest.raises(ValueError, match=rf"\b{names}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_valid_edge_values_are_accepted():
+    params = SamplingParams(temperature=0.0, top_p=1.0, max_tokens=1, top_k=-1, min_p=1.0)
+    assert params.greedy
+    assert params.top_k == 0  # -1 means off, stored as 0
+    assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+    assert SamplingParams(stop="END").stop == ["END"]
