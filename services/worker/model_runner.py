@@ -86,8 +86,13 @@ class ModelRunner:
         if not num_scheduled:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[])
 
-        # Decodes (one new token) first, so attention can batch them in one call.
-        order = sorted(num_scheduled, key=lambda rid: num_scheduled[rid] != 1)
+        # Decodes (one new token) first, shortest context first, so attention can batch
+        # them in groups of similar length.
+        requests = self.requests
+        order = sorted(
+            num_scheduled,
+            key=lambda rid: (num_scheduled[rid] != 1, requests[rid].num_computed_tokens),
+        )
         states = [self.requests[rid] for rid in order]
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_scheduled)
 
