@@ -9,19 +9,31 @@ import sys
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Options of the engine core, shared by `generate`, `bench` and the services."""
+def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache budget when --num-kv-blocks is not given")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+
+
+def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Everything the in-process engine takes (`generate`, `bench throughput`)."""
+    add_model_args(parser)
+    add_worker_args(parser)
+    add_scheduler_args(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -99,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_throughput_args(tput)
     add_engine_args(tput)
     tput.set_defaults(func=cmd_bench_throughput)
+    serve_bench = bench.add_parser("serve", help="stream a workload at an OpenAI-compatible server")
+    from llmbus.bench.serve import add_serve_bench_args, run_serve_bench
+
+    add_serve_bench_args(serve_bench)
+    serve_bench.set_defaults(func=run_serve_bench)
+
+    from llmbus.service_cli import add_service_commands
+
+    add_service_commands(sub)
     return parser
 
 

@@ -18,6 +18,7 @@ from llmbus.model_fetch import resolve_model
 from llmbus.outputs import CompletionOutput, RequestOutput
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
+from services.worker.model_config import ModelConfig
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, SchedulerConfig
 from shared.detokenizer import IncrementalDetokenizer
@@ -56,6 +57,7 @@ class LLM:
         attention_backend: str = "torch",
     ) -> None:
         path = resolve_model(model)
+        ModelConfig.from_folder(path)  # an unsupported model fails here, before anything loads
         cache_config = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

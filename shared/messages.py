@@ -24,6 +24,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  # max_tokens or the model's context
     ABORT = 2  # the client went away or asked to cancel
     ERROR = 3  # the engine could not serve it
+    REJECTED = 4  # the request itself was invalid (the error says why): a client error
 
     def __str__(self) -> str:
         return self.name.lower()

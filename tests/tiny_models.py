@@ -50,9 +50,18 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
     return tokenizer
 
 
-def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_model(
+    folder: Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides
+) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -82,9 +91,14 @@ def build_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrid
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:
         raise ValueError(arch)
-    model.save_pretrained(folder, safe_serialization=True)
+    if max_shard_size is not None:
+        model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 

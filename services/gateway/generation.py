@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from services.gateway.engine_client import EngineClient, Unavailable
+import msgspec
+
+from services.gateway.engine_client import BadRequest, EngineClient, Unavailable
 from shared.detokenizer import IncrementalDetokenizer
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shared.sampling_params import SamplingParams
@@ -44,7 +46,6 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     first_token_at: float | None = None
-    choices_done: list[int] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         usage = {
@@ -82,8 +83,6 @@ async def generate(
         for request_id, choice in choices.items():
             child_params = params
             if params.n > 1 and params.seed is not None:
-                import msgspec
-
                 child_params = msgspec.structs.replace(params, seed=params.seed + choice.index)
             await client.submit(
                 EngineCoreRequest(
@@ -115,6 +114,8 @@ def _apply(choices: dict[str, _Choice], output: EngineCoreOutput, usage: Usage, 
     choice = choices.get(output.request_id)
     if choice is None or choice.finished:
         return None
+    if output.finish_reason == FinishReason.REJECTED:
+        raise BadRequest(output.error or "the engine rejected the request")
     if output.error is not None and not output.new_token_ids:
         raise EngineError(output.error)
     if output.new_token_ids and usage.first_token_at is None:

@@ -107,3 +107,25 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split()[0]) from exc
+
+
+def validate_messages(messages: list[dict[str, Any]]) -> None:
+    """Chat messages as OpenAI defines them; templates would render a missing field as ''."""
+    if not messages:
+        raise BadRequest("messages must not be empty", "messages")
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise BadRequest(f"messages[{i}] has no role", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif content is None and role == "assistant":
+            message["content"] = ""
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}] has no content", "messages")

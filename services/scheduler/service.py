@@ -75,17 +75,17 @@ class SchedulerService:
             log.warning("dropped a malformed request: %s", exc)
             return
         if self.core is None:
-            await self._reject(request, "no worker has joined yet")
+            await self._reject(request, "no worker has joined yet", FinishReason.ERROR)
             return
         try:
             self.core.add_request(request)
         except ValueError as exc:
-            await self._reject(request, str(exc))
+            await self._reject(request, str(exc), FinishReason.REJECTED)
             return
         self.wake.set()
 
-    async def _reject(self, request: EngineCoreRequest, reason: str) -> None:
-        output = EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=reason)
+    async def _reject(self, request: EngineCoreRequest, reason: str, finish: FinishReason) -> None:
+        output = EngineCoreOutput(request.request_id, [], finish, error=reason)
         if request.reply_subject:
             await self.nc.publish(request.reply_subject, encode(EngineCoreOutputs([output])))
 

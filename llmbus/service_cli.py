@@ -1,0 +1,157 @@
+"""The service subcommands: `llmbus gateway|tokenizer|scheduler|worker|serve`.
+
+Every knob is a flag with an `LLMBUS_*` environment default, so compose files and
+`llmbus serve` start the very same commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args
+from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+
+
+def _env(name: str, default):
+    return os.environ.get(f"LLMBUS_{name}", default)
+
+
+def add_bus_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default=_env("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument(
+        "--served-model-name", default=_env("SERVED_MODEL_NAME", None),
+        help="the name clients ask for and subjects carry (default: the model's name)",
+    )
+
+
+def add_gateway_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
+    parser.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument("--max-body-bytes", type=int, default=int(_env("MAX_BODY_BYTES", 4 << 20)))
+
+
+def served_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None or args.model in KNOWN_MODELS:
+        return args.model or DEFAULT_MODEL
+    return os.path.basename(os.path.normpath(args.model))
+
+
+def _setup(args) -> tuple[str, str]:
+    path = str(resolve_model(args.model))
+    args.served_model_name = served_name(args)
+    return path, args.served_model_name
+
+
+def cmd_tokenizer(args) -> int:
+    from services.tokenizer.service import serve
+
+    path, name = _setup(args)
+    asyncio.run(serve(path, args.nats_url, name))
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from llmbus.cli import engine_kwargs  # noqa: F401 - same flag names as the engine
+    from services.worker.service import serve
+    from shared.config import CacheConfig
+
+    path, name = _setup(args)
+    cache = CacheConfig(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+    )
+    asyncio.run(serve(path, args.nats_url, name, cache, args.dtype, args.attention_backend,
+                      args.max_model_len, args.worker_id))
+    return 0
+
+
+def cmd_scheduler(args) -> int:
+    from services.scheduler.service import serve
+    from shared.config import SchedulerConfig
+
+    args.served_model_name = served_name(args)
+    config = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len or (1 << 31),
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+    )
+    asyncio.run(serve(args.nats_url, args.served_model_name, config, not args.no_prefix_caching, args.step_timeout))
+    return 0
+
+
+def cmd_gateway(args) -> int:
+    from services.gateway.app import GatewayConfig
+    from services.gateway.service import serve
+
+    path, name = _setup(args)
+    serve(path, args.nats_url, GatewayConfig(name, args.api_key, args.max_body_bytes), args.host, args.port)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from llmbus.serve import run_serve
+
+    path, name = _setup(args)  # fetch once here, not in every child
+    model = ["--model", path, "--served-model-name", name]
+    if args.max_model_len:
+        model += ["--max-model-len", str(args.max_model_len)]
+    worker = [*model, "--dtype", args.dtype, "--block-size", str(args.block_size),
+              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--attention-backend", args.attention_backend]
+    if args.num_kv_blocks:
+        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    scheduler = [*model, "--max-num-seqs", str(args.max_num_seqs),
+                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
+                 "--step-timeout", str(args.step_timeout)]
+    if args.no_prefix_caching:
+        scheduler.append("--no-prefix-caching")
+    gateway = [*model, "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes)]
+    env_key = ["--api-key", args.api_key] if args.api_key else []
+    return run_serve(args, {
+        "scheduler": scheduler, "tokenizer": model, "worker": worker, "gateway": [*gateway, *env_key],
+    })
+
+
+def add_service_commands(sub) -> None:
+    p = sub.add_parser("tokenizer", help="run a tokenizer replica")
+    add_bus_args(p)
+    add_model_args(p)
+    p.set_defaults(func=cmd_tokenizer)
+
+    p = sub.add_parser("worker", help="run a worker (model runner + KV cache)")
+    add_bus_args(p)
+    add_model_args(p)
+    add_worker_args(p)
+    p.add_argument("--worker-id", default=_env("WORKER_ID", None))
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("scheduler", help="run the scheduler")
+    add_bus_args(p)
+    add_model_args(p)
+    add_scheduler_args(p)
+    p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", 120.0)))
+    p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
+    add_bus_args(p)
+    add_model_args(p)
+    add_gateway_args(p)
+    p.set_defaults(func=cmd_gateway)
+
+    p = sub.add_parser("serve", help="run a whole deployment on this machine")
+    p.add_argument("--nats-url", default=os.environ.get("LLMBUS_NATS_URL"), help="use this NATS instead of starting one")
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
+    add_model_args(p)
+    add_worker_args(p)
+    add_scheduler_args(p)
+    add_gateway_args(p)
+    p.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
+    p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_serve)

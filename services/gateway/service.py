@@ -1,0 +1,40 @@
+"""The gateway service: NATS connection + EngineClient + the FastAPI app on uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import uvicorn
+
+from services.gateway.app import GatewayConfig, create_app
+from services.gateway.engine_client import EngineClient
+from services.tokenizer.tokenizer import Tokenizer
+from shared.bus import Subjects, connect
+
+log = logging.getLogger("llmbus.gateway")
+
+
+def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0):
+    tokenizer = Tokenizer(model_path)  # for detokenizing outputs; encoding is the tokenizers' job
+    gateway_id = uuid.uuid4().hex[:8]
+
+    async def client_factory() -> EngineClient:
+        nc = await connect(nats_url, f"gateway-{gateway_id}")
+        client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s)
+        await client.start()
+
+        async def aclose():
+            await nc.drain()
+
+        client.aclose = aclose  # type: ignore[attr-defined]
+        return client
+
+    return create_app(client_factory, tokenizer, config)
+
+
+def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int) -> None:
+    app = build_app(model_path, nats_url, config)
+    log.info("gateway on http://%s:%d", host, port)
+    # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -1,0 +1,60 @@
+"""A real deployment for end-to-end tests: nats-server + service processes, as compose runs them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import httpx
+
+from llmbus.serve import NatsServer, free_port, spawn_service, stop_all
+
+
+class Deployment:
+    def __init__(self, model: str, name: str = "tiny", worker_args=(), scheduler_args=(), gateway_args=(), env=None):
+        self.model = model
+        self.name = name
+        self.nats = NatsServer().start()
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, **(env or {}))
+        self.procs: dict[str, subprocess.Popen] = {}
+        common = ["--nats-url", self.nats.url, "--model", model, "--served-model-name", name]
+        self.start("scheduler", ["scheduler", *common, *scheduler_args])
+        self.start("tokenizer", ["tokenizer", *common])
+        self.start("worker", ["worker", *common, *worker_args])
+        self.start("gateway", ["gateway", *common, "--port", str(self.port), *gateway_args])
+
+    def start(self, key: str, argv: list[str]) -> subprocess.Popen:
+        self.procs[key] = spawn_service(argv, env=self.env)
+        return self.procs[key]
+
+    def start_gateway(self, key: str, *extra: str) -> str:
+        port = free_port()
+        self.start(key, ["gateway", "--nats-url", self.nats.url, "--model", self.model,
+                         "--served-model-name", self.name, "--port", str(port), *extra])
+        return f"http://127.0.0.1:{port}"
+
+    def wait_healthy(self, base_url: str | None = None, timeout_s: float = 120.0) -> dict:
+        url = (base_url or self.base_url) + "/health"
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            for key, proc in self.procs.items():
+                assert proc.poll() is None, f"{key} exited with {proc.returncode}"
+            try:
+                last = httpx.get(url, timeout=2)
+                if last.status_code == 200:
+                    return last.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"not healthy in {timeout_s} s: {last and last.text}")
+
+    def stats(self) -> dict:
+        return httpx.get(self.base_url + "/health", timeout=5).json()["stats"]
+
+    def close(self) -> None:
+        stop_all(list(self.procs.values()))
+        self.nats.stop()

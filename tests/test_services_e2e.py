@@ -1,0 +1,231 @@
+"""End to end over a real nats-server and real service processes, driven by the official
+`openai` client (and raw httpx where the SSE bytes themselves matter)."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from deployment import Deployment
+from llmbus import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama):
+    d = Deployment(
+        str(tiny_llama),
+        worker_args=["--max-model-len", str(CONTEXT), "--num-kv-blocks", "256"],
+        gateway_args=["--max-body-bytes", "20000"],
+    )
+    try:
+        d.wait_healthy()
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    return openai.OpenAI(base_url=deployment.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(str(tiny_llama), max_model_len=CONTEXT)
+
+
+PROMPTS = ["The quick brown fox", "Paged attention keeps", "héllo wörld — 東京"]
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_greedy_completions_equal_the_offline_engine(client, offline):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [o.outputs[0].text for o in offline.generate(PROMPTS, params)]
+    for prompt, text in zip(PROMPTS, expected):
+        out = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].text == text
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.completion_tokens == 12
+        assert out.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+
+
+def test_streamed_completion_equals_the_non_streamed_one(client):
+    kwargs = dict(model="tiny", prompt="naïve café", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_prompt_as_token_ids_with_echo(client, offline):
+    ids = offline.tokenizer.encode("The quick")
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text.startswith("The quick")
+
+
+def test_chat_stream_and_non_stream_agree(client, offline):
+    messages = [{"role": "user", "content": "hello there"}]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    [expected] = offline.chat(messages, params)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected.outputs[0].text
+    assert out.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=10,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == expected.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].choices == []
+
+
+def test_sse_bytes_end_with_done(deployment):
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", deployment.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_stop_string_is_not_shown(client):
+    free = client.completions.create(model="tiny", prompt="Continuous", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[4:7]
+    out = client.completions.create(model="tiny", prompt="Continuous", max_tokens=20, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].text == free[: free.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="tiny", prompt="Continuous", max_tokens=20, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == free[: free.index(stop)]
+
+
+def test_n_2_gives_two_choices(client):
+    out = client.completions.create(model="tiny", prompt="The", max_tokens=8, n=2, temperature=1.0, seed=5,
+                                    extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 16
+    assert out.choices[0].text != out.choices[1].text
+
+
+def test_logprobs_in_completions_and_chat(client):
+    out = client.completions.create(model="tiny", prompt="The", max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
+    assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    # Greedy: the chosen token is the most likely one.
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+
+
+def test_32_concurrent_streams_all_complete(deployment):
+    async def one(aclient, i):
+        stream = await aclient.completions.create(model="tiny", prompt=f"request {i}", max_tokens=16,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        return await asyncio.gather(*(one(aclient, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert len(results) == 32
+    assert all(finish == "length" and text for text, finish in results)
+
+
+def test_cancelled_stream_frees_its_blocks(deployment):
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", deployment.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+            if seen >= 3:
+                break
+        assert deployment.stats()["num_running_reqs"] == 1
+    # Leaving the `with` closed the connection mid-stream.
+    for _ in range(100):
+        stats = deployment.stats()
+        if stats["num_running_reqs"] == 0 and stats["kv_cache_usage"] == 0:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert stats["num_running_reqs"] == 0
+    assert stats["kv_cache_usage"] == 0
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": ""}, 400, "prompt"),
+        ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
+        ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ],
+)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(deployment, body, status, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    resp = httpx.post(deployment.base_url + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    ok = httpx.post(deployment.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_context_error_gives_both_numbers(deployment):
+    resp = httpx.post(deployment.base_url + "/v1/completions",
+                      json={"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT}, timeout=30)
+    message = resp.json()["error"]["message"]
+    assert str(CONTEXT) in message and "prompt has" in message
+
+
+def test_malformed_json_and_oversized_body(deployment):
+    resp = httpx.post(deployment.base_url + "/v1/completions", content=b"{not json", timeout=30,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+    resp = httpx.post(deployment.base_url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 30000}, timeout=30)
+    assert resp.status_code == 413
+
+
+def test_api_key_is_required_when_set(deployment):
+    url = deployment.start_gateway("gateway-with-key", "--api-key", "s3cret")
+    deployment.wait_healthy(url)  # /health stays open
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
+    keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+    assert keyed.completions.create(**body).choices[0].text is not None
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(**body)
