@@ -50,7 +50,8 @@ async def connect(url: str, name: str) -> Client:
     """Connect with reconnection forever: a NATS restart is an outage, not a crash."""
 
     async def on_disconnect():
-        log.warning("disconnected from NATS", extra={"service": name})
+        if not (nc.is_closed or nc.is_draining):  # a drain on shutdown is not news
+            log.warning("%s disconnected from NATS", name)
 
     async def on_reconnect():
         log.warning("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else url)

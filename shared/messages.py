@@ -104,6 +104,7 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_cache_queries: int = 0  # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_preemptions: int = 0  # cumulative
+    num_generation_tokens: int = 0  # cumulative tokens sampled
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

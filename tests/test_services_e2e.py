@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -13,7 +14,7 @@ from llmbus import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
-CONTEXT = 256
+CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +143,16 @@ def test_logprobs_in_completions_and_chat(client):
 
 def test_32_concurrent_streams_all_complete(deployment):
     async def one(aclient, i):
-        stream = await aclient.completions.create(model="tiny", prompt=f"request {i}", max_tokens=16,
-                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
-        text, finish = "", None
+        stream = await aclient.completions.create(
+            model="tiny", prompt=f"request {i}", max_tokens=16, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+        finish, usage = None, None
         async for chunk in stream:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        return text, finish
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        return finish, usage.completion_tokens
 
     async def main():
         aclient = openai.AsyncOpenAI(base_url=deployment.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -156,27 +160,31 @@ def test_32_concurrent_streams_all_complete(deployment):
 
     results = asyncio.run(main())
     assert len(results) == 32
-    assert all(finish == "length" and text for text, finish in results)
+    assert results == [("length", 16)] * 32
 
 
 def test_cancelled_stream_frees_its_blocks(deployment):
-    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    before = deployment.stats()["num_generation_tokens"]
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", deployment.base_url + "/v1/completions", json=body, timeout=60) as resp:
-        seen = 0
-        for line in resp.iter_lines():
+        lines = resp.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
-                seen += 1
-            if seen >= 3:
                 break
-        assert deployment.stats()["num_running_reqs"] == 1
-    # Leaving the `with` closed the connection mid-stream.
+        running = deployment.stats()
+        lines.close()  # the client goes away mid-stream
+    assert running["num_running_reqs"] == 1 and running["kv_cache_usage"] > 0
     for _ in range(100):
         stats = deployment.stats()
         if stats["num_running_reqs"] == 0 and stats["kv_cache_usage"] == 0:
             break
-        asyncio.run(asyncio.sleep(0.1))
+        time.sleep(0.1)
     assert stats["num_running_reqs"] == 0
     assert stats["kv_cache_usage"] == 0
+    generated = stats["num_generation_tokens"] - before
+    assert generated < 1000  # it was stopped, not run to the end
+    time.sleep(0.5)
+    assert deployment.stats()["num_generation_tokens"] - before == generated  # and nothing more came
 
 
 @pytest.mark.parametrize(

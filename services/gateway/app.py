@@ -99,7 +99,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         try:
-            info = await client().scheduler_info(max_age_s=0.5)
+            info = await client().scheduler_info(max_age_s=0.0)
         except Unavailable as exc:
             return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
         if info.num_workers < 1:
@@ -117,6 +117,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
                 "prefix_cache_queries": stats.prefix_cache_queries,
                 "prefix_cache_hits": stats.prefix_cache_hits,
                 "num_preemptions": stats.num_preemptions,
+                "num_generation_tokens": stats.num_generation_tokens,
             },
         }
 

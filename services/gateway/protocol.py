@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -57,8 +58,8 @@ def parse_body(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as exc:
         # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`"
         message = str(exc)
-        param = message.rsplit("$.", 1)[1].split("[")[0].split(".")[0] if "$." in message else None
-        raise BadRequest(message, param) from exc
+        where = re.search(r"\$\.([A-Za-z_]+)", message)
+        raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
 

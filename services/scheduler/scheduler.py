@@ -49,6 +49,7 @@ class Scheduler:
         self._finished_for_worker: set[str] = set()
         self._step_id = 0
         self.num_preemptions = 0
+        self.num_generation_tokens = 0
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -261,6 +262,7 @@ class Scheduler:
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted), or a prompt chunk with more to come
             new_tokens = []
+            self.num_generation_tokens += len(sampled)
             for token_id in sampled:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
@@ -314,5 +316,6 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_generation_tokens=self.num_generation_tokens,
         )
 
