@@ -33,3 +33,29 @@ def test_greedy_output_matches_transformers_token_for_token(smollm2):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == hf_greedy(smollm2, prompts, 32)
     assert "Paris" in llm.tokenizer.decode(got[0])
+
+
+def test_served_chat_equals_offline_chat_on_the_real_model(smollm2):
+    import openai
+
+    from deployment import Deployment
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    offline = LLM(str(smollm2), max_model_len=1024)
+    [expected] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))
+    del offline
+    d = Deployment(str(smollm2), name="SmolLM2-135M-Instruct", worker_args=["--max-model-len", "1024"])
+    try:
+        d.wait_healthy(timeout_s=240)
+        client = openai.OpenAI(base_url=d.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0
+        )
+        assert out.choices[0].message.content == expected.outputs[0].text
+        assert "Paris" in out.choices[0].message.content
+        streamed = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.outputs[0].text
+    finally:
+        d.close()
