@@ -44,6 +44,13 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--compare-offline", default=None, metavar="MODEL",
+        help="afterwards run the same workload through the offline LLM on this model "
+             "(in this process, server idle) and print the served/offline throughput ratio",
+    )
+    parser.add_argument("--offline-max-num-seqs", type=int, default=None,
+                        help="offline max_num_seqs (default: --concurrency, like the server sees)")
 
 
 def load_requests(args) -> list[tuple[str | list[int], int]]:
@@ -155,8 +162,30 @@ def print_summary(summary: dict) -> None:
         print("errors:", *summary["errors"], sep="\n  ")
 
 
+def run_offline(args, requests) -> dict:
+    from llmbus import LLM, SamplingParams
+
+    llm = LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency)
+    prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in requests]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    duration = time.perf_counter() - start
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    in_tokens = sum(len(p) for p in prompts)
+    return {"duration_s": round(duration, 2), "output_tok_s": round(out_tokens / duration, 1),
+            "total_tok_s": round((in_tokens + out_tokens) / duration, 1)}
+
+
 def run_serve_bench(args) -> int:
     summary = asyncio.run(run(args))
     print_summary(summary)
+    if args.compare_offline:
+        offline = run_offline(args, load_requests(args))
+        summary["offline"] = offline
+        summary["served_over_offline"] = round(summary["output_tok_s"] / offline["output_tok_s"], 3)
+        print(f"offline LLM: {offline['output_tok_s']} output tok/s, {offline['total_tok_s']} total tok/s "
+              f"in {offline['duration_s']} s")
+        print(f"served/offline output throughput: {summary['served_over_offline']:.3f}")
     print(json.dumps(summary))
     return 0 if summary["failed"] == 0 else 1
