@@ -237,3 +237,40 @@ def test_api_key_is_required_when_set(deployment):
     assert keyed.completions.create(**body).choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(**body)
+
+
+def test_tokenizer_answers_bad_messages_with_errors_not_timeouts(deployment):
+    import msgspec
+    import nats
+
+    from shared.bus import Subjects, encode
+    from shared.messages import TokenizeRequest, TokenizeResponse
+
+    async def ask(payload: bytes) -> TokenizeResponse:
+        nc = await nats.connect(deployment.nats.url)
+        try:
+            reply = await nc.request(Subjects("tiny").tokenize, payload, timeout=10)
+            return msgspec.msgpack.decode(reply.data, type=TokenizeResponse)
+        finally:
+            await nc.close()
+
+    malformed = asyncio.run(ask(b"\xc1 not msgpack"))
+    assert malformed.error and "malformed" in malformed.error
+    neither = asyncio.run(ask(encode(TokenizeRequest())))
+    assert neither.error == "give exactly one of prompt and messages"
+    ok = asyncio.run(ask(encode(TokenizeRequest(prompt="hello"))))
+    assert ok.error is None and ok.token_ids
+
+
+def test_each_stream_chunk_carries_one_entry_per_choice_and_every_logprob(deployment):
+    body = {"model": "tiny", "prompt": "naïve café", "max_tokens": 40, "n": 2, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True}
+    with httpx.stream("POST", deployment.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    tokens = {0: 0, 1: 0}
+    for chunk in chunks:
+        indices = [c["index"] for c in chunk["choices"]]
+        assert len(indices) == len(set(indices))
+        for c in chunk["choices"]:
+            tokens[c["index"]] += len((c["logprobs"] or {}).get("tokens", []))
+    assert tokens == {0: 40, 1: 40}

@@ -280,7 +280,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
             async for deltas in stream:
                 out = []
                 for d in deltas:
-                    if not d.text and d.finish_reason is None:
+                    if not d.text and d.finish_reason is None and not d.logprobs:
                         continue  # bytes of a character still incomplete: nothing to show yet
                     if chat:
                         choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},

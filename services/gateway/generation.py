@@ -104,7 +104,7 @@ async def generate(
                 batch.append(queue.get_nowait())
             deltas = [d for out in batch if (d := _apply(choices, out, usage, client)) is not None]
             if deltas:
-                yield deltas
+                yield _merge_by_choice(deltas)
     finally:
         client.close(list(choices))
         client.abort_soon([rid for rid, c in choices.items() if not c.finished])
@@ -142,6 +142,22 @@ def _apply(choices: dict[str, _Choice], output: EngineCoreOutput, usage: Usage, 
         finish_reason=None if finish_reason is None else str(finish_reason),
         stop_reason=detok.stop_string or stop_reason,
     )
+
+
+def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice: a client reads one entry per index from each chunk."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in deltas:
+        into = merged.get(d.index)
+        if into is None:
+            merged[d.index] = d
+            continue
+        into.text += d.text
+        into.token_ids += d.token_ids
+        into.logprobs += d.logprobs
+        if d.finish_reason is not None:
+            into.finish_reason, into.stop_reason = d.finish_reason, d.stop_reason
+    return list(merged.values())
 
 
 class EngineError(RuntimeError):
