@@ -1,0 +1,20 @@
+"""Triton kernels: the GPU attention backend (paged attention and the KV-cache write).
+
+Without a GPU, Triton's interpreter runs them on CPU tensors (slow, but exact enough to
+test). The interpreter must be chosen before anything imports triton — transformers and
+torch do so lazily — which is why the worker package imports this module first.
+"""
+
+import os
+
+
+def use_interpreter_without_gpu() -> None:
+    if "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+use_interpreter_without_gpu()

@@ -1,0 +1,61 @@
+"""Write one step's new keys and values into their paged-cache slots."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64, -1 = padding: skipped
+    stride_k_tok, stride_k_head,
+    stride_v_tok, stride_v_head,
+    stride_c_block, stride_c_slot, stride_c_head,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        block = slot // block_size
+        offset = slot % block_size
+        d = tl.arange(0, BLOCK_D)
+        mask = d < HEAD_DIM
+        k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
+        v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
+        dst = block * stride_c_block + offset * stride_c_slot + head * stride_c_head + d
+        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape and slot_mapping.shape == (num_tokens,)
+    assert key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride()
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim)
+    assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens, num_kv_heads)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        key_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

@@ -1,0 +1,51 @@
+"""The Triton attention backend: the same interface as the PyTorch one, on the kernels."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import kernels  # noqa: F401 - sets TRITON_INTERPRET on a machine without CUDA
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from services.worker.attention.metadata import AttentionMetadata
+
+# Split-KV pays when too few (sequence, KV head) programs exist to fill the GPU and each
+# has a long run of keys. These numbers are a starting point (an H200 has 132 SMs); the
+# GPU benchmark (`python -m kernels.bench`) is what should set them.
+SPLIT_TARGET_PROGRAMS = 264
+SPLIT_MIN_KEYS = 512
+MAX_SPLITS = 16
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
+    if max_query_len != 1 or max_seq_len < 2 * SPLIT_MIN_KEYS:
+        return 1
+    programs = num_reqs * num_kv_heads
+    if programs >= SPLIT_TARGET_PROGRAMS:
+        return 1
+    wanted = min(triton.cdiv(SPLIT_TARGET_PROGRAMS, programs), max_seq_len // SPLIT_MIN_KEYS, MAX_SPLITS)
+    return 1 << (wanted.bit_length() - 1)  # a power of two, rounded down
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        num_splits = choose_num_splits(
+            metadata.num_reqs, key_cache.shape[2], metadata.max_query_len, metadata.max_seq_len
+        )
+        return paged_attention(
+            query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
+            metadata.seq_lens, metadata.max_query_len, scale, num_splits=num_splits,
+        )

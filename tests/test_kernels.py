@@ -1,0 +1,141 @@
+"""The Triton kernels against the PyTorch reference, under Triton's interpreter on CPU.
+
+Tolerances: float32 caches agree to 1e-4 (the kernel's online softmax reorders the sums);
+bfloat16 caches are compared with a float32 reference over the same bf16 values and agree
+to 2e-2 (bf16 output rounding; on a GPU the kernel also rounds the softmax weights to bf16
+for the PV product, as flash-attention does). The interpreter computes bf16 `tl.dot` on
+raw bits, so under it the kernel takes its float32-product path for bf16 too: loads,
+conversions and stores of bf16 are tested here, the bf16 tensor-core dot on the GPU.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import kernels  # noqa: F401 - interpreter on CPU
+from kernels.paged_attention import paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from kernels.triton_backend import choose_num_splits
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+
+
+def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """A step with random K/V in a cache whose blocks are shuffled (non-contiguous tables)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_req):
+        block_table[i, :n] = perm[used : used + n]
+        used += n
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    query = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    metadata = AttentionMetadata(
+        num_decodes=sum(1 for q in query_lens if q == 1),
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64),
+        block_table=block_table,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=np.asarray(seq_lens),
+    )
+    return query, kv_cache, metadata
+
+
+def reference(query, kv_cache, metadata):
+    """The PyTorch backend in float32 over the same values (no new K/V to write)."""
+    q32, kv32 = query.float(), kv_cache.float()
+    unused = torch.zeros(q32.shape[0], kv32.shape[3], kv32.shape[4])  # every slot is -1: not written
+    return TorchAttentionBackend().forward(q32, unused, unused, kv32, metadata, query.shape[-1] ** -0.5)
+
+
+# Decodes first (as the runner orders them), then chunks that start mid-sequence
+# (prefix hits, later chunks) and a whole prompt; lengths on and off block boundaries.
+CASES = {
+    "decodes": ([1, 1, 1, 1], [1, 16, 17, 45]),
+    "mixed": ([1, 1, 7, 16, 33], [9, 32, 7, 40, 33]),
+    "mid-sequence": ([3, 17], [64, 50]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (8, 1)])  # GQA 1, 3, 8
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_attention_matches_reference_float32(case, num_heads, num_kv_heads, block_size):
+    query_lens, seq_lens = CASES[case]
+    query, kv_cache, md = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, 64, block_size, torch.float32)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, 64**-0.5)
+    torch.testing.assert_close(out, reference(query, kv_cache, md), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_head_dims_and_split_kv_match_reference(head_dim, num_splits):
+    query_lens, seq_lens = [1, 1, 1], [5, 70, 128]  # one sequence shorter than a split
+    query, kv_cache, md = make_batch(query_lens, seq_lens, 6, 2, head_dim, 16, torch.float32, seed=1)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, head_dim**-0.5, num_splits=num_splits)
+    torch.testing.assert_close(out, reference(query, kv_cache, md), atol=1e-4, rtol=1e-4)
+
+
+def test_split_kv_also_handles_prefill_chunks():
+    query, kv_cache, md = make_batch([1, 9], [40, 37], 4, 2, 64, 16, torch.float32, seed=2)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, 64**-0.5, num_splits=2)
+    torch.testing.assert_close(out, reference(query, kv_cache, md), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_bfloat16_cache_matches_float32_reference(num_splits):
+    query, kv_cache, md = make_batch([1, 1, 6], [20, 47, 30], 6, 2, 64, 16, torch.bfloat16, seed=3)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, 64**-0.5, num_splits=num_splits)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(query, kv_cache, md), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_puts_each_token_in_its_slot_and_skips_padding(dtype):
+    gen = torch.Generator().manual_seed(4)
+    num_blocks, block_size, kv_heads, head_dim = 6, 16, 2, 64
+    key = torch.randn(5, kv_heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(5, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([3, 17, -1, 95, 40])  # a padded token in the middle
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    expected = cache.clone()
+    reshape_and_cache(key, value, cache[0], cache[1], slots)
+    write_kv_cache(key, value, expected, slots)
+    assert torch.equal(cache, expected)
+    assert cache[0].view(-1, kv_heads, head_dim)[95].equal(key[3])
+    assert int((cache != 0).flatten(2).any(-1).sum()) == 2 * 4  # K and V, four real tokens
+
+
+def test_split_heuristic_splits_only_long_decodes_with_few_programs():
+    assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=16384) == 16
+    assert choose_num_splits(num_reqs=16, num_kv_heads=8, max_query_len=1, max_seq_len=4096) == 2
+    assert choose_num_splits(num_reqs=64, num_kv_heads=8, max_query_len=1, max_seq_len=4096) == 1
+    assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=1, max_seq_len=512) == 1
+    assert choose_num_splits(num_reqs=1, num_kv_heads=8, max_query_len=5, max_seq_len=16384) == 1
+
+
+def test_whole_model_on_the_triton_backend_gives_the_same_greedy_tokens(tiny_llama, tiny_qwen2):
+    import random
+
+    from llmbus import LLM, SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (1, 5, 17, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for folder in (tiny_llama, tiny_qwen2):
+        torch_ids = [o.outputs[0].token_ids for o in LLM(str(folder)).generate(prompts, params)]
+        # A small budget forces chunked prefill, so chunks start mid-sequence too.
+        triton_llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
+        assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == torch_ids
