@@ -19,7 +19,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache budget when --num-kv-blocks is not given")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    parser.add_argument("--attention-backend", default=None, choices=["torch", "triton"], help="default: triton on a GPU, torch on CPU")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:

@@ -54,7 +54,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: str | None = None,
     ) -> None:
         path = resolve_model(model)
         ModelConfig.from_folder(path)  # an unsupported model fails here, before anything loads

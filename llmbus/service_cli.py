@@ -102,7 +102,9 @@ def cmd_serve(args) -> int:
     if args.max_model_len:
         model += ["--max-model-len", str(args.max_model_len)]
     worker = [*model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--attention-backend", args.attention_backend]
+              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    if args.attention_backend:
+        worker += ["--attention-backend", args.attention_backend]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     scheduler = [*model, "--max-num-seqs", str(args.max_num_seqs),

@@ -32,22 +32,26 @@ class ModelRunner:
         model_path: str | Path,
         cache_config: CacheConfig | None = None,
         dtype: str = "float32",
-        attention_backend: str = "torch",
+        attention_backend: str | None = None,
         max_model_len: int | None = None,
+        device: str | None = None,
     ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
+        attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.cache_config = cache_config or CacheConfig()
         self.model_config = ModelConfig.from_folder(model_path)
         self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
-        self.model = load_model(model_path, self.dtype, backend, self.max_model_len)
+        self.model = load_model(model_path, self.dtype, backend, self.max_model_len).to(self.device)
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
         self.kv_caches = [
             torch.zeros(
                 2, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                dtype=self.dtype,
+                dtype=self.dtype, device=self.device,
             )  # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -101,7 +105,8 @@ class ModelRunner:
         logprobs = [None] * len(order)
         if sample_rows:
             last_token = metadata.query_start_loc_cpu[1:] - 1
-            logits = self.model.compute_logits(hidden[torch.from_numpy(last_token[sample_rows])])
+            rows = torch.from_numpy(last_token[sample_rows]).to(self.device)
+            logits = self.model.compute_logits(hidden[rows])
             sample_states = [states[i] for i in sample_rows]
             token_ids, token_logprobs = self.sampler(logits, sample_states)
             for row, state, token_id, lp in zip(sample_rows, sample_states, token_ids, token_logprobs):
@@ -167,16 +172,19 @@ class ModelRunner:
             + positions % block_size
         )
         num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
         metadata = AttentionMetadata(
             num_decodes=num_decodes,
             num_actual_tokens=num_tokens,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_table=torch.from_numpy(block_table),
+            query_start_loc=to_device(query_start_loc.astype(np.int32)),
+            seq_lens=to_device(seq_lens.astype(np.int32)),
+            slot_mapping=to_device(slot_mapping),
+            block_table=to_device(block_table),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return torch.from_numpy(input_ids), torch.from_numpy(positions), metadata, sample_rows
+        return to_device(input_ids), to_device(positions), metadata, sample_rows

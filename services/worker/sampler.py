@@ -19,9 +19,9 @@ from shared.messages import Logprobs
 _MASK = float("-inf")
 
 
-def _generator_for(seed: int, num_output_tokens: int) -> torch.Generator:
+def _generator_for(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
     mixed = (seed * 6364136223846793005 + num_output_tokens * 1442695040888963407 + 1) % (1 << 63)
-    return torch.Generator().manual_seed(mixed)
+    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def apply_penalties(logits: torch.Tensor, state: RequestState) -> None:
@@ -30,14 +30,14 @@ def apply_penalties(logits: torch.Tensor, state: RequestState) -> None:
     params = state.sampling_params
     vocab_size = logits.shape[0]
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long)
+        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=logits.device)
         seen = seen[seen < vocab_size]
         values = logits[seen]
         logits[seen] = torch.where(
             values > 0, values / params.repetition_penalty, values * params.repetition_penalty
         )
     if params.presence_penalty or params.frequency_penalty:
-        output = torch.tensor(state.output_token_ids, dtype=torch.long)
+        output = torch.tensor(state.output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].to(logits.dtype)
         logits -= params.frequency_penalty * counts
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
@@ -112,24 +112,28 @@ class Sampler:
         self, logits: torch.Tensor, states: Sequence[RequestState], greedy: list[bool]
     ) -> torch.Tensor:
         params = [s.sampling_params for s in states]
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)])
+        device = logits.device
+        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
         scaled = logits / temperature.unsqueeze(-1)
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k for p in params]) if any(p.top_k for p in params) else None
+            top_k = (
+                torch.tensor([p.top_k for p in params], device=device) if any(p.top_k for p in params) else None
+            )
             top_p = (
-                torch.tensor([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None
+                torch.tensor([p.top_p for p in params], device=device)
+                if any(p.top_p < 1 for p in params) else None
             )
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         if any(p.min_p > 0 for p in params):
-            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params]))
+            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
         probs = scaled.softmax(-1)
         noise = torch.empty_like(probs).exponential_()
         for i, state in enumerate(states):
             seed = state.sampling_params.seed
             if seed is not None and not greedy[i]:
-                noise[i].exponential_(generator=_generator_for(seed, state.num_output_tokens))
+                noise[i].exponential_(generator=_generator_for(seed, state.num_output_tokens, device))
         random_ids = (probs / noise).argmax(-1)
-        return torch.where(torch.tensor(greedy), logits.argmax(-1), random_ids)
+        return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), random_ids)
 
     def _logprobs(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> list[Logprobs | None]:
         """Logprobs of the model's own distribution (before penalties and temperature)."""
@@ -137,7 +141,7 @@ class Sampler:
         result: list[Logprobs | None] = [None] * len(params)
         if not rows:
             return result
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=raw.device)
         logprobs = raw[index].log_softmax(-1)  # [num_rows_with_logprobs, vocab_size]
         chosen = sampled[index]
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))  # [n, 1]

@@ -49,7 +49,7 @@ async def serve(
     model_name: str,
     cache_config: CacheConfig,
     dtype: str = "float32",
-    attention_backend: str = "torch",
+    attention_backend: str | None = None,
     max_model_len: int | None = None,
     worker_id: str | None = None,
     heartbeat_s: float = 1.0,

@@ -76,8 +76,8 @@ class TorchAttentionBackend:
             else:
                 # The new tokens sit at the end of the sequence: each sees the cached prefix
                 # and the new tokens up to itself.
-                q_pos = torch.arange(seq_len - query_len, seq_len)
-                mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+                q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [query_len, seq_len]
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
                 )
@@ -101,7 +101,7 @@ class TorchAttentionBackend:
         k = gather_kv(kv_cache[0], block_ids)  # [num_decodes, num_kv_heads, L, d]
         v = gather_kv(kv_cache[1], block_ids)
         length = k.shape[2]
-        mask = torch.arange(length)[None, :] < seq_lens[:, None]  # [num_decodes, L]
+        mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]  # [group, L]
         q = query.unsqueeze(2)  # [num_decodes, num_heads, 1, d]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
