@@ -139,3 +139,17 @@ def test_whole_model_on_the_triton_backend_gives_the_same_greedy_tokens(tiny_lla
         # A small budget forces chunked prefill, so chunks start mid-sequence too.
         triton_llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
         assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == torch_ids
+
+
+def test_gpu_bench_script_runs_end_to_end_on_tiny_shapes(tmp_path):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "kernels.bench", "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    report = json.loads((tmp_path / "kernels_bench.json").read_text())
+    assert report["correctness"] and all(c["ok"] for c in report["correctness"])
+    assert len(report["decode"]) == 4 and (tmp_path / "kernels_bench.md").is_file()
