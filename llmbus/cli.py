@@ -3,30 +3,48 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError
+from shared.logs import setup_logging
+
+
+def env(flag: str, default=None):
+    """Every flag's default can come from the environment: --max-num-seqs <- LLMBUS_MAX_NUM_SEQS.
+    (argparse converts a string default with the flag's type.)"""
+    value = os.environ.get("LLMBUS_" + flag.lstrip("-").replace("-", "_").upper())
+    return default if value in (None, "") else value
+
+
+def env_flag(flag: str) -> bool:
+    return str(env(flag, "")).lower() in ("1", "true", "yes", "on")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument(
+        "--model", default=env("--model"),
+        help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}",
+    )
+    parser.add_argument("--max-model-len", type=int, default=env("--max-model-len"),
+                        help="context length (default: the model's)")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV cache size in blocks")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV cache budget when --num-kv-blocks is not given")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attention-backend", default=None, choices=["torch", "triton"], help="default: triton on a GPU, torch on CPU")
+    parser.add_argument("--dtype", default=env("--dtype", "float32"), choices=["float32", "bfloat16"])
+    parser.add_argument("--num-kv-blocks", type=int, default=env("--num-kv-blocks"), help="exact KV cache size in blocks")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
+                        help="KV cache budget when --num-kv-blocks is not given")
+    parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
+    parser.add_argument("--attention-backend", default=env("--attention-backend"), choices=["torch", "triton"],
+                        help="default: triton on a GPU, torch on CPU")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=env("--max-num-batched-tokens", 2048))
+    parser.add_argument("--no-prefix-caching", action="store_true", default=env_flag("--no-prefix-caching"))
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -125,10 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format='{"ts": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "msg": "%(message)s"}',
-    )
+    setup_logging(args.verbose)
     try:
         return args.func(args)
     except (ModelFetchError, ValueError) as exc:

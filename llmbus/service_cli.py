@@ -10,27 +10,23 @@ import argparse
 import asyncio
 import os
 
-from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args
+from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args, env
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 
 
-def _env(name: str, default):
-    return os.environ.get(f"LLMBUS_{name}", default)
-
-
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=_env("NATS_URL", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-url", default=env("--nats-url", "nats://127.0.0.1:4222"))
     parser.add_argument(
-        "--served-model-name", default=_env("SERVED_MODEL_NAME", None),
+        "--served-model-name", default=env("--served-model-name", None),
         help="the name clients ask for and subjects carry (default: the model's name)",
     )
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default=_env("HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(_env("PORT", 8000)))
-    parser.add_argument("--api-key", default=_env("API_KEY", None), help="require `Authorization: Bearer KEY` on /v1")
-    parser.add_argument("--max-body-bytes", type=int, default=int(_env("MAX_BODY_BYTES", 4 << 20)))
+    parser.add_argument("--host", default=env("--host", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("--port", 8000)))
+    parser.add_argument("--api-key", default=env("--api-key", None), help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -130,14 +126,14 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_worker_args(p)
-    p.add_argument("--worker-id", default=_env("WORKER_ID", None))
+    p.add_argument("--worker-id", default=env("--worker-id", None))
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("scheduler", help="run the scheduler")
     add_bus_args(p)
     add_model_args(p)
     add_scheduler_args(p)
-    p.add_argument("--step-timeout", type=float, default=float(_env("STEP_TIMEOUT", 120.0)))
+    p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)))
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -147,13 +143,13 @@ def add_service_commands(sub) -> None:
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")
-    p.add_argument("--nats-url", default=os.environ.get("LLMBUS_NATS_URL"), help="use this NATS instead of starting one")
-    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME", None))
+    p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
+    p.add_argument("--served-model-name", default=env("--served-model-name", None))
     add_model_args(p)
     add_worker_args(p)
     add_scheduler_args(p)
     add_gateway_args(p)
-    p.add_argument("--tokenizers", type=int, default=1, help="tokenizer replicas")
-    p.add_argument("--step-timeout", type=float, default=120.0)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
+    p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
+    p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))
     p.set_defaults(func=cmd_serve)

@@ -95,6 +95,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     new_logprobs: list[Logprobs] = []
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    # Seconds between the scheduler queueing it and first scheduling it; on the first
+    # output only (for the request_queue_time metric).
+    queue_time_s: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -105,6 +108,9 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_preemptions: int = 0  # cumulative
     num_generation_tokens: int = 0  # cumulative tokens sampled
+    scheduler_id: str = ""
+    worker_id: str = ""  # the worker of the step these outputs came from
+    step_time_s: float = 0.0  # that step's duration as the scheduler saw it
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

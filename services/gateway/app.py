@@ -13,12 +13,16 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import logging
+
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from starlette.middleware.base import BaseHTTPMiddleware
 
 from services.gateway.engine_client import BadRequest, EngineClient, Unavailable
 from services.gateway.generation import ChoiceDelta, EngineError, Usage, generate
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,6 +32,9 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from shared.messages import TokenizeRequest
+from shared.tracing import SpanKind, inject
+
+request_log = logging.getLogger("llmbus.requests")
 
 
 @dataclass(slots=True)
@@ -64,15 +71,34 @@ class _Limits(BaseHTTPMiddleware):
         return await call_next(request)
 
 
-def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
-    """`client_factory` is awaited at startup and returns a started EngineClient."""
+def _status_of(exc: BaseException) -> int:
+    if isinstance(exc, BadRequest):
+        return 400
+    if isinstance(exc, Unavailable):
+        return 503
+    return 500
+
+
+def _end_span(span, status: int, exc: BaseException | None = None) -> None:
+    span.set_attribute("http.response.status_code", status)
+    if exc is not None:
+        span.record_exception(exc)
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR))
+    span.end()
+
+
+def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
+    """`client_factory(on_stats)` is awaited at startup and returns a started EngineClient."""
     from contextlib import asynccontextmanager
 
     state: dict = {}
+    tracer = tracer or trace.get_tracer("llmbus.gateway")
+    metrics = GatewayMetrics(config.model_name)
 
     @asynccontextmanager
     async def lifespan(_app):
-        state["client"] = await client_factory()
+        state["client"] = await client_factory(metrics.observe_stats)
         yield
         close = getattr(state["client"], "aclose", None)
         if close is not None:
@@ -121,6 +147,10 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
             },
         }
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models():
         return {
@@ -143,7 +173,13 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
     async def _too_large(_req, _exc):
         return error_response(413, f"request body exceeds {config.max_body_bytes} bytes", "invalid_request_error")
 
-    async def prepare(request: Request, kind):
+    async def tokenize(request: TokenizeRequest, ctx) -> list[int]:
+        with tracer.start_as_current_span("gateway.tokenize", context=ctx, kind=SpanKind.CLIENT) as span:
+            ids = await client().tokenize(request, headers=inject())
+            span.set_attribute("llmbus.num_tokens", len(ids))
+            return ids
+
+    async def prepare(request: Request, kind, ctx):
         body = parse_body(await read_body(request), kind)
         if body.model != config.model_name:
             return body, None, None, error_response(
@@ -153,13 +189,13 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
         params = to_sampling_params(body)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
-            token_ids = await client().tokenize(
-                TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt)
+            token_ids = await tokenize(
+                TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt), ctx
             )
         else:
             prompt = completion_prompt(body)
             if isinstance(prompt, str):
-                token_ids = await client().tokenize(TokenizeRequest(prompt=prompt))
+                token_ids = await tokenize(TokenizeRequest(prompt=prompt), ctx)
             else:
                 token_ids = prompt
                 bad = [t for t in token_ids if not 0 <= t < tokenizer.backend.get_vocab_size(True)]
@@ -183,37 +219,73 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body, params, token_ids, error = await prepare(request, CompletionRequest)
-        if error is not None:
-            return error
-        return await serve_request(request, "cmpl", body, params, token_ids, chat=False)
+        return await handle(request, CompletionRequest, "cmpl", chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body, params, token_ids, error = await prepare(request, ChatCompletionRequest)
-        if error is not None:
-            return error
-        return await serve_request(request, "chatcmpl", body, params, token_ids, chat=True)
+        return await handle(request, ChatCompletionRequest, "chatcmpl", chat=True)
 
-    async def serve_request(request: Request, prefix: str, body, params, token_ids, chat: bool):
+    async def handle(request: Request, kind, prefix: str, chat: bool):
+        """FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
+        of a stream and parents everything the request causes on the bus."""
+        path = request.url.path
+        span = tracer.start_span(
+            "gateway.request", kind=SpanKind.INTERNAL,
+            attributes={"http.request.method": "POST", "url.path": path, "http.route": path},
+        )
+        ctx = trace.set_span_in_context(span)
+        try:
+            body, params, token_ids, error = await prepare(request, kind, ctx)
+        except Exception as exc:
+            _end_span(span, 413 if isinstance(exc, _TooLarge) else _status_of(exc), exc)
+            raise
+        if error is not None:
+            _end_span(span, error.status_code)
+            return error
+        return await serve_request(request, prefix, body, params, token_ids, chat, span, ctx)
+
+    async def serve_request(request: Request, prefix: str, body, params, token_ids, chat: bool, span, ctx):
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
         usage = Usage()
+        stream_span = tracer.start_span("gateway.stream", context=ctx)
         stream = generate(
             client(), tokenizer.backend, request_id, token_ids, params, tokenizer.eos_token_id,
-            usage, config.idle_timeout_s,
+            usage, config.idle_timeout_s, trace_headers=inject(ctx),
         )
+
+        def finished(status: int, exc: BaseException | None = None) -> None:
+            stream_span.set_attribute("llmbus.completion_tokens", usage.completion_tokens)
+            stream_span.end()
+            _end_span(span, status, exc)
+            e2e = time.monotonic() - usage.started_at
+            if status == 200 and usage.finish_reasons:
+                metrics.request_finished(usage.prompt_tokens, usage.completion_tokens, usage.finish_reasons,
+                                         usage.ttft, usage.itls, e2e, usage.queue_time_s)
+            request_log.info("request finished", extra={
+                "request_id": request_id, "status": status, "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
+                "ttft_s": None if usage.ttft is None else round(usage.ttft, 4), "e2e_s": round(e2e, 4),
+                "finish_reason": ",".join(usage.finish_reasons) or None,
+            })
+
         echo = ""
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(token_ids, skip_special_tokens=False)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(stream, request_id, created, chat, include_usage, usage, echo, params.n),
+                sse(stream, request_id, created, chat, include_usage, usage, echo, params.n, finished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await collect(request, stream, request_id, created, chat, usage, echo, params.n)
+        try:
+            response = await collect(request, stream, request_id, created, chat, usage, echo, params.n)
+        except Exception as exc:
+            finished(_status_of(exc), exc)
+            raise
+        finished(response.status_code if isinstance(response, Response) else 200)
+        return response
 
     async def collect(request, stream, request_id, created, chat, usage, echo, n):
         texts = [echo] * n
@@ -263,7 +335,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
             "usage": usage.as_dict(),
         }
 
-    async def sse(stream: AsyncIterator[list[ChoiceDelta]], request_id, created, chat, include_usage, usage, echo, n):
+    async def sse(stream: AsyncIterator[list[ChoiceDelta]], request_id, created, chat, include_usage, usage, echo, n,
+                  finished):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices, with_usage=None) -> str:
@@ -272,6 +345,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
                 payload["usage"] = with_usage
             return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+        status, failure = 499, None  # a client that leaves mid-stream never sees the end
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)])
@@ -295,10 +369,14 @@ def create_app(client_factory, tokenizer, config: GatewayConfig) -> FastAPI:
                     yield chunk(out)
             if include_usage:
                 yield chunk([], usage.as_dict())
+            status = 200
         except (EngineError, Unavailable, BadRequest) as exc:
-            status, kind = (400, "invalid_request_error") if isinstance(exc, BadRequest) else (500, "internal_error")
+            status, failure = _status_of(exc), exc
+            kind = "invalid_request_error" if status == 400 else "internal_error"
             error = {"message": str(exc), "type": kind, "param": getattr(exc, "param", None), "code": status}
             yield f"data: {json.dumps({'error': error})}\n\n"
+        finally:
+            finished(status, failure)
         yield "data: [DONE]\n\n"
 
     def token_text(token_id: int) -> str:

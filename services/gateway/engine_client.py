@@ -41,7 +41,7 @@ class Unavailable(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0, on_stats=None) -> None:
         self.nc = nc
         self.subjects = subjects
         self.gateway_id = gateway_id
@@ -54,6 +54,7 @@ class EngineClient:
         self._info: SchedulerInfo | None = None
         self._info_at = 0.0
         self.last_stats: SchedulerStats | None = None
+        self._on_stats = on_stats  # called with each SchedulerStats that arrives
         self._background: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -68,6 +69,8 @@ class EngineClient:
             return
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+            if self._on_stats is not None:
+                self._on_stats(outputs.scheduler_stats)
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
@@ -75,9 +78,11 @@ class EngineClient:
 
     # ---- calls ------------------------------------------------------------------------
 
-    async def tokenize(self, request: TokenizeRequest) -> list[int]:
+    async def tokenize(self, request: TokenizeRequest, headers: dict[str, str] | None = None) -> list[int]:
         try:
-            reply = await self.nc.request(self.subjects.tokenize, encode(request), timeout=self.timeout_s)
+            reply = await self.nc.request(
+                self.subjects.tokenize, encode(request), timeout=self.timeout_s, headers=headers or None
+            )
         except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
             raise Unavailable(f"no tokenizer answered ({type(exc).__name__})") from exc
         response = self._tokenize_decoder.decode(reply.data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -42,10 +42,21 @@ class _Choice:
 
 @dataclass(slots=True)
 class Usage:
+    """Token counts for the response, and the timings the metrics and the log line need."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    started_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    itls: list[float] = field(default_factory=list)
+    queue_time_s: float | None = None
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started_at
 
     def as_dict(self) -> dict:
         usage = {
@@ -67,6 +78,7 @@ async def generate(
     eos_token_id: int | None,
     usage: Usage,
     idle_timeout_s: float = 300.0,
+    trace_headers: dict[str, str] | None = None,
 ) -> AsyncIterator[list[ChoiceDelta]]:
     queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
     choices: dict[str, _Choice] = {}
@@ -92,6 +104,7 @@ async def generate(
                     eos_token_id=eos_token_id,
                     arrival_time=now,
                     reply_subject=client.reply_subject,
+                    trace_headers=trace_headers or {},
                 )
             )
         while not all(c.finished for c in choices.values()):
@@ -118,8 +131,15 @@ def _apply(choices: dict[str, _Choice], output: EngineCoreOutput, usage: Usage, 
         raise BadRequest(output.error or "the engine rejected the request")
     if output.error is not None and not output.new_token_ids:
         raise EngineError(output.error)
-    if output.new_token_ids and usage.first_token_at is None:
-        usage.first_token_at = time.time()
+    if output.new_token_ids:
+        now = time.monotonic()
+        if usage.first_token_at is None:
+            usage.first_token_at = now
+        else:
+            usage.itls.append(now - usage.last_token_at)
+        usage.last_token_at = now
+    if output.queue_time_s is not None and usage.queue_time_s is None:
+        usage.queue_time_s = output.queue_time_s
     usage.cached_tokens = max(usage.cached_tokens, output.num_cached_tokens)
     choice.num_tokens += len(output.new_token_ids)
     usage.completion_tokens += len(output.new_token_ids)
@@ -131,6 +151,7 @@ def _apply(choices: dict[str, _Choice], output: EngineCoreOutput, usage: Usage, 
         finish_reason, stop_reason = FinishReason.STOP, stop_string
     if finish_reason is not None:
         choice.finished = True
+        usage.finish_reasons.append(str(finish_reason))
         detok.flush()
         if finish_reason == FinishReason.ERROR:
             raise EngineError(output.error or "the engine failed this request")

@@ -11,6 +11,7 @@ from services.gateway.app import GatewayConfig, create_app
 from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import Subjects, connect
+from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.gateway")
 
@@ -19,9 +20,9 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
     tokenizer = Tokenizer(model_path)  # for detokenizing outputs; encoding is the tokenizers' job
     gateway_id = uuid.uuid4().hex[:8]
 
-    async def client_factory() -> EngineClient:
+    async def client_factory(on_stats) -> EngineClient:
         nc = await connect(nats_url, f"gateway-{gateway_id}")
-        client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s)
+        client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats)
         await client.start()
 
         async def aclose():
@@ -30,7 +31,7 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
         client.aclose = aclose  # type: ignore[attr-defined]
         return client
 
-    return create_app(client_factory, tokenizer, config)
+    return create_app(client_factory, tokenizer, config, setup_tracing("gateway"))
 
 
 def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int) -> None:
@@ -38,3 +39,4 @@ def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port
     log.info("gateway on http://%s:%d", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    shutdown_tracing()

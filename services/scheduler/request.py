@@ -39,6 +39,10 @@ class Request:
     in_worker: bool = False
     num_preemptions: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
+    queued_at: float = 0.0  # this scheduler's clock
+    queue_time_s: float | None = None  # until first scheduled; reported once
+    queue_time_reported: bool = False
+    queue_time_traced: bool = False
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -80,6 +80,7 @@ class Scheduler:
             arrival_time=req.arrival_time or time.time(),
             reply_subject=req.reply_subject,
             trace_headers=dict(req.trace_headers),
+            queued_at=time.monotonic(),
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -185,6 +186,8 @@ class Scheduler:
             self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if request.queue_time_s is None:
+                request.queue_time_s = time.monotonic() - request.queued_at
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -275,6 +278,9 @@ class Scheduler:
                 new_logprobs=[lp] if lp is not None else [],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
             )
+            if not request.queue_time_reported:
+                output.queue_time_s = request.queue_time_s
+                request.queue_time_reported = True
             if reason is not None:
                 self._finish(request, reason, stop_reason)
                 output.finish_reason = reason

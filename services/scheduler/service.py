@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from opentelemetry import trace
 
 from services.scheduler.scheduler import Scheduler
 from shared.bus import Subjects, connect, encode, stop_on_signals
@@ -30,6 +32,7 @@ from shared.messages import (
     SchedulerInfo,
     WorkerInfo,
 )
+from shared.tracing import Link, extract, inject, setup_tracing, shutdown_tracing, span_context_of, tracing_enabled
 
 log = logging.getLogger("llmbus.scheduler")
 
@@ -49,6 +52,8 @@ class SchedulerService:
         self.enable_prefix_caching = enable_prefix_caching
         self.step_timeout_s = step_timeout_s
         self.scheduler_id = uuid.uuid4().hex[:8]
+        self.tracer = setup_tracing("scheduler")
+        self.tracing = tracing_enabled()
         self.core: Scheduler | None = None
         self.worker: WorkerInfo | None = None
         self.wake = asyncio.Event()
@@ -135,17 +140,70 @@ class SchedulerService:
             if not scheduler_output.num_scheduled_tokens and not scheduler_output.finished_req_ids:
                 await self._sleep(stop, timeout=0.05)
                 continue
-            runner_output = await self._execute(scheduler_output)
-            for subject, outputs in core.update_from_output(scheduler_output, runner_output).items():
+            span = self._start_step_span(core, scheduler_output)
+            started = time.monotonic()
+            runner_output = await self._execute(scheduler_output, inject(trace.set_span_in_context(span)))
+            step_time = time.monotonic() - started
+            published = core.update_from_output(scheduler_output, runner_output)
+            for subject, outputs in published.items():
+                stats = outputs.scheduler_stats  # one object shared by every subject's message
+                stats.scheduler_id, stats.step_time_s = self.scheduler_id, step_time
+                stats.worker_id = self.worker.worker_id if self.worker else ""
                 if subject:
                     await self.nc.publish(subject, encode(outputs))
+            if runner_output.error is not None:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, runner_output.error))
+            span.end()
 
-    async def _execute(self, scheduler_output) -> ModelRunnerOutput:
+    def _start_step_span(self, core: Scheduler, scheduler_output):
+        """One span per tick, linked to the requests it served rather than copied into each.
+
+        Its parent is the oldest request's context, so a request traced alone shows its
+        whole path (and every step's worker span) in one trace.
+        """
+        if not self.tracing:
+            return trace.INVALID_SPAN
+        now_ns = time.time_ns()
+        requests = [core.requests[r] for r in scheduler_output.num_scheduled_tokens if r in core.requests]
+        num_prefill_tokens = num_decodes = 0
+        for request in requests:
+            n = scheduler_output.num_scheduled_tokens[request.request_id]
+            before = request.num_computed_tokens - n  # the core counted this step already
+            if before < request.num_prompt_tokens:
+                num_prefill_tokens += n
+            else:
+                num_decodes += 1
+            if request.queue_time_s is not None and not request.queue_time_traced:
+                request.queue_time_traced = True
+                queued = self.tracer.start_span(
+                    "scheduler.queue", context=extract(request.trace_headers),
+                    start_time=now_ns - int(request.queue_time_s * 1e9),
+                )
+                queued.end(end_time=now_ns)
+        links = [Link(sc) for r in requests if (sc := span_context_of(r.trace_headers)) is not None]
+        oldest = min(requests, key=lambda r: r.queued_at, default=None)
+        stats = core.make_stats()
+        return self.tracer.start_span(
+            "scheduler.step",
+            context=extract(oldest.trace_headers) if oldest else None,
+            links=links,
+            attributes={
+                "llmbus.step_id": scheduler_output.step_id,
+                "llmbus.num_requests": len(requests),
+                "llmbus.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
+                "llmbus.num_prefill_tokens": num_prefill_tokens,
+                "llmbus.num_decode_requests": num_decodes,
+                "llmbus.kv_cache_usage": stats.kv_cache_usage,
+                "llmbus.num_preemptions": stats.num_preemptions,
+            },
+        )
+
+    async def _execute(self, scheduler_output, headers: dict[str, str]) -> ModelRunnerOutput:
         assert self.worker is not None
         try:
             reply = await self.nc.request(
                 self.subjects.step(self.worker.worker_id), encode(scheduler_output),
-                timeout=self.step_timeout_s,
+                timeout=self.step_timeout_s, headers=headers or None,
             )
             return self._runner_output_decoder.decode(reply.data)
         except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
@@ -181,3 +239,4 @@ async def serve(
         ready.set()
     await service.run(stop)
     await nc.drain()
+    shutdown_tracing()

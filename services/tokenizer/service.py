@@ -15,6 +15,7 @@ import msgspec
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import Subjects, connect, encode, stop_on_signals
 from shared.messages import TokenizeRequest, TokenizeResponse
+from shared.tracing import SpanKind, extract, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.tokenizer")
 QUEUE_GROUP = "tokenizers"
@@ -35,19 +36,27 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
 
 async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None) -> None:
     tokenizer = Tokenizer(model_path)
+    tracer = setup_tracing("tokenizer")
     subjects = Subjects(model_name)
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
     nc = await connect(nats_url, "tokenizer")
 
     async def handle(msg) -> None:
+        with tracer.start_as_current_span("tokenizer.encode", context=extract(msg.headers), kind=SpanKind.SERVER) as span:
+            response = _handle(msg.data)
+            span.set_attribute("llmbus.num_tokens", len(response.token_ids))
+            if response.error:
+                span.set_attribute("llmbus.error", response.error)
+        await msg.respond(encode(response))
+
+    def _handle(data: bytes) -> TokenizeResponse:
         try:
-            response = tokenize(tokenizer, decoder.decode(msg.data))
+            return tokenize(tokenizer, decoder.decode(data))
         except msgspec.DecodeError as exc:
-            response = TokenizeResponse(error=f"malformed tokenize request: {exc}")
+            return TokenizeResponse(error=f"malformed tokenize request: {exc}")
         except Exception as exc:  # noqa: BLE001 - a handler must never kill the subscription
             log.exception("tokenize failed")
-            response = TokenizeResponse(error=f"tokenizer failed: {type(exc).__name__}: {exc}")
-        await msg.respond(encode(response))
+            return TokenizeResponse(error=f"tokenizer failed: {type(exc).__name__}: {exc}")
 
     await nc.subscribe(subjects.tokenize, queue=QUEUE_GROUP, cb=handle)
     await nc.flush()
@@ -57,3 +66,4 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
         ready.set()
     await stop.wait()
     await nc.drain()
+    shutdown_tracing()

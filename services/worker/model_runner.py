@@ -9,6 +9,7 @@ slot_mapping, block_table) and knows nothing of transport.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,8 @@ class ModelRunner:
         ]
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
+        # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
+        self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         log.info(
             "model loaded",
             extra={"model": str(model_path), "dtype": dtype, "kv_blocks": self.num_blocks},
@@ -85,6 +88,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        t_start = time.time_ns()
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if not num_scheduled:
@@ -100,7 +104,9 @@ class ModelRunner:
         states = [self.requests[rid] for rid in order]
         input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_scheduled)
 
+        t_forward = time.time_ns()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs = [None] * len(order)
         if sample_rows:
@@ -115,6 +121,7 @@ class ModelRunner:
                 logprobs[row] = lp
         for state in states:
             state.num_computed_tokens += num_scheduled[state.req_id]
+        self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
 
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,

@@ -1,0 +1,65 @@
+"""OpenTelemetry setup and W3C trace-context propagation over NATS headers.
+
+Configured by the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT` or
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` and
+`_ARG`); with no endpoint set tracing is off and every span is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind, Tracer  # noqa: F401 - re-exported for services
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_propagator = TraceContextTextMapPropagator()
+_provider = None
+
+
+def tracing_enabled() -> bool:
+    return bool(
+        os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    )
+
+
+def setup_tracing(service: str) -> Tracer:
+    """A tracer for this service; exports over OTLP/HTTP only when an endpoint is set."""
+    global _provider
+    if tracing_enabled() and _provider is None:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        # OTEL_SERVICE_NAME, when set, wins inside Resource.create; the sampler comes from
+        # OTEL_TRACES_SAMPLER(_ARG) through the SDK's own defaults.
+        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"llmbus-{service}"})
+        _provider = TracerProvider(resource=resource)
+        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=500))
+        trace.set_tracer_provider(_provider)
+    return trace.get_tracer(f"llmbus.{service}")
+
+
+def shutdown_tracing() -> None:
+    """Flush what is buffered; call on the way out."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """The `traceparent` (and `tracestate`) of a context, as NATS headers."""
+    headers: dict[str, str] = {}
+    _propagator.inject(headers, context=ctx)
+    return headers
+
+
+def extract(headers: dict[str, str] | None) -> otel_context.Context:
+    return _propagator.extract(headers or {})
+
+
+def span_context_of(headers: dict[str, str] | None) -> trace.SpanContext | None:
+    """The remote span context carried by headers, for span links; None if absent."""
+    span_context = trace.get_current_span(extract(headers)).get_span_context()
+    return span_context if span_context.is_valid else None

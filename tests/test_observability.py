@@ -1,0 +1,171 @@
+"""Traces across every hop, and Prometheus metrics that move as they should.
+
+The services run as separate processes with the environment compose gives them,
+exporting to a real OTLP/HTTP receiver started here."""
+
+import gzip
+import http.server
+import threading
+import time
+
+import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from deployment import Deployment
+from llmbus.serve import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class OtlpReceiver:
+    """Collects the spans POSTed to /v1/traces, as dicts."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for resource_spans in request.resource_spans:
+                    attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                    for scope in resource_spans.scope_spans:
+                        for span in scope.spans:
+                            receiver.spans.append({
+                                "service": attrs.get("service.name"),
+                                "name": span.name,
+                                "trace_id": span.trace_id.hex(),
+                                "span_id": span.span_id.hex(),
+                                "parent": span.parent_span_id.hex() or None,
+                                "links": [(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                                "attributes": {a.key: a.value for a in span.attributes},
+                            })
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.port = free_port()
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_llama):
+    receiver = OtlpReceiver()
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_TRACES_SAMPLER": "parentbased_always_on"}
+    d = Deployment(str(tiny_llama), worker_args=["--max-model-len", "512", "--num-kv-blocks", "128"], env=env)
+    try:
+        d.wait_healthy()
+        yield d, receiver
+    finally:
+        d.close()
+        receiver.close()
+
+
+def test_one_streaming_request_is_one_trace_through_every_service(traced):
+    deployment, receiver = traced
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 5, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", deployment.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert [line for line in resp.iter_lines() if line][-1] == "data: [DONE]"
+
+    def server_span():  # the gateway's request span, which everything on the bus hangs from
+        return next((s for s in receiver.spans if s["name"] == "gateway.request"), None)
+
+    deadline = time.monotonic() + 30
+    wanted = {"llmbus-gateway", "llmbus-tokenizer", "llmbus-scheduler", "llmbus-worker"}
+    while time.monotonic() < deadline:
+        root = server_span()
+        if root and wanted <= {s["service"] for s in receiver.spans if s["trace_id"] == root["trace_id"]}:
+            break
+        time.sleep(0.2)
+    root = server_span()
+    assert root is not None
+    assert root["attributes"]["http.response.status_code"].int_value == 200
+    spans = [s for s in receiver.spans if s["trace_id"] == root["trace_id"]]
+    # FastAPI's own HTTP server span is the trace's root, with ours beneath it.
+    [http_root] = [s for s in spans if s["parent"] is None]
+    assert http_root["name"] == "POST /v1/completions" and http_root["service"] == "llmbus-gateway"
+    ids = {s["span_id"]: s for s in spans}
+    ancestor = root
+    while ancestor["parent"] is not None:
+        ancestor = ids[ancestor["parent"]]
+    assert ancestor is http_root
+    by_name: dict[str, list[dict]] = {}
+    for s in spans:
+        by_name.setdefault(s["name"], []).append(s)
+    assert wanted <= {s["service"] for s in spans}
+
+    def only(name):
+        [span] = by_name[name]
+        return span
+
+    tokenize = only("gateway.tokenize")
+    assert tokenize["parent"] == root["span_id"]
+    assert only("tokenizer.encode")["parent"] == tokenize["span_id"]
+    assert only("scheduler.queue")["parent"] == root["span_id"]
+    assert only("gateway.stream")["parent"] == root["span_id"]
+    steps = by_name["scheduler.step"]
+    assert len(steps) >= 5  # at least one tick per generated token
+    for step in steps:
+        assert step["parent"] == root["span_id"]
+        assert (root["trace_id"], root["span_id"]) in step["links"]
+        assert step["attributes"]["llmbus.num_requests"].int_value == 1
+    step_ids = {s["span_id"] for s in steps}
+    executes = by_name["worker.execute"]
+    assert len(executes) == len(steps) and all(e["parent"] in step_ids for e in executes)
+    execute_ids = {e["span_id"] for e in executes}
+    assert all(s["parent"] in execute_ids for s in by_name["worker.forward"] + by_name["worker.sample"])
+
+
+def metric(text: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_move_as_they_should(traced):
+    deployment, _ = traced
+    url = deployment.base_url
+    before = httpx.get(url + "/metrics").text
+    prefix = "Paged attention keeps the KV cache in fixed-size blocks. " * 3
+    for i in range(3):
+        resp = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prefix + str(i), "max_tokens": 4, "ignore_eos": True})
+        assert resp.status_code == 200
+    after = httpx.get(url + "/metrics").text
+    assert after.startswith("# HELP") or "llmbus:" in after
+
+    def delta(name, **labels):
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("llmbus:generation_tokens_total") == 12
+    assert delta("llmbus:prompt_tokens_total") > 0
+    assert delta("llmbus:request_success_total", finished_reason="length") == 3
+    assert delta("llmbus:time_to_first_token_seconds_count") == 3
+    assert delta("llmbus:e2e_request_latency_seconds_count") == 3
+    assert delta("llmbus:request_queue_time_seconds_count") == 3
+    assert delta("llmbus:inter_token_latency_seconds_count") == 9
+    assert delta("llmbus:prefix_cache_queries_total") > 0
+    assert delta("llmbus:prefix_cache_hits_total") > 0  # the repeated prefix
+    assert metric(after, "llmbus:num_requests_running") == 0
+    assert metric(after, "llmbus:num_requests_waiting") == 0
+    assert metric(after, "llmbus:worker_step_seconds_count") > 0
+    assert 'scheduler="' in after
