@@ -54,6 +54,7 @@ class SchedulerService:
         self.scheduler_id = uuid.uuid4().hex[:8]
         self.tracer = setup_tracing("scheduler")
         self.tracing = tracing_enabled()
+        self._links: dict[str, Link | None] = {}  # request id -> link to its gateway span
         self.core: Scheduler | None = None
         self.worker: WorkerInfo | None = None
         self.wake = asyncio.Event()
@@ -154,6 +155,18 @@ class SchedulerService:
             if runner_output.error is not None:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, runner_output.error))
             span.end()
+            if self._links:
+                for request_id in [r for r in self._links if r not in core.requests]:
+                    del self._links[request_id]
+
+    def _link_of(self, request) -> Link | None:
+        """Parsed once per request, not once per tick."""
+        link = self._links.get(request.request_id)
+        if link is None and request.request_id not in self._links:
+            span_context = span_context_of(request.trace_headers)
+            link = Link(span_context) if span_context is not None else None
+            self._links[request.request_id] = link
+        return link
 
     def _start_step_span(self, core: Scheduler, scheduler_output):
         """One span per tick, linked to the requests it served rather than copied into each.
@@ -180,7 +193,7 @@ class SchedulerService:
                     start_time=now_ns - int(request.queue_time_s * 1e9),
                 )
                 queued.end(end_time=now_ns)
-        links = [Link(sc) for r in requests if (sc := span_context_of(r.trace_headers)) is not None]
+        links = [link for r in requests if (link := self._link_of(r)) is not None]
         oldest = min(requests, key=lambda r: r.queued_at, default=None)
         stats = core.make_stats()
         return self.tracer.start_span(
