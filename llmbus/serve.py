@@ -138,7 +138,8 @@ def run_serve(args, service_argv: dict[str, list[str]]) -> int:
         procs.append(spawn_service(["scheduler", *common, *service_argv["scheduler"]]))
         for _ in range(args.tokenizers):
             procs.append(spawn_service(["tokenizer", *common, *service_argv["tokenizer"]]))
-        procs.append(spawn_service(["worker", *common, *service_argv["worker"]]))
+        for _ in range(args.workers):
+            procs.append(spawn_service(["worker", *common, *service_argv["worker"]]))
         procs.append(spawn_service(["gateway", *common, *service_argv["gateway"]]))
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, procs, args.startup_timeout)

@@ -77,7 +77,8 @@ def cmd_scheduler(args) -> int:
         max_model_len=args.max_model_len or (1 << 31),
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
-    asyncio.run(serve(args.nats_url, args.served_model_name, config, not args.no_prefix_caching, args.step_timeout))
+    asyncio.run(serve(args.nats_url, args.served_model_name, config, not args.no_prefix_caching, args.step_timeout,
+                      args.heartbeat_timeout, args.no_worker_timeout))
     return 0
 
 
@@ -133,7 +134,12 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_scheduler_args(p)
-    p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)))
+    p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)),
+                   help="seconds a worker may take for one step before it is declared dead")
+    p.add_argument("--heartbeat-timeout", type=float, default=env("--heartbeat-timeout", 2.0),
+                   help="seconds without a worker heartbeat before it is declared dead")
+    p.add_argument("--no-worker-timeout", type=float, default=env("--no-worker-timeout", 30.0),
+                   help="seconds a request may wait while no worker is up")
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -150,6 +156,7 @@ def add_service_commands(sub) -> None:
     add_scheduler_args(p)
     add_gateway_args(p)
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
+    p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
     p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
     p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))
     p.set_defaults(func=cmd_serve)

@@ -68,6 +68,7 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     total_num_scheduled_tokens: int
     # Requests the worker must drop before this step: finished, aborted or preempted.
     finished_req_ids: list[str] = []
+    reset: bool = False  # drop every request held before applying this step
 
 
 class Logprobs(msgspec.Struct, **_WIRE):
@@ -150,6 +151,7 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None = None
+    draining: bool = False  # leaving: take no new requests, move the running ones away
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):

@@ -12,7 +12,8 @@ from llmbus.serve import NatsServer, free_port, spawn_service, stop_all
 
 
 class Deployment:
-    def __init__(self, model: str, name: str = "tiny", worker_args=(), scheduler_args=(), gateway_args=(), env=None):
+    def __init__(self, model: str, name: str = "tiny", worker_args=(), scheduler_args=(), gateway_args=(), env=None,
+                 num_workers: int = 1):
         self.model = model
         self.name = name
         self.nats = NatsServer().start()
@@ -23,7 +24,9 @@ class Deployment:
         common = ["--nats-url", self.nats.url, "--model", model, "--served-model-name", name]
         self.start("scheduler", ["scheduler", *common, *scheduler_args])
         self.start("tokenizer", ["tokenizer", *common])
-        self.start("worker", ["worker", *common, *worker_args])
+        self.worker_argv = ["worker", *common, *worker_args]
+        for i in range(num_workers):
+            self.start("worker" if i == 0 else f"worker{i + 1}", self.worker_argv)
         self.start("gateway", ["gateway", *common, "--port", str(self.port), *gateway_args])
 
     def start(self, key: str, argv: list[str]) -> subprocess.Popen:

@@ -78,13 +78,25 @@ class EngineClient:
 
     # ---- calls ------------------------------------------------------------------------
 
-    async def tokenize(self, request: TokenizeRequest, headers: dict[str, str] | None = None) -> list[int]:
-        try:
-            reply = await self.nc.request(
-                self.subjects.tokenize, encode(request), timeout=self.timeout_s, headers=headers or None
-            )
-        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
-            raise Unavailable(f"no tokenizer answered ({type(exc).__name__})") from exc
+    async def tokenize(
+        self, request: TokenizeRequest, headers: dict[str, str] | None = None, attempts: int = 3
+    ) -> list[int]:
+        """Ask a tokenizer replica; if it does not answer (it died holding the request),
+        ask again: the queue group routes the retry to a live replica."""
+        payload = encode(request)
+        for attempt in range(attempts):
+            try:
+                reply = await self.nc.request(
+                    self.subjects.tokenize, payload, timeout=self.timeout_s / attempts, headers=headers or None
+                )
+                break
+            except NoRespondersError as exc:  # none subscribed right now: a short wait may help
+                if attempt == attempts - 1:
+                    raise Unavailable("no tokenizer is running") from exc
+                await asyncio.sleep(0.2)
+            except (NatsTimeoutError, asyncio.TimeoutError) as exc:
+                if attempt == attempts - 1:
+                    raise Unavailable(f"no tokenizer answered in {self.timeout_s:.0f} s") from exc
         response = self._tokenize_decoder.decode(reply.data)
         if response.error is not None:
             raise BadRequest(response.error, "messages" if request.messages is not None else "prompt")

@@ -51,6 +51,17 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
+    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of these tokens are cached here (for placement)."""
+        if not self.enable_caching:
+            return 0
+        parent, bs = None, self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            if self.block_pool.get_cached_block(parent) is None:
+                return i
+        return max(0, (len(token_ids) - 1) // bs)
+
     def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
         self.prefix_cache_queries += num_queried
         self.prefix_cache_hits += num_hit

@@ -85,6 +85,32 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
+    def take_unfinished(self) -> list[Request]:
+        """Hand every unfinished request over (its worker is gone), oldest first.
+
+        Their blocks lived on that worker, so nothing is freed here: this core is dropped.
+        """
+        taken = sorted(list(self.running) + list(self.waiting), key=lambda r: r.queued_at)
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        return taken
+
+    def adopt(self, requests: list[Request]) -> None:
+        """Take requests from another worker: they resume from their prompt plus the tokens
+        already generated, recomputed here, ahead of requests that arrived later."""
+        for request in reversed(requests):
+            if request.request_id in self.requests:
+                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            request.in_worker = False
+            self.requests[request.request_id] = request
+            self.waiting.appendleft(request)
+
+    def load(self) -> int:
+        return len(self.running) + len(self.waiting)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             request = self.requests.get(request_id)

@@ -1,11 +1,12 @@
-"""The scheduler service: the tick loop around the scheduler core.
+"""The scheduler service: the tick loop around the fleet of per-worker scheduler cores.
 
-Requests and aborts arrive from gateways between ticks (the same event loop, so the
-core is never touched concurrently). A tick: `schedule()` -> the `SchedulerOutput` to
-the worker as a NATS request -> its `ModelRunnerOutput` -> `update_from_output()` ->
-`EngineCoreOutputs` published to each request's gateway. With nothing to do the loop
-sleeps on an event; a step reply that never comes is a timeout that fails that step's
-requests, never a hang.
+Requests, aborts and worker heartbeats arrive between ticks (one event loop: no core is
+touched concurrently with itself). Each worker has its own tick loop
+(workers never wait for each other): `schedule()` -> its `SchedulerOutput` as a NATS
+request -> the `ModelRunnerOutput` -> `update_from_output()` -> `EngineCoreOutputs` to
+each request's gateway; with nothing to do it sleeps on the worker's wake event. A
+monitor declares dead a worker that misses its step deadline or its heartbeats, cancels
+its loop, and its requests move to the others.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 from opentelemetry import trace
 
+from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.scheduler import Scheduler
 from shared.bus import Subjects, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
     AbortRequests,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
     ModelRunnerOutput,
     SchedulerInfo,
+    SchedulerOutput,
     WorkerInfo,
 )
 from shared.tracing import Link, extract, inject, setup_tracing, shutdown_tracing, span_context_of, tracing_enabled
@@ -45,18 +46,17 @@ class SchedulerService:
         config: SchedulerConfig,
         enable_prefix_caching: bool = True,
         step_timeout_s: float = 120.0,
+        heartbeat_timeout_s: float = 2.0,
+        no_worker_timeout_s: float = 30.0,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
-        self.config = config
-        self.enable_prefix_caching = enable_prefix_caching
         self.step_timeout_s = step_timeout_s
+        self.fleet = Fleet(config, enable_prefix_caching, heartbeat_timeout_s, no_worker_timeout_s)
         self.scheduler_id = uuid.uuid4().hex[:8]
         self.tracer = setup_tracing("scheduler")
         self.tracing = tracing_enabled()
         self._links: dict[str, Link | None] = {}  # request id -> link to its gateway span
-        self.core: Scheduler | None = None
-        self.worker: WorkerInfo | None = None
         self.wake = asyncio.Event()
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
@@ -80,95 +80,147 @@ class SchedulerService:
         except msgspec.DecodeError as exc:
             log.warning("dropped a malformed request: %s", exc)
             return
-        if self.core is None:
-            await self._reject(request, "no worker has joined yet", FinishReason.ERROR)
-            return
-        try:
-            self.core.add_request(request)
-        except ValueError as exc:
-            await self._reject(request, str(exc), FinishReason.REJECTED)
-            return
+        await self._publish_rejections(self.fleet.submit(request, time.monotonic()))
         self.wake.set()
-
-    async def _reject(self, request: EngineCoreRequest, reason: str, finish: FinishReason) -> None:
-        output = EngineCoreOutput(request.request_id, [], finish, error=reason)
-        if request.reply_subject:
-            await self.nc.publish(request.reply_subject, encode(EngineCoreOutputs([output])))
 
     async def on_abort(self, msg) -> None:
         try:
             ids = self._abort_decoder.decode(msg.data).request_ids
         except msgspec.DecodeError:
             return
-        if self.core is not None:
-            self.core.abort_requests(ids)
-            self.wake.set()  # so the worker hears of it at the next tick
+        self.fleet.abort(ids)
+        self.wake.set()  # so the worker hears of it at the next tick
 
     async def on_announce(self, msg) -> None:
         try:
             info = self._worker_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if self.worker is None:
-            self.worker = info
-            self.config.max_model_len = min(self.config.max_model_len, info.max_model_len)
-            self.core = Scheduler(
-                self.config, info.num_kv_blocks, info.block_size, info.vocab_size,
-                self.enable_prefix_caching,
-            )
-            log.info("worker %s joined: %d KV blocks", info.worker_id, info.num_kv_blocks)
-            self.wake.set()
+        await self._publish_rejections(self.fleet.heard_from(info, time.monotonic()))
+        self.wake.set()
 
     async def on_info(self, msg) -> None:
+        fleet = self.fleet
         info = SchedulerInfo(
             scheduler_id=self.scheduler_id,
             model=self.subjects.model,
-            num_workers=0 if self.worker is None else 1,
-            max_model_len=self.core.max_model_len if self.core else 0,
-            stats=self.core.make_stats() if self.core else None,
+            num_workers=len(fleet.workers),
+            max_model_len=fleet.max_model_len,
+            stats=fleet.stats() if fleet.workers else None,
         )
         await msg.respond(encode(info))
+
+    async def _publish_rejections(self, rejections: list[Rejection]) -> None:
+        for subject, output in rejections:
+            if subject:
+                await self.nc.publish(subject, encode(EngineCoreOutputs([output])))
 
     # ---- the tick loop ----------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            core = self.core
-            if core is None or not core.has_work():
-                await self._sleep(stop)
+        """The monitor: one loop per live worker, dead ones cancelled, waiters expired."""
+        loops: dict[str, tuple[WorkerHandle, asyncio.Task]] = {}
+        try:
+            while not stop.is_set():
+                await self._publish_rejections(self.fleet.check(time.monotonic()))
+                for worker_id, (handle, task) in list(loops.items()):
+                    if self.fleet.workers.get(worker_id) is not handle:
+                        task.cancel()  # removed (dead, drained) or rejoined as a new handle
+                        del loops[worker_id]
+                for worker_id, handle in self.fleet.workers.items():
+                    if worker_id not in loops:
+                        loops[worker_id] = (handle, asyncio.create_task(self._worker_loop(handle)))
+                await self._sleep(stop, timeout=0.25)
+        finally:
+            for _, task in loops.values():
+                task.cancel()
+
+    async def _worker_loop(self, handle: WorkerHandle) -> None:
+        core = handle.core
+        while True:
+            if not core.has_work():
+                handle.wake.clear()
+                try:
+                    await asyncio.wait_for(handle.wake.wait(), 0.5)
+                except asyncio.TimeoutError:
+                    pass
                 continue
-            scheduler_output = core.schedule()
-            if not scheduler_output.num_scheduled_tokens and not scheduler_output.finished_req_ids:
-                await self._sleep(stop, timeout=0.05)
+            step = core.schedule()
+            if not (step.num_scheduled_tokens or step.finished_req_ids):
+                await asyncio.sleep(0.01)  # nothing fits right now; let the event loop breathe
                 continue
-            span = self._start_step_span(core, scheduler_output)
-            started = time.monotonic()
-            runner_output = await self._execute(scheduler_output, inject(trace.set_span_in_context(span)))
-            step_time = time.monotonic() - started
-            published = core.update_from_output(scheduler_output, runner_output)
-            for subject, outputs in published.items():
-                stats = outputs.scheduler_stats  # one object shared by every subject's message
-                stats.scheduler_id, stats.step_time_s = self.scheduler_id, step_time
-                stats.worker_id = self.worker.worker_id if self.worker else ""
-                if subject:
-                    await self.nc.publish(subject, encode(outputs))
-            if runner_output.error is not None:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, runner_output.error))
+            # A worker new to this core may hold state from before (an earlier scheduler,
+            # or its own false death): its first step clears it.
+            step.reset, handle.needs_reset = handle.needs_reset, False
+            if not await self._tick(handle, step):
+                return  # the worker is gone; the fleet has moved its requests
+
+
+    async def _tick(self, handle: WorkerHandle, step: SchedulerOutput) -> bool:
+        """One step on one worker; False when the worker did not answer."""
+        core = handle.core
+        span = self._start_step_span(core, step, handle.worker_id)
+        started = time.monotonic()
+        runner_output = await self._execute(handle, step, inject(trace.set_span_in_context(span)))
+        step_time = time.monotonic() - started
+        if runner_output is None:  # no answer: the worker is gone, its requests move on
+            span.set_status(trace.Status(trace.StatusCode.ERROR, "worker did not answer"))
             span.end()
-            if self._links:
-                for request_id in [r for r in self._links if r not in core.requests]:
-                    del self._links[request_id]
+            await self._publish_rejections(
+                self.fleet.remove(handle.worker_id, f"no answer to step {step.step_id}")
+            )
+            self.wake.set()
+            return False
+        published = core.update_from_output(step, runner_output)
+        stats = msgspec.structs.replace(
+            self.fleet.stats(), scheduler_id=self.scheduler_id, worker_id=handle.worker_id, step_time_s=step_time
+        )
+        for subject, outputs in published.items():
+            outputs.scheduler_stats = stats
+            for output in outputs.outputs:
+                if output.finish_reason is not None:
+                    self.fleet.finished(output.request_id)
+                    self._links.pop(output.request_id, None)
+            if subject:
+                await self.nc.publish(subject, encode(outputs))
+        if runner_output.error is not None:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, runner_output.error))
+        span.end()
+        return True
+
+    async def _execute(self, handle: WorkerHandle, step, headers: dict[str, str]) -> ModelRunnerOutput | None:
+        """The worker's answer; None when it cannot answer (gone, or past the deadline)."""
+        try:
+            reply = await self.nc.request(
+                self.subjects.step(handle.worker_id), encode(step),
+                timeout=self.step_timeout_s, headers=headers or None,
+            )
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+            log.error("worker %s did not answer step %d: %s", handle.worker_id, step.step_id, type(exc).__name__)
+            return None
+        try:
+            return self._runner_output_decoder.decode(reply.data)
+        except msgspec.DecodeError as exc:
+            return ModelRunnerOutput(step.step_id, [], [], error=f"malformed step reply: {exc}")
+
+    async def _sleep(self, stop: asyncio.Event, timeout: float) -> None:
+        self.wake.clear()
+        waiter = asyncio.ensure_future(self.wake.wait())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({waiter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+
+    # ---- tracing ----------------------------------------------------------------------
 
     def _link_of(self, request) -> Link | None:
         """Parsed once per request, not once per tick."""
-        link = self._links.get(request.request_id)
-        if link is None and request.request_id not in self._links:
+        if request.request_id not in self._links:
             span_context = span_context_of(request.trace_headers)
-            link = Link(span_context) if span_context is not None else None
-            self._links[request.request_id] = link
-        return link
+            self._links[request.request_id] = Link(span_context) if span_context is not None else None
+        return self._links[request.request_id]
 
-    def _start_step_span(self, core: Scheduler, scheduler_output):
+    def _start_step_span(self, core: Scheduler, step: SchedulerOutput, worker_id: str):
         """One span per tick, linked to the requests it served rather than copied into each.
 
         Its parent is the oldest request's context, so a request traced alone shows its
@@ -177,10 +229,10 @@ class SchedulerService:
         if not self.tracing:
             return trace.INVALID_SPAN
         now_ns = time.time_ns()
-        requests = [core.requests[r] for r in scheduler_output.num_scheduled_tokens if r in core.requests]
+        requests = [core.requests[r] for r in step.num_scheduled_tokens if r in core.requests]
         num_prefill_tokens = num_decodes = 0
         for request in requests:
-            n = scheduler_output.num_scheduled_tokens[request.request_id]
+            n = step.num_scheduled_tokens[request.request_id]
             before = request.num_computed_tokens - n  # the core counted this step already
             if before < request.num_prompt_tokens:
                 num_prefill_tokens += n
@@ -201,38 +253,16 @@ class SchedulerService:
             context=extract(oldest.trace_headers) if oldest else None,
             links=links,
             attributes={
-                "llmbus.step_id": scheduler_output.step_id,
+                "llmbus.step_id": step.step_id,
+                "llmbus.worker_id": worker_id,
                 "llmbus.num_requests": len(requests),
-                "llmbus.num_scheduled_tokens": scheduler_output.total_num_scheduled_tokens,
+                "llmbus.num_scheduled_tokens": step.total_num_scheduled_tokens,
                 "llmbus.num_prefill_tokens": num_prefill_tokens,
                 "llmbus.num_decode_requests": num_decodes,
                 "llmbus.kv_cache_usage": stats.kv_cache_usage,
                 "llmbus.num_preemptions": stats.num_preemptions,
             },
         )
-
-    async def _execute(self, scheduler_output, headers: dict[str, str]) -> ModelRunnerOutput:
-        assert self.worker is not None
-        try:
-            reply = await self.nc.request(
-                self.subjects.step(self.worker.worker_id), encode(scheduler_output),
-                timeout=self.step_timeout_s, headers=headers or None,
-            )
-            return self._runner_output_decoder.decode(reply.data)
-        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
-            reason = f"worker {self.worker.worker_id} did not answer step {scheduler_output.step_id}: {type(exc).__name__}"
-        except msgspec.DecodeError as exc:
-            reason = f"malformed step reply: {exc}"
-        log.error(reason)
-        return ModelRunnerOutput(scheduler_output.step_id, [], [], error=reason)
-
-    async def _sleep(self, stop: asyncio.Event, timeout: float = 1.0) -> None:
-        self.wake.clear()
-        waiter = asyncio.ensure_future(self.wake.wait())
-        stopper = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({waiter, stopper}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        stopper.cancel()
 
 
 async def serve(
@@ -241,10 +271,15 @@ async def serve(
     config: SchedulerConfig,
     enable_prefix_caching: bool = True,
     step_timeout_s: float = 120.0,
+    heartbeat_timeout_s: float = 2.0,
+    no_worker_timeout_s: float = 30.0,
     ready: asyncio.Event | None = None,
 ) -> None:
     nc = await connect(nats_url, "scheduler")
-    service = SchedulerService(nc, Subjects(model_name), config, enable_prefix_caching, step_timeout_s)
+    service = SchedulerService(
+        nc, Subjects(model_name), config, enable_prefix_caching, step_timeout_s,
+        heartbeat_timeout_s, no_worker_timeout_s,
+    )
     await service.start()
     stop = stop_on_signals()
     log.info("scheduler %s ready", service.scheduler_id)

@@ -131,6 +131,8 @@ class ModelRunner:
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        if so.reset:
+            self.requests.clear()
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,7 +70,8 @@ async def serve(
     attention_backend: str | None = None,
     max_model_len: int | None = None,
     worker_id: str | None = None,
-    heartbeat_s: float = 1.0,
+    heartbeat_s: float = 0.5,
+    drain_timeout_s: float = 10.0,
     ready: asyncio.Event | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
@@ -95,7 +97,10 @@ async def serve(
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
     nc = await connect(nats_url, f"worker-{worker_id}")
 
+    last_step_at = [time.monotonic()]
+
     async def handle_step(msg) -> None:
+        last_step_at[0] = time.monotonic()
         ctx = extract(msg.headers)
         output = await loop.run_in_executor(step_thread, run_step, runner, msg.data, decoder, tracer, ctx)
         await msg.respond(encode(output))
@@ -117,6 +122,13 @@ async def serve(
             await asyncio.wait_for(stop.wait(), heartbeat_s)
         except asyncio.TimeoutError:
             pass
+    # Drain: say we are leaving (the scheduler moves our requests elsewhere), finish the
+    # step in hand, and go once steps have stopped coming.
+    info.draining = True
+    await announce()
+    deadline = time.monotonic() + drain_timeout_s
+    while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
+        await asyncio.sleep(0.1)
     await nc.drain()
     step_thread.shutdown()
     shutdown_tracing()

@@ -1,0 +1,168 @@
+"""Every worker the scheduler knows, each with its own scheduler core and KV block pool,
+and where each request lives.
+
+Workers are data-parallel replicas: a request is placed on the worker that already
+caches most of its prefix (then the least loaded) and stays there while it runs. When
+a worker dies or drains, its unfinished requests move to the others and resume from
+their prompt plus the tokens already generated; with no worker left they wait here,
+for a bounded time. A plain object: the service shell calls it between ticks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler
+from shared.config import SchedulerConfig
+from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, WorkerInfo
+
+log = logging.getLogger("llmbus.scheduler")
+
+# A request ended here rather than by a worker: (its gateway's reply subject, the output).
+Rejection = tuple[str, EngineCoreOutput]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    info: WorkerInfo
+    core: Scheduler
+    last_seen: float
+    needs_reset: bool = True
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new work for its loop
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        enable_prefix_caching: bool = True,
+        heartbeat_timeout_s: float = 2.0,
+        no_worker_timeout_s: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.enable_prefix_caching = enable_prefix_caching
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.no_worker_timeout_s = no_worker_timeout_s
+        self.workers: dict[str, WorkerHandle] = {}
+        self.owner: dict[str, WorkerHandle] = {}
+        # Requests no worker can take yet, with when they started waiting.
+        self.unplaced: deque[tuple[EngineCoreRequest | Request, float]] = deque()
+
+    # ---- workers ---------------------------------------------------------------------
+
+    def heard_from(self, info: WorkerInfo, now: float) -> list[Rejection]:
+        """An announcement or heartbeat. Returns outputs for requests it had to reject."""
+        handle = self.workers.get(info.worker_id)
+        if info.draining:
+            return self.remove(info.worker_id, "draining") if handle is not None else []
+        # A worker declared dead that speaks again rejoins as new: a fresh core, and a
+        # reset of whatever it still holds with its first step.
+        if handle is not None:
+            handle.last_seen = now
+            return []
+        config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
+        core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, self.enable_prefix_caching)
+        self.workers[info.worker_id] = WorkerHandle(info, core, now)
+        log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
+        waiting, self.unplaced = self.unplaced, deque()
+        rejected = []
+        for item, since in waiting:
+            rejected += self._place(item, since)
+        return rejected
+
+    def remove(self, worker_id: str, reason: str) -> list[Rejection]:
+        """A worker is gone (dead, timed out, drained): move its requests to the others."""
+        handle = self.workers.pop(worker_id, None)
+        if handle is None:
+            return []
+        moved = handle.core.take_unfinished()
+        log.warning("worker %s removed (%s); moving %d request(s); %d worker(s) left",
+                    worker_id, reason, len(moved), len(self.workers))
+        rejected = []
+        for request in moved:
+            self.owner.pop(request.request_id, None)
+            rejected += self._place(request, handle.last_seen)
+        return rejected
+
+    def check(self, now: float) -> list[Rejection]:
+        """Declare silent workers dead; fail requests that waited too long for any worker."""
+        rejected = []
+        for handle in list(self.workers.values()):
+            if now - handle.last_seen > self.heartbeat_timeout_s:
+                rejected += self.remove(handle.worker_id, f"no heartbeat for {now - handle.last_seen:.1f} s")
+        while self.unplaced and now - self.unplaced[0][1] > self.no_worker_timeout_s:
+            item, _ = self.unplaced.popleft()
+            rejected.append(_error(item, f"no worker became available within {self.no_worker_timeout_s:.0f} s"))
+        return rejected
+
+    # ---- requests --------------------------------------------------------------------
+
+    def submit(self, request: EngineCoreRequest, now: float) -> list[Rejection]:
+        """Place a new request; returns a rejection when it is invalid."""
+        return self._place(request, now)
+
+    def _place(self, item: EngineCoreRequest | Request, since: float) -> list[Rejection]:
+        if not self.workers:
+            self.unplaced.append((item, since))
+            return []
+        tokens = item.prompt_token_ids if isinstance(item, EngineCoreRequest) else item.all_token_ids
+        handle = max(
+            self.workers.values(),
+            key=lambda h: (h.core.kv_cache_manager.num_cached_prefix_blocks(tokens), -h.core.load()),
+        )
+        try:
+            if isinstance(item, EngineCoreRequest):
+                handle.core.add_request(item)
+            else:
+                handle.core.adopt([item])
+        except ValueError as exc:
+            return [_error(item, str(exc), FinishReason.REJECTED)]
+        self.owner[item.request_id] = handle
+        handle.wake.set()
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            handle = self.owner.pop(request_id, None)
+            if handle is not None:
+                handle.core.abort_requests([request_id])
+                handle.wake.set()  # its worker drops the request at the next step
+        if self.unplaced:
+            drop = set(request_ids)
+            self.unplaced = deque((item, t) for item, t in self.unplaced if item.request_id not in drop)
+
+    def finished(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+
+    # ---- views -----------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return min((h.core.max_model_len for h in self.workers.values()), default=0)
+
+    def stats(self) -> SchedulerStats:
+        per_worker = [h.core.make_stats() for h in self.workers.values()]
+        total = SchedulerStats(num_waiting_reqs=len(self.unplaced))
+        for s in per_worker:
+            total.num_running_reqs += s.num_running_reqs
+            total.num_waiting_reqs += s.num_waiting_reqs
+            total.prefix_cache_queries += s.prefix_cache_queries
+            total.prefix_cache_hits += s.prefix_cache_hits
+            total.num_preemptions += s.num_preemptions
+            total.num_generation_tokens += s.num_generation_tokens
+        if per_worker:
+            total.kv_cache_usage = sum(s.kv_cache_usage for s in per_worker) / len(per_worker)
+        return total
+
+
+def _error(item: EngineCoreRequest | Request, reason: str, finish=FinishReason.ERROR) -> Rejection:
+    return item.reply_subject, EngineCoreOutput(item.request_id, [], finish, error=reason)
