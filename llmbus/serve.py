@@ -73,13 +73,22 @@ class NatsServer:
         raise RuntimeError("nats-server did not start listening")
 
     def stop(self) -> None:
+        self._end_process()
+        self._dir.cleanup()
+
+    def restart(self) -> None:
+        """The same server on the same port, as an operator's restart would give."""
+        self._end_process()
+        self.start()
+
+    def _end_process(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        self._dir.cleanup()
+                self.proc.wait()
 
 
 def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:

@@ -78,7 +78,7 @@ def cmd_scheduler(args) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     asyncio.run(serve(args.nats_url, args.served_model_name, config, not args.no_prefix_caching, args.step_timeout,
-                      args.heartbeat_timeout, args.no_worker_timeout))
+                      args.heartbeat_timeout, args.no_worker_timeout, args.max_waiting_requests))
     return 0
 
 
@@ -107,7 +107,7 @@ def cmd_serve(args) -> int:
     scheduler = [*model, "--max-num-seqs", str(args.max_num_seqs),
                  "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                  "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                 "--step-timeout", str(args.step_timeout)]
+                 "--step-timeout", str(args.step_timeout), "--max-waiting-requests", str(args.max_waiting_requests)]
     if args.no_prefix_caching:
         scheduler.append("--no-prefix-caching")
     gateway = [*model, "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes)]
@@ -140,6 +140,8 @@ def add_service_commands(sub) -> None:
                    help="seconds without a worker heartbeat before it is declared dead")
     p.add_argument("--no-worker-timeout", type=float, default=env("--no-worker-timeout", 30.0),
                    help="seconds a request may wait while no worker is up")
+    p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0),
+                   help="beyond this many waiting requests new ones get 429 (0 = no limit)")
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -157,6 +159,7 @@ def add_service_commands(sub) -> None:
     add_gateway_args(p)
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
+    p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))
     p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
     p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))
     p.set_defaults(func=cmd_serve)

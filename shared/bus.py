@@ -32,6 +32,7 @@ class Subjects:
         self.announce = f"{self.prefix}.workers.announce"  # worker -> scheduler: WorkerInfo
         self.scheduler_hello = f"{self.prefix}.scheduler.hello"  # scheduler -> workers: announce!
         self.scheduler_info = f"{self.prefix}.scheduler.info"  # request/reply: SchedulerInfo
+        self.scheduler_heartbeat = f"{self.prefix}.scheduler.heartbeat"  # SchedulerHeartbeat
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput
@@ -46,15 +47,21 @@ def subject_token(name: str) -> str:
     return token or "model"
 
 
-async def connect(url: str, name: str) -> Client:
-    """Connect with reconnection forever: a NATS restart is an outage, not a crash."""
+async def connect(url: str, name: str, on_reconnect=None) -> Client:
+    """Connect with reconnection forever: a NATS restart is an outage, not a crash.
+
+    `on_reconnect` (async) runs after each reconnection: messages in flight across the gap
+    may be lost, and the caller decides what that means for its work.
+    """
 
     async def on_disconnect():
         if not (nc.is_closed or nc.is_draining):  # a drain on shutdown is not news
             log.warning("%s disconnected from NATS", name)
 
-    async def on_reconnect():
-        log.warning("reconnected to NATS at %s", nc.connected_url.netloc if nc.connected_url else url)
+    async def on_reconnected():
+        log.warning("%s reconnected to NATS at %s", name, nc.connected_url.netloc if nc.connected_url else url)
+        if on_reconnect is not None:
+            await on_reconnect()
 
     async def on_error(exc):
         log.debug("NATS error: %s", exc)
@@ -67,7 +74,7 @@ async def connect(url: str, name: str) -> Client:
         connect_timeout=5,
         allow_reconnect=True,
         disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
+        reconnected_cb=on_reconnected,
         error_cb=on_error,
     )
     log.info("%s connected to NATS at %s", name, url)

@@ -25,6 +25,8 @@ class FinishReason(enum.IntEnum):
     ABORT = 2  # the client went away or asked to cancel
     ERROR = 3  # the engine could not serve it
     REJECTED = 4  # the request itself was invalid (the error says why): a client error
+    OVERLOADED = 5  # the waiting queue is full: try again later
+    UNAVAILABLE = 6  # the engine went away (the scheduler died or restarted)
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -152,6 +154,11 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     vocab_size: int
     eos_token_id: int | None = None
     draining: bool = False  # leaving: take no new requests, move the running ones away
+
+
+class SchedulerHeartbeat(msgspec.Struct, **_WIRE):
+    scheduler_id: str
+    num_workers: int
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):

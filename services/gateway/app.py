@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from starlette.middleware.base import BaseHTTPMiddleware
 
-from services.gateway.engine_client import BadRequest, EngineClient, Unavailable
+from services.gateway.engine_client import BadRequest, EngineClient, Overloaded, Unavailable
 from services.gateway.generation import ChoiceDelta, EngineError, Usage, generate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
@@ -74,6 +74,8 @@ class _Limits(BaseHTTPMiddleware):
 def _status_of(exc: BaseException) -> int:
     if isinstance(exc, BadRequest):
         return 400
+    if isinstance(exc, Overloaded):
+        return 429
     if isinstance(exc, Unavailable):
         return 503
     return 500
@@ -86,6 +88,16 @@ def _end_span(span, status: int, exc: BaseException | None = None) -> None:
     if status >= 500:
         span.set_status(trace.Status(trace.StatusCode.ERROR))
     span.end()
+
+
+async def _prepend(first, stream):
+    try:
+        if first:
+            yield first
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()  # a client that left must abort the engine request now
 
 
 def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
@@ -117,6 +129,12 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     @app.exception_handler(Unavailable)
     async def _unavailable(_req, exc: Unavailable):
         return error_response(503, str(exc), "service_unavailable")
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_req, exc: Overloaded):
+        response = error_response(429, str(exc), "rate_limit_exceeded")
+        response.headers["Retry-After"] = "1"
+        return response
 
     @app.exception_handler(EngineError)
     async def _engine_error(_req, exc: EngineError):
@@ -180,6 +198,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             return ids
 
     async def prepare(request: Request, kind, ctx):
+        if client().scheduler_silent():
+            raise Unavailable("the scheduler is not running")
         body = parse_body(await read_body(request), kind)
         if body.model != config.model_name:
             return body, None, None, error_response(
@@ -274,8 +294,17 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             echo = body.prompt if isinstance(body.prompt, str) else tokenizer.decode(token_ids, skip_special_tokens=False)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            # Wait for the engine's first answer before sending headers, so a request it
+            # refuses (full queue, bad input) gets a real HTTP status, not an SSE error.
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                first = []
+            except Exception as exc:
+                finished(_status_of(exc), exc)
+                raise
             return StreamingResponse(
-                sse(stream, request_id, created, chat, include_usage, usage, echo, params.n, finished),
+                sse(_prepend(first, stream), request_id, created, chat, include_usage, usage, echo, params.n, finished),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -370,7 +399,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             if include_usage:
                 yield chunk([], usage.as_dict())
             status = 200
-        except (EngineError, Unavailable, BadRequest) as exc:
+        except (EngineError, Unavailable, BadRequest, Overloaded) as exc:
             status, failure = _status_of(exc), exc
             kind = "invalid_request_error" if status == 400 else "internal_error"
             error = {"message": str(exc), "type": kind, "param": getattr(exc, "param", None), "code": status}

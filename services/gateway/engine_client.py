@@ -19,6 +19,8 @@ from shared.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
+    SchedulerHeartbeat,
     SchedulerInfo,
     SchedulerStats,
     TokenizeRequest,
@@ -40,8 +42,15 @@ class Unavailable(RuntimeError):
     """A service the request needs does not answer: a 503."""
 
 
+class Overloaded(RuntimeError):
+    """The engine's waiting queue is full: a 429, to be retried later."""
+
+
 class EngineClient:
-    def __init__(self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0, on_stats=None) -> None:
+    def __init__(
+        self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0, on_stats=None,
+        scheduler_timeout_s: float = 2.5,
+    ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.gateway_id = gateway_id
@@ -56,10 +65,55 @@ class EngineClient:
         self.last_stats: SchedulerStats | None = None
         self._on_stats = on_stats  # called with each SchedulerStats that arrives
         self._background: set[asyncio.Task] = set()
+        self._heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)
+        self.scheduler_timeout_s = scheduler_timeout_s
+        self.scheduler_id: str | None = None
+        self._last_heartbeat: float | None = None
+        self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.nc.subscribe(self.reply_subject, cb=self._on_outputs)
+        await self.nc.subscribe(self.subjects.scheduler_heartbeat, cb=self._on_heartbeat)
         await self.nc.flush()
+        # Counted from now: a scheduler that never speaks is as silent as one that stopped.
+        self._last_heartbeat = time.monotonic()
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_scheduler())
+
+    # ---- scheduler liveness -------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            beat = self._heartbeat_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if self.scheduler_id is not None and beat.scheduler_id != self.scheduler_id:
+            # A new scheduler knows nothing of what the old one was running.
+            self._fail_open_requests("the scheduler restarted; this request was lost with it")
+        self.scheduler_id = beat.scheduler_id
+        self._last_heartbeat = time.monotonic()
+
+    def scheduler_silent(self) -> bool:
+        """True when no scheduler has been heard for too long (or at all since start)."""
+        return self._last_heartbeat is not None and time.monotonic() - self._last_heartbeat > self.scheduler_timeout_s
+
+    async def _watch_scheduler(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if self.scheduler_silent() and self._queues:
+                self._fail_open_requests(
+                    f"the scheduler has not been heard from for {self.scheduler_timeout_s:.1f} s"
+                )
+
+    async def on_reconnect(self) -> None:
+        """Outputs published while the bus was down are lost: a stream would have a gap or
+        never end. Requests in flight end with an error now (and are aborted)."""
+        open_ids = list(self._queues)
+        self._fail_open_requests("the message bus restarted while this request was in flight")
+        self.abort_soon(open_ids)
+
+    def _fail_open_requests(self, reason: str) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(EngineCoreOutput(request_id, [], FinishReason.UNAVAILABLE, error=reason))
 
     async def _on_outputs(self, msg) -> None:
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from services.gateway.engine_client import BadRequest, EngineClient, Unavailable
+from services.gateway.engine_client import BadRequest, EngineClient, Overloaded, Unavailable
 from shared.detokenizer import IncrementalDetokenizer
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shared.sampling_params import SamplingParams
@@ -129,6 +129,10 @@ def _apply(choices: dict[str, _Choice], output: EngineCoreOutput, usage: Usage, 
         return None
     if output.finish_reason == FinishReason.REJECTED:
         raise BadRequest(output.error or "the engine rejected the request")
+    if output.finish_reason == FinishReason.OVERLOADED:
+        raise Overloaded(output.error or "the engine is overloaded")
+    if output.finish_reason == FinishReason.UNAVAILABLE:
+        raise Unavailable(output.error or "the engine is unavailable")
     if output.error is not None and not output.new_token_ids:
         raise EngineError(output.error)
     if output.new_token_ids:

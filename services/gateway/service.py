@@ -21,8 +21,15 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
     gateway_id = uuid.uuid4().hex[:8]
 
     async def client_factory(on_stats) -> EngineClient:
-        nc = await connect(nats_url, f"gateway-{gateway_id}")
+        holder: list[EngineClient] = []
+
+        async def on_reconnect() -> None:
+            if holder:
+                await holder[0].on_reconnect()
+
+        nc = await connect(nats_url, f"gateway-{gateway_id}", on_reconnect)
         client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats)
+        holder.append(client)
         await client.start()
 
         async def aclose():

@@ -47,8 +47,10 @@ class Fleet:
         enable_prefix_caching: bool = True,
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
+        max_waiting_requests: int = 0,  # 0 = unbounded
     ) -> None:
         self.config = config
+        self.max_waiting_requests = max_waiting_requests
         self.enable_prefix_caching = enable_prefix_caching
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.no_worker_timeout_s = no_worker_timeout_s
@@ -107,8 +109,15 @@ class Fleet:
     # ---- requests --------------------------------------------------------------------
 
     def submit(self, request: EngineCoreRequest, now: float) -> list[Rejection]:
-        """Place a new request; returns a rejection when it is invalid."""
+        """Place a new request; returns a rejection when it is invalid or the queue is full."""
+        limit = self.max_waiting_requests
+        if limit and self.num_waiting() >= limit:
+            return [_error(request, f"the engine has {limit} requests waiting; try again later",
+                           FinishReason.OVERLOADED)]
         return self._place(request, now)
+
+    def num_waiting(self) -> int:
+        return len(self.unplaced) + sum(len(h.core.waiting) for h in self.workers.values())
 
     def _place(self, item: EngineCoreRequest | Request, since: float) -> list[Rejection]:
         if not self.workers:

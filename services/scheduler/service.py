@@ -29,6 +29,7 @@ from shared.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
+    SchedulerHeartbeat,
     SchedulerInfo,
     SchedulerOutput,
     WorkerInfo,
@@ -48,11 +49,13 @@ class SchedulerService:
         step_timeout_s: float = 120.0,
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
+        max_waiting_requests: int = 0,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
-        self.fleet = Fleet(config, enable_prefix_caching, heartbeat_timeout_s, no_worker_timeout_s)
+        self.fleet = Fleet(config, enable_prefix_caching, heartbeat_timeout_s, no_worker_timeout_s,
+                           max_waiting_requests)
         self.scheduler_id = uuid.uuid4().hex[:8]
         self.tracer = setup_tracing("scheduler")
         self.tracing = tracing_enabled()
@@ -110,6 +113,14 @@ class SchedulerService:
         )
         await msg.respond(encode(info))
 
+    async def on_reconnect(self) -> None:
+        """Steps in flight across a NATS restart may be lost (a step or its answer), and
+        a worker may have applied a step whose answer never came: every worker starts
+        afresh. Its requests wait, rejoin with it at its next heartbeat and recompute."""
+        for worker_id in list(self.fleet.workers):
+            await self._publish_rejections(self.fleet.remove(worker_id, "NATS reconnected"))
+        self.wake.set()
+
     async def _publish_rejections(self, rejections: list[Rejection]) -> None:
         for subject, output in rejections:
             if subject:
@@ -120,9 +131,15 @@ class SchedulerService:
     async def run(self, stop: asyncio.Event) -> None:
         """The monitor: one loop per live worker, dead ones cancelled, waiters expired."""
         loops: dict[str, tuple[WorkerHandle, asyncio.Task]] = {}
+        last_heartbeat = 0.0
         try:
             while not stop.is_set():
-                await self._publish_rejections(self.fleet.check(time.monotonic()))
+                now = time.monotonic()
+                if now - last_heartbeat >= 0.5:  # gateways watch this to notice a dead scheduler
+                    last_heartbeat = now
+                    beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers))
+                    await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
+                await self._publish_rejections(self.fleet.check(now))
                 for worker_id, (handle, task) in list(loops.items()):
                     if self.fleet.workers.get(worker_id) is not handle:
                         task.cancel()  # removed (dead, drained) or rejoined as a new handle
@@ -273,13 +290,21 @@ async def serve(
     step_timeout_s: float = 120.0,
     heartbeat_timeout_s: float = 2.0,
     no_worker_timeout_s: float = 30.0,
+    max_waiting_requests: int = 0,
     ready: asyncio.Event | None = None,
 ) -> None:
-    nc = await connect(nats_url, "scheduler")
+    holder: list[SchedulerService] = []
+
+    async def on_reconnect() -> None:
+        if holder:
+            await holder[0].on_reconnect()
+
+    nc = await connect(nats_url, "scheduler", on_reconnect)
     service = SchedulerService(
         nc, Subjects(model_name), config, enable_prefix_caching, step_timeout_s,
-        heartbeat_timeout_s, no_worker_timeout_s,
+        heartbeat_timeout_s, no_worker_timeout_s, max_waiting_requests,
     )
+    holder.append(service)
     await service.start()
     stop = stop_on_signals()
     log.info("scheduler %s ready", service.scheduler_id)
