@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_bench_args(serve_bench)
     serve_bench.set_defaults(func=run_serve_bench)
+    failover = bench.add_parser("failover", help="time from a worker's SIGKILL to its streams' next token")
+    from llmbus.bench.failover import add_failover_args, run_failover_bench
+
+    add_failover_args(failover)
+    failover.set_defaults(func=run_failover_bench)
 
     from llmbus.service_cli import add_service_commands
 

@@ -108,3 +108,27 @@ def test_a_drained_worker_hands_its_requests_over_and_leaves(tiny_llama):
         assert httpx.get(d.base_url + "/health", timeout=10).json()["workers"] == 1
     finally:
         d.close()
+
+
+def test_a_tokenizer_killed_under_load_fails_no_request(tiny_llama):
+    d = Deployment(str(tiny_llama), worker_args=["--max-model-len", "512", "--num-kv-blocks", "256"])
+    try:
+        d.start("tokenizer2", ["tokenizer", "--nats-url", d.nats.url, "--model", d.model, "--served-model-name", "tiny"])
+        d.wait_healthy()
+        time.sleep(2)  # the second replica has subscribed
+        body = {"model": "tiny", "max_tokens": 8, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                async def one(i):
+                    if i == 10:
+                        d.procs["tokenizer"].send_signal(signal.SIGKILL)
+                    await asyncio.sleep(i * 0.02)
+                    return await client.post(d.base_url + "/v1/chat/completions",
+                                             json={**body, "messages": [{"role": "user", "content": f"hi {i}"}]})
+                return await asyncio.gather(*(one(i) for i in range(40)))
+
+        responses = asyncio.run(main())
+        assert [r.status_code for r in responses] == [200] * 40
+    finally:
+        d.close()
