@@ -38,6 +38,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
     parser.add_argument("--attention-backend", default=env("--attention-backend"), choices=["torch", "triton"],
                         help="default: triton on a GPU, torch on CPU")
+    parser.add_argument("--threads", type=int, default=env("--threads"),
+                        help="torch threads for the model (default: torch's, one per core)")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend,
+        threads=args.threads,
     )
 
 

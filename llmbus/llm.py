@@ -55,7 +55,12 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         attention_backend: str | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
         path = resolve_model(model)
         ModelConfig.from_folder(path)  # an unsupported model fails here, before anything loads
         cache_config = CacheConfig(

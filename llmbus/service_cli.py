@@ -62,7 +62,7 @@ def cmd_worker(args) -> int:
         kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
     )
     asyncio.run(serve(path, args.nats_url, name, cache, args.dtype, args.attention_backend,
-                      args.max_model_len, args.worker_id))
+                      args.max_model_len, args.worker_id, threads=args.threads))
     return 0
 
 
@@ -102,6 +102,11 @@ def cmd_serve(args) -> int:
               "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if args.attention_backend:
         worker += ["--attention-backend", args.attention_backend]
+    # Workers on one machine share its cores: N workers with a thread per core each would
+    # oversubscribe, and an OpenMP team stalls whenever one of its threads is descheduled.
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    if args.threads or args.workers > 1:
+        worker += ["--threads", str(threads)]
     if args.num_kv_blocks:
         worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
     scheduler = [*model, "--max-num-seqs", str(args.max_num_seqs),
