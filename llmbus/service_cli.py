@@ -52,7 +52,6 @@ def cmd_tokenizer(args) -> int:
 
 
 def cmd_worker(args) -> int:
-    from llmbus.cli import engine_kwargs  # noqa: F401 - same flag names as the engine
     from services.worker.service import serve
     from shared.config import CacheConfig
 
@@ -77,8 +76,14 @@ def cmd_scheduler(args) -> int:
         max_model_len=args.max_model_len or (1 << 31),
         long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
-    asyncio.run(serve(args.nats_url, args.served_model_name, config, not args.no_prefix_caching, args.step_timeout,
-                      args.heartbeat_timeout, args.no_worker_timeout, args.max_waiting_requests))
+    asyncio.run(serve(
+        args.nats_url, args.served_model_name, config,
+        enable_prefix_caching=not args.no_prefix_caching,
+        step_timeout_s=args.step_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        no_worker_timeout_s=args.no_worker_timeout,
+        max_waiting_requests=args.max_waiting_requests,
+    ))
     return 0
 
 

@@ -22,7 +22,6 @@ from shared.messages import (
     FinishReason,
     SchedulerHeartbeat,
     SchedulerInfo,
-    SchedulerStats,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -62,7 +61,6 @@ class EngineClient:
         self._info_decoder = msgspec.msgpack.Decoder(SchedulerInfo)
         self._info: SchedulerInfo | None = None
         self._info_at = 0.0
-        self.last_stats: SchedulerStats | None = None
         self._on_stats = on_stats  # called with each SchedulerStats that arrives
         self._background: set[asyncio.Task] = set()
         self._heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)
@@ -122,7 +120,6 @@ class EngineClient:
             log.warning("dropped malformed outputs")
             return
         if outputs.scheduler_stats is not None:
-            self.last_stats = outputs.scheduler_stats
             if self._on_stats is not None:
                 self._on_stats(outputs.scheduler_stats)
         for output in outputs.outputs:
@@ -188,7 +185,3 @@ class EngineClient:
         )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._queues)

@@ -286,13 +286,10 @@ async def serve(
     nats_url: str,
     model_name: str,
     config: SchedulerConfig,
-    enable_prefix_caching: bool = True,
-    step_timeout_s: float = 120.0,
-    heartbeat_timeout_s: float = 2.0,
-    no_worker_timeout_s: float = 30.0,
-    max_waiting_requests: int = 0,
     ready: asyncio.Event | None = None,
+    **options,
 ) -> None:
+    """`options` are SchedulerService's keyword arguments (timeouts, limits, caching)."""
     holder: list[SchedulerService] = []
 
     async def on_reconnect() -> None:
@@ -300,10 +297,7 @@ async def serve(
             await holder[0].on_reconnect()
 
     nc = await connect(nats_url, "scheduler", on_reconnect)
-    service = SchedulerService(
-        nc, Subjects(model_name), config, enable_prefix_caching, step_timeout_s,
-        heartbeat_timeout_s, no_worker_timeout_s, max_waiting_requests,
-    )
+    service = SchedulerService(nc, Subjects(model_name), config, **options)
     holder.append(service)
     await service.start()
     stop = stop_on_signals()
