@@ -143,6 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_failover_args(failover)
     failover.set_defaults(func=run_failover_bench)
 
+    latency = bench.add_parser("latency", help="W0 inter-token latency: llmbus vs transformers vs the bandwidth bound")
+    from llmbus.bench.latency import add_latency_args, run_latency_bench
+
+    add_latency_args(latency)
+    add_engine_args(latency)
+    latency.set_defaults(func=run_latency_bench)
+    agreement = bench.add_parser("agreement", help="greedy agreement of a lower precision with float32")
+    from llmbus.bench.agreement import add_agreement_args, run_agreement_bench
+
+    add_agreement_args(agreement)
+    agreement.set_defaults(func=run_agreement_bench)
+
     from llmbus.service_cli import add_service_commands
 
     add_service_commands(sub)

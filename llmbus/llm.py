@@ -118,7 +118,7 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        results = self._add_all(prompts, params_list)
+        results = self.add_requests(prompts, params_list)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
             while pending:
@@ -185,8 +185,9 @@ class LLM:
     def _children(self, result: RequestOutput) -> list[str]:
         return [f"{result.request_id}-{o.index}" for o in result.outputs]
 
-    def _add_all(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
-        """Validate everything first, then queue; on any error nothing is left queued."""
+    def add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
+        """Queue without running (drive the engine with `step()`; `generate` does both).
+        Everything is validated first: on any error nothing is left queued."""
         encoded = []
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):

@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import os
 
-from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args, env
+from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args, env, env_flag
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 
 
@@ -83,6 +83,7 @@ def cmd_scheduler(args) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
         max_waiting_requests=args.max_waiting_requests,
+        async_scheduling=not args.no_async_scheduling,
     ))
     return 0
 
@@ -120,11 +121,20 @@ def cmd_serve(args) -> int:
                  "--step-timeout", str(args.step_timeout), "--max-waiting-requests", str(args.max_waiting_requests)]
     if args.no_prefix_caching:
         scheduler.append("--no-prefix-caching")
+    if args.no_async_scheduling:
+        scheduler.append("--no-async-scheduling")
     gateway = [*model, "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes)]
     env_key = ["--api-key", args.api_key] if args.api_key else []
     return run_serve(args, {
         "scheduler": scheduler, "tokenizer": model, "worker": worker, "gateway": [*gateway, *env_key],
     })
+
+
+def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-async-scheduling", action="store_true", default=env_flag("--no-async-scheduling"),
+        help="wait for each step's answer before building the next (default: keep two in flight)",
+    )
 
 
 def add_service_commands(sub) -> None:
@@ -152,6 +162,7 @@ def add_service_commands(sub) -> None:
                    help="seconds a request may wait while no worker is up")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0),
                    help="beyond this many waiting requests new ones get 429 (0 = no limit)")
+    add_async_scheduling_arg(p)
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -172,4 +183,5 @@ def add_service_commands(sub) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))
     p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
     p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))
+    add_async_scheduling_arg(p)
     p.set_defaults(func=cmd_serve)

@@ -99,7 +99,7 @@ def test_bad_request_mid_batch_does_not_disturb_running_requests(llm):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     [expected] = llm.generate([4, 5, 6], params)
     # Queue a request, run a few steps, then submit a bad one: the first is unaffected.
-    llm._add_all([[4, 5, 6]], [params])
+    llm.add_requests([[4, 5, 6]], [params])
     llm.step()
     llm.step()
     with pytest.raises(ValueError, match="vocabulary"):

@@ -40,10 +40,19 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=W1["output_len"], metavar=("MIN", "MAX"))
     parser.add_argument("--vocab-size", type=int, default=49152, help="for random token-id prompts")
     parser.add_argument("--dataset", default=None, help='JSONL of {"prompt": str, "max_tokens": int}')
+    parser.add_argument(
+        "--text", default=None, metavar="TOKENIZER",
+        help="send the random prompts as text, decoded with this model's tokenizer (a fetched "
+             "name or a folder), so the server's tokenizers are on the path",
+    )
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--service-cpu", action="store_true",
+        help="also report the CPU time of each llmbus service process on this machine over the run",
+    )
     parser.add_argument(
         "--compare-offline", default=None, metavar="MODEL",
         help="afterwards run the same workload through the offline LLM on this model "
@@ -60,6 +69,14 @@ def load_requests(args) -> list[tuple[str | list[int], int]]:
         return [(r["prompt"], int(r.get("max_tokens", 128))) for r in rows][: args.num_requests]
     workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                                args.vocab_size, args.seed)
+    if args.text:
+        from transformers import AutoTokenizer
+
+        from llmbus.model_fetch import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.text))
+        # Decoded ids re-encode to about as many tokens; the server's usage counts the real ones.
+        return [(tokenizer.decode(r.prompt_token_ids), r.max_tokens) for r in workload]
     return [(r.prompt_token_ids, r.max_tokens) for r in workload]
 
 
@@ -177,9 +194,40 @@ def run_offline(args, requests) -> dict:
             "total_tok_s": round((in_tokens + out_tokens) / duration, 1)}
 
 
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
+
+
+def service_cpu_times() -> dict[int, tuple[str, float]]:
+    """pid -> (service, user + system CPU seconds) of every local `llmbus <service>` process."""
+    import psutil
+
+    found = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        cmdline = proc.info["cmdline"] or []
+        for i, part in enumerate(cmdline[:-1]):
+            if part == "llmbus" and cmdline[i + 1] in SERVICES:
+                times = proc.info["cpu_times"]
+                found[proc.info["pid"]] = (cmdline[i + 1], times.user + times.system)
+                break
+    return found
+
+
+def cpu_report(before: dict, after: dict, wall_s: float) -> dict[str, float]:
+    """CPU seconds per service over the run, as a share of one core."""
+    used: dict[str, float] = {}
+    for pid, (service, seconds) in after.items():
+        used[service] = used.get(service, 0.0) + seconds - before.get(pid, (service, 0.0))[1]
+    return {service: round(seconds / wall_s, 3) for service, seconds in sorted(used.items())}
+
+
 def run_serve_bench(args) -> int:
+    cpu_before = service_cpu_times() if args.service_cpu else {}
+    started = time.perf_counter()
     summary = asyncio.run(run(args))
     print_summary(summary)
+    if args.service_cpu:
+        summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)
+        print("cores used over the run:", ", ".join(f"{k} {v:.2f}" for k, v in summary["service_cores"].items()))
     if args.compare_offline:
         offline = run_offline(args, load_requests(args))
         summary["offline"] = offline

@@ -11,6 +11,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from llmbus.bench.roofline import measure_runner
 from llmbus.bench.workload import W1, BenchRequest, random_workload
 
 
@@ -92,6 +93,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     )
     print(f"workload: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
           f"seed {args.seed}, model {path}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+    roofline = measure_runner(llm.runner)
+    print(roofline.describe())
     results = [run_llmbus(llm, requests)]
     if not args.skip_hf:
         del llm  # free its KV cache before transformers loads its own copy
@@ -100,6 +103,9 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['engine']:>13}: {r['requests']} req, {r['output_tokens']} out tok in {r['seconds']} s "
               f"-> {r['output_tok_s']} output tok/s, {r['total_tok_s']} total tok/s")
+    share = results[0]["total_tok_s"] / roofline.max_tokens_per_s
+    results[0]["compute_bound_tok_s"] = round(roofline.max_tokens_per_s, 1)
+    print(f"llmbus total tok/s = {share:.0%} of the compute bound ({roofline.max_tokens_per_s:.0f} tok/s)")
     if len(results) == 2:
         ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
         total_ratio = results[0]["total_tok_s"] / results[1]["total_tok_s"]

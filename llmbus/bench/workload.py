@@ -32,3 +32,6 @@ def random_workload(
 
 # W1 of the performance issue: 128 requests, input 64-512, output 32-256, all at once.
 W1 = dict(num_requests=128, input_len=(64, 512), output_len=(32, 256))
+
+# W0: latency, one request at a time.
+W0 = dict(num_requests=8, input_len=(128, 128), output_len=(128, 128))

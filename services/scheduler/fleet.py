@@ -33,6 +33,7 @@ class WorkerHandle:
     core: Scheduler
     last_seen: float
     needs_reset: bool = True
+    last_answer_at: float = 0.0  # when its last step's answer came (monotonic)
     wake: asyncio.Event = field(default_factory=asyncio.Event)  # new work for its loop
 
     @property

@@ -30,6 +30,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are (or, once the in-flight step lands, will be) in the cache.
     num_computed_tokens: int = 0
+    # Tokens this request will sample in steps already sent but not yet answered (async
+    # scheduling): the next step may be built as if they were there.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first schedule; -1 before
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

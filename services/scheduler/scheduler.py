@@ -104,6 +104,7 @@ class Scheduler:
                 raise ValueError(f"request_id {request.request_id!r} is already in use")
             request.status = RequestStatus.WAITING
             request.num_computed_tokens = 0
+            request.num_output_placeholders = 0  # the steps in flight died with the worker
             request.in_worker = False
             self.requests[request.request_id] = request
             self.waiting.appendleft(request)
@@ -162,10 +163,15 @@ class Scheduler:
         preempted_now = False
 
         # Running requests first, oldest first; the newest is the first to be preempted.
+        # With steps in flight (async scheduling), a request is scheduled as if the tokens
+        # it will sample there were known: the worker has them by the time it runs this step.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            if self._will_finish(request):
+                index += 1  # its last token is in flight: a further step would be discarded
+                continue
+            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
@@ -197,6 +203,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                # Preempted with a step in flight: its token must land before it can be
+                # sent to the worker again as prompt + output.
+                break
             computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
             num_hit = len(computed_blocks) * self.kv_cache_manager.block_size
             num_new = request.num_tokens - num_hit
@@ -225,7 +235,17 @@ class Scheduler:
         for request in scheduled:
             # Counted as computed now, when the step is decided, not when it lands.
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # caught up: this step samples a token
         return output
+
+    def _will_finish(self, request: Request) -> bool:
+        """Whether the tokens in flight already take the request to its length limit."""
+        pending = request.num_output_placeholders
+        return pending > 0 and (
+            request.num_output_tokens + pending >= request.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _make_output(
         self,
@@ -289,7 +309,8 @@ class Scheduler:
         ):
             request = self.requests.get(req_id)
             if request is None or not sampled:
-                continue  # finished meanwhile (aborted), or a prompt chunk with more to come
+                continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             new_tokens = []
             self.num_generation_tokens += len(sampled)
             for token_id in sampled:

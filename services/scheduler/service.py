@@ -4,9 +4,10 @@ Requests, aborts and worker heartbeats arrive between ticks (one event loop: no 
 touched concurrently with itself). Each worker has its own tick loop
 (workers never wait for each other): `schedule()` -> its `SchedulerOutput` as a NATS
 request -> the `ModelRunnerOutput` -> `update_from_output()` -> `EngineCoreOutputs` to
-each request's gateway; with nothing to do it sleeps on the worker's wake event. A
-monitor declares dead a worker that misses its step deadline or its heartbeats, cancels
-its loop, and its requests move to the others.
+each request's gateway; with nothing to do it sleeps on the worker's wake event. With
+async scheduling (the default) each loop keeps two steps in flight, so the worker never
+waits for the bus between steps. A monitor declares dead a worker that misses its step
+deadline or its heartbeats, cancels its loop, and its requests move to the others.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass
 
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
@@ -39,6 +42,16 @@ from shared.tracing import Link, extract, inject, setup_tracing, shutdown_tracin
 log = logging.getLogger("llmbus.scheduler")
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A step sent to a worker whose answer has not been applied yet."""
+
+    step: SchedulerOutput
+    span: trace.Span
+    sent_at: float
+    reply: asyncio.Future  # -> ModelRunnerOutput | None
+
+
 class SchedulerService:
     def __init__(
         self,
@@ -50,8 +63,10 @@ class SchedulerService:
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
         max_waiting_requests: int = 0,
+        async_scheduling: bool = True,
     ) -> None:
         self.nc = nc
+        self.async_scheduling = async_scheduling
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
         self.fleet = Fleet(config, enable_prefix_caching, heartbeat_timeout_s, no_worker_timeout_s,
@@ -153,33 +168,55 @@ class SchedulerService:
                 task.cancel()
 
     async def _worker_loop(self, handle: WorkerHandle) -> None:
+        """Keep the worker busy: with async scheduling, step N+1 is built and sent while
+        step N runs, so the worker finds its next step waiting when it answers (the bus
+        round trip and this loop's own work are hidden behind the forward pass)."""
         core = handle.core
-        while True:
-            if not core.has_work():
-                handle.wake.clear()
-                try:
-                    await asyncio.wait_for(handle.wake.wait(), 0.5)
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            step = core.schedule()
-            if not (step.num_scheduled_tokens or step.finished_req_ids):
-                await asyncio.sleep(0.01)  # nothing fits right now; let the event loop breathe
-                continue
-            # A worker new to this core may hold state from before (an earlier scheduler,
-            # or its own false death): its first step clears it.
-            step.reset, handle.needs_reset = handle.needs_reset, False
-            if not await self._tick(handle, step):
-                return  # the worker is gone; the fleet has moved its requests
+        depth = 2 if self.async_scheduling else 1
+        in_flight: deque[_InFlight] = deque()
+        try:
+            while True:
+                if len(in_flight) < depth and core.has_work():
+                    step = core.schedule()
+                    if step.num_scheduled_tokens or step.finished_req_ids:
+                        # A worker new to this core may hold state from before (an earlier
+                        # scheduler, or its own false death): its first step clears it.
+                        step.reset, handle.needs_reset = handle.needs_reset, False
+                        in_flight.append(self._send(handle, step))
+                        continue
+                if in_flight:
+                    landed = await self._land(handle, in_flight[0])
+                    in_flight.popleft()
+                    if not landed:
+                        return  # the worker is gone; the fleet has moved its requests
+                elif core.has_work():
+                    await asyncio.sleep(0.01)  # nothing fits right now; let the event loop breathe
+                else:
+                    handle.wake.clear()
+                    try:
+                        await asyncio.wait_for(handle.wake.wait(), 0.5)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            for sent in in_flight:
+                sent.reply.cancel()
+                sent.span.end()
 
+    def _send(self, handle: WorkerHandle, step: SchedulerOutput) -> _InFlight:
+        span = self._start_step_span(handle.core, step, handle.worker_id)
+        headers = inject(trace.set_span_in_context(span))
+        reply = asyncio.ensure_future(self._execute(handle, step, headers))
+        return _InFlight(step, span, time.monotonic(), reply)
 
-    async def _tick(self, handle: WorkerHandle, step: SchedulerOutput) -> bool:
-        """One step on one worker; False when the worker did not answer."""
-        core = handle.core
-        span = self._start_step_span(core, step, handle.worker_id)
-        started = time.monotonic()
-        runner_output = await self._execute(handle, step, inject(trace.set_span_in_context(span)))
-        step_time = time.monotonic() - started
+    async def _land(self, handle: WorkerHandle, sent: _InFlight) -> bool:
+        """Apply one step's answer; False when the worker did not answer."""
+        core, step, span = handle.core, sent.step, sent.span
+        runner_output = await sent.reply
+        now = time.monotonic()
+        # The worker's time on this step: from when it could start it (sent, or the step
+        # before it answered) to its answer.
+        step_time = now - max(sent.sent_at, handle.last_answer_at)
+        handle.last_answer_at = now
         if runner_output is None:  # no answer: the worker is gone, its requests move on
             span.set_status(trace.Status(trace.StatusCode.ERROR, "worker did not answer"))
             span.end()

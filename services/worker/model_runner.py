@@ -146,7 +146,12 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
         for cached in so.scheduled_cached_reqs:
-            state = self.requests[cached.req_id]
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                # Dropped after a failed step while this one was already in flight (async
+                # scheduling): the scheduler has ended it and ignores its absence here.
+                so.num_scheduled_tokens.pop(cached.req_id, None)
+                continue
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 

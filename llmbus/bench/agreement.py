@@ -1,0 +1,94 @@
+"""`llmbus bench agreement`: how often a lower precision's greedy output equals float32's.
+
+float32 is the reference (token-identical to transformers); bfloat16 rounds every
+matmul input, so two nearly tied logits can swap and the texts part ways from there.
+The figure that matters for a user is how often, and how late, that happens on real
+prompts: both are printed, per prompt and in total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+# Chat prompts of the kinds users send: facts, code, lists, arithmetic, open writing.
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Explain photosynthesis to a ten-year-old.",
+    "List three tips for a job interview.",
+    "What is 17 times 23?",
+    "Translate 'good morning, how are you?' into Spanish.",
+    "Write a haiku about autumn.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+    "What are the planets of the solar system, in order?",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "How do I reverse a list in JavaScript?",
+    "What is the difference between a virus and a bacterium?",
+    "Write a short email asking my manager for a day off.",
+    "What causes earthquakes?",
+    "Suggest a name for a coffee shop that sells books.",
+]
+
+
+@dataclass(slots=True)
+class Agreement:
+    prompts: int
+    identical: int  # prompts whose whole output equals the reference
+    tokens: int  # reference tokens compared
+    matching_prefix_tokens: int  # summed over prompts: tokens before the first difference
+
+    @property
+    def identical_rate(self) -> float:
+        return self.identical / self.prompts
+
+    @property
+    def prefix_rate(self) -> float:
+        return self.matching_prefix_tokens / self.tokens
+
+
+def compare(reference: list[list[int]], other: list[list[int]]) -> tuple[Agreement, list[int]]:
+    prefixes = []
+    for ref, out in zip(reference, other, strict=True):
+        n = 0
+        while n < min(len(ref), len(out)) and ref[n] == out[n]:
+            n += 1
+        prefixes.append(n)
+    identical = sum(ref == out for ref, out in zip(reference, other))
+    tokens = sum(len(ref) for ref in reference)
+    return Agreement(len(reference), identical, tokens, sum(prefixes)), prefixes
+
+
+def greedy_outputs(model: str, dtype: str, prompts: list[str], max_tokens: int, **engine) -> list[list[int]]:
+    from llmbus import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def add_agreement_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="a local HF folder or a known model (default smollm2)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+
+
+def run_agreement_bench(args: argparse.Namespace) -> int:
+    from llmbus.model_fetch import resolve_model
+
+    path = str(resolve_model(args.model))
+    reference = greedy_outputs(path, "float32", PROMPTS, args.max_tokens)
+    other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens)
+    agreement, prefixes = compare(reference, other)
+    print(f"{args.dtype} vs float32, greedy, {agreement.prompts} chat prompts, up to {args.max_tokens} tokens each")
+    for prompt, ref, n in zip(PROMPTS, reference, prefixes):
+        print(f"  {'same' if n == len(ref) else f'differs at token {n}':>20}  {prompt}")
+    print(f"identical outputs: {agreement.identical}/{agreement.prompts} ({agreement.identical_rate:.0%}); "
+          f"tokens before the first difference: {agreement.matching_prefix_tokens}/{agreement.tokens} "
+          f"({agreement.prefix_rate:.0%})")
+    print(json.dumps({"dtype": args.dtype, "identical": agreement.identical, "prompts": agreement.prompts,
+                      "matching_prefix_tokens": agreement.matching_prefix_tokens, "tokens": agreement.tokens}))
+    return 0

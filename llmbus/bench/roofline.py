@@ -1,0 +1,103 @@
+"""What this machine can do at best, measured in the same run as the engine it bounds.
+
+- Compute: matmul FLOP/s for a dtype, on the model's own layer shapes (the MLP's
+  up-projection at a full token budget) and on a square GEMM; the higher is the peak.
+  A token costs about 2 x parameters FLOPs, so the peak / (2 x parameters) is the most
+  tokens per second any engine could reach.
+- Memory: copy bandwidth (bytes read + bytes written per second, as STREAM's copy counts
+  them) over a buffer far larger than the caches. A decode step must read every weight
+  once, so weight bytes / bandwidth is the least time a step can take.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class Roofline:
+    dtype: torch.dtype
+    matmul_flops: float  # FLOP/s
+    copy_bytes_per_s: float
+    num_params: int
+    weight_bytes: int  # read by one decode step
+
+    @property
+    def max_tokens_per_s(self) -> float:
+        return self.matmul_flops / (2 * self.num_params)
+
+    @property
+    def min_decode_step_s(self) -> float:
+        return self.weight_bytes / self.copy_bytes_per_s
+
+    def describe(self) -> str:
+        return (
+            f"roofline ({str(self.dtype).removeprefix('torch.')}): matmul {self.matmul_flops / 1e9:.1f} GFLOP/s, "
+            f"copy {self.copy_bytes_per_s / 1e9:.1f} GB/s; {self.num_params / 1e6:.1f} M params -> "
+            f"compute bound {self.max_tokens_per_s:.0f} tok/s; {self.weight_bytes / 1e6:.0f} MB of weights "
+            f"per decode step -> bandwidth bound {self.min_decode_step_s * 1e3:.1f} ms/token"
+        )
+
+
+def _best_time(fn, repeats: int, min_seconds: float = 0.3) -> float:
+    """Best per-call time over a few timed batches of calls (best: the machine is shared)."""
+    fn()  # warm up: allocation, kernel selection
+    best = float("inf")
+    deadline = time.perf_counter() + min_seconds
+    while True:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        best = min(best, (time.perf_counter() - start) / repeats)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def matmul_flops(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> float:
+    """The best FLOP/s of `x @ w.T` over the (tokens, in, out) shapes, via F.linear as
+    the model calls it."""
+    best = 0.0
+    for m, k, n in shapes:
+        x = torch.randn(m, k).to(dtype)
+        w = torch.randn(n, k).to(dtype)
+        seconds = _best_time(lambda: F.linear(x, w), repeats=5)
+        best = max(best, 2 * m * k * n / seconds)
+    return best
+
+
+def copy_bandwidth(num_bytes: int = 512 << 20) -> float:
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = _best_time(lambda: dst.copy_(src), repeats=2, min_seconds=1.0)
+    return 2 * num_bytes / seconds
+
+
+def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
+    """(parameters, bytes one decode step reads). Tied embeddings count once and are read
+    whole by the LM head; an untied input embedding only has one row read per token."""
+    seen, num_params, num_bytes = set(), 0, 0
+    for name, param in model.named_parameters():
+        if param.data_ptr() in seen:
+            continue
+        seen.add(param.data_ptr())
+        num_params += param.numel()
+        if tied or "embed_tokens" not in name:
+            num_bytes += param.numel() * param.element_size()
+    return num_params, num_bytes
+
+
+def measure(model: torch.nn.Module, hidden: int, intermediate: int, tied: bool, dtype: torch.dtype,
+            num_tokens: int = 512) -> Roofline:
+    num_params, weight_bytes = model_weights(model, tied)
+    flops = matmul_flops(dtype, [(num_tokens, hidden, intermediate), (1024, 1024, 1024)])
+    return Roofline(dtype, flops, copy_bandwidth(), num_params, weight_bytes)
+
+
+def measure_runner(runner, num_tokens: int = 512) -> Roofline:
+    cfg = runner.model_config
+    return measure(runner.model, cfg.hidden_size, cfg.intermediate_size, cfg.tie_word_embeddings,
+                   runner.dtype, num_tokens)

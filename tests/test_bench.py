@@ -1,0 +1,70 @@
+"""The benchmark commands run end to end on a tiny model (their figures are for the real
+one, by hand; here only that they measure what they say and keep working)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from llmbus.bench.agreement import compare
+from llmbus.bench.roofline import matmul_flops, model_weights
+from llmbus.cli import main
+from services.worker.model_runner import ModelRunner
+from tiny_models import build_tiny_model
+
+
+def last_json(out: str):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_agreement_counts_identical_outputs_and_the_prefix_before_the_first_difference():
+    agreement, prefixes = compare([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[1, 2, 3, 4], [5, 0], [0, 8, 9]])
+    assert prefixes == [4, 1, 0]
+    assert (agreement.identical, agreement.prompts) == (1, 3)
+    assert (agreement.matching_prefix_tokens, agreement.tokens) == (5, 9)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_embedding(tmp_path, tied):
+    folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
+    runner = ModelRunner(folder, dtype="bfloat16")
+    params, weight_bytes = model_weights(runner.model, tied)
+    cfg = runner.model_config
+    embedding = cfg.vocab_size * cfg.hidden_size
+    unique = {p.data_ptr(): p.numel() for p in runner.model.parameters()}
+    assert params == sum(unique.values())
+    # bf16: 2 bytes a weight; untied, the input embedding is one row per token, not read whole.
+    assert weight_bytes == 2 * (params if tied else params - embedding)
+
+
+def test_matmul_flops_is_a_plausible_rate():
+    flops = matmul_flops(torch.float32, [(64, 64, 64)])
+    assert 1e6 < flops < 1e14
+
+
+def test_bench_throughput_reports_both_engines_and_the_compute_bound(tiny_llama, capsys):
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--num-requests", "4",
+                 "--input-len", "8", "16", "--output-len", "4", "8", "--hf-batch-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ratio llmbus/transformers" in out and "of the compute bound" in out
+    llmbus, hf = last_json(out)
+    assert llmbus["output_tokens"] == hf["output_tokens"] > 0
+    assert llmbus["compute_bound_tok_s"] > 0
+
+
+def test_bench_latency_reports_itls_against_the_bandwidth_bound(tiny_llama, capsys):
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--num-requests", "2",
+                 "--input-len", "8", "--output-len", "6"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["llmbus_itl_ms"] > 0 and result["transformers_itl_ms"] > 0
+    assert result["bandwidth_bound_ms"] > 0
+
+
+def test_bench_agreement_of_float32_with_itself_is_total(tiny_llama, capsys):
+    assert main(["bench", "agreement", "--model", str(tiny_llama), "--dtype", "float32",
+                 "--max-tokens", "6"]) == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["identical"] == result["prompts"] == 16
+    assert result["matching_prefix_tokens"] == result["tokens"]
