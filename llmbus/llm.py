@@ -45,6 +45,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "float32",
+        quantization: str | None = None,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
@@ -71,7 +72,7 @@ class LLM:
         )
         self.tokenizer = Tokenizer(path)
         self.runner = ModelRunner(
-            path, cache_config, dtype=dtype, attention_backend=attention_backend,
+            path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
             max_model_len=max_model_len,
         )
         self.scheduler = Scheduler(

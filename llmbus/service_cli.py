@@ -61,7 +61,8 @@ def cmd_worker(args) -> int:
         kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
     )
     asyncio.run(serve(path, args.nats_url, name, cache, args.dtype, args.attention_backend,
-                      args.max_model_len, args.worker_id, threads=args.threads))
+                      args.max_model_len, args.worker_id, threads=args.threads,
+                      quantization=args.quantization))
     return 0
 
 
@@ -108,6 +109,8 @@ def cmd_serve(args) -> int:
               "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
     if args.attention_backend:
         worker += ["--attention-backend", args.attention_backend]
+    if args.quantization:
+        worker += ["--quantization", args.quantization]
     # Workers on one machine share its cores: N workers with a thread per core each would
     # oversubscribe, and an OpenMP team stalls whenever one of its threads is descheduled.
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)

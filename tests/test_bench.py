@@ -39,6 +39,24 @@ def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_emb
     assert weight_bytes == 2 * (params if tied else params - embedding)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_int8_weight_bytes_are_one_per_weight_plus_scales(tmp_path, tied):
+    folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
+    plain = ModelRunner(folder, dtype="bfloat16")
+    runner = ModelRunner(folder, dtype="bfloat16", quantization="int8")
+    params, weight_bytes = model_weights(runner.model, tied)
+    assert params == model_weights(plain.model, tied)[0]
+    cfg = runner.model_config
+    embedding = cfg.vocab_size * cfg.hidden_size
+    norms = sum(p.numel() for n, p in plain.model.named_parameters() if "norm" in n)
+    # Every Linear in int8 (tied: a quantized copy of the embedding as the LM head); the
+    # embedding table itself is only looked up.
+    matmul_weights = params - norms - (0 if tied else embedding)
+    scales = sum(m.out_features for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    scales += 0 if not tied else cfg.vocab_size
+    assert weight_bytes == matmul_weights + 2 * scales + 2 * norms
+
+
 def test_matmul_flops_is_a_plausible_rate():
     flops = matmul_flops(torch.float32, [(64, 64, 64)])
     assert 1e6 < flops < 1e14
@@ -62,9 +80,11 @@ def test_bench_latency_reports_itls_against_the_bandwidth_bound(tiny_llama, caps
     assert result["bandwidth_bound_ms"] > 0
 
 
-def test_bench_agreement_of_float32_with_itself_is_total(tiny_llama, capsys):
+def test_bench_agreement_of_float32_with_itself_and_with_transformers_is_total(tiny_llama, capsys):
     assert main(["bench", "agreement", "--model", str(tiny_llama), "--dtype", "float32",
                  "--max-tokens", "6"]) == 0
     result = last_json(capsys.readouterr().out)
     assert result["identical"] == result["prompts"] == 16
     assert result["matching_prefix_tokens"] == result["tokens"]
+    # transformers' float32 on the same chat prompts is the oracle: identical too.
+    assert result["transformers"] == {"identical": 16, "matching_prefix_tokens": result["tokens"]}

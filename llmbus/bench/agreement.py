@@ -70,10 +70,34 @@ def greedy_outputs(model: str, dtype: str, prompts: list[str], max_tokens: int, 
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def transformers_greedy(model: str, dtype: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """The same prompts through transformers in that dtype, one at a time (no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.worker.loader import parse_dtype
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=parse_dtype(dtype)).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens,
+                              pad_token_id=tokenizer.eos_token_id)
+            outputs.append(out[0, ids.shape[1]:].tolist())
+    return outputs
+
+
 def add_agreement_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local HF folder or a known model (default smollm2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--quantization", default=None, choices=["int8"],
+                        help="compare int8 weights (with bfloat16 activations) instead of --dtype")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--skip-hf", action="store_true",
+                        help="skip the same comparison for transformers (which tells precision from bugs)")
 
 
 def run_agreement_bench(args: argparse.Namespace) -> int:
@@ -81,14 +105,25 @@ def run_agreement_bench(args: argparse.Namespace) -> int:
 
     path = str(resolve_model(args.model))
     reference = greedy_outputs(path, "float32", PROMPTS, args.max_tokens)
-    other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens)
+    if args.quantization:
+        args.dtype = "bfloat16"
+    other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens, quantization=args.quantization)
     agreement, prefixes = compare(reference, other)
-    print(f"{args.dtype} vs float32, greedy, {agreement.prompts} chat prompts, up to {args.max_tokens} tokens each")
+    label = args.quantization or args.dtype
+    print(f"{label} vs float32, greedy, {agreement.prompts} chat prompts, up to {args.max_tokens} tokens each")
     for prompt, ref, n in zip(PROMPTS, reference, prefixes):
         print(f"  {'same' if n == len(ref) else f'differs at token {n}':>20}  {prompt}")
     print(f"identical outputs: {agreement.identical}/{agreement.prompts} ({agreement.identical_rate:.0%}); "
           f"tokens before the first difference: {agreement.matching_prefix_tokens}/{agreement.tokens} "
           f"({agreement.prefix_rate:.0%})")
-    print(json.dumps({"dtype": args.dtype, "identical": agreement.identical, "prompts": agreement.prompts,
-                      "matching_prefix_tokens": agreement.matching_prefix_tokens, "tokens": agreement.tokens}))
+    result = {"dtype": label, "identical": agreement.identical, "prompts": agreement.prompts,
+              "matching_prefix_tokens": agreement.matching_prefix_tokens, "tokens": agreement.tokens}
+    if not (args.skip_hf or args.quantization):
+        # The same question for transformers: its float32 is our reference token for token,
+        # so its lower precision should part from it about as often as ours does.
+        hf, _ = compare(reference, transformers_greedy(path, args.dtype, PROMPTS, args.max_tokens))
+        print(f"transformers {args.dtype} vs float32: identical {hf.identical}/{hf.prompts} ({hf.identical_rate:.0%}); "
+              f"tokens before the first difference: {hf.matching_prefix_tokens}/{hf.tokens} ({hf.prefix_rate:.0%})")
+        result["transformers"] = {"identical": hf.identical, "matching_prefix_tokens": hf.matching_prefix_tokens}
+    print(json.dumps(result))
     return 0

@@ -77,16 +77,25 @@ def copy_bandwidth(num_bytes: int = 512 << 20) -> float:
 
 
 def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
-    """(parameters, bytes one decode step reads). Tied embeddings count once and are read
-    whole by the LM head; an untied input embedding only has one row read per token."""
+    """(parameters, bytes one decode step reads). Every matmul weight is read whole once;
+    the input embedding only one row per token, unless it doubles as the LM head (tied
+    and not quantized). Tied weights count once as parameters."""
+    from services.worker.layers.int8_linear import Int8Linear
+
     seen, num_params, num_bytes = set(), 0, 0
     for name, param in model.named_parameters():
         if param.data_ptr() in seen:
             continue
         seen.add(param.data_ptr())
         num_params += param.numel()
-        if tied or "embed_tokens" not in name:
+        if "embed_tokens" not in name or getattr(model, "lm_head", None) is None:
             num_bytes += param.numel() * param.element_size()
+    for name, module in model.named_modules():
+        if isinstance(module, Int8Linear):
+            weight = module.weight_int8
+            if not (tied and name == "lm_head"):  # a quantized copy of the embedding
+                num_params += weight.numel()
+            num_bytes += weight.numel() + module.scales.numel() * module.scales.element_size()
     return num_params, num_bytes
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.layers.int8_linear import Int8Linear, quantize_int8
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import LlamaForCausalLM
 
@@ -48,12 +49,20 @@ def load_model(
     dtype: torch.dtype,
     backend: AttentionBackend,
     max_position: int,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config, backend, max_position)
     model.load_weights(iter_weights(folder))
+    if quantization == "int8":
+        # From the checkpoint's own precision. Every matmul weight, the LM head included
+        # (tied or not): at one token per step it is a fifth of SmolLM2's weight bytes.
+        # The embedding table stays for lookups.
+        if model.lm_head is None:
+            model.lm_head = Int8Linear(model.model.embed_tokens.weight)
+        quantize_int8(model)
     # Parameters only: the RoPE tables stay float32, as transformers keeps them.
     for param in model.parameters():
         param.data = param.data.to(dtype)

@@ -36,8 +36,15 @@ class ModelRunner:
         attention_backend: str | None = None,
         max_model_len: int | None = None,
         device: str | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {quantization!r}: int8")
+        if quantization == "int8" and (dtype != "bfloat16" or self.device.type != "cpu"):
+            # The int8 kernel takes bfloat16 activations, and is written for the CPU.
+            raise ValueError("--quantization int8 runs on CPU with --dtype bfloat16")
+        self.quantization = quantization
         # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
         attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.cache_config = cache_config or CacheConfig()
@@ -46,7 +53,7 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
-        self.model = load_model(model_path, self.dtype, backend, self.max_model_len).to(self.device)
+        self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization).to(self.device)
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
         self.kv_caches = [
@@ -62,7 +69,8 @@ class ModelRunner:
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         log.info(
             "model loaded",
-            extra={"model": str(model_path), "dtype": dtype, "kv_blocks": self.num_blocks},
+            extra={"model": str(model_path), "dtype": dtype, "quantization": quantization,
+                   "kv_blocks": self.num_blocks},
         )
 
     def _num_kv_blocks(self) -> int:

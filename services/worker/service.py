@@ -68,6 +68,7 @@ async def serve(
     model_name: str,
     cache_config: CacheConfig,
     dtype: str = "float32",
+    quantization: str | None = None,
     attention_backend: str | None = None,
     max_model_len: int | None = None,
     worker_id: str | None = None,
@@ -87,7 +88,8 @@ async def serve(
         # OpenMP's thread count is per calling thread: set it on the step thread itself.
         await loop.run_in_executor(step_thread, torch.set_num_threads, threads)
     runner = await loop.run_in_executor(
-        step_thread, ModelRunner, model_path, cache_config, dtype, attention_backend, max_model_len
+        step_thread, ModelRunner, model_path, cache_config, dtype, attention_backend, max_model_len, None,
+        quantization,
     )
     subjects = Subjects(model_name)
     info = WorkerInfo(

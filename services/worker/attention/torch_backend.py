@@ -100,10 +100,22 @@ class TorchAttentionBackend:
         block_ids = metadata.block_table[first:end, :num_blocks]
         k = gather_kv(kv_cache[0], block_ids)  # [num_decodes, num_kv_heads, L, d]
         v = gather_kv(kv_cache[1], block_ids)
-        length = k.shape[2]
-        mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]  # [group, L]
-        q = query.unsqueeze(2)  # [num_decodes, num_heads, 1, d]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
-        )
-        return o.squeeze(2)
+        group, num_heads, head_dim = query.shape
+        num_kv_heads, length = k.shape[1], k.shape[2]
+        if query.dtype == torch.float32:
+            # SDPA's CPU kernel: 10% faster than the matmuls below for a float32 decode
+            # step at batch 32 (measured), and what transformers runs.
+            mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]  # [group, L]
+            o = F.scaled_dot_product_attention(
+                query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+            )
+            return o.squeeze(2)
+        # Lower precision: two batched matmuls with the query heads of one KV head stacked
+        # as rows, softmax in float32. SDPA's CPU kernel is tiled for long queries; with
+        # one query row in bfloat16 it was 4-8x slower than this (measured, L = 160-400).
+        pad = torch.arange(length, device=query.device)[None, :] >= seq_lens[:, None]  # [group, L]
+        q = query.view(group, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [group, kv_heads, q_per_kv, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype)
+        return torch.matmul(probs, v).view(group, num_heads, head_dim)
