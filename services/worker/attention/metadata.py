@@ -22,6 +22,8 @@ class AttentionMetadata:
     # Host copies, so the CPU backend can loop over requests without device syncs.
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     seq_lens_cpu: np.ndarray  # [num_reqs]
+    # What a backend derives from the above once per step and reuses in every layer.
+    backend_state: object = None
 
     @property
     def num_reqs(self) -> int:

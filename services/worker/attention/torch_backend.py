@@ -8,6 +8,8 @@ Prefill chunks run one request at a time, where the matrix work dwarfs the loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +23,12 @@ def write_kv_cache(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padded token
+    padded: bool | None = None,  # whether any slot is -1 (None: look)
 ) -> None:
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    if bool((slot_mapping < 0).any()):
+    if padded is None:
+        padded = bool((slot_mapping < 0).any())
+    if padded:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
@@ -41,6 +46,23 @@ def gather_kv(
     return flat.transpose(-3, -2)
 
 
+@dataclass(slots=True)
+class _DecodeGroup:
+    start: int
+    end: int
+    block_ids: torch.Tensor  # [group, num_blocks]
+    keep: torch.Tensor  # [group, 1, 1, L] bool: position within the request's sequence
+    pad: torch.Tensor  # [group, 1, 1, L] bool: the opposite
+
+
+@dataclass(slots=True)
+class _StepState:
+    """Derived once per step, used by every layer."""
+
+    slots_padded: bool
+    decode_groups: list[_DecodeGroup]
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -53,15 +75,16 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(query)
         block_size = kv_cache.shape[2]
-        num_decodes = metadata.num_decodes
-        for start in range(0, num_decodes, DECODE_GROUP_SIZE):
-            end = min(start + DECODE_GROUP_SIZE, num_decodes)
-            out[start:end] = self._decode(query[start:end], kv_cache, metadata, start, scale)
+        state = metadata.backend_state
+        if not isinstance(state, _StepState):
+            state = metadata.backend_state = self._step_state(metadata, block_size)
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping, state.slots_padded)
+        out = torch.empty_like(query)
+        for group in state.decode_groups:
+            out[group.start : group.end] = self._decode(query[group.start : group.end], kv_cache, group, scale)
         qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for i in range(num_decodes, metadata.num_reqs):
+        for i in range(metadata.num_decodes, metadata.num_reqs):
             start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             query_len = end - start
             num_blocks = -(-seq_len // block_size)
@@ -84,38 +107,44 @@ class TorchAttentionBackend:
             out[start:end] = o.transpose(0, 1)
         return out
 
+    @staticmethod
+    def _step_state(metadata: AttentionMetadata, block_size: int) -> _StepState:
+        """Block ids and masks of each decode group, built once instead of once per layer."""
+        groups = []
+        device = metadata.block_table.device
+        for start in range(0, metadata.num_decodes, DECODE_GROUP_SIZE):
+            end = min(start + DECODE_GROUP_SIZE, metadata.num_decodes)
+            max_seq_len = int(metadata.seq_lens_cpu[start:end].max())
+            num_blocks = -(-max_seq_len // block_size)
+            length = num_blocks * block_size
+            keep = torch.arange(length, device=device)[None, :] < metadata.seq_lens[start:end, None]
+            keep = keep[:, None, None, :]
+            groups.append(_DecodeGroup(start, end, metadata.block_table[start:end, :num_blocks], keep, ~keep))
+        return _StepState(bool((metadata.slot_mapping < 0).any()), groups)
+
+    @staticmethod
     def _decode(
-        self,
-        query: torch.Tensor,  # [group, num_heads, head_dim]: decode requests first..first+group
+        query: torch.Tensor,  # [group, num_heads, head_dim]: one decode group
         kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        first: int,
+        group: _DecodeGroup,
         scale: float,
     ) -> torch.Tensor:  # [group, num_heads, head_dim]
-        end = first + query.shape[0]
-        block_size = kv_cache.shape[2]
-        seq_lens = metadata.seq_lens[first:end]
-        max_seq_len = int(metadata.seq_lens_cpu[first:end].max())
-        num_blocks = -(-max_seq_len // block_size)
-        block_ids = metadata.block_table[first:end, :num_blocks]
-        k = gather_kv(kv_cache[0], block_ids)  # [num_decodes, num_kv_heads, L, d]
-        v = gather_kv(kv_cache[1], block_ids)
-        group, num_heads, head_dim = query.shape
-        num_kv_heads, length = k.shape[1], k.shape[2]
+        k = gather_kv(kv_cache[0], group.block_ids)  # [group, num_kv_heads, L, d]
+        v = gather_kv(kv_cache[1], group.block_ids)
+        size, num_heads, head_dim = query.shape
+        num_kv_heads = k.shape[1]
         if query.dtype == torch.float32:
             # SDPA's CPU kernel: 10% faster than the matmuls below for a float32 decode
             # step at batch 32 (measured), and what transformers runs.
-            mask = torch.arange(length, device=query.device)[None, :] < seq_lens[:, None]  # [group, L]
             o = F.scaled_dot_product_attention(
-                query.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+                query.unsqueeze(2), k, v, attn_mask=group.keep, scale=scale, enable_gqa=True
             )
             return o.squeeze(2)
         # Lower precision: two batched matmuls with the query heads of one KV head stacked
         # as rows, softmax in float32. SDPA's CPU kernel is tiled for long queries; with
         # one query row in bfloat16 it was 4-8x slower than this (measured, L = 160-400).
-        pad = torch.arange(length, device=query.device)[None, :] >= seq_lens[:, None]  # [group, L]
-        q = query.view(group, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        q = query.view(size, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # [group, kv_heads, q_per_kv, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores.masked_fill_(group.pad, float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
-        return torch.matmul(probs, v).view(group, num_heads, head_dim)
+        return torch.matmul(probs, v).view(size, num_heads, head_dim)

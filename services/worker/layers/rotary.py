@@ -47,6 +47,8 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # cos/sin of the current step's positions: every layer shares one lookup.
+        self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
@@ -54,6 +56,10 @@ class RotaryEmbedding(nn.Module):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+        step = self._step
+        if step is None or step[0] is not positions or step[1] != q.dtype:
+            cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+            sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
+            step = self._step = (positions, q.dtype, cos, sin)
+        cos, sin = step[2], step[3]
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
