@@ -43,3 +43,26 @@ def test_lower_precision_greedy_starts_like_float32(tiny_llama, engine):
 def test_int8_with_float32_activations_is_refused_with_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match="--dtype bfloat16"):
         ModelRunner(tiny_llama, dtype="float32", quantization="int8")
+
+
+def test_an_int8_worker_behind_a_synchronous_scheduler_serves_what_the_offline_engine_computes(tiny_llama):
+    """The flags reach the services: `worker --dtype bfloat16 --quantization int8` and
+    `scheduler --no-async-scheduling` serve the same greedy tokens as the offline LLM."""
+    import httpx
+
+    from deployment import Deployment
+
+    prompt = PROMPTS[4]
+    expected = LLM(str(tiny_llama), dtype="bfloat16", quantization="int8").generate([prompt], GREEDY)
+    d = Deployment(str(tiny_llama), worker_args=["--dtype", "bfloat16", "--quantization", "int8",
+                                                 "--max-model-len", "512", "--num-kv-blocks", "64"],
+                   scheduler_args=["--no-async-scheduling"])
+    try:
+        d.wait_healthy()
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 0}
+        reply = httpx.post(d.base_url + "/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 8
+        assert reply["choices"][0]["text"] == expected[0].outputs[0].text
+    finally:
+        d.close()

@@ -60,6 +60,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--offline-max-num-seqs", type=int, default=None,
                         help="offline max_num_seqs (default: --concurrency, like the server sees)")
+    parser.add_argument("--offline-dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="offline dtype: the server's, for a fair ratio")
+    parser.add_argument("--offline-quantization", default=None, choices=["int8"])
 
 
 def load_requests(args) -> list[tuple[str | list[int], int]]:
@@ -182,7 +185,8 @@ def print_summary(summary: dict) -> None:
 def run_offline(args, requests) -> dict:
     from llmbus import LLM, SamplingParams
 
-    llm = LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency)
+    llm = LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency,
+              dtype=args.offline_dtype, quantization=args.offline_quantization)
     prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
     start = time.perf_counter()

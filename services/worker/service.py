@@ -68,7 +68,6 @@ async def serve(
     model_name: str,
     cache_config: CacheConfig,
     dtype: str = "float32",
-    quantization: str | None = None,
     attention_backend: str | None = None,
     max_model_len: int | None = None,
     worker_id: str | None = None,
@@ -76,6 +75,7 @@ async def serve(
     drain_timeout_s: float = 10.0,
     threads: int | None = None,
     ready: asyncio.Event | None = None,
+    quantization: str | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
