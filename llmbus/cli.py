@@ -32,9 +32,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=env("--dtype", "float32"), choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=env("--quantization"), choices=["int8"],
-                        help="int8: int8 weights with per-channel scales (CPU, with --dtype bfloat16): "
-                             "the fastest single-stream decode; bfloat16 alone batches better")
+    parser.add_argument("--quantization", default=env("--quantization"), choices=["int8", "int4"],
+                        help="CPU, with --dtype bfloat16: int4 (4-bit weights in groups of 32; a GGUF Q4 "
+                             "checkpoint keeps its exact grid) or int8 (per-channel int8 weights)")
     parser.add_argument("--num-kv-blocks", type=int, default=env("--num-kv-blocks"), help="exact KV cache size in blocks")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
                         help="KV cache budget when --num-kv-blocks is not given")

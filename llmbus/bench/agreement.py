@@ -93,8 +93,8 @@ def transformers_greedy(model: str, dtype: str, prompts: list[str], max_tokens: 
 def add_agreement_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local HF folder or a known model (default smollm2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="compare int8 weights (with bfloat16 activations) instead of --dtype")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="compare quantized weights (with --dtype activations; int8 needs bfloat16)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true",
                         help="skip the same comparison for transformers (which tells precision from bugs)")
@@ -105,11 +105,9 @@ def run_agreement_bench(args: argparse.Namespace) -> int:
 
     path = str(resolve_model(args.model))
     reference = greedy_outputs(path, "float32", PROMPTS, args.max_tokens)
-    if args.quantization:
-        args.dtype = "bfloat16"
     other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens, quantization=args.quantization)
     agreement, prefixes = compare(reference, other)
-    label = args.quantization or args.dtype
+    label = f"{args.quantization} ({args.dtype})" if args.quantization else args.dtype
     print(f"{label} vs float32, greedy, {agreement.prompts} chat prompts, up to {args.max_tokens} tokens each")
     for prompt, ref, n in zip(PROMPTS, reference, prefixes):
         print(f"  {'same' if n == len(ref) else f'differs at token {n}':>20}  {prompt}")

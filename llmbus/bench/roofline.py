@@ -80,7 +80,7 @@ def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
     """(parameters, bytes one decode step reads). Every matmul weight is read whole once;
     the input embedding only one row per token, unless it doubles as the LM head (tied
     and not quantized). Tied weights count once as parameters."""
-    from services.worker.layers.int8_linear import Int8Linear
+    from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
 
     seen, num_params, num_bytes = set(), 0, 0
     for name, param in model.named_parameters():
@@ -91,11 +91,10 @@ def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
         if "embed_tokens" not in name or getattr(model, "lm_head", None) is None:
             num_bytes += param.numel() * param.element_size()
     for name, module in model.named_modules():
-        if isinstance(module, Int8Linear):
-            weight = module.weight_int8
+        if isinstance(module, (Int8Linear, Int4Linear)):
             if not (tied and name == "lm_head"):  # a quantized copy of the embedding
-                num_params += weight.numel()
-            num_bytes += weight.numel() + module.scales.numel() * module.scales.element_size()
+                num_params += module.num_weights
+            num_bytes += module.weight_bytes
     return num_params, num_bytes
 
 

@@ -62,7 +62,9 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
                         help="offline max_num_seqs (default: --concurrency, like the server sees)")
     parser.add_argument("--offline-dtype", default="float32", choices=["float32", "bfloat16"],
                         help="offline dtype: the server's, for a fair ratio")
-    parser.add_argument("--offline-quantization", default=None, choices=["int8"])
+    parser.add_argument("--offline-quantization", default=None, choices=["int8", "int4"])
+    parser.add_argument("--offline-kv-cache-memory-gb", type=float, default=1.0,
+                        help="offline KV cache budget: the server's, for a fair ratio")
 
 
 def load_requests(args) -> list[tuple[str | list[int], int]]:
@@ -84,6 +86,15 @@ def load_requests(args) -> list[tuple[str | list[int], int]]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int) -> Result:
+    result = await _one_request(client, url, model, prompt, max_tokens)
+    if result.error.startswith(("RemoteProtocolError", "ConnectError")) and not result.ttft:
+        # A kept-alive connection the server closed as it was reused (llama-server does
+        # this): the request never started, so sending it again is fair.
+        result = await _one_request(client, url, model, prompt, max_tokens)
+    return result
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int) -> Result:
     result = Result()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -186,7 +197,8 @@ def run_offline(args, requests) -> dict:
     from llmbus import LLM, SamplingParams
 
     llm = LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency,
-              dtype=args.offline_dtype, quantization=args.offline_quantization)
+              dtype=args.offline_dtype, quantization=args.offline_quantization,
+              kv_cache_memory_bytes=int(args.offline_kv_cache_memory_gb * (1 << 30)))
     prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
     start = time.perf_counter()

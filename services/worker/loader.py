@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
-from services.worker.layers.int8_linear import Int8Linear, quantize_int8
+from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import LlamaForCausalLM
 
@@ -56,13 +56,16 @@ def load_model(
     with torch.device("cpu"):
         model = LlamaForCausalLM(config, backend, max_position)
     model.load_weights(iter_weights(folder))
-    if quantization == "int8":
-        # From the checkpoint's own precision. Every matmul weight, the LM head included
-        # (tied or not): at one token per step it is a fifth of SmolLM2's weight bytes.
-        # The embedding table stays for lookups.
-        if model.lm_head is None:
-            model.lm_head = Int8Linear(model.model.embed_tokens.weight)
-        quantize_int8(model)
+    if quantization is not None:
+        # From the checkpoint's own precision, every matmul weight of the decoder layers.
+        # The LM head (a fifth of SmolLM2's weights) too in int8, whose per-channel scales
+        # keep greedy output about as close to float32's as bfloat16 does; not in int4:
+        # there it decides the token directly, and 4 bits moved it on most prompts
+        # (SmolLM2's GGUF stores it in 8 bits; its layers are Q4_1, which int4 keeps exactly).
+        quantize(model.model, quantization, dtype)
+        if quantization == "int8":
+            head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            model.lm_head = quantized_linear(quantization, head, None, dtype)
     # Parameters only: the RoPE tables stay float32, as transformers keeps them.
     for param in model.parameters():
         param.data = param.data.to(dtype)
