@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -101,10 +102,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from llmbus.bench.throughput import run_throughput_bench
-
-    return run_throughput_bench(args)
+# `llmbus bench <name>`: (name, help, module with add_args(parser) and run(args), takes engine flags)
+BENCHES = [
+    ("throughput", "W1 offline throughput: llmbus vs transformers static batching", "llmbus.bench.throughput", True),
+    ("latency", "W0 inter-token latency: llmbus vs transformers vs the bandwidth bound", "llmbus.bench.latency", True),
+    ("serve", "stream a workload at an OpenAI-compatible server", "llmbus.bench.serve", False),
+    ("failover", "time from a worker's SIGKILL to its streams' next token", "llmbus.bench.failover", False),
+    ("agreement", "greedy agreement of a lower precision with float32", "llmbus.bench.agreement", False),
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,34 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    tput = bench.add_parser("throughput", help="offline throughput: llmbus vs transformers static batching")
-    from llmbus.bench.throughput import add_throughput_args
-
-    add_throughput_args(tput)
-    add_engine_args(tput)
-    tput.set_defaults(func=cmd_bench_throughput)
-    serve_bench = bench.add_parser("serve", help="stream a workload at an OpenAI-compatible server")
-    from llmbus.bench.serve import add_serve_bench_args, run_serve_bench
-
-    add_serve_bench_args(serve_bench)
-    serve_bench.set_defaults(func=run_serve_bench)
-    failover = bench.add_parser("failover", help="time from a worker's SIGKILL to its streams' next token")
-    from llmbus.bench.failover import add_failover_args, run_failover_bench
-
-    add_failover_args(failover)
-    failover.set_defaults(func=run_failover_bench)
-
-    latency = bench.add_parser("latency", help="W0 inter-token latency: llmbus vs transformers vs the bandwidth bound")
-    from llmbus.bench.latency import add_latency_args, run_latency_bench
-
-    add_latency_args(latency)
-    add_engine_args(latency)
-    latency.set_defaults(func=run_latency_bench)
-    agreement = bench.add_parser("agreement", help="greedy agreement of a lower precision with float32")
-    from llmbus.bench.agreement import add_agreement_args, run_agreement_bench
-
-    add_agreement_args(agreement)
-    agreement.set_defaults(func=run_agreement_bench)
+    for name, help_text, module, engine in BENCHES:
+        bench_module = importlib.import_module(module)
+        p = bench.add_parser(name, help=help_text)
+        bench_module.add_args(p)
+        if engine:  # it builds an in-process LLM: every engine flag applies
+            add_engine_args(p)
+        p.set_defaults(func=bench_module.run)
 
     from llmbus.service_cli import add_service_commands
 

@@ -90,7 +90,7 @@ def transformers_greedy(model: str, dtype: str, prompts: list[str], max_tokens: 
     return outputs
 
 
-def add_agreement_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a local HF folder or a known model (default smollm2)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
@@ -100,7 +100,7 @@ def add_agreement_args(parser: argparse.ArgumentParser) -> None:
                         help="skip the same comparison for transformers (which tells precision from bugs)")
 
 
-def run_agreement_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from llmbus.model_fetch import resolve_model
 
     path = str(resolve_model(args.model))

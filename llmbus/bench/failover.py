@@ -22,7 +22,7 @@ from llmbus.model_fetch import resolve_model
 from llmbus.serve import NatsServer, free_port, spawn_service, stop_all, wait_healthy
 
 
-def add_failover_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=200)
@@ -41,7 +41,7 @@ async def _stream_all(url: str, n: int, max_tokens: int, on_token) -> None:
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def run_failover_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     model = str(resolve_model(args.model))
     nats = NatsServer().start()
     port = free_port()

@@ -18,7 +18,7 @@ from llmbus.bench.roofline import measure_runner
 from llmbus.bench.workload import W0, BenchRequest, random_workload
 
 
-def add_latency_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=W0["num_requests"])
     parser.add_argument("--input-len", type=int, default=W0["input_len"][0])
     parser.add_argument("--output-len", type=int, default=W0["output_len"][0])
@@ -74,7 +74,7 @@ def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchReques
     return itls
 
 
-def run_latency_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from llmbus import LLM
     from llmbus.cli import engine_kwargs
     from llmbus.model_fetch import resolve_model

@@ -32,7 +32,7 @@ class Result:
     itls: list[float] = field(default_factory=list)
 
 
-def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name the server expects")
     parser.add_argument("--num-requests", type=int, default=W1["num_requests"])
@@ -131,7 +131,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, 
     return result
 
 
-async def run(args) -> dict:
+async def stream_workload(args) -> dict:
     requests = load_requests(args)
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -236,10 +236,10 @@ def cpu_report(before: dict, after: dict, wall_s: float) -> dict[str, float]:
     return {service: round(seconds / wall_s, 3) for service, seconds in sorted(used.items())}
 
 
-def run_serve_bench(args) -> int:
+def run(args) -> int:
     cpu_before = service_cpu_times() if args.service_cpu else {}
     started = time.perf_counter()
-    summary = asyncio.run(run(args))
+    summary = asyncio.run(stream_workload(args))
     print_summary(summary)
     if args.service_cpu:
         summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)

@@ -15,7 +15,7 @@ from llmbus.bench.roofline import measure_runner
 from llmbus.bench.workload import W1, BenchRequest, random_workload
 
 
-def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=W1["num_requests"])
     parser.add_argument("--input-len", type=int, nargs=2, default=W1["input_len"], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=W1["output_len"], metavar=("MIN", "MAX"))
@@ -79,7 +79,7 @@ def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float
     }
 
 
-def run_throughput_bench(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from llmbus import LLM
     from llmbus.cli import engine_kwargs
     from llmbus.model_fetch import resolve_model
