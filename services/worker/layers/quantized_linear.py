@@ -67,8 +67,9 @@ def int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
     weight ~= levels * step + low per group of `group_size` inputs.
 
     A weight that already lies on a 16-level grid per group (a GGUF Q4_0/Q4_1 checkpoint,
-    dequantized on conversion, as SmolLM2's is) keeps that exact grid: its step is the
-    smallest gap between distinct values of the group. Others get min/max levels.
+    dequantized on conversion, as SmolLM2's is) keeps that exact grid: the smallest gap
+    between distinct values gives the number of steps the group spans, and the span over
+    that number gives the step. Others get min/max levels.
     """
     out_features, in_features = weight.shape
     w = weight.float().reshape(out_features, in_features // group_size, group_size)
