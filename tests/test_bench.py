@@ -29,11 +29,12 @@ def test_agreement_counts_identical_outputs_and_the_prefix_before_the_first_diff
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_embedding(tmp_path, tied):
     folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
-    runner = ModelRunner(folder, dtype="bfloat16")
+    runner = ModelRunner(folder, dtype="bfloat16")  # its Linear weights are packed buffers
     params, weight_bytes = model_weights(runner.model, tied)
     cfg = runner.model_config
     embedding = cfg.vocab_size * cfg.hidden_size
-    unique = {p.data_ptr(): p.numel() for p in runner.model.parameters()}
+    plain = ModelRunner(folder, dtype="float32")  # plain parameters, tied ones shared
+    unique = {p.data_ptr(): p.numel() for p in plain.model.parameters()}
     assert params == sum(unique.values())
     # bf16: 2 bytes a weight; untied, the input embedding is one row per token, not read whole.
     assert weight_bytes == 2 * (params if tied else params - embedding)
@@ -42,7 +43,7 @@ def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_emb
 @pytest.mark.parametrize("tied", [True, False])
 def test_int8_weight_bytes_are_one_per_weight_plus_scales(tmp_path, tied):
     folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
-    plain = ModelRunner(folder, dtype="bfloat16")
+    plain = ModelRunner(folder, dtype="float32")  # nn.Linear modules (bfloat16 packs them)
     runner = ModelRunner(folder, dtype="bfloat16", quantization="int8")
     params, weight_bytes = model_weights(runner.model, tied)
     assert params == model_weights(plain.model, tied)[0]

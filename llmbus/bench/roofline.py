@@ -78,10 +78,8 @@ def copy_bandwidth(num_bytes: int = 512 << 20) -> float:
 
 def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
     """(parameters, bytes one decode step reads). Every matmul weight is read whole once;
-    the input embedding only one row per token, unless it doubles as the LM head (tied
-    and not quantized). Tied weights count once as parameters."""
-    from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
-
+    the input embedding only one row per token, unless it doubles as the LM head (tied,
+    with no LM head module of its own). Tied weights count once as parameters."""
     seen, num_params, num_bytes = set(), 0, 0
     for name, param in model.named_parameters():
         if param.data_ptr() in seen:
@@ -91,8 +89,8 @@ def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
         if "embed_tokens" not in name or getattr(model, "lm_head", None) is None:
             num_bytes += param.numel() * param.element_size()
     for name, module in model.named_modules():
-        if isinstance(module, (Int8Linear, Int4Linear)):
-            if not (tied and name == "lm_head"):  # a quantized copy of the embedding
+        if hasattr(module, "weight_bytes"):  # packed or quantized: weights held in buffers
+            if not (tied and name == "lm_head"):  # a packed or quantized copy of the embedding
                 num_params += module.num_weights
             num_bytes += module.weight_bytes
     return num_params, num_bytes

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import LlamaForCausalLM
@@ -50,6 +51,7 @@ def load_model(
     backend: AttentionBackend,
     max_position: int,
     quantization: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
@@ -69,4 +71,11 @@ def load_model(
     # Parameters only: the RoPE tables stay float32, as transformers keeps them.
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    model = model.to(device)
+    if quantization is None and can_pack(dtype, torch.device(device)):
+        pack_linears(model)
+        if model.lm_head is None:
+            # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more): the
+            # embedding is read a row per token, the head whole on every step.
+            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
     return model.eval().requires_grad_(False)

@@ -8,7 +8,9 @@ slot_mapping, block_table) and knows nothing of transport.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -57,7 +59,7 @@ class ModelRunner:
         self.dtype = parse_dtype(dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
-        self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization).to(self.device)
+        self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization, self.device)
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
         self.kv_caches = [
@@ -71,6 +73,10 @@ class ModelRunner:
         self.sampler = Sampler()
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
+        # compare what the worker does offline and served without a tracing backend.
+        step_log = os.environ.get("LLMBUS_STEP_LOG")
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None
         log.info(
             "model loaded",
             extra={"model": str(model_path), "dtype": dtype, "quantization": quantization,
@@ -134,6 +140,8 @@ class ModelRunner:
         for state in states:
             state.num_computed_tokens += num_scheduled[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
+        if self._step_log is not None:
+            self._write_step_log(metadata, len(sample_rows))
 
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
@@ -141,6 +149,16 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
         )
+
+    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int) -> None:
+        start, forward, sample, end = self.last_step_ns
+        self._step_log.write(json.dumps({
+            "pid": os.getpid(), "start_ns": start, "prepare_ms": (forward - start) / 1e6,
+            "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6,
+            "tokens": metadata.num_actual_tokens, "reqs": metadata.num_reqs,
+            "decodes": metadata.num_decodes, "sampled": num_sampled,
+            "context": int(metadata.seq_lens_cpu.sum()),
+        }) + "\n")
 
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
