@@ -46,20 +46,29 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of the
+        # sine negated: one flip instead of two slices, a negation and a cat per call, and
+        # bit-identical, since (-a) * b == a * (-b) exactly in floating point.
+        sin = emb.sin()
+        self.register_buffer("sin_signed_cache", torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), -1),
+                             persistent=False)
+        self.head_dim = head_dim
         # cos/sin of the current step's positions: every layer shares one lookup.
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query and key heads side by side
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
+        """Rotate every head of `x` by its token's position. Query and key heads go
+        through in one call (they are adjacent in the fused qkv output): half the calls."""
         step = self._step
-        if step is None or step[0] is not positions or step[1] != q.dtype:
-            cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-            sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-            step = self._step = (positions, q.dtype, cos, sin)
+        if step is None or step[0] is not positions or step[1] != x.dtype:
+            cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
+            sin = self.sin_signed_cache[positions].to(x.dtype).unsqueeze(1)
+            step = self._step = (positions, x.dtype, cos, sin)
         cos, sin = step[2], step[3]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        half = self.head_dim // 2
+        swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+        return x * cos + swapped * sin

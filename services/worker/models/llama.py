@@ -52,11 +52,11 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(hidden)
+        # Query and key heads are adjacent: rotate them in one pass, then split the result.
+        qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
