@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -51,7 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument(
         "--service-cpu", action="store_true",
-        help="also report the CPU time of each llmbus service process on this machine over the run",
+        help="also report the CPU used over the run by each llmbus service process on this machine, "
+             "the NATS server, this client, and the whole machine (in cores)",
     )
     parser.add_argument(
         "--compare-offline", default=None, metavar="MODEL",
@@ -65,6 +67,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline-quantization", default=None, choices=["int8", "int4"])
     parser.add_argument("--offline-kv-cache-memory-gb", type=float, default=1.0,
                         help="offline KV cache budget: the server's, for a fair ratio")
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="with --compare-offline: this many served/offline pairs, each on new prompts (seed, "
+             "seed + 1, ...), in the order served-offline, offline-served, ...; the ratio is over "
+             "all pairs, so a machine whose speed drifts during the run biases neither side",
+    )
 
 
 def load_requests(args) -> list[tuple[str | list[int], int]]:
@@ -131,8 +139,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, 
     return result
 
 
-async def stream_workload(args) -> dict:
-    requests = load_requests(args)
+async def stream_workload(args, requests) -> dict:
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -172,6 +179,7 @@ def summarize(results: list[Result], duration: float) -> dict:
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
         "duration_s": round(duration, 2),
+        "output_tokens": out_tokens,
         "request_throughput": round(len(ok) / duration, 3),
         "output_tok_s": round(out_tokens / duration, 1),
         "total_tok_s": round((in_tokens + out_tokens) / duration, 1),
@@ -193,12 +201,17 @@ def print_summary(summary: dict) -> None:
         print("errors:", *summary["errors"], sep="\n  ")
 
 
-def run_offline(args, requests) -> dict:
-    from llmbus import LLM, SamplingParams
+def offline_engine(args):
+    from llmbus import LLM
 
-    llm = LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency,
-              dtype=args.offline_dtype, quantization=args.offline_quantization,
-              kv_cache_memory_bytes=int(args.offline_kv_cache_memory_gb * (1 << 30)))
+    return LLM(args.compare_offline, max_num_seqs=args.offline_max_num_seqs or args.concurrency,
+               dtype=args.offline_dtype, quantization=args.offline_quantization,
+               kv_cache_memory_bytes=int(args.offline_kv_cache_memory_gb * (1 << 30)))
+
+
+def run_offline(llm, requests) -> dict:
+    from llmbus import SamplingParams
+
     prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
     start = time.perf_counter()
@@ -206,7 +219,8 @@ def run_offline(args, requests) -> dict:
     duration = time.perf_counter() - start
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     in_tokens = sum(len(p) for p in prompts)
-    return {"duration_s": round(duration, 2), "output_tok_s": round(out_tokens / duration, 1),
+    return {"duration_s": round(duration, 2), "output_tokens": out_tokens,
+            "output_tok_s": round(out_tokens / duration, 1),
             "total_tok_s": round((in_tokens + out_tokens) / duration, 1)}
 
 
@@ -214,22 +228,38 @@ SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
 
 
 def service_cpu_times() -> dict[int, tuple[str, float]]:
-    """pid -> (service, user + system CPU seconds) of every local `llmbus <service>` process."""
+    """pid -> (name, user + system CPU seconds) of every local `llmbus <service>` process,
+    of the NATS server, of this client process, of the whole machine (pid -1) and stolen by the hypervisor (-2)."""
     import psutil
 
     found = {}
-    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+    for proc in psutil.process_iter(["pid", "name", "cmdline", "cpu_times"]):
         cmdline = proc.info["cmdline"] or []
-        for i, part in enumerate(cmdline[:-1]):
-            if part == "llmbus" and cmdline[i + 1] in SERVICES:
-                times = proc.info["cpu_times"]
-                found[proc.info["pid"]] = (cmdline[i + 1], times.user + times.system)
-                break
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        name = None
+        if proc.info["pid"] == os.getpid():
+            name = "client"  # this benchmark: it shares the machine with the server
+        elif proc.info["name"] == "nats-server":
+            name = "nats"
+        else:
+            for i, part in enumerate(cmdline[:-1]):
+                if part == "llmbus" and cmdline[i + 1] in SERVICES:
+                    name = cmdline[i + 1]
+                    break
+        if name:
+            found[proc.info["pid"]] = (name, times.user + times.system)
+    machine = psutil.cpu_times()
+    found[-1] = ("machine", machine.user + machine.system + machine.nice + getattr(machine, "irq", 0.0)
+                 + getattr(machine, "softirq", 0.0))
+    # Time the hypervisor gave this VM's CPUs to someone else (a shared host).
+    found[-2] = ("steal", getattr(machine, "steal", 0.0))
     return found
 
 
 def cpu_report(before: dict, after: dict, wall_s: float) -> dict[str, float]:
-    """CPU seconds per service over the run, as a share of one core."""
+    """CPU seconds per process kind over the run, as a share of one core."""
     used: dict[str, float] = {}
     for pid, (service, seconds) in after.items():
         used[service] = used.get(service, 0.0) + seconds - before.get(pid, (service, 0.0))[1]
@@ -237,19 +267,42 @@ def cpu_report(before: dict, after: dict, wall_s: float) -> dict[str, float]:
 
 
 def run(args) -> int:
+    if args.repeat > 1 and not args.compare_offline:
+        raise SystemExit("--repeat needs --compare-offline")
+    llm = offline_engine(args) if args.compare_offline else None
+    pairs, first_seed = [], args.seed
+    for i in range(args.repeat):
+        args.seed = first_seed + i  # new prompts for each pair: no side reuses cached prefixes
+        requests = load_requests(args)
+        offline = None
+        if llm is not None and i % 2 == 1:  # odd pairs: offline first
+            offline = run_offline(llm, requests)
+        summary = serve_once(args, requests)
+        if llm is not None:
+            offline = offline or run_offline(llm, requests)
+            summary["offline"] = offline
+            summary["served_over_offline"] = round(summary["output_tok_s"] / offline["output_tok_s"], 3)
+            print(f"offline LLM: {offline['output_tok_s']} output tok/s, {offline['total_tok_s']} total tok/s "
+                  f"in {offline['duration_s']} s")
+            print(f"served/offline output throughput: {summary['served_over_offline']:.3f}")
+        print(json.dumps(summary))
+        pairs.append(summary)
+    if len(pairs) > 1:
+        # Over all pairs: total tokens over total time on each side.
+        served = sum(p["output_tokens"] for p in pairs) / sum(p["duration_s"] for p in pairs)
+        offline = sum(p["offline"]["output_tokens"] for p in pairs) / sum(p["offline"]["duration_s"] for p in pairs)
+        ratios = ", ".join(f"{p['served_over_offline']:.3f}" for p in pairs)
+        print(f"over {len(pairs)} pairs (each: {ratios}): served {served:.1f}, offline {offline:.1f} output tok/s "
+              f"-> served/offline {served / offline:.3f}")
+    return 0 if all(p["failed"] == 0 for p in pairs) else 1
+
+
+def serve_once(args, requests) -> dict:
     cpu_before = service_cpu_times() if args.service_cpu else {}
     started = time.perf_counter()
-    summary = asyncio.run(stream_workload(args))
+    summary = asyncio.run(stream_workload(args, requests))
     print_summary(summary)
     if args.service_cpu:
         summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)
         print("cores used over the run:", ", ".join(f"{k} {v:.2f}" for k, v in summary["service_cores"].items()))
-    if args.compare_offline:
-        offline = run_offline(args, load_requests(args))
-        summary["offline"] = offline
-        summary["served_over_offline"] = round(summary["output_tok_s"] / offline["output_tok_s"], 3)
-        print(f"offline LLM: {offline['output_tok_s']} output tok/s, {offline['total_tok_s']} total tok/s "
-              f"in {offline['duration_s']} s")
-        print(f"served/offline output throughput: {summary['served_over_offline']:.3f}")
-    print(json.dumps(summary))
-    return 0 if summary["failed"] == 0 else 1
+    return summary
