@@ -31,6 +31,13 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_
 class TritonAttentionBackend:
     name = "triton"
 
+    @staticmethod
+    def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        # Token-major: a block's keys for all heads are one contiguous tile (the kernels
+        # take strides, so other layouts work too).
+        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

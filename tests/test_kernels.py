@@ -17,7 +17,7 @@ from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.triton_backend import choose_num_splits
 from services.worker.attention.metadata import AttentionMetadata
-from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from services.worker.attention.torch_backend import TorchAttentionBackend, new_kv_cache, write_kv_cache
 
 
 def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
@@ -102,6 +102,30 @@ def test_bfloat16_cache_matches_float32_reference(num_splits):
     torch.testing.assert_close(out.float(), reference(query, kv_cache, md), atol=2e-2, rtol=2e-2)
 
 
+def heads_first(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The same cache as the PyTorch backend allocates it: heads-first in memory."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    copy = new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_cache.dtype, "cpu")
+    copy.copy_(kv_cache)
+    assert copy.permute(0, 3, 1, 2, 4).is_contiguous()
+    return copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_backends_read_a_heads_first_cache_as_a_token_major_one(dtype):
+    query, kv_cache, md = make_batch([1, 1, 1, 5, 9], [9, 33, 47, 5, 30], 6, 2, 64, 16, dtype, seed=5)
+    unused = torch.zeros(query.shape[0], 2, 64, dtype=dtype)
+    torch_out = TorchAttentionBackend().forward(query, unused, unused, kv_cache, md, 0.125)
+    md.backend_state = None
+    assert torch.equal(TorchAttentionBackend().forward(query, unused, unused, heads_first(kv_cache), md, 0.125),
+                       torch_out)
+    cache = heads_first(kv_cache)
+    out = paged_attention(query, cache[0], cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, 0.125)
+    torch.testing.assert_close(out.float(), reference(query, kv_cache, md),
+                               **({"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write_puts_each_token_in_its_slot_and_skips_padding(dtype):
     gen = torch.Generator().manual_seed(4)
@@ -114,6 +138,9 @@ def test_cache_write_puts_each_token_in_its_slot_and_skips_padding(dtype):
     reshape_and_cache(key, value, cache[0], cache[1], slots)
     write_kv_cache(key, value, expected, slots)
     assert torch.equal(cache, expected)
+    in_heads_first = heads_first(torch.zeros_like(cache))
+    write_kv_cache(key, value, in_heads_first, slots)
+    assert torch.equal(in_heads_first, expected)
     assert cache[0].view(-1, kv_heads, head_dim)[95].equal(key[3])
     assert int((cache != 0).flatten(2).any(-1).sum()) == 2 * 4  # K and V, four real tokens
 

@@ -63,9 +63,8 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
         self.kv_caches = [
-            torch.zeros(
-                2, self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                dtype=self.dtype, device=self.device,
+            backend.new_kv_cache(
+                self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
             )  # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(cfg.num_hidden_layers)
         ]

@@ -12,6 +12,12 @@ from services.worker.attention.metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     name: str
 
+    def new_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """One layer's zeroed cache, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+        as every backend indexes it, laid out in memory as this backend reads it fastest."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
