@@ -72,8 +72,8 @@ def load_model(
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model = model.to(device)
-    if quantization is None and can_pack(dtype, torch.device(device)):
-        pack_linears(model)
+    if can_pack(dtype, torch.device(device)):
+        pack_linears(model)  # what quantization left in bfloat16 (int4: the LM head)
         if model.lm_head is None:
             # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more): the
             # embedding is read a row per token, the head whole on every step.

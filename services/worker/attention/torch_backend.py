@@ -111,6 +111,8 @@ class TorchAttentionBackend:
         if not isinstance(state, _StepState):
             state = metadata.backend_state = self._step_state(metadata, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, state.slots_padded)
+        if len(state.decode_groups) == 1 and metadata.num_decodes == metadata.num_reqs:
+            return self._decode(query, kv_cache, state.decode_groups[0], scale)  # up to 8 decodes
         out = torch.empty_like(query)
         for group in state.decode_groups:
             out[group.start : group.end] = self._decode(query[group.start : group.end], kv_cache, group, scale)
