@@ -1,5 +1,7 @@
-"""`llmbus serve` starts a whole deployment, serves, and leaves no process behind on SIGTERM."""
+"""`llmbus serve` starts a whole deployment, serves (`llmbus bench serve` included), and
+leaves no process behind on SIGTERM."""
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,29 +16,59 @@ from llmbus.serve import free_port
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_serve_starts_everything_and_stops_everything(tiny_llama):
+@pytest.fixture(scope="module")
+def served(tiny_llama):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
          "--port", str(port), "--tokenizers", "2", "--num-kv-blocks", "64"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    try:
-        line = proc.stdout.readline()  # printed once /health is green
-        assert f"http://127.0.0.1:{port}/v1" in line, proc.stderr.read() if proc.poll() is not None else line
-        children = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(c.cmdline()) for c in children)
-        assert "nats-server" in names
-        for service in ("scheduler", "worker", "gateway"):
-            assert f"llmbus {service}" in names
-        assert names.count("llmbus tokenizer") == 2
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                          json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
-        assert resp.status_code == 200
-        assert resp.json()["usage"]["completion_tokens"] >= 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+    line = proc.stdout.readline()  # printed once /health is green
+    assert f"http://127.0.0.1:{port}/v1" in line, proc.stderr.read() if proc.poll() is not None else line
+    yield proc, port, psutil.Process(proc.pid).children(recursive=True)
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_serve_starts_everything_and_answers(served):
+    _, port, children = served
+    names = " ".join(" ".join(c.cmdline()) for c in children)
+    assert "nats-server" in names
+    for service in ("scheduler", "worker", "gateway"):
+        assert f"llmbus {service}" in names
+    assert names.count("llmbus tokenizer") == 2
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                      json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
+    _, port, _ = served
+    result = subprocess.run(
+        [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+         "--model", "tiny", "--num-requests", "4", "--concurrency", "2", "--input-len", "4", "8",
+         "--output-len", "3", "5", "--vocab-size", "300", "--service-cpu",
+         "--compare-offline", str(tiny_llama), "--offline-kv-cache-memory-gb", "0.01", "--repeat", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    pairs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(pairs) == 2
+    for pair in pairs:
+        assert pair["completed"] == 4 and pair["failed"] == 0
+        # ignore_eos: exactly max_tokens each, served and offline alike
+        assert pair["output_tokens"] == pair["offline"]["output_tokens"] >= 4 * 3
+        assert {"client", "gateway", "scheduler", "worker", "nats", "machine"} <= set(pair["service_cores"])
+    assert lines[-1].startswith("over 2 pairs") and "served/offline" in lines[-1]
+
+
+def test_sigterm_stops_everything(served):
+    proc, _, children = served
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
         time.sleep(0.1)
