@@ -15,12 +15,29 @@ token-identical to transformers.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and device.type == "cpu" and _packing_works()
+
+
+@functools.cache
+def _packing_works() -> bool:
+    """Whether this build and CPU run the packed bfloat16 product (oneDNN present, a
+    bfloat16 path for this CPU); if not, the model keeps plain `F.linear`."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        weight, x = torch.eye(16, dtype=torch.bfloat16), torch.ones(2, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return bool(torch.equal(out, x))
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
 
 
 class PackedLinear(nn.Module):
