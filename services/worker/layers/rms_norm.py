@@ -3,8 +3,10 @@ cast back to the activations' dtype, so outputs stay token-identical to it.
 
 The normalization itself is PyTorch's `F.rms_norm` on float32, which gives the same bits
 as transformers' `x * rsqrt(mean(x ** 2) + eps)` (tests/test_rms_norm.py checks) in one
-kernel instead of five: at a 2048-token prefill step 0.23 ms against 4.1 ms per call in
-float32 on this machine, and a third less at one token.
+kernel instead of five. Against transformers' LlamaRMSNorm on this machine (best of five
+timings): 1 token 21 vs 27 us in float32 and 17 vs 18 in bfloat16; 2048 tokens 3.6 vs
+4.5 ms and 4.7 vs 5.4 ms. (A first, single timing that showed 18x at 2048 tokens did not
+repeat.)
 """
 
 from __future__ import annotations
