@@ -20,6 +20,8 @@ import functools
 import torch
 from torch import nn
 
+from services.worker.layers import replace_linears
+
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and device.type == "cpu" and _packing_works()
@@ -69,8 +71,6 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every bfloat16 nn.Linear under `model` with its packed form (in place)."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
-                setattr(module, name, PackedLinear(child.weight, child.bias))
-    return model
+    return replace_linears(
+        model, lambda linear: PackedLinear(linear.weight, linear.bias) if linear.weight.dtype == torch.bfloat16 else None
+    )

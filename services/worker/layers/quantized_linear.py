@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.worker.layers import replace_linears
+
 # Rows (tokens) up to which the int8 kernel is used; above it, convert then GEMM.
 INT8_KERNEL_MAX_ROWS = 16
 
@@ -144,8 +146,4 @@ def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | Non
 
 def quantize(model: nn.Module, method: str, dtype: torch.dtype) -> nn.Module:
     """Replace every nn.Linear under `model` with its quantized form (in place)."""
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
-                setattr(module, child_name, quantized_linear(method, child.weight, child.bias, dtype))
-    return model
+    return replace_linears(model, lambda linear: quantized_linear(method, linear.weight, linear.bias, dtype))

@@ -33,11 +33,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict) -> None:
         super().__init__()
@@ -46,7 +41,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        # rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of the
+        # transformers' rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of the
         # sine negated: one flip instead of two slices, a negation and a cat per call, and
         # bit-identical, since (-a) * b == a * (-b) exactly in floating point.
         sin = emb.sin()
