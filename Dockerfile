@@ -16,6 +16,10 @@ RUN pip install --upgrade pip && pip install ".${EXTRAS:+[$EXTRAS]}"
 
 # Run stage: the virtualenv only, as an unprivileged user.
 FROM python:3.11-slim
+# g++ builds the CPU kernels (kernels/cpu) for the CPU the worker lands on, at its first
+# start; without it the worker runs on PyTorch's ops alone.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --create-home --uid 10001 llmbus && mkdir -p /models && chown llmbus /models
 COPY --from=build /opt/llmbus /opt/llmbus
 ENV PATH=/opt/llmbus/bin:$PATH \

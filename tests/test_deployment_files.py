@@ -5,6 +5,7 @@ environment names agree with what the code reads."""
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,17 @@ def test_dockerfile_installs_the_project_from_pyproject_like_make_install():
         assert f"COPY {package} ./{package}" in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv" in ignored and ".git" in ignored
+
+
+def test_the_image_can_build_the_cpu_kernels(tmp_path):
+    """The wheel carries the C++ sources of kernels/cpu and the run stage has a compiler,
+    so a worker in a container builds them for its CPU like one started by `make serve`."""
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                             "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("llmbus-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {f"kernels/cpu/{p.name}" for p in (ROOT / "kernels" / "cpu").iterdir() if p.suffix in (".cpp", ".h")}
+    assert sources and sources <= names
+    run_stage = (ROOT / "Dockerfile").read_text().rsplit("FROM ", 1)[1]
+    assert re.search(r"apt-get install[^\n]*\bg\+\+", run_stage)

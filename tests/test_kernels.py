@@ -52,6 +52,7 @@ def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_si
 def reference(query, kv_cache, metadata):
     """The PyTorch backend in float32 over the same values (no new K/V to write)."""
     q32, kv32 = query.float(), kv_cache.float()
+    metadata.backend_state = None  # what a bfloat16 call derived does not hold for float32
     unused = torch.zeros(q32.shape[0], kv32.shape[3], kv32.shape[4])  # every slot is -1: not written
     return TorchAttentionBackend().forward(q32, unused, unused, kv32, metadata, query.shape[-1] ** -0.5)
 

@@ -1,27 +1,70 @@
-"""bfloat16 weights prepacked for oneDNN: the same numbers as F.linear, and every matmul
-of a bfloat16 model on CPU goes through them."""
+"""Packed bfloat16 products: oneDNN's the same numbers as F.linear, llmbus's own within a
+last-bit rounding of the exact product; every matmul of a bfloat16 model on CPU is packed."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.layers.packed_linear import PackedLinear, can_pack
+import kernels.cpu as cpu_kernels
+from services.worker.layers.packed_linear import PackedLinear, _onednn_packing_works, can_pack, default_kernel
 from services.worker.model_runner import ModelRunner
 from tiny_models import build_tiny_model
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN")
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no packed bfloat16 product")
+
+needs_onednn = pytest.mark.skipif(not _onednn_packing_works(), reason="no oneDNN bfloat16")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 
 
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers around |x| (8 significant bits)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-126)))
+    return torch.exp2(exponent - 7)
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 3, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_product_is_bit_identical_to_f_linear(rows, bias):
+def test_onednn_product_is_bit_identical_to_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     b = torch.randn(96, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, 64, generator=gen).bfloat16()
-    out = PackedLinear(weight, b)(x)
+    out = PackedLinear(weight, b, kernel="onednn")(x)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
     assert torch.equal(out, F.linear(x, weight, b))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 130])
+@pytest.mark.parametrize("out_features, bias", [(64, False), (200, True), (960, False)])
+def test_llmbus_product_rounds_the_exact_product(rows, out_features, bias):
+    """Within one bfloat16 step of the float64 product, give or take the float32 rounding
+    of the sums where they cancel, and no further from it than F.linear: whole and partial
+    64-feature blocks, 1-4 row tiles and their tails, a bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, 576, generator=gen).bfloat16()
+    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    out = PackedLinear(weight, b, kernel="llmbus")(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    error = (out.double() - exact).abs()
+    magnitude = x.double().abs() @ weight.double().abs().T  # what float32 rounding scales with
+    assert bool((error <= bf16_ulp(exact) + 2.0**-20 * magnitude).all())
+    reference_error = (F.linear(x, weight, b).double() - exact).abs()
+    assert float(error.max()) <= float(reference_error.max()) * 1.01 + 1e-12
+
+
+@needs_kernels
+def test_llmbus_product_takes_strided_rows_and_leading_dimensions():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(128, 64, generator=gen).bfloat16()
+    wide = torch.randn(2, 5, 96, generator=gen).bfloat16()
+    x = wide[..., :64]  # rows 96 apart
+    out = PackedLinear(weight, None, kernel="llmbus")(x)
+    assert out.shape == (2, 5, 128)
+    torch.testing.assert_close(out, F.linear(x.contiguous(), weight), atol=0, rtol=2**-7)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -30,8 +73,14 @@ def test_a_bfloat16_model_packs_every_matmul_and_a_float32_one_none(tmp_path, ti
     bf16 = ModelRunner(folder, dtype="bfloat16").model
     assert not any(type(m) is torch.nn.Linear for m in bf16.modules())
     assert isinstance(bf16.lm_head, PackedLinear)  # tied: a packed copy of the embedding
+    assert {m.kernel for m in bf16.modules() if isinstance(m, PackedLinear)} == {default_kernel()}
     f32 = ModelRunner(folder, dtype="float32").model
     assert not any(isinstance(m, PackedLinear) for m in f32.modules())
     hidden = torch.randn(5, bf16.config.hidden_size).bfloat16()
     head = f32.model.embed_tokens.weight if tied else f32.lm_head.weight
-    assert torch.equal(bf16.compute_logits(hidden), F.linear(hidden, head.bfloat16()).float())
+    logits = bf16.compute_logits(hidden)
+    reference = F.linear(hidden, head.bfloat16()).float()
+    if default_kernel() == "onednn":
+        assert torch.equal(logits, reference)
+    else:
+        torch.testing.assert_close(logits, reference, atol=0, rtol=2**-7)

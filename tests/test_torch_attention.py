@@ -1,9 +1,11 @@
 """The PyTorch attention backend against attention written out per request in float64,
-with decode groups forced small so a step has several of different padded lengths."""
+with decode groups forced small so a step has several of different padded lengths, and
+with bfloat16 decodes taken by the CPU kernel where it loads."""
 
 import pytest
 import torch
 
+import kernels.cpu as cpu_kernels
 import services.worker.attention.torch_backend as torch_backend
 from test_kernels import heads_first, make_batch
 
@@ -26,8 +28,14 @@ def naive_attention(query, kv_cache, md, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_several_decode_groups_and_prefill_chunks_match_attention_written_out(monkeypatch, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, kernel", [
+    (torch.float32, 1e-5, False), (torch.bfloat16, 2e-2, False), (torch.bfloat16, 1e-2, True),
+])
+def test_several_decode_groups_and_prefill_chunks_match_attention_written_out(monkeypatch, dtype, tol, kernel):
+    if kernel and not cpu_kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    if not kernel:
+        monkeypatch.setattr(cpu_kernels, "decode_attention_supported", lambda *args: False)
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_SIZE", 3)
     query_lens = [1] * 7 + [4, 9]
     seq_lens = [3, 16, 17, 20, 33, 47, 60, 21, 9]  # sorted decodes, as the runner orders them
@@ -35,6 +43,7 @@ def test_several_decode_groups_and_prefill_chunks_match_attention_written_out(mo
     cache = heads_first(kv_cache)
     unused = torch.zeros(query.shape[0], 2, 64, dtype=dtype)
     out = torch_backend.TorchAttentionBackend().forward(query, unused, unused, cache, md, 0.125)
-    assert len(md.backend_state.decode_groups) == 3
+    assert md.backend_state.kernel_decodes == kernel
+    assert len(md.backend_state.decode_groups) == (0 if kernel else 3)
     expected = naive_attention(query, kv_cache, md, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

@@ -1,0 +1,128 @@
+"""CPU kernels for the decode step: where eager PyTorch leaves the most time on the table.
+
+- `linear_bf16`: a bfloat16 matrix product over weights packed once at load, streaming the
+  weights at close to memory speed for decode-sized batches (kernels/cpu/linear_bf16.cpp).
+- `paged_decode_attention`: attention of one query token per sequence, reading keys and
+  values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
+
+They need x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says
+whether they loaded, `unavailable_reason()` why not, and every caller keeps a PyTorch path.
+Float32 models never use them: float32 stays token-identical to transformers, and these
+kernels sum in another order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import torch
+
+from kernels.cpu.build import build_library
+
+log = logging.getLogger("llmbus.kernels")
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    lib, reason = build_library()
+    if lib is None:
+        log.warning("CPU kernels unavailable, using PyTorch ops", extra={"reason": reason})
+        return None, reason
+    lib.llmbus_packed_bf16_numel.argtypes = [_I, _I]
+    lib.llmbus_packed_bf16_numel.restype = _I
+    lib.llmbus_pack_bf16.argtypes = [_P, _I, _I, _P]
+    lib.llmbus_pack_bf16.restype = None
+    lib.llmbus_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int]
+    lib.llmbus_linear_bf16.restype = None
+    lib.llmbus_paged_decode_attention_bf16.argtypes = [
+        _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
+    ]
+    lib.llmbus_paged_decode_attention_bf16.restype = ctypes.c_int
+    return lib, ""
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str:
+    return _library()[1]
+
+
+def _lib() -> ctypes.CDLL:
+    lib, reason = _library()
+    if lib is None:
+        raise RuntimeError(f"CPU kernels unavailable: {reason}")
+    return lib
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bfloat16 weight -> the flat packed form `linear_bf16` reads (in even)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.bfloat16 or in_features % 2:
+        raise ValueError(f"pack_bf16 takes a bfloat16 [out, in] weight with an even in; got {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    packed = torch.empty(_lib().llmbus_packed_bf16_numel(out_features, in_features), dtype=torch.bfloat16)
+    _lib().llmbus_pack_bf16(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] bfloat16 @ W.T (+ bias, float32) -> [..., out] bfloat16."""
+    in_features = x.shape[-1]
+    # A wrong pointer here reads or writes out of bounds, so check what ctypes cannot.
+    if x.dtype != torch.bfloat16 or packed.numel() != _lib().llmbus_packed_bf16_numel(out_features, in_features):
+        raise ValueError(f"linear_bf16: x {x.dtype} [..., {in_features}] does not fit a packed [{out_features}, ?] weight")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
+        raise ValueError("linear_bf16: bias must be contiguous float32 [out_features]")
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    _lib().llmbus_linear_bf16(
+        x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], out_features)
+
+
+def decode_attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    head_dim = query.shape[-1]
+    return (
+        query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and query.device.type == "cpu"
+        and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1 and available()
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] bfloat16, one token per sequence
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], any layout, head_dim contiguous
+    block_table: torch.Tensor,  # [>= num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32: tokens to attend over, the new one included
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"paged_decode_attention takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_table and seq_lens must be int32")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("paged_decode_attention needs head_dim contiguous in query and cache")
+    block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
+    out = torch.empty_like(query)
+    k, v = kv_cache[0], kv_cache[1]
+    status = _lib().llmbus_paged_decode_attention_bf16(
+        query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(),
+        k.stride(0), k.stride(1), k.stride(2), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
+        num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")
+    return out

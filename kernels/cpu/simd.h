@@ -1,0 +1,32 @@
+// Small AVX-512 helpers shared by the CPU kernels.
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+// bfloat16 -> float32 is a 16-bit shift: exact.
+static inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// float32 -> bfloat16, rounding to nearest even (what PyTorch's .to(torch.bfloat16) does).
+static inline void store_bf16x16(uint16_t* p, __m512 v, __mmask16 mask = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// e^x for softmax inputs (x <= 0): 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5],
+// with a degree-6 polynomial for 2^f (relative error ~2e-7, below float32's own rounding
+// in the sums that follow); scalef does the 2^n and flushes very negative x to 0.
+static inline __m512 exp512(__m512 x) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.0f)), log2e);
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}

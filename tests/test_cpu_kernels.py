@@ -1,0 +1,124 @@
+"""The C++ CPU kernels (kernels/cpu): decode attention read in place from the paged cache
+against attention written out in float64, and the build's fallbacks."""
+
+import ctypes
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels.cpu as cpu_kernels
+from kernels.cpu import build as cpu_build
+from test_kernels import heads_first, make_batch
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+
+def attention_float64(query, kv_cache, block_table, seq_lens, scale):
+    """softmax(q k^T * scale) v for one query token per sequence, GQA by head // group."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for s in range(num_seqs):
+        n = int(seq_lens[s])
+        slots = [int(block_table[s, p // block_size]) * block_size + p % block_size for p in range(n)]
+        k = kv_cache[0].flatten(0, 1)[slots].double()
+        v = kv_cache[1].flatten(0, 1)[slots].double()
+        for h in range(num_heads):
+            scores = k[:, h // group] @ query[s, h].double() * scale
+            out[s, h] = scores.softmax(0) @ v[:, h // group]
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["token-major", "heads-first"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 128)])
+def test_decode_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim):
+    # Lengths on and off block and 16-lane boundaries, one past 1000 tokens.
+    seq_lens = [1, 15, 16, 17, 100, 1037]
+    query, kv_cache, md = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, 16,
+                                     torch.bfloat16, seed=num_heads + head_dim)
+    cache = heads_first(kv_cache) if layout == "heads-first" else kv_cache
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(query, cache, md.block_table, md.seq_lens, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    expected = attention_float64(query, kv_cache, md.block_table, md.seq_lens, scale)
+    # bfloat16 output: 8 significant bits.
+    torch.testing.assert_close(out.double(), expected, atol=4e-3, rtol=2**-7)
+
+
+@needs_kernels
+def test_decode_attention_survives_peaked_and_flat_scores():
+    """A huge scale puts all weight on one key (no overflow in exp), a zero query spreads it
+    evenly (the mean of the values)."""
+    query, kv_cache, md = make_batch([1, 1], [40, 300], 6, 2, 64, 16, torch.bfloat16, seed=11)
+    peaked = cpu_kernels.paged_decode_attention(query, kv_cache, md.block_table, md.seq_lens, 1e4)
+    expected = attention_float64(query, kv_cache, md.block_table, md.seq_lens, 1e4)
+    assert torch.isfinite(peaked.float()).all()
+    torch.testing.assert_close(peaked.double(), expected, atol=4e-3, rtol=2**-7)
+    flat = cpu_kernels.paged_decode_attention(torch.zeros_like(query), kv_cache, md.block_table, md.seq_lens, 1.0)
+    expected = attention_float64(torch.zeros_like(query), kv_cache, md.block_table, md.seq_lens, 1.0)
+    torch.testing.assert_close(flat.double(), expected, atol=4e-3, rtol=2**-7)
+
+
+@needs_kernels
+def test_decode_attention_refuses_what_it_cannot_read():
+    query, kv_cache, md = make_batch([1], [20], 4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.paged_decode_attention(query.float(), kv_cache.float(), md.block_table, md.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_kernels.paged_decode_attention(query, kv_cache, md.block_table.long(), md.seq_lens, 0.1)
+    odd_query, odd_cache, md = make_batch([1], [20], 4, 2, 96, 16, torch.bfloat16)
+    assert not cpu_kernels.decode_attention_supported(odd_query, odd_cache)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        cpu_kernels.paged_decode_attention(odd_query, odd_cache, md.block_table, md.seq_lens, 0.1)
+
+
+@needs_kernels
+def test_linear_refuses_a_weight_of_another_shape():
+    packed = cpu_kernels.pack_bf16(torch.randn(100, 64).bfloat16())
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.linear_bf16(torch.randn(3, 32).bfloat16(), packed, 100)
+    with pytest.raises(ValueError, match="even"):
+        cpu_kernels.pack_bf16(torch.randn(8, 63).bfloat16())
+
+
+@needs_kernels
+def test_the_library_shares_pytorchs_openmp_runtime():
+    """Two OpenMP runtimes in one process would each keep a thread per core spinning."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def test_build_says_why_it_did_not(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMBUS_HOME", str(tmp_path))
+    monkeypatch.setenv("LLMBUS_CPU_KERNELS", "0")
+    assert cpu_build.build_library() == (None, "LLMBUS_CPU_KERNELS=0")
+    monkeypatch.delenv("LLMBUS_CPU_KERNELS")
+    if cpu_build.build_library()[0] is None:
+        pytest.skip(f"no build here: {cpu_build.build_library()[1]}")
+    lib, reason = cpu_build.build_library(compiler="/bin/false")  # a compiler that fails
+    assert lib is None and "failed" in reason
+    assert not list((tmp_path / "kernels").glob("tmp*"))  # no half-built file left behind
+
+
+@needs_kernels
+def test_a_built_library_is_reused_and_a_changed_source_rebuilds(monkeypatch, tmp_path):
+    monkeypatch.setenv("LLMBUS_HOME", str(tmp_path))
+    lib, _ = cpu_build.build_library()
+    assert isinstance(lib, ctypes.CDLL)
+    built = list((tmp_path / "kernels").glob("*.so"))
+    assert len(built) == 1
+    cpu_build.build_library()
+    assert list((tmp_path / "kernels").glob("*.so")) == built
+    # Another source set (copied, one comment changed) gets its own library.
+    sources = tmp_path / "src"
+    sources.mkdir()
+    for path in cpu_build.SOURCE_DIR.glob("*.[ch]*"):
+        if path.suffix in (".cpp", ".h"):
+            (sources / path.name).write_text(path.read_text() + "\n// changed\n")
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", sources)
+    assert cpu_build.build_library()[0] is not None
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 2
