@@ -122,3 +122,42 @@ def test_a_built_library_is_reused_and_a_changed_source_rebuilds(monkeypatch, tm
     monkeypatch.setattr(cpu_build, "SOURCE_DIR", sources)
     assert cpu_build.build_library()[0] is not None
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 2
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens):
+    """Query and key heads inside a wider fused qkv row, rotated in place, against the
+    PyTorch ops on a copy."""
+    from services.worker.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    rope = RotaryEmbedding(64, 4096, 10000.0, {})
+    qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64, generator=gen).bfloat16()
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    qk = qkv[:, : 12 * 64].unflatten(-1, (12, 64))
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_kernels, "supports", lambda x: False)
+        expected = rope(positions, qk.clone())
+    untouched = qkv[:, 12 * 64 :].clone()
+    out = rope(positions.clone(), qk)
+    assert out.data_ptr() == qk.data_ptr()  # in place
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, 12 * 64 :], untouched)  # the value heads are left alone
+    with pytest.raises(IndexError, match="past the rotary table"):
+        rope(torch.tensor([4096] * num_tokens), qk)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+def test_silu_mul_kernel_matches_pytorch(num_tokens):
+    gen = torch.Generator().manual_seed(num_tokens)
+    gate_up = (torch.randn(num_tokens, 2 * 1536, generator=gen) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).bfloat16()  # exp's range ends
+    out = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.split(1536, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    differ = out != expected
+    assert int(differ.sum()) <= max(2, differ.numel() // 1000)  # exp's last bits, rarely visible
+    relative = (out.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)
+    assert float(torch.where(differ, relative, 0.0).max()) <= 2.0**-6

@@ -4,6 +4,9 @@
   weights at close to memory speed for decode-sized batches (kernels/cpu/linear_bf16.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
+- `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
+  pass each, with the roundings of the bfloat16 PyTorch ops they replace
+  (kernels/cpu/elementwise.cpp).
 
 They need x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says
 whether they loaded, `unavailable_reason()` why not, and every caller keeps a PyTorch path.
@@ -42,6 +45,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
     ]
     lib.llmbus_paged_decode_attention_bf16.restype = ctypes.c_int
+    lib.llmbus_add_rms_norm_bf16.argtypes = [_P, _P, _P, _F, _P, _I, _I, ctypes.c_int]
+    lib.llmbus_add_rms_norm_bf16.restype = None
+    lib.llmbus_rotary_bf16.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
+    lib.llmbus_rotary_bf16.restype = None
+    lib.llmbus_silu_mul_bf16.argtypes = [_P, _P, _I, _I, ctypes.c_int]
+    lib.llmbus_silu_mul_bf16.restype = None
     return lib, ""
 
 
@@ -125,4 +134,64 @@ def paged_decode_attention(
     )
     if status != 0:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")
+    return out
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels take this activation tensor (bfloat16 on the CPU)."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and available()
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.dtype != torch.bfloat16 or not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous bfloat16, got {x.dtype} with strides {x.stride()}")
+    return x
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [rows, hidden]
+    residual: torch.Tensor | None,  # [rows, hidden], updated in place to residual + x
+    weight: torch.Tensor,  # [hidden] bfloat16
+    eps: float,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x), or with a residual (x + residual -> residual): (RMSNorm(residual), residual)."""
+    _rows(x, "x"), _rows(weight, "weight")
+    hidden = x.shape[-1]
+    if weight.numel() != hidden:
+        raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {hidden}")
+    if residual is not None and (_rows(residual, "residual").shape != x.shape):
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _lib().llmbus_add_rms_norm_bf16(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+        x.numel() // max(hidden, 1), hidden, torch.get_num_threads(),
+    )
+    return out if residual is None else (out, residual)
+
+
+def rotary(
+    x: torch.Tensor,  # [rows, heads, head_dim], head_dim contiguous, heads adjacent; rotated in place
+    positions: torch.Tensor,  # [rows] int64, each < the tables' length (the caller checks once per step)
+    cos_table: torch.Tensor,  # [max_position, head_dim] float32
+    sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
+) -> torch.Tensor:
+    rows, heads, head_dim = x.shape
+    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
+        raise ValueError(f"rotary takes bfloat16 [rows, heads, head_dim] with contiguous heads, got {x.dtype} {x.stride()}")
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
+        raise ValueError("rotary: positions must be contiguous int64, one per row")
+    for table in (cos_table, sin_table):
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
+            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
+    _lib().llmbus_rotary_bf16(x.data_ptr(), rows, heads, head_dim, x.stride(0), positions.data_ptr(),
+                              cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads())
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then up) -> [rows, n]
+    _rows(gate_up, "gate_up")
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.bfloat16)
+    _lib().llmbus_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
+                                torch.get_num_threads())
     return out

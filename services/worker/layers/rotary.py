@@ -12,6 +12,8 @@ import math
 import torch
 from torch import nn
 
+import kernels.cpu as cpu_kernels
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
@@ -55,11 +57,20 @@ class RotaryEmbedding(nn.Module):
         self,
         positions: torch.Tensor,  # [num_tokens]
         x: torch.Tensor,  # [num_tokens, num_heads, head_dim]: query and key heads side by side
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], contiguous
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Rotate every head of `x` by its token's position. Query and key heads go
-        through in one call (they are adjacent in the fused qkv output): half the calls."""
+        through in one call (they are adjacent in the fused qkv output): half the calls.
+        In bfloat16 on CPU, kernels/cpu rotates `x` in place in one pass (same roundings)."""
+        if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
+            if self._step is None or self._step[0] is not positions:
+                # Once per step, not per layer: the kernel trusts every position to be in the table.
+                if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+                    raise IndexError(f"position {int(positions.max())} is past the rotary table "
+                                     f"({self.cos_cache.shape[0]} positions)")
+                self._step = (positions, None, None, None)
+            return cpu_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)
         step = self._step
-        if step is None or step[0] is not positions or step[1] != x.dtype:
+        if step is None or step[0] is not positions or step[1] != x.dtype or step[2] is None:
             cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
             sin = self.sin_signed_cache[positions].to(x.dtype).unsqueeze(1)
             step = self._step = (positions, x.dtype, cos, sin)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.cpu as cpu_kernels
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.rms_norm import RMSNorm
@@ -70,7 +71,10 @@ class MLP(nn.Module):
         self.shard_sizes = (config.intermediate_size, config.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
-        gate, up = self.gate_up_proj(x).split(self.shard_sizes, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one pass, the same roundings
+        gate, up = gate_up.split(self.shard_sizes, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -82,9 +86,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, positions, hidden, kv_cache, metadata):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, residual, kv_cache, metadata):
+        """(this layer's MLP output, the residual stream before adding it): each residual
+        add is done by the norm that follows it, so it can fuse with it (vLLM's layout)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -118,10 +129,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        hidden = self.model.embed_tokens(input_ids)
+        hidden, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            hidden = layer(positions, hidden, kv_cache, metadata)
-        return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
