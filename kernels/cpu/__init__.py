@@ -7,6 +7,8 @@
 - `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
   pass each, with the roundings of the bfloat16 PyTorch ops they replace
   (kernels/cpu/elementwise.cpp).
+- `decoder_layer`: all of the above for one Llama layer of a decode-only step in one call
+  (kernels/cpu/decoder_layer.cpp), described by `LayerSpec` and `StepSpec`.
 
 They need x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says
 whether they loaded, `unavailable_reason()` why not, and every caller keeps a PyTorch path.
@@ -27,6 +29,24 @@ from kernels.cpu.build import build_library
 log = logging.getLogger("llmbus.kernels")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class LayerSpec(ctypes.Structure):
+    """Mirror of LlmbusLayer in decoder_layer.cpp (every field 8 bytes: no padding)."""
+
+    _fields_ = [(name, _I) for name in (
+        "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "block_size")] + [
+        ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
+        (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
+        ("cos_table", _P), ("sin_table", _P)]
+
+
+class StepSpec(ctypes.Structure):
+    """Mirror of LlmbusStep in decoder_layer.cpp."""
+
+    _fields_ = [(name, _I) for name in ("rows", "table_stride", "threads")] + [(name, _P) for name in (
+        "positions", "slots", "block_table", "seq_lens", "normed", "qkv", "attn", "gate_up", "act")]
 
 
 @functools.cache
@@ -51,6 +71,8 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.llmbus_rotary_bf16.restype = None
     lib.llmbus_silu_mul_bf16.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.llmbus_silu_mul_bf16.restype = None
+    lib.llmbus_decoder_layer_bf16.argtypes = [ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I]
+    lib.llmbus_decoder_layer_bf16.restype = None
     return lib, ""
 
 
@@ -195,3 +217,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then u
     _lib().llmbus_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
                                 torch.get_num_threads())
     return out
+
+
+def decoder_layer(layer: LayerSpec, step: StepSpec, hidden: torch.Tensor, residual: torch.Tensor, first: bool) -> None:
+    """One decoder layer of a decode-only step, in place: `hidden` [rows, hidden_size] becomes
+    the layer's output and `residual` the stream before it (set from `hidden` when `first`).
+    The specs hold raw pointers: the caller keeps every tensor they point into alive and
+    checks shapes once when building them (services/worker/models/fused_decode.py)."""
+    _lib().llmbus_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
+                                     residual.data_ptr(), int(first))

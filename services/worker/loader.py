@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.models.fused_decode import FusedDecode
 from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
@@ -78,4 +79,5 @@ def load_model(
             # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more): the
             # embedding is read a row per token, the head whole on every step.
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+    model.fused_decode = FusedDecode.build(model)
     return model.eval().requires_grad_(False)

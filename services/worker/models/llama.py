@@ -117,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, max_position)
+        # Decode-only steps in one C call per layer (bfloat16 on CPU), set by the loader.
+        self.fused_decode = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -129,6 +131,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        if self.fused_decode is not None and self.fused_decode.takes(input_ids, metadata, kv_caches):
+            return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         hidden, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)

@@ -1,0 +1,110 @@
+"""Decode-only steps of a bfloat16 Llama on CPU, one C call per decoder layer.
+
+At one token per request a layer's ten kernels each take microseconds, and driving them
+from PyTorch modules (module calls, ctypes, tensor allocation, views) cost about 3 ms of a
+15 ms SmolLM2 step. `FusedDecode` describes each layer to kernels/cpu/decoder_layer.cpp
+once (weight, cache and table pointers, in a `LayerSpec`), and each step once (a
+`StepSpec`: positions, slots, block table, scratch), then makes one call per layer.
+
+The kernels are the ones the module path calls (packed products, fused add-norm, rotary,
+cache write, decode attention, SiLU-mul), so both paths compute the same bits
+(tests/test_fused_decode.py). Steps with prefill chunks, other dtypes, quantized weights
+or other attention backends take the module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels.cpu as cpu_kernels
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.layers.packed_linear import PackedLinear
+
+
+class FusedDecode:
+    def __init__(self, model) -> None:
+        self.model = model
+        self._cache_key: tuple[int, ...] | None = None
+        self._layers: list[cpu_kernels.LayerSpec] = []
+
+    @classmethod
+    def build(cls, model) -> FusedDecode | None:
+        """The fused path for `model` (a LlamaForCausalLM), or None where it does not apply."""
+        config = model.config
+        if not cpu_kernels.available() or config.head_dim not in (64, 128) or config.num_hidden_layers == 0:
+            return None
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m, PackedLinear) and m.kernel == "llmbus" for m in linears):
+                return None  # float32, quantized, or oneDNN-packed weights
+            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+                return None
+            if layer.input_layernorm.weight.dtype != torch.bfloat16:
+                return None
+        return cls(model)
+
+    def takes(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """Whether this step is one it runs: decodes only, one unpadded token each."""
+        return (
+            metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
+            and metadata.num_reqs > 0
+            and kv_caches[0].dtype == torch.bfloat16 and kv_caches[0].stride(-1) == 1
+        )
+
+    def _layer_specs(self, kv_caches: list[torch.Tensor]) -> list[cpu_kernels.LayerSpec]:
+        key = tuple(cache.data_ptr() for cache in kv_caches)
+        if key == self._cache_key:
+            return self._layers
+        config, rotary = self.model.config, self.model.model.rotary
+        specs = []
+        for layer, cache in zip(self.model.model.layers, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            k, v = cache[0], cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
+            specs.append(cpu_kernels.LayerSpec(
+                hidden_size=config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+                head_dim=attn.head_dim, intermediate_size=mlp.intermediate_size, block_size=cache.shape[2],
+                eps=layer.input_layernorm.eps, scale=attn.scale,
+                input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                qkv=attn.qkv_proj.weight_packed.data_ptr(), o=attn.o_proj.weight_packed.data_ptr(),
+                gate_up=mlp.gate_up_proj.weight_packed.data_ptr(), down=mlp.down_proj.weight_packed.data_ptr(),
+                qkv_bias=_ptr(attn.qkv_proj.bias), o_bias=_ptr(attn.o_proj.bias),
+                k_cache=k.data_ptr(), v_cache=v.data_ptr(),
+                block_stride=k.stride(0), slot_stride=k.stride(1), head_stride=k.stride(2),
+                cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
+            ))
+        # The specs point into the model's parameters and these caches, which live as long as the runner.
+        self._cache_key, self._layers = key, specs
+        return specs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        config = self.model.config
+        rotary = self.model.model.rotary
+        if int(positions.max()) >= rotary.cos_cache.shape[0]:
+            raise IndexError(f"position {int(positions.max())} is past the rotary table ({rotary.cos_cache.shape[0]})")
+        rows = input_ids.numel()
+        attn, mlp = self.model.model.layers[0].self_attn, self.model.model.layers[0].mlp
+        qkv_size = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+        sizes = (config.hidden_size, qkv_size, attn.num_heads * attn.head_dim, 2 * mlp.intermediate_size,
+                 mlp.intermediate_size)
+        scratch = torch.empty(rows * sum(sizes), dtype=torch.bfloat16).split([rows * size for size in sizes])
+        positions = positions.to(torch.int64).contiguous()
+        slots = metadata.slot_mapping.to(torch.int64).contiguous()
+        block_table = metadata.block_table.to(torch.int32).contiguous()
+        seq_lens = metadata.seq_lens.to(torch.int32).contiguous()
+        step = cpu_kernels.StepSpec(
+            rows=rows, table_stride=block_table.stride(0), threads=torch.get_num_threads(),
+            positions=positions.data_ptr(), slots=slots.data_ptr(), block_table=block_table.data_ptr(),
+            seq_lens=seq_lens.data_ptr(), normed=scratch[0].data_ptr(), qkv=scratch[1].data_ptr(),
+            attn=scratch[2].data_ptr(), gate_up=scratch[3].data_ptr(), act=scratch[4].data_ptr(),
+        )
+        hidden = self.model.model.embed_tokens(input_ids).contiguous()
+        residual = torch.empty_like(hidden)
+        for i, layer in enumerate(self._layer_specs(kv_caches)):
+            cpu_kernels.decoder_layer(layer, step, hidden, residual, first=i == 0)
+        return self.model.model.norm(hidden, residual)[0]
+
+
+def _ptr(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

@@ -1,0 +1,48 @@
+"""Decode-only steps through one C call per layer (services/worker/models/fused_decode.py)
+give the same bits as the module path that calls the same kernels one by one: the same
+greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64
+and 128, over block boundaries, for a batch whose requests finish at different steps."""
+
+import pytest
+
+import kernels.cpu as cpu_kernels
+from llmbus import LLM, SamplingParams
+from tiny_models import build_tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
+PROMPTS = [[5 + i % 300 for i in range(n)] for n in (1, 15, 16, 40)]
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (24, 9, 17, 24)]
+    outputs = llm.generate(PROMPTS, params)
+    return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
+
+
+@pytest.mark.parametrize("arch, overrides", [
+    ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
+                   tie_word_embeddings=True)),
+    ("qwen2", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320)),
+])
+def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides):
+    folder = build_tiny_model(tmp_path, arch, **overrides)
+    fused = LLM(str(folder), dtype="bfloat16", block_size=16)
+    path = fused.runner.model.fused_decode
+    assert path is not None
+    calls = []
+    original = path.forward
+    path.forward = lambda *args: calls.append(args[0].numel()) or original(*args)
+    fused_out = run(fused)
+    assert calls and max(calls) == len(PROMPTS) and min(calls) < len(PROMPTS)  # a shrinking batch
+
+    modules = LLM(str(folder), dtype="bfloat16", block_size=16)
+    modules.runner.model.fused_decode = None
+    assert run(modules) == fused_out
+
+
+def test_only_packed_bfloat16_models_take_it(tmp_path):
+    folder = build_tiny_model(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    assert LLM(str(folder), dtype="bfloat16").runner.model.fused_decode is not None
+    assert LLM(str(folder), dtype="float32").runner.model.fused_decode is None  # stays on transformers' sums
+    assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.model.fused_decode is None
