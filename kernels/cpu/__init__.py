@@ -126,7 +126,8 @@ def decode_attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> b
     head_dim = query.shape[-1]
     return (
         query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and query.device.type == "cpu"
-        and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1 and available()
+        and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
+        and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] // kv_cache.shape[3] <= 64 and available()
     )
 
 
@@ -154,8 +155,10 @@ def paged_decode_attention(
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
         torch.get_num_threads(),
     )
-    if status != 0:
+    if status == -1:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")
+    if status != 0:
+        raise ValueError(f"paged_decode_attention: {num_heads} query heads over {num_kv_heads} KV heads")
     return out
 
 

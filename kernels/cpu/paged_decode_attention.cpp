@@ -6,6 +6,13 @@
 // per step. Here each (sequence, KV head) task walks its block table and reads every key
 // and value once, straight from the cache, for all the query heads that share it (GQA).
 // Works on any cache layout whose head_dim is contiguous: strides are passed in elements.
+//
+// Measured on this machine (128 decodes over 400 tokens, blocks shuffled, 8 layers' caches
+// so nothing stays in L3): one dot product reduced per key, then each head's values
+// summed in turn, took 4.0 ms per layer (10 GB/s of K/V); reducing 16 keys together,
+// converting each value row once for several heads and prefetching 16 rows ahead: 3.0 ms
+// (13 GB/s). Reading 2 KB blocks in random order peaks at ~11 GB/s here without compute,
+// so scattered blocks, not arithmetic, now set the pace (from L3: 32 GB/s).
 #include <math.h>
 #include <string.h>
 
@@ -15,56 +22,117 @@
 
 namespace {
 
+constexpr int kMaxQueryPerKv = 64;
+
+// r[j] = sum of the lanes of a[j], for 16 vectors at once: three rounds of pairwise
+// shuffles and adds (45 instructions) instead of 16 horizontal reductions.
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_castps_pd(b[2 * i]), hi = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(lo, hi)), _mm512_castpd_ps(_mm512_unpackhi_pd(lo, hi)));
+  }
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// Blocks are scattered, so every block is a new short stream that the hardware prefetcher
+// only catches after it has started: ask for the next 16 rows while these are used.
+template <int D>
+inline void prefetch_rows(const uint16_t* const* rows, int n) {
+  for (int j = 0; j < n; ++j)
+    for (int line = 0; line < D * 2 / 64; ++line) _mm_prefetch((const char*)(rows[j] + line * 32), _MM_HINT_T0);
+}
+
 template <int D>
 void attend(const uint16_t* q, int64_t q_head_stride, int qpk, const uint16_t* k_cache, const uint16_t* v_cache,
             int64_t block_stride, int64_t slot_stride, const int32_t* blocks, int64_t block_size, int64_t len,
             float scale, uint16_t* out, int64_t o_head_stride, std::vector<float>& scores) {
-  constexpr int kPairs = D / 32;   // vdpbf16ps takes 32 bfloat16 per operand
-  constexpr int kLanes = D / 16;   // float32 vectors per head row
+  constexpr int kPairs = D / 32;                // vdpbf16ps takes 32 bfloat16 per operand
+  constexpr int kLanes = D / 16;                // float32 vectors per head row
+  constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
+  auto row = [&](const uint16_t* cache, int64_t t) {
+    return cache + (int64_t)blocks[t / block_size] * block_stride + (t % block_size) * slot_stride;
+  };
 
-  // Scores: q . k for every key, all query heads of this KV head per key read.
-  for (int64_t t = 0; t < len; ++t) {
-    const uint16_t* key = k_cache + (int64_t)blocks[t / block_size] * block_stride + (t % block_size) * slot_stride;
-    __m512bh k[kPairs];
-    for (int c = 0; c < kPairs; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + 32 * c);
+  // Scores, 16 keys at a time: each query head's 16 dot products reduced together.
+  const uint16_t* keys[16];
+  const uint16_t* ahead[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int n = len - t0 < 16 ? (int)(len - t0) : 16;
+    for (int j = 0; j < n; ++j) keys[j] = row(k_cache, t0 + j);
+    int n_ahead = 0;
+    for (int64_t t = t0 + 16; t < len && t < t0 + 32; ++t) ahead[n_ahead++] = row(k_cache, t);
+    if (t0 + 16 >= len)  // the values come next
+      for (int64_t t = 0; t < len && t < 16; ++t) ahead[n_ahead++] = row(v_cache, t);
+    prefetch_rows<D>(ahead, n_ahead);
     for (int i = 0; i < qpk; ++i) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < kPairs; ++c)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + i * q_head_stride + 32 * c), k[c]);
-      scores[i * padded + t] = _mm512_reduce_add_ps(acc) * scale;
+      __m512bh qv[kPairs];
+      for (int c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * q_head_stride + 32 * c);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < n)
+          for (int c = 0; c < kPairs; ++c)
+            acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+      }
+      _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n),
+                            _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
     }
   }
 
+  // Softmax of each head's row, in place; the tail past len is masked out of every op.
+  float inv_sum[kMaxQueryPerKv];
   for (int i = 0; i < qpk; ++i) {
     float* s = scores.data() + i * padded;
-    // Softmax over the row, in place; the tail past len is masked out of every vector op.
     __m512 vmax = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 m = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+      const __mmask16 m = tail_mask(len - t);
       vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + t));
     }
     const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
     __m512 vsum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; t += 16) {
-      const __mmask16 m = len - t >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1);
+      const __mmask16 m = tail_mask(len - t);
       const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), row_max)));
       _mm512_mask_storeu_ps(s + t, m, e);
       vsum = _mm512_add_ps(vsum, e);
     }
-    const float inv_sum = 1.0f / _mm512_reduce_add_ps(vsum);
+    inv_sum[i] = 1.0f / _mm512_reduce_add_ps(vsum);
+  }
 
-    // Output: probability-weighted sum of the values, normalised once at the end.
-    __m512 acc[kLanes];
-    for (int c = 0; c < kLanes; ++c) acc[c] = _mm512_setzero_ps();
+  // Output: each value row is converted once and added into every head of a pass.
+  for (int h0 = 0; h0 < qpk; h0 += kHeadsPerPass) {
+    const int nh = qpk - h0 < kHeadsPerPass ? qpk - h0 : kHeadsPerPass;
+    __m512 acc[kHeadsPerPass][kLanes];
+    for (int j = 0; j < kHeadsPerPass; ++j)
+      for (int c = 0; c < kLanes; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const uint16_t* value = v_cache + (int64_t)blocks[t / block_size] * block_stride + (t % block_size) * slot_stride;
-      const __m512 p = _mm512_set1_ps(s[t]);
-      for (int c = 0; c < kLanes; ++c) acc[c] = _mm512_fmadd_ps(p, bf16x16_to_f32(value + 16 * c), acc[c]);
+      if (h0 == 0 && t % 16 == 0) {
+        int n_ahead = 0;
+        for (int64_t u = t + 16; u < len && u < t + 32; ++u) ahead[n_ahead++] = row(v_cache, u);
+        prefetch_rows<D>(ahead, n_ahead);
+      }
+      const uint16_t* value = row(v_cache, t);
+      __m512 v[kLanes];
+      for (int c = 0; c < kLanes; ++c) v[c] = bf16x16_to_f32(value + 16 * c);
+      for (int j = 0; j < kHeadsPerPass; ++j) {
+        if (j >= nh) break;
+        const __m512 p = _mm512_set1_ps(scores[(h0 + j) * padded + t]);
+        for (int c = 0; c < kLanes; ++c) acc[j][c] = _mm512_fmadd_ps(p, v[c], acc[j][c]);
+      }
     }
-    const __m512 norm = _mm512_set1_ps(inv_sum);
-    for (int c = 0; c < kLanes; ++c) store_bf16x16(out + i * o_head_stride + 16 * c, _mm512_mul_ps(acc[c], norm));
+    for (int j = 0; j < nh; ++j) {
+      const __m512 norm = _mm512_set1_ps(inv_sum[h0 + j]);
+      for (int c = 0; c < kLanes; ++c)
+        store_bf16x16(out + (h0 + j) * o_head_stride + 16 * c, _mm512_mul_ps(acc[j][c], norm));
+    }
   }
 }
 
@@ -82,6 +150,7 @@ int llmbus_paged_decode_attention_bf16(
     float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
   if (head_dim != 64 && head_dim != 128) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
+  if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
   // Sequences differ in length: hand out (sequence, KV head) tasks one at a time.
 #pragma omp parallel num_threads(threads)
   {

@@ -140,7 +140,10 @@ class TorchAttentionBackend:
             block_ids = metadata.block_table[i, :num_blocks]
             k = gather_kv(kv_cache[0], block_ids)[:, :seq_len]  # [num_kv_heads, seq_len, d]
             v = gather_kv(kv_cache[1], block_ids)[:, :seq_len]
-            q = query[start:end].transpose(0, 1)  # [num_heads, query_len, d]
+            # A leading batch dimension of 1: SDPA's CPU flash kernel takes 4-D inputs, and
+            # 3-D ones fell to a path 3x slower (bf16, 512-token prompt: 14.1 vs 4.3 ms a layer).
+            q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, d]
+            k, v = k[None], v[None]
             if query_len == seq_len:
                 o = F.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=scale, enable_gqa=True
@@ -153,7 +156,7 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=mask, scale=scale, enable_gqa=True
                 )
-            out[start:end] = o.transpose(0, 1)
+            out[start:end] = o[0].transpose(0, 1)
         return out
 
     @staticmethod
