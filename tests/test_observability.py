@@ -90,7 +90,9 @@ def test_one_streaming_request_is_one_trace_through_every_service(traced):
     wanted = {"llmbus-gateway", "llmbus-tokenizer", "llmbus-scheduler", "llmbus-worker"}
     while time.monotonic() < deadline:
         root = server_span()
-        if root and wanted <= {s["service"] for s in receiver.spans if s["trace_id"] == root["trace_id"]}:
+        trace_spans = [s for s in receiver.spans if root and s["trace_id"] == root["trace_id"]]
+        # Every service's spans, and the HTTP server span, which ends (and is exported) last.
+        if root and wanted <= {s["service"] for s in trace_spans} and any(s["parent"] is None for s in trace_spans):
             break
         time.sleep(0.2)
     root = server_span()

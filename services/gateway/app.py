@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import logging
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -35,6 +36,8 @@ from shared.messages import TokenizeRequest
 from shared.tracing import SpanKind, inject
 
 request_log = logging.getLogger("llmbus.requests")
+
+_json_encode = msgspec.json.Encoder().encode
 
 
 @dataclass(slots=True)
@@ -372,7 +375,9 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             payload = {"id": request_id, "object": kind, "created": created, "model": config.model_name, "choices": choices}
             if include_usage:
                 payload["usage"] = with_usage
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+            # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
+            # its cost per chunk (one chunk per token per stream at 128 streams).
+            return b"data: " + _json_encode(payload) + b"\n\n"
 
         status, failure = 499, None  # a client that leaves mid-stream never sees the end
         try:

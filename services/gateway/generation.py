@@ -108,10 +108,13 @@ async def generate(
                 )
             )
         while not all(c.finished for c in choices.values()):
-            try:
-                output = await asyncio.wait_for(queue.get(), idle_timeout_s)
-            except asyncio.TimeoutError:
-                raise Unavailable(f"the engine produced nothing for {idle_timeout_s:.0f} s") from None
+            if not queue.empty():  # no timer to arm when the output is already here
+                output = queue.get_nowait()
+            else:
+                try:
+                    output = await asyncio.wait_for(queue.get(), idle_timeout_s)
+                except asyncio.TimeoutError:
+                    raise Unavailable(f"the engine produced nothing for {idle_timeout_s:.0f} s") from None
             batch = [output]
             while not queue.empty():  # everything that arrived with it goes out in one write
                 batch.append(queue.get_nowait())
