@@ -161,3 +161,38 @@ def test_silu_mul_kernel_matches_pytorch(num_tokens):
     assert int(differ.sum()) <= max(2, differ.numel() // 1000)  # exp's last bits, rarely visible
     relative = (out.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)
     assert float(torch.where(differ, relative, 0.0).max()) <= 2.0**-6
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["token-major", "heads-first"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize("query_len, seq_len", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 40), (70, 301)])
+def test_prefill_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, query_len, seq_len):
+    """Whole prompts and chunks that start mid-sequence (the cached prefix visible to all,
+    causal among the new tokens); lengths on and off the 16-key tiles and 32-token tasks."""
+    query, kv_cache, md = make_batch([query_len], [seq_len], num_heads, num_kv_heads, head_dim, 16, torch.bfloat16,
+                                     seed=query_len + seq_len + head_dim)
+    cache = heads_first(kv_cache) if layout == "heads-first" else kv_cache
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_prefill_attention(query, cache, md.block_table[0], seq_len, scale)
+    expected = torch.empty(query.shape, dtype=torch.float64)
+    group = num_heads // num_kv_heads
+    slots = [int(md.block_table[0, p // 16]) * 16 + p % 16 for p in range(seq_len)]
+    k = kv_cache[0].flatten(0, 1)[slots].double()
+    v = kv_cache[1].flatten(0, 1)[slots].double()
+    for t in range(query_len):
+        visible = seq_len - query_len + t + 1
+        for h in range(num_heads):
+            scores = k[:visible, h // group] @ query[t, h].double() * scale
+            expected[t, h] = scores.softmax(0) @ v[:visible, h // group]
+    # Probabilities are rounded to bfloat16 for the weighted sum (as flash-attention does).
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=2e-2)
+
+
+@needs_kernels
+def test_prefill_attention_refuses_what_it_cannot_read():
+    query, kv_cache, md = make_batch([8], [20], 4, 2, 64, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="covering"):
+        cpu_kernels.paged_prefill_attention(query, kv_cache, md.block_table[0, :1].contiguous(), 20, 0.1)
+    with pytest.raises(ValueError, match="8 new of 5"):
+        cpu_kernels.paged_prefill_attention(query, kv_cache, md.block_table[0], 5, 0.1)

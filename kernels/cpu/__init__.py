@@ -4,6 +4,8 @@
   weights at close to memory speed for decode-sized batches (kernels/cpu/linear_bf16.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
+- `paged_prefill_attention`: causal attention of one request's new tokens over its paged
+  cache, flash-attention style (kernels/cpu/paged_prefill_attention.cpp).
 - `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
   pass each, with the roundings of the bfloat16 PyTorch ops they replace
   (kernels/cpu/elementwise.cpp).
@@ -65,6 +67,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
     ]
     lib.llmbus_paged_decode_attention_bf16.restype = ctypes.c_int
+    lib.llmbus_paged_prefill_attention_bf16.argtypes = [
+        _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
+    ]
+    lib.llmbus_paged_prefill_attention_bf16.restype = ctypes.c_int
     lib.llmbus_add_rms_norm_bf16.argtypes = [_P, _P, _P, _F, _P, _I, _I, ctypes.c_int]
     lib.llmbus_add_rms_norm_bf16.restype = None
     lib.llmbus_rotary_bf16.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
@@ -159,6 +165,36 @@ def paged_decode_attention(
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")
     if status != 0:
         raise ValueError(f"paged_decode_attention: {num_heads} query heads over {num_kv_heads} KV heads")
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim] bfloat16: one request's new tokens
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    blocks: torch.Tensor,  # [>= ceil(seq_len / block_size)] int32: the request's block table row
+    seq_len: int,  # cached + new tokens; the new ones are the last query_len
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    query_len, num_heads, head_dim = query.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"paged_prefill_attention takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("paged_prefill_attention needs head_dim contiguous in query and cache")
+    if blocks.dtype != torch.int32 or not blocks.is_contiguous() or blocks.numel() * block_size < seq_len:
+        raise ValueError(f"paged_prefill_attention needs a contiguous int32 block row covering {seq_len} tokens")
+    out = torch.empty_like(query)
+    k, v = kv_cache[0], kv_cache[1]
+    status = _lib().llmbus_paged_prefill_attention_bf16(
+        query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
+        k.stride(2), blocks.data_ptr(), query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale,
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+    )
+    if status == -1:
+        raise ValueError(f"paged_prefill_attention: head_dim {head_dim} has no compiled variant")
+    if status != 0:
+        raise ValueError(f"paged_prefill_attention: {query_len} new of {seq_len} tokens, "
+                         f"{num_heads} heads over {num_kv_heads}")
     return out
 
 
