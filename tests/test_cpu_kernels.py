@@ -196,3 +196,16 @@ def test_prefill_attention_refuses_what_it_cannot_read():
         cpu_kernels.paged_prefill_attention(query, kv_cache, md.block_table[0, :1].contiguous(), 20, 0.1)
     with pytest.raises(ValueError, match="8 new of 5"):
         cpu_kernels.paged_prefill_attention(query, kv_cache, md.block_table[0], 5, 0.1)
+
+
+@needs_kernels
+def test_the_kernel_benchmark_script_runs():
+    """scripts/cpu_kernels_bench.py, behind docs/performance.md's kernel figures, still runs."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cpu_kernels_bench.py"
+    result = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for what in ("1 rows: llmbus", "2048 rows: llmbus", "decode attention", "prefill attention"):
+        assert what in result.stdout
