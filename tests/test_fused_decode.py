@@ -46,3 +46,5 @@ def test_only_packed_bfloat16_models_take_it(tmp_path):
     assert LLM(str(folder), dtype="bfloat16").runner.model.fused_decode is not None
     assert LLM(str(folder), dtype="float32").runner.model.fused_decode is None  # stays on transformers' sums
     assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.model.fused_decode is None
+    # Asking for the Triton backend means Triton's attention, not the CPU kernel's.
+    assert LLM(str(folder), dtype="bfloat16", attention_backend="triton").runner.model.fused_decode is None

@@ -78,7 +78,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.llmbus_silu_mul_bf16.argtypes = [_P, _P, _I, _I, ctypes.c_int]
     lib.llmbus_silu_mul_bf16.restype = None
     lib.llmbus_decoder_layer_bf16.argtypes = [ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I]
-    lib.llmbus_decoder_layer_bf16.restype = None
+    lib.llmbus_decoder_layer_bf16.restype = ctypes.c_int
     return lib, ""
 
 
@@ -263,5 +263,7 @@ def decoder_layer(layer: LayerSpec, step: StepSpec, hidden: torch.Tensor, residu
     the layer's output and `residual` the stream before it (set from `hidden` when `first`).
     The specs hold raw pointers: the caller keeps every tensor they point into alive and
     checks shapes once when building them (services/worker/models/fused_decode.py)."""
-    _lib().llmbus_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
-                                     residual.data_ptr(), int(first))
+    status = _lib().llmbus_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
+                                              residual.data_ptr(), int(first))
+    if status != 0:
+        raise ValueError(f"decoder_layer: the attention kernel refused the layer's shape (status {status})")

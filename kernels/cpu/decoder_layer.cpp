@@ -32,7 +32,8 @@ struct LlmbusStep {
 
 // hidden [rows, hidden_size]: the previous layer's output in, this layer's out (in place).
 // residual: the stream before adding `hidden`; with first_layer it is set to hidden.
-void llmbus_decoder_layer_bf16(const LlmbusLayer* L, const LlmbusStep* S, uint16_t* hidden, uint16_t* residual,
+// Returns 0, or the attention kernel's refusal (then hidden holds nothing useful).
+int llmbus_decoder_layer_bf16(const LlmbusLayer* L, const LlmbusStep* S, uint16_t* hidden, uint16_t* residual,
                                int64_t first_layer) {
   const int64_t rows = S->rows, h = L->hidden_size, d = L->head_dim;
   const int64_t q_size = L->num_heads * d, kv_size = L->num_kv_heads * d, qkv_size = q_size + 2 * kv_size;
@@ -48,15 +49,18 @@ void llmbus_decoder_layer_bf16(const LlmbusLayer* L, const LlmbusStep* S, uint16
                      L->sin_table, threads);
   llmbus_write_kv_bf16(S->qkv + q_size, S->qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d,
                        L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, L->block_size);
-  llmbus_paged_decode_attention_bf16(S->qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride,
-                                     L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows, L->num_heads,
-                                     L->num_kv_heads, d, L->block_size, (float)L->scale, S->attn, q_size, d, threads);
+  const int status = llmbus_paged_decode_attention_bf16(
+      S->qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, S->block_table,
+      S->table_stride, S->seq_lens, rows, L->num_heads, L->num_kv_heads, d, L->block_size, (float)L->scale, S->attn,
+      q_size, d, threads);
+  if (status != 0) return status;
   llmbus_linear_bf16(S->attn, rows, q_size, q_size, L->o, h, L->o_bias, hidden, h, threads);
   llmbus_add_rms_norm_bf16(hidden, residual, L->post_norm, (float)L->eps, S->normed, rows, h, threads);
   const int64_t inter = L->intermediate_size;
   llmbus_linear_bf16(S->normed, rows, h, h, L->gate_up, 2 * inter, nullptr, S->gate_up, 2 * inter, threads);
   llmbus_silu_mul_bf16(S->gate_up, S->act, rows, inter, threads);
   llmbus_linear_bf16(S->act, rows, inter, inter, L->down, h, nullptr, hidden, h, threads);
+  return 0;
 }
 
 }  // extern "C"

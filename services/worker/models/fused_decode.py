@@ -33,6 +33,11 @@ class FusedDecode:
         config = model.config
         if not cpu_kernels.available() or config.head_dim not in (64, 128) or config.num_hidden_layers == 0:
             return None
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % kv_heads or heads // kv_heads > 64:  # what the attention kernel splits
+            return None
+        if model.model.layers[0].self_attn.backend.name != "torch":
+            return None  # another attention backend was asked for (Triton): keep to it
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
