@@ -1,4 +1,4 @@
-"""CPU kernels for the decode step: where eager PyTorch leaves the most time on the table.
+"""CPU kernels for the bfloat16 model step: where eager PyTorch left the most time on the table.
 
 - `linear_bf16`: a bfloat16 matrix product over weights packed once at load, streaming the
   weights at close to memory speed for decode-sized batches (kernels/cpu/linear_bf16.cpp).
