@@ -301,10 +301,20 @@ def run(args) -> int:
     return 0 if all(p["failed"] == 0 for p in pairs) else 1
 
 
+def _run(coroutine):
+    """The client shares the machine with the server it measures: on uvloop where it is
+    installed (a pinned dependency on Linux), its event loop costs less CPU per chunk."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
 def serve_once(args, requests) -> dict:
     cpu_before = service_cpu_times() if args.service_cpu else {}
     started = time.perf_counter()
-    summary = asyncio.run(stream_workload(args, requests))
+    summary = _run(stream_workload(args, requests))
     print_summary(summary)
     if args.service_cpu:
         summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)
