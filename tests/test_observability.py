@@ -88,11 +88,23 @@ def test_one_streaming_request_is_one_trace_through_every_service(traced):
 
     deadline = time.monotonic() + 30
     wanted = {"llmbus-gateway", "llmbus-tokenizer", "llmbus-scheduler", "llmbus-worker"}
+    names = {"gateway.tokenize", "tokenizer.encode", "scheduler.queue", "gateway.stream", "scheduler.step",
+             "worker.execute"}
+    # Each service exports in batches every 0.5 s, so a trace arrives in pieces: wait until
+    # every piece the checks read is in and nothing more has come for over two periods.
+    seen, changed = -1, time.monotonic()
     while time.monotonic() < deadline:
         root = server_span()
         trace_spans = [s for s in receiver.spans if root and s["trace_id"] == root["trace_id"]]
-        # Every service's spans, and the HTTP server span, which ends (and is exported) last.
-        if root and wanted <= {s["service"] for s in trace_spans} and any(s["parent"] is None for s in trace_spans):
+        if len(trace_spans) != seen:
+            seen, changed = len(trace_spans), time.monotonic()
+        count = {n: sum(s["name"] == n for s in trace_spans) for n in ("scheduler.step", "worker.execute")}
+        complete = (
+            root and wanted <= {s["service"] for s in trace_spans} and names <= {s["name"] for s in trace_spans}
+            and any(s["parent"] is None for s in trace_spans)  # the HTTP server span ends last
+            and count["scheduler.step"] >= 5 and count["worker.execute"] == count["scheduler.step"]
+        )
+        if complete and time.monotonic() - changed > 1.2:
             break
         time.sleep(0.2)
     root = server_span()
