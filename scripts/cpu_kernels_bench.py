@@ -137,12 +137,12 @@ def main() -> None:
 
     @contextmanager
     def kernels_off():
-        saved = cpu_kernels.decode_attention_supported
-        cpu_kernels.decode_attention_supported = lambda *args: False
+        saved = cpu_kernels.attention_supported
+        cpu_kernels.attention_supported = lambda *args: False
         try:
             yield
         finally:
-            cpu_kernels.decode_attention_supported = saved
+            cpu_kernels.attention_supported = saved
 
     attention(repeats, kernels_off)
 

@@ -70,7 +70,7 @@ def test_decode_attention_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="int32"):
         cpu_kernels.paged_decode_attention(query, kv_cache, md.block_table.long(), md.seq_lens, 0.1)
     odd_query, odd_cache, md = make_batch([1], [20], 4, 2, 96, 16, torch.bfloat16)
-    assert not cpu_kernels.decode_attention_supported(odd_query, odd_cache)
+    assert not cpu_kernels.attention_supported(odd_query, odd_cache)
     with pytest.raises(ValueError, match="head_dim 96"):
         cpu_kernels.paged_decode_attention(odd_query, odd_cache, md.block_table, md.seq_lens, 0.1)
 

@@ -35,7 +35,7 @@ def test_several_decode_groups_and_prefill_chunks_match_attention_written_out(mo
     if kernel and not cpu_kernels.available():
         pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     if not kernel:
-        monkeypatch.setattr(cpu_kernels, "decode_attention_supported", lambda *args: False)
+        monkeypatch.setattr(cpu_kernels, "attention_supported", lambda *args: False)
     monkeypatch.setattr(torch_backend, "DECODE_GROUP_SIZE", 3)
     query_lens = [1] * 7 + [4, 9]
     seq_lens = [3, 16, 17, 20, 33, 47, 60, 21, 9]  # sorted decodes, as the runner orders them

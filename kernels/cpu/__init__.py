@@ -128,13 +128,21 @@ def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: 
     return y.view(*x.shape[:-1], out_features)
 
 
-def decode_attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether both attention kernels (decode and prefill) take this query and cache."""
     head_dim = query.shape[-1]
     return (
         query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and query.device.type == "cpu"
         and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
         and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] // kv_cache.shape[3] <= 64 and available()
     )
+
+
+def _check_query_and_cache(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"{kernel} takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
+    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError(f"{kernel} needs head_dim contiguous in query and cache")
 
 
 def paged_decode_attention(
@@ -146,12 +154,9 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        raise ValueError(f"paged_decode_attention takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
+    _check_query_and_cache("paged_decode_attention", query, kv_cache)
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table and seq_lens must be int32")
-    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("paged_decode_attention needs head_dim contiguous in query and cache")
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(query)
     k, v = kv_cache[0], kv_cache[1]
@@ -177,10 +182,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        raise ValueError(f"paged_prefill_attention takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
-    if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
-        raise ValueError("paged_prefill_attention needs head_dim contiguous in query and cache")
+    _check_query_and_cache("paged_prefill_attention", query, kv_cache)
     if blocks.dtype != torch.int32 or not blocks.is_contiguous() or blocks.numel() * block_size < seq_len:
         raise ValueError(f"paged_prefill_attention needs a contiguous int32 block row covering {seq_len} tokens")
     out = torch.empty_like(query)

@@ -41,7 +41,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint16_t* block, int
   for (int j = 0; j < 4; ++j) {
     const int64_t left = valid - j * 16;
     if (left <= 0) break;
-    const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    const __mmask16 mask = tail_mask(left);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) store_bf16x16(y + r * y_stride + j * 16, _mm512_add_ps(acc[r][j], b), mask);
   }

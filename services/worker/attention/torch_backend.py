@@ -169,7 +169,7 @@ class TorchAttentionBackend:
     def _step_state(metadata: AttentionMetadata, query: torch.Tensor, kv_cache: torch.Tensor) -> _StepState:
         """Block ids and masks of each decode group, built once instead of once per layer."""
         slots_padded = bool((metadata.slot_mapping < 0).any())
-        kernels = cpu_kernels.decode_attention_supported(query, kv_cache)  # the same conditions serve both
+        kernels = cpu_kernels.attention_supported(query, kv_cache)
         if kernels:
             return _StepState(slots_padded, [], kernel_decodes=metadata.num_decodes > 0, kernel_prefills=True)
         cache_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]

@@ -52,6 +52,14 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         # cos/sin of the current step's positions: every layer shares one lookup.
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        # The positions last checked against the table (the kernel path checks once a step).
+        self._checked: torch.Tensor | None = None
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Raise unless every position is in the table: the CPU kernels index it unchecked."""
+        if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
+            raise IndexError(f"position {int(positions.max())} is past the rotary table "
+                             f"({self.cos_cache.shape[0]} positions)")
 
     def forward(
         self,
@@ -62,15 +70,12 @@ class RotaryEmbedding(nn.Module):
         through in one call (they are adjacent in the fused qkv output): half the calls.
         In bfloat16 on CPU, kernels/cpu rotates `x` in place in one pass (same roundings)."""
         if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
-            if self._step is None or self._step[0] is not positions:
-                # Once per step, not per layer: the kernel trusts every position to be in the table.
-                if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:
-                    raise IndexError(f"position {int(positions.max())} is past the rotary table "
-                                     f"({self.cos_cache.shape[0]} positions)")
-                self._step = (positions, None, None, None)
+            if self._checked is not positions:  # once per step, not per layer
+                self.check_positions(positions)
+                self._checked = positions
             return cpu_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)
         step = self._step
-        if step is None or step[0] is not positions or step[1] != x.dtype or step[2] is None:
+        if step is None or step[0] is not positions or step[1] != x.dtype:
             cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
             sin = self.sin_signed_cache[positions].to(x.dtype).unsqueeze(1)
             step = self._step = (positions, x.dtype, cos, sin)

@@ -85,9 +85,7 @@ class FusedDecode:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         config = self.model.config
-        rotary = self.model.model.rotary
-        if int(positions.max()) >= rotary.cos_cache.shape[0]:
-            raise IndexError(f"position {int(positions.max())} is past the rotary table ({rotary.cos_cache.shape[0]})")
+        self.model.model.rotary.check_positions(positions)
         rows = input_ids.numel()
         attn, mlp = self.model.model.layers[0].self_attn, self.model.model.layers[0].mlp
         qkv_size = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
