@@ -1,11 +1,12 @@
 """Time the CPU kernels (kernels/cpu) against the PyTorch ops they replace, on SmolLM2's
 shapes: the kernel figures in docs/performance.md ("Third pass").
 
-    python scripts/cpu_kernels_bench.py [--quick]
+    python scripts/cpu_kernels_bench.py [--quick] [--dtype float32]
 
 - products: every layer weight of a decode step in a row (30 layers + the tied head,
-  270 MB, so nothing stays in cache), llmbus's packed bfloat16 product against oneDNN's,
-  at 1-32 rows (GB/s of weights), and one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
+  270 MB in bfloat16, so nothing stays in cache), llmbus's packed product against
+  oneDNN's (and in float32 MKL's plain `F.linear`, what transformers runs), at 1-32 rows
+  (GB/s of weights), and one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
 - decode attention: 128 decodes over 400 tokens with shuffled blocks, 8 layers' caches in
   turn (GB/s of K/V), against the PyTorch backend's gathered matmuls;
 - prefill attention: one 512-token prompt (9 heads over 3), against PyTorch's SDPA.
@@ -42,38 +43,42 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
-def products(repeats: int) -> None:
+def products(repeats: int, dtype: torch.dtype) -> None:
     shapes = LAYER_SHAPES * 30 + [(49152, 576)]
-    weights = [torch.randn(n, k).bfloat16() * 0.02 for n, k in shapes]
-    ours = [cpu_kernels.pack_bf16(w) for w in weights]
+    weights = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in shapes]
+    ours = [cpu_kernels.pack_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
-    nbytes = sum(w.numel() * 2 for w in weights)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    others = {"oneDNN": lambda x, i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], "")}
+    if dtype == torch.float32:
+        others["MKL"] = lambda x, i: torch.nn.functional.linear(x, weights[i])
     print(f"products, a decode step's weights in a row ({nbytes / 1e6:.0f} MB):")
     for rows in (1, 4, 32):
-        x = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
-        t_ours = best(lambda: [cpu_kernels.linear_bf16(x[k], p, n) for (n, k), p in zip(shapes, ours)], repeats)
-        t_dnn = best(lambda: [torch.ops.mkldnn._linear_pointwise(x[k], p, None, "none", [], "")
-                              for (n, k), p in zip(shapes, onednn)], repeats)
-        print(f"  {rows:4d} rows: llmbus {t_ours * 1e3:6.2f} ms ({nbytes / t_ours / 1e9:4.1f} GB/s), "
-              f"oneDNN {t_dnn * 1e3:6.2f} ms ({nbytes / t_dnn / 1e9:4.1f} GB/s): {t_dnn / t_ours:.2f}x")
-    w = weights[2]
-    ours_w, dnn_w = ours[2], onednn[2]
+        x = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+        t_ours = best(lambda: [cpu_kernels.linear(x[k], p, n) for (n, k), p in zip(shapes, ours)], repeats)
+        line = f"  {rows:4d} rows: llmbus {t_ours * 1e3:6.2f} ms ({nbytes / t_ours / 1e9:4.1f} GB/s)"
+        for name, other in others.items():
+            t = best(lambda: [other(x[k], i) for i, (n, k) in enumerate(shapes)], repeats)
+            line += f", {name} {t * 1e3:6.2f} ms ({nbytes / t / 1e9:4.1f} GB/s): {t / t_ours:.2f}x"
+        print(line)
     print("products, 576 -> 3072:")
     for rows in (128, 512, 2048):
-        x = torch.randn(rows, 576).bfloat16()
-        t_ours = best(lambda: cpu_kernels.linear_bf16(x, ours_w, 3072), repeats)
-        t_dnn = best(lambda: torch.ops.mkldnn._linear_pointwise(x, dnn_w, None, "none", [], ""), repeats)
-        flops = 2 * rows * w.numel()
-        print(f"  {rows:4d} rows: llmbus {flops / t_ours / 1e9:4.0f} GFLOP/s, oneDNN {flops / t_dnn / 1e9:4.0f} GFLOP/s")
+        x = torch.randn(rows, 576).to(dtype)
+        flops = 2 * rows * weights[2].numel()
+        t_ours = best(lambda: cpu_kernels.linear(x, ours[2], 3072), repeats)
+        line = f"  {rows:4d} rows: llmbus {flops / t_ours / 1e9:4.0f} GFLOP/s"
+        for name, other in others.items():
+            line += f", {name} {flops / best(lambda: other(x, 2), repeats) / 1e9:4.0f} GFLOP/s"
+        print(line)
 
 
-def paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, seed):
+def paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, seed, dtype):
     """Random K/V in a heads-first cache with shuffled blocks, and the step's metadata."""
     gen = torch.Generator().manual_seed(seed)
     per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(per_req)
-    cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, torch.bfloat16, "cpu")
-    cache.copy_(torch.randn(cache.shape, generator=gen).bfloat16())
+    cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, "cpu")
+    cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
     perm = torch.randperm(num_blocks, generator=gen).int()
     table = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
     used = 0
@@ -81,7 +86,7 @@ def paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, see
         table[i, :n] = perm[used:used + n]
         used += n
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-    query = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen).bfloat16()
+    query = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen).to(dtype)
     md = AttentionMetadata(
         num_decodes=sum(q == 1 for q in query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
         max_seq_len=max(seq_lens), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
@@ -90,11 +95,11 @@ def paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, see
     return query, cache, md
 
 
-def attention(repeats: int, monkey_off) -> None:
+def attention(repeats: int, monkey_off, dtype: torch.dtype) -> None:
     batch, length = 128, 400
-    layers = [paged_batch([length] * batch, [1] * batch, 9, 3, 64, 16, seed) for seed in range(8)]
+    layers = [paged_batch([length] * batch, [1] * batch, 9, 3, 64, 16, seed, dtype) for seed in range(8)]
     backend = TorchAttentionBackend()
-    unused = torch.zeros(batch, 3, 64).bfloat16()
+    unused = torch.zeros(batch, 3, 64).to(dtype)
 
     def run_all():
         for query, cache, md in layers:
@@ -104,12 +109,12 @@ def attention(repeats: int, monkey_off) -> None:
     t_kernel = best(run_all, repeats) / len(layers)
     with monkey_off():
         t_torch = best(run_all, repeats) / len(layers)
-    nbytes = batch * length * 3 * 64 * 2 * 2
+    nbytes = batch * length * 3 * 64 * 2 * unused.element_size()
     print(f"decode attention, {batch} x {length} tokens, a layer: llmbus {t_kernel * 1e3:.2f} ms "
           f"({nbytes / t_kernel / 1e9:.1f} GB/s of K/V), PyTorch backend {t_torch * 1e3:.2f} ms: {t_torch / t_kernel:.2f}x")
 
-    query, cache, md = paged_batch([512], [512], 9, 3, 64, 16, 0)
-    unused = torch.zeros(512, 3, 64).bfloat16()
+    query, cache, md = paged_batch([512], [512], 9, 3, 64, 16, 0, dtype)
+    unused = torch.zeros(512, 3, 64).to(dtype)
 
     def prefill():
         md.backend_state = None
@@ -126,12 +131,14 @@ def attention(repeats: int, monkey_off) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one repeat each (a smoke run)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if not cpu_kernels.available():
         sys.exit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     repeats = 1 if args.quick else 3
-    print(f"threads {torch.get_num_threads()}")
-    products(repeats)
+    print(f"threads {torch.get_num_threads()}, {args.dtype}")
+    products(repeats, dtype)
 
     from contextlib import contextmanager
 
@@ -144,7 +151,7 @@ def main() -> None:
         finally:
             cpu_kernels.attention_supported = saved
 
-    attention(repeats, kernels_off)
+    attention(repeats, kernels_off, dtype)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from llmbus.bench.agreement import compare
 from llmbus.bench.roofline import matmul_flops, model_weights
 from llmbus.cli import main
 from services.worker.model_runner import ModelRunner
+from services.worker.loader import iter_weights
 from tiny_models import build_tiny_model
 
 
@@ -33,9 +34,8 @@ def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_emb
     params, weight_bytes = model_weights(runner.model, tied)
     cfg = runner.model_config
     embedding = cfg.vocab_size * cfg.hidden_size
-    plain = ModelRunner(folder, dtype="float32")  # plain parameters, tied ones shared
-    unique = {p.data_ptr(): p.numel() for p in plain.model.parameters()}
-    assert params == sum(unique.values())
+    checkpoint = dict(iter_weights(folder))  # tied: no LM head of its own
+    assert params == sum(t.numel() for t in checkpoint.values())
     # bf16: 2 bytes a weight; untied, the input embedding is one row per token, not read whole.
     assert weight_bytes == 2 * (params if tied else params - embedding)
 
@@ -43,17 +43,17 @@ def test_decode_weight_bytes_count_the_lm_head_once_and_skip_an_untied_input_emb
 @pytest.mark.parametrize("tied", [True, False])
 def test_int8_weight_bytes_are_one_per_weight_plus_scales(tmp_path, tied):
     folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
-    plain = ModelRunner(folder, dtype="float32")  # nn.Linear modules (bfloat16 packs them)
+    checkpoint = dict(iter_weights(folder))
     runner = ModelRunner(folder, dtype="bfloat16", quantization="int8")
     params, weight_bytes = model_weights(runner.model, tied)
-    assert params == model_weights(plain.model, tied)[0]
+    assert params == sum(t.numel() for t in checkpoint.values())
     cfg = runner.model_config
     embedding = cfg.vocab_size * cfg.hidden_size
-    norms = sum(p.numel() for n, p in plain.model.named_parameters() if "norm" in n)
+    norms = sum(t.numel() for n, t in checkpoint.items() if "norm" in n)
     # Every Linear in int8 (tied: a quantized copy of the embedding as the LM head); the
-    # embedding table itself is only looked up.
+    # embedding table itself is only looked up. One scale per output feature.
     matmul_weights = params - norms - (0 if tied else embedding)
-    scales = sum(m.out_features for m in plain.model.modules() if isinstance(m, torch.nn.Linear))
+    scales = sum(t.shape[0] for n, t in checkpoint.items() if t.dim() == 2 and "embed_tokens" not in n)
     scales += 0 if not tied else cfg.vocab_size
     assert weight_bytes == matmul_weights + 2 * scales + 2 * norms
 

@@ -31,21 +31,26 @@ def attention_float64(query, kv_cache, block_table, seq_lens, scale):
     return out
 
 
+# How close each dtype's output must come to attention in float64: bfloat16 keeps 8
+# significant bits; float32 sums in float32 and its exp is good to ~2e-7.
+DECODE_TOLERANCE = {torch.bfloat16: dict(atol=4e-3, rtol=2**-7), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", ["token-major", "heads-first"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 128)])
-def test_decode_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim):
+def test_decode_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, dtype):
     # Lengths on and off block and 16-lane boundaries, one past 1000 tokens.
     seq_lens = [1, 15, 16, 17, 100, 1037]
     query, kv_cache, md = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, 16,
-                                     torch.bfloat16, seed=num_heads + head_dim)
+                                     dtype, seed=num_heads + head_dim)
     cache = heads_first(kv_cache) if layout == "heads-first" else kv_cache
     scale = head_dim**-0.5
     out = cpu_kernels.paged_decode_attention(query, cache, md.block_table, md.seq_lens, scale)
-    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    assert out.dtype == dtype and out.shape == query.shape
     expected = attention_float64(query, kv_cache, md.block_table, md.seq_lens, scale)
-    # bfloat16 output: 8 significant bits.
-    torch.testing.assert_close(out.double(), expected, atol=4e-3, rtol=2**-7)
+    torch.testing.assert_close(out.double(), expected, **DECODE_TOLERANCE[dtype])
 
 
 @needs_kernels
@@ -65,8 +70,11 @@ def test_decode_attention_survives_peaked_and_flat_scores():
 @needs_kernels
 def test_decode_attention_refuses_what_it_cannot_read():
     query, kv_cache, md = make_batch([1], [20], 4, 2, 64, 16, torch.bfloat16)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_kernels.paged_decode_attention(query.float(), kv_cache.float(), md.block_table, md.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cpu_kernels.paged_decode_attention(query.half(), kv_cache.half(), md.block_table, md.seq_lens, 0.1)
+    with pytest.raises(ValueError, match="same dtype"):
+        cpu_kernels.paged_decode_attention(query.float(), kv_cache, md.block_table, md.seq_lens, 0.1)
+    assert not cpu_kernels.attention_supported(query.float(), kv_cache)
     with pytest.raises(ValueError, match="int32"):
         cpu_kernels.paged_decode_attention(query, kv_cache, md.block_table.long(), md.seq_lens, 0.1)
     odd_query, odd_cache, md = make_batch([1], [20], 4, 2, 96, 16, torch.bfloat16)
@@ -77,11 +85,11 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 @needs_kernels
 def test_linear_refuses_a_weight_of_another_shape():
-    packed = cpu_kernels.pack_bf16(torch.randn(100, 64).bfloat16())
+    packed = cpu_kernels.pack_weight(torch.randn(100, 64).bfloat16())
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_kernels.linear_bf16(torch.randn(3, 32).bfloat16(), packed, 100)
+        cpu_kernels.linear(torch.randn(3, 32).bfloat16(), packed, 100)
     with pytest.raises(ValueError, match="even"):
-        cpu_kernels.pack_bf16(torch.randn(8, 63).bfloat16())
+        cpu_kernels.pack_weight(torch.randn(8, 63).bfloat16())
 
 
 @needs_kernels
@@ -164,13 +172,14 @@ def test_silu_mul_kernel_matches_pytorch(num_tokens):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", ["token-major", "heads-first"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 64), (6, 2, 128)])
 @pytest.mark.parametrize("query_len, seq_len", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 40), (70, 301)])
-def test_prefill_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, query_len, seq_len):
+def test_prefill_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, query_len, seq_len, dtype):
     """Whole prompts and chunks that start mid-sequence (the cached prefix visible to all,
     causal among the new tokens); lengths on and off the 16-key tiles and 32-token tasks."""
-    query, kv_cache, md = make_batch([query_len], [seq_len], num_heads, num_kv_heads, head_dim, 16, torch.bfloat16,
+    query, kv_cache, md = make_batch([query_len], [seq_len], num_heads, num_kv_heads, head_dim, 16, dtype,
                                      seed=query_len + seq_len + head_dim)
     cache = heads_first(kv_cache) if layout == "heads-first" else kv_cache
     scale = head_dim**-0.5
@@ -185,8 +194,11 @@ def test_prefill_attention_matches_float64(layout, num_heads, num_kv_heads, head
         for h in range(num_heads):
             scores = k[:visible, h // group] @ query[t, h].double() * scale
             expected[t, h] = scores.softmax(0) @ v[:visible, h // group]
-    # Probabilities are rounded to bfloat16 for the weighted sum (as flash-attention does).
-    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=2e-2)
+    assert out.dtype == dtype
+    # bfloat16 rounds the probabilities for the weighted sum (as flash-attention does);
+    # float32 keeps them.
+    tolerance = dict(atol=1e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), expected, **tolerance)
 
 
 @needs_kernels

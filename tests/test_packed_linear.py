@@ -1,11 +1,13 @@
-"""Packed bfloat16 products: oneDNN's the same numbers as F.linear, llmbus's own within a
-last-bit rounding of the exact product; every matmul of a bfloat16 model on CPU is packed."""
+"""Packed products: oneDNN's bfloat16 the same numbers as F.linear, llmbus's own within a
+last-bit rounding of the exact product in bfloat16 and a few float32 roundings of it in
+float32; every matmul of a bfloat16 or float32 model on CPU is packed."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
+from services.worker.loader import iter_weights
 from services.worker.layers.packed_linear import PackedLinear, _onednn_packing_works, can_pack, default_kernel
 from services.worker.model_runner import ModelRunner
 from tiny_models import build_tiny_model
@@ -35,8 +37,20 @@ def test_onednn_product_is_bit_identical_to_f_linear(rows, bias):
     assert torch.equal(out, F.linear(x, weight, b))
 
 
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+def test_onednn_float32_product_is_within_float32_rounding(rows):
+    """oneDNN's float32 sums run in another order than MKL's: not the same bits, as close."""
+    gen = torch.Generator().manual_seed(rows)
+    weight, b, x = torch.randn(96, 576, generator=gen), torch.randn(96, generator=gen), torch.randn(rows, 576, generator=gen)
+    out = PackedLinear(weight, b, kernel="onednn")(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 96)
+    exact = x.double() @ weight.double().T + b.double()
+    assert bool(((out.double() - exact).abs() <= 2.0**-20 * (x.double().abs() @ weight.double().abs().T)).all())
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 130])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 9, 13, 130])
 @pytest.mark.parametrize("out_features, bias", [(64, False), (200, True), (960, False)])
 def test_llmbus_product_rounds_the_exact_product(rows, out_features, bias):
     """Within one bfloat16 step of the float64 product, give or take the float32 rounding
@@ -57,6 +71,23 @@ def test_llmbus_product_rounds_the_exact_product(rows, out_features, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows", [1, 4, 6, 11, 130])
+@pytest.mark.parametrize("out_features, in_features, bias", [(64, 576, False), (200, 577, True), (960, 1536, False)])
+def test_llmbus_float32_product_is_within_float32_rounding(rows, out_features, in_features, bias):
+    """One float32 chain over the inputs per output: within a few float32 roundings of the
+    float64 product, scaled by what the sum's terms add up to (odd input counts too)."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    out = PackedLinear(weight, b, kernel="llmbus")(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, out_features)
+    exact = x.double() @ weight.double().T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if b is None else b.double().abs())
+    assert bool(((out.double() - exact).abs() <= 2.0**-20 * magnitude).all())
+
+
+@needs_kernels
 def test_llmbus_product_takes_strided_rows_and_leading_dimensions():
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(128, 64, generator=gen).bfloat16()
@@ -68,16 +99,18 @@ def test_llmbus_product_takes_strided_rows_and_leading_dimensions():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_a_bfloat16_model_packs_every_matmul_and_a_float32_one_none(tmp_path, tied):
+def test_a_model_packs_every_matmul(tmp_path, tied):
     folder = build_tiny_model(tmp_path, "llama", tie_word_embeddings=tied)
     bf16 = ModelRunner(folder, dtype="bfloat16").model
-    assert not any(type(m) is torch.nn.Linear for m in bf16.modules())
-    assert isinstance(bf16.lm_head, PackedLinear)  # tied: a packed copy of the embedding
-    assert {m.kernel for m in bf16.modules() if isinstance(m, PackedLinear)} == {default_kernel()}
     f32 = ModelRunner(folder, dtype="float32").model
-    assert not any(isinstance(m, PackedLinear) for m in f32.modules())
+    for model, dtype in ((bf16, torch.bfloat16), (f32, torch.float32)):
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        assert isinstance(model.lm_head, PackedLinear)  # tied: a packed copy of the embedding
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert {m.kernel for m in packed} == {default_kernel(dtype)} and {m.dtype for m in packed} == {dtype}
+    weights = dict(iter_weights(folder))
+    head = weights["model.embed_tokens.weight" if tied else "lm_head.weight"]
     hidden = torch.randn(5, bf16.config.hidden_size).bfloat16()
-    head = f32.model.embed_tokens.weight if tied else f32.lm_head.weight
     logits = bf16.compute_logits(hidden)
     reference = F.linear(hidden, head.bfloat16()).float()
     if default_kernel() == "onednn":

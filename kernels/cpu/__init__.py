@@ -1,7 +1,8 @@
-"""CPU kernels for the bfloat16 model step: where eager PyTorch left the most time on the table.
+"""CPU kernels for the model step: where eager PyTorch left the most time on the table.
 
-- `linear_bf16`: a bfloat16 matrix product over weights packed once at load, streaming the
-  weights at close to memory speed for decode-sized batches (kernels/cpu/linear_bf16.cpp).
+- `linear`: a bfloat16 or float32 matrix product over weights packed once at load
+  (`pack_weight`), streaming the weights at close to memory speed for decode-sized batches
+  (kernels/cpu/linear.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
@@ -57,20 +58,19 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     if lib is None:
         log.warning("CPU kernels unavailable, using PyTorch ops", extra={"reason": reason})
         return None, reason
-    lib.llmbus_packed_bf16_numel.argtypes = [_I, _I]
-    lib.llmbus_packed_bf16_numel.restype = _I
-    lib.llmbus_pack_bf16.argtypes = [_P, _I, _I, _P]
-    lib.llmbus_pack_bf16.restype = None
-    lib.llmbus_linear_bf16.argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int]
-    lib.llmbus_linear_bf16.restype = None
-    lib.llmbus_paged_decode_attention_bf16.argtypes = [
-        _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
-    ]
-    lib.llmbus_paged_decode_attention_bf16.restype = ctypes.c_int
-    lib.llmbus_paged_prefill_attention_bf16.argtypes = [
-        _P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int,
-    ]
-    lib.llmbus_paged_prefill_attention_bf16.restype = ctypes.c_int
+    for suffix in ("bf16", "f32"):
+        getattr(lib, f"llmbus_packed_{suffix}_numel").argtypes = [_I, _I]
+        getattr(lib, f"llmbus_packed_{suffix}_numel").restype = _I
+        getattr(lib, f"llmbus_pack_{suffix}").argtypes = [_P, _I, _I, _P]
+        getattr(lib, f"llmbus_pack_{suffix}").restype = None
+        getattr(lib, f"llmbus_linear_{suffix}").argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int]
+        getattr(lib, f"llmbus_linear_{suffix}").restype = None
+        decode = getattr(lib, f"llmbus_paged_decode_attention_{suffix}")
+        decode.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int]
+        decode.restype = ctypes.c_int
+        prefill = getattr(lib, f"llmbus_paged_prefill_attention_{suffix}")
+        prefill.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int]
+        prefill.restype = ctypes.c_int
     lib.llmbus_add_rms_norm_bf16.argtypes = [_P, _P, _P, _F, _P, _I, _I, ctypes.c_int]
     lib.llmbus_add_rms_norm_bf16.restype = None
     lib.llmbus_rotary_bf16.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
@@ -97,31 +97,43 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] bfloat16 weight -> the flat packed form `linear_bf16` reads (in even)."""
+# The dtypes the kernels take, by the suffix of their C entry points.
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _packed_numel(dtype: torch.dtype, out_features: int, in_features: int) -> int:
+    return getattr(_lib(), f"llmbus_packed_{_SUFFIX[dtype]}_numel")(out_features, in_features)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] bfloat16 (in even) or float32 weight -> the flat packed form `linear` reads."""
     out_features, in_features = weight.shape
-    if weight.dtype != torch.bfloat16 or in_features % 2:
-        raise ValueError(f"pack_bf16 takes a bfloat16 [out, in] weight with an even in; got {weight.dtype} {tuple(weight.shape)}")
+    if weight.dtype not in _SUFFIX or (weight.dtype == torch.bfloat16 and in_features % 2):
+        raise ValueError(f"pack_weight takes a float32 or bfloat16 [out, in] weight (in even for bfloat16); "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
-    packed = torch.empty(_lib().llmbus_packed_bf16_numel(out_features, in_features), dtype=torch.bfloat16)
-    _lib().llmbus_pack_bf16(weight.data_ptr(), out_features, in_features, packed.data_ptr())
+    packed = torch.empty(_packed_numel(weight.dtype, out_features, in_features), dtype=weight.dtype)
+    getattr(_lib(), f"llmbus_pack_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), out_features, in_features,
+                                                          packed.data_ptr())
     return packed
 
 
-def linear_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] bfloat16 @ W.T (+ bias, float32) -> [..., out] bfloat16."""
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T (+ bias, float32) -> [..., out], x and the packed W of one dtype."""
     in_features = x.shape[-1]
     # A wrong pointer here reads or writes out of bounds, so check what ctypes cannot.
-    if x.dtype != torch.bfloat16 or packed.numel() != _lib().llmbus_packed_bf16_numel(out_features, in_features):
-        raise ValueError(f"linear_bf16: x {x.dtype} [..., {in_features}] does not fit a packed [{out_features}, ?] weight")
+    if (x.dtype not in _SUFFIX or packed.dtype != x.dtype
+            or packed.numel() != _packed_numel(x.dtype, out_features, in_features)):
+        raise ValueError(f"linear: x {x.dtype} [..., {in_features}] does not fit a packed "
+                         f"{packed.dtype} [{out_features}, ?] weight")
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
-        raise ValueError("linear_bf16: bias must be contiguous float32 [out_features]")
+        raise ValueError("linear: bias must be contiguous float32 [out_features]")
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    _lib().llmbus_linear_bf16(
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    getattr(_lib(), f"llmbus_linear_{_SUFFIX[x.dtype]}")(
         x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
     )
@@ -132,21 +144,24 @@ def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether both attention kernels (decode and prefill) take this query and cache."""
     head_dim = query.shape[-1]
     return (
-        query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and query.device.type == "cpu"
+        query.dtype in _SUFFIX and kv_cache.dtype == query.dtype and query.device.type == "cpu"
         and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
         and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] // kv_cache.shape[3] <= 64 and available()
     )
 
 
-def _check_query_and_cache(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    if query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        raise ValueError(f"{kernel} takes bfloat16 query and cache, got {query.dtype} and {kv_cache.dtype}")
+def _attention_entry(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor):
+    """The C entry point for this query and cache, after the checks ctypes cannot make."""
+    if query.dtype not in _SUFFIX or kv_cache.dtype != query.dtype:
+        raise ValueError(f"{kernel} takes a bfloat16 or float32 query and a cache of the same dtype, "
+                         f"got {query.dtype} and {kv_cache.dtype}")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError(f"{kernel} needs head_dim contiguous in query and cache")
+    return getattr(_lib(), f"llmbus_{kernel}_{_SUFFIX[query.dtype]}")
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] bfloat16, one token per sequence
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim] bfloat16 or float32, one token per sequence
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], any layout, head_dim contiguous
     block_table: torch.Tensor,  # [>= num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [>= num_seqs] int32: tokens to attend over, the new one included
@@ -154,13 +169,13 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    _check_query_and_cache("paged_decode_attention", query, kv_cache)
+    entry = _attention_entry("paged_decode_attention", query, kv_cache)
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table and seq_lens must be int32")
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
     out = torch.empty_like(query)
     k, v = kv_cache[0], kv_cache[1]
-    status = _lib().llmbus_paged_decode_attention_bf16(
+    status = entry(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(),
         k.stride(0), k.stride(1), k.stride(2), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
@@ -174,7 +189,7 @@ def paged_decode_attention(
 
 
 def paged_prefill_attention(
-    query: torch.Tensor,  # [query_len, num_heads, head_dim] bfloat16: one request's new tokens
+    query: torch.Tensor,  # [query_len, num_heads, head_dim] bfloat16 or float32: one request's new tokens
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
     blocks: torch.Tensor,  # [>= ceil(seq_len / block_size)] int32: the request's block table row
     seq_len: int,  # cached + new tokens; the new ones are the last query_len
@@ -182,12 +197,12 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    _check_query_and_cache("paged_prefill_attention", query, kv_cache)
+    entry = _attention_entry("paged_prefill_attention", query, kv_cache)
     if blocks.dtype != torch.int32 or not blocks.is_contiguous() or blocks.numel() * block_size < seq_len:
         raise ValueError(f"paged_prefill_attention needs a contiguous int32 block row covering {seq_len} tokens")
     out = torch.empty_like(query)
     k, v = kv_cache[0], kv_cache[1]
-    status = _lib().llmbus_paged_prefill_attention_bf16(
+    status = entry(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
         k.stride(2), blocks.data_ptr(), query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale,
         out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),

@@ -1,5 +1,5 @@
 // Decode attention (one query token per sequence) read in place from the paged KV cache,
-// bfloat16 cache and queries, float32 scores, softmax and sums.
+// bfloat16 or float32 cache and queries (one template), float32 scores, softmax and sums.
 //
 // The PyTorch backend first gathers each sequence's blocks into a contiguous copy, then
 // runs two batched matmuls; at 128 decodes over ~500 tokens that copy alone moved ~0.9 GB
@@ -42,28 +42,58 @@ inline __m512 reduce16(const __m512* a) {
 
 // Blocks are scattered, so every block is a new short stream that the hardware prefetcher
 // only catches after it has started: ask for the next 16 rows while these are used.
-template <int D>
-inline void prefetch_rows(const uint16_t* const* rows, int n) {
+template <int D, typename T>
+inline void prefetch_rows(const T* const* rows, int n) {
   for (int j = 0; j < n; ++j)
-    for (int line = 0; line < D * 2 / 64; ++line) _mm_prefetch((const char*)(rows[j] + line * 32), _MM_HINT_T0);
+    for (int line = 0; line < D * (int)sizeof(T) / 64; ++line)
+      _mm_prefetch((const char*)rows[j] + line * 64, _MM_HINT_T0);
 }
 
+// One query head held in registers, dotted with key rows of the same dtype.
+template <typename T, int D>
+struct QueryRegs;
+
 template <int D>
-void attend(const uint16_t* q, int64_t q_head_stride, int qpk, const uint16_t* k_cache, const uint16_t* v_cache,
+struct QueryRegs<uint16_t, D> {  // bfloat16: vdpbf16ps multiplies 32 elements per operand
+  __m512bh v[D / 32];
+  explicit QueryRegs(const uint16_t* q) {
+    for (int c = 0; c < D / 32; ++c) v[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  }
+  __m512 dot(const uint16_t* key) const {
+    __m512 acc = _mm512_setzero_ps();
+    for (int c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+    return acc;
+  }
+};
+
+template <int D>
+struct QueryRegs<float, D> {
+  __m512 v[D / 16];
+  explicit QueryRegs(const float* q) {
+    for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(q + 16 * c);
+  }
+  __m512 dot(const float* key) const {
+    __m512 acc = _mm512_mul_ps(v[0], _mm512_loadu_ps(key));
+    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(v[c], _mm512_loadu_ps(key + 16 * c), acc);
+    return acc;
+  }
+};
+
+template <int D, typename T>
+void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const T* v_cache,
             int64_t block_stride, int64_t slot_stride, const int32_t* blocks, int64_t block_size, int64_t len,
-            float scale, uint16_t* out, int64_t o_head_stride, std::vector<float>& scores) {
-  constexpr int kPairs = D / 32;                // vdpbf16ps takes 32 bfloat16 per operand
+            float scale, T* out, int64_t o_head_stride, std::vector<float>& scores) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
   constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
-  auto row = [&](const uint16_t* cache, int64_t t) {
+  auto row = [&](const T* cache, int64_t t) {
     return cache + (int64_t)blocks[t / block_size] * block_stride + (t % block_size) * slot_stride;
   };
 
   // Scores, 16 keys at a time: each query head's 16 dot products reduced together.
-  const uint16_t* keys[16];
-  const uint16_t* ahead[16];
+  const T* keys[16];
+  const T* ahead[32];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = len - t0 < 16 ? (int)(len - t0) : 16;
     for (int j = 0; j < n; ++j) keys[j] = row(k_cache, t0 + j);
@@ -73,15 +103,9 @@ void attend(const uint16_t* q, int64_t q_head_stride, int qpk, const uint16_t* k
       for (int64_t t = 0; t < len && t < 16; ++t) ahead[n_ahead++] = row(v_cache, t);
     prefetch_rows<D>(ahead, n_ahead);
     for (int i = 0; i < qpk; ++i) {
-      __m512bh qv[kPairs];
-      for (int c = 0; c < kPairs; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + i * q_head_stride + 32 * c);
+      const QueryRegs<T, D> qv(q + i * q_head_stride);
       __m512 acc[16];
-      for (int j = 0; j < 16; ++j) {
-        acc[j] = _mm512_setzero_ps();
-        if (j < n)
-          for (int c = 0; c < kPairs; ++c)
-            acc[j] = _mm512_dpbf16_ps(acc[j], qv[c], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
-      }
+      for (int j = 0; j < 16; ++j) acc[j] = j < n ? qv.dot(keys[j]) : _mm512_setzero_ps();
       _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n),
                             _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
     }
@@ -119,9 +143,9 @@ void attend(const uint16_t* q, int64_t q_head_stride, int qpk, const uint16_t* k
         for (int64_t u = t + 16; u < len && u < t + 32; ++u) ahead[n_ahead++] = row(v_cache, u);
         prefetch_rows<D>(ahead, n_ahead);
       }
-      const uint16_t* value = row(v_cache, t);
+      const T* value = row(v_cache, t);
       __m512 v[kLanes];
-      for (int c = 0; c < kLanes; ++c) v[c] = bf16x16_to_f32(value + 16 * c);
+      for (int c = 0; c < kLanes; ++c) v[c] = load16(value + 16 * c);
       for (int j = 0; j < kHeadsPerPass; ++j) {
         if (j >= nh) break;
         const __m512 p = _mm512_set1_ps(scores[(h0 + j) * padded + t]);
@@ -131,23 +155,18 @@ void attend(const uint16_t* q, int64_t q_head_stride, int qpk, const uint16_t* k
     for (int j = 0; j < nh; ++j) {
       const __m512 norm = _mm512_set1_ps(inv_sum[h0 + j]);
       for (int c = 0; c < kLanes; ++c)
-        store_bf16x16(out + (h0 + j) * o_head_stride + 16 * c, _mm512_mul_ps(acc[j][c], norm));
+        store16(out + (h0 + j) * o_head_stride + 16 * c, _mm512_mul_ps(acc[j][c], norm));
     }
   }
 }
 
-}  // namespace
-
-extern "C" {
-
 // Returns 0, or -1 for a head_dim without a compiled variant (the caller falls back).
-int llmbus_paged_decode_attention_bf16(
-    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [num_seqs, num_heads, head_dim]
-    const uint16_t* k_cache, const uint16_t* v_cache,                  // element strides below
-    int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-    const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+template <typename T>
+int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                     int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,
+                     int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out,
+                     int64_t o_token_stride, int64_t o_head_stride, int threads) {
   if (head_dim != 64 && head_dim != 128) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
@@ -158,11 +177,11 @@ int llmbus_paged_decode_attention_bf16(
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
       const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
-      const uint16_t* qs = q + s * q_token_stride + g * qpk * q_head_stride;
-      uint16_t* os = out + s * o_token_stride + g * qpk * o_head_stride;
+      const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
+      T* os = out + s * o_token_stride + g * qpk * o_head_stride;
       const int32_t* blocks = block_table + s * table_stride;
-      const uint16_t* kc = k_cache + g * head_stride;
-      const uint16_t* vc = v_cache + g * head_stride;
+      const T* kc = k_cache + g * head_stride;
+      const T* vc = v_cache + g * head_stride;
       if (head_dim == 64)
         attend<64>(qs, q_head_stride, qpk, kc, vc, block_stride, slot_stride, blocks, block_size, seq_lens[s], scale,
                    os, o_head_stride, scores);
@@ -172,6 +191,32 @@ int llmbus_paged_decode_attention_bf16(
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmbus_paged_decode_attention_bf16(
+    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [num_seqs, num_heads, head_dim]
+    const uint16_t* k_cache, const uint16_t* v_cache,                  // element strides below
+    int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+    const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+  return decode_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
+                          block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                          block_size, scale, out, o_token_stride, o_head_stride, threads);
+}
+
+int llmbus_paged_decode_attention_f32(
+    const float* q, int64_t q_token_stride, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+    int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table, int64_t table_stride,
+    const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, float* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+  return decode_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
+                          block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
+                          block_size, scale, out, o_token_stride, o_head_stride, threads);
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
 // Causal attention of one request's new tokens (a prefill chunk) over its paged cache:
-// flash-attention on AVX-512 BF16, bfloat16 in and out, float32 softmax and sums.
+// flash-attention on AVX-512, bfloat16 (with BF16 dot products) or float32 in and out,
+// float32 softmax and sums.
 //
 // PyTorch's CPU SDPA ran W1's prompts (64-512 tokens, bf16) at ~50 GFLOP/s, 8.9 s of a
 // 55 s run. Here the request's keys and values are first rearranged, per KV head, into
@@ -8,6 +9,10 @@
 // heads that share it) walks 16-key tiles with an online softmax, four query rows at a
 // time so that their dot-product chains overlap. Probabilities are rounded to bfloat16
 // for the weighted sum, as flash-attention does on GPUs.
+//
+// float32 runs the same tiles with FMAs: keys transposed (16 keys per vector, one vector
+// per dim), values as they are, probabilities kept in float32. Only the tile layouts and
+// the two inner products differ by dtype (struct Tiles); the online softmax is shared.
 #include <math.h>
 #include <string.h>
 
@@ -20,37 +25,117 @@ namespace {
 constexpr int64_t kTile = 16;      // keys per tile: one float32 vector of scores
 constexpr int64_t kQueryTile = 32;  // query tokens per task
 
-// keys [len, D] (paged) -> kt[tile][D/2][16 keys][2 dims]; values -> vt[tile][8 key pairs][D/16][16 dims][2 keys]
+// How one dtype lays out a tile of keys and values and multiplies with it.
+template <typename T, int D>
+struct Tiles;
+
 template <int D>
-void rearrange(const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_stride, int64_t slot_stride,
-               const int32_t* blocks, int64_t block_size, int64_t len, uint16_t* kt, uint16_t* vt) {
+struct Tiles<uint16_t, D> {
+  // keys -> [D/2 dim pairs][16 keys][2 dims]; values -> [8 key pairs][D/16][16 dims][2 keys]
+  static void store_row(uint16_t* kdst, uint16_t* vdst, int64_t j, const uint16_t* key, const uint16_t* value) {
+    for (int64_t c = 0; c < D / 2; ++c) {
+      kdst[(c * kTile + j) * 2] = key ? key[2 * c] : 0;
+      kdst[(c * kTile + j) * 2 + 1] = key ? key[2 * c + 1] : 0;
+    }
+    for (int64_t d = 0; d < D; ++d)  // key pair j/2, dim chunk d/16, dim d%16, key j%2
+      vdst[(((j / 2) * (D / 16) + d / 16) * 16 + d % 16) * 2 + j % 2] = value ? value[d] : 0;
+  }
+
+  // s[r] = q[r] . each of the tile's 16 keys, two chains per row.
+  template <int RB>
+  static void scores(const uint16_t* const* q, const uint16_t* kt, __m512* s) {
+    __m512 s2[RB];
+    for (int r = 0; r < RB; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+    for (int c = 0; c < D / 2; c += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + c * kTile * 2);
+      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + (c + 1) * kTile * 2);
+      for (int r = 0; r < RB; ++r) {
+        int32_t p0, p1;
+        memcpy(&p0, q[r] + 2 * c, 4);
+        memcpy(&p1, q[r] + 2 * c + 2, 4);
+        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(p0), k0);
+        s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)_mm512_set1_epi32(p1), k1);
+      }
+    }
+    for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+  }
+
+  // o[r] += p[r] @ the tile's values, probabilities rounded to bfloat16.
+  template <int RB>
+  static void accumulate(const __m512* p, const uint16_t* vt, __m512 (*o)[D / 16]) {
+    __m256bh pb[RB];
+    for (int r = 0; r < RB; ++r) pb[r] = _mm512_cvtneps_pbh(p[r]);
+    for (int jp = 0; jp < kTile / 2; ++jp) {
+      for (int c = 0; c < D / 16; ++c) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(vt + (jp * (D / 16) + c) * 32);
+        for (int r = 0; r < RB; ++r) {
+          int32_t pair;
+          memcpy(&pair, (const uint16_t*)&pb[r] + 2 * jp, 4);
+          o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32(pair), v);
+        }
+      }
+    }
+  }
+};
+
+template <int D>
+struct Tiles<float, D> {
+  // keys -> [D dims][16 keys]; values -> [16 keys][D], as in the cache
+  static void store_row(float* kdst, float* vdst, int64_t j, const float* key, const float* value) {
+    for (int64_t d = 0; d < D; ++d) kdst[d * kTile + j] = key ? key[d] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) vdst[j * D + d] = value ? value[d] : 0.0f;
+  }
+
+  template <int RB>
+  static void scores(const float* const* q, const float* kt, __m512* s) {
+    __m512 s2[RB];
+    for (int r = 0; r < RB; ++r) s[r] = s2[r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 2) {
+      const __m512 k0 = _mm512_loadu_ps(kt + d * kTile), k1 = _mm512_loadu_ps(kt + (d + 1) * kTile);
+      for (int r = 0; r < RB; ++r) {
+        s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), k0, s[r]);
+        s2[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d + 1]), k1, s2[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r) s[r] = _mm512_add_ps(s[r], s2[r]);
+  }
+
+  template <int RB>
+  static void accumulate(const __m512* p, const float* vt, __m512 (*o)[D / 16]) {
+    alignas(64) float pr[RB][kTile];
+    for (int r = 0; r < RB; ++r) _mm512_store_ps(pr[r], p[r]);
+    for (int j = 0; j < kTile; ++j) {
+      for (int c = 0; c < D / 16; ++c) {
+        const __m512 v = _mm512_loadu_ps(vt + j * D + 16 * c);
+        for (int r = 0; r < RB; ++r) o[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(pr[r][j]), v, o[r][c]);
+      }
+    }
+  }
+};
+
+// The request's keys and values, paged, into tiles of kTile keys (zeros past len).
+template <int D, typename T>
+void rearrange(const T* k_cache, const T* v_cache, int64_t block_stride, int64_t slot_stride, const int32_t* blocks,
+               int64_t block_size, int64_t len, T* kt, T* vt) {
   const int64_t tiles = (len + kTile - 1) / kTile;
   for (int64_t t = 0; t < tiles; ++t) {
-    uint16_t* kdst = kt + t * kTile * D;
-    uint16_t* vdst = vt + t * kTile * D;
     for (int64_t j = 0; j < kTile; ++j) {
       const int64_t pos = t * kTile + j;
-      const uint16_t* key = nullptr;
-      const uint16_t* value = nullptr;
+      const T* key = nullptr;
+      const T* value = nullptr;
       if (pos < len) {
         const int64_t off = (int64_t)blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
         key = k_cache + off;
         value = v_cache + off;
       }
-      for (int64_t c = 0; c < D / 2; ++c) {  // scores: pair c of dims for key j
-        kdst[(c * kTile + j) * 2] = key ? key[2 * c] : 0;
-        kdst[(c * kTile + j) * 2 + 1] = key ? key[2 * c + 1] : 0;
-      }
-      for (int64_t d = 0; d < D; ++d)  // sums: key pair j/2, dim chunk d/16, dim d%16, key j%2
-        vdst[(((j / 2) * (D / 16) + d / 16) * 16 + d % 16) * 2 + j % 2] = value ? value[d] : 0;
+      Tiles<T, D>::store_row(kt + t * kTile * D, vt + t * kTile * D, j, key, value);
     }
   }
 }
 
 // RB query rows (any tokens and heads of one KV head) over keys [0, last_pos of each row].
-template <int D, int RB>
-void rows_block(const uint16_t* const* q, const int64_t* last, uint16_t* const* out, const uint16_t* kt,
-                const uint16_t* vt, float scale) {
+template <int D, int RB, typename T>
+void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* kt, const T* vt, float scale) {
   constexpr int kChunks = D / 16;
   __m512 o[RB][kChunks], m[RB], l[RB];
   for (int r = 0; r < RB; ++r) {
@@ -62,64 +147,40 @@ void rows_block(const uint16_t* const* q, const int64_t* last, uint16_t* const* 
   for (int r = 0; r < RB; ++r) max_last = last[r] > max_last ? last[r] : max_last;
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t t = 0; t * kTile <= max_last; ++t) {
-    const uint16_t* kt_t = kt + t * kTile * D;
-    __m512 s[RB], s2[RB];
-    for (int r = 0; r < RB; ++r) s[r] = s2[r] = _mm512_setzero_ps();
-    for (int c = 0; c < D / 2; c += 2) {  // two chains per row
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt_t + c * kTile * 2);
-      const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt_t + (c + 1) * kTile * 2);
-      for (int r = 0; r < RB; ++r) {
-        int32_t p0, p1;
-        memcpy(&p0, q[r] + 2 * c, 4);
-        memcpy(&p1, q[r] + 2 * c + 2, 4);
-        s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(p0), k0);
-        s2[r] = _mm512_dpbf16_ps(s2[r], (__m512bh)_mm512_set1_epi32(p1), k1);
-      }
-    }
+    __m512 s[RB], p[RB];
+    Tiles<T, D>::template scores<RB>(q, kt + t * kTile * D, s);
     const __m512 key_pos = _mm512_add_ps(lane, _mm512_set1_ps((float)(t * kTile)));
-    __m256bh pb[RB];
     for (int r = 0; r < RB; ++r) {
-      __m512 sc = _mm512_mul_ps(_mm512_add_ps(s[r], s2[r]), _mm512_set1_ps(scale));
+      __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
       // Keys after this row's token (and past the sequence) do not count.
       const __mmask16 visible = _mm512_cmp_ps_mask(key_pos, _mm512_set1_ps((float)last[r]), _CMP_LE_OQ);
       sc = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), sc);
       const __m512 m_new = _mm512_max_ps(m[r], _mm512_set1_ps(_mm512_reduce_max_ps(sc)));
       const __m512 correction = exp512(_mm512_sub_ps(m[r], m_new));
-      const __m512 p = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(sc, m_new)));
+      p[r] = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(sc, m_new)));
       m[r] = m_new;
-      l[r] = _mm512_fmadd_ps(l[r], correction, _mm512_set1_ps(_mm512_reduce_add_ps(p)));
+      l[r] = _mm512_fmadd_ps(l[r], correction, _mm512_set1_ps(_mm512_reduce_add_ps(p[r])));
       for (int c = 0; c < kChunks; ++c) o[r][c] = _mm512_mul_ps(o[r][c], correction);
-      pb[r] = _mm512_cvtneps_pbh(p);
     }
-    const uint16_t* vt_t = vt + t * kTile * D;
-    for (int jp = 0; jp < kTile / 2; ++jp) {
-      for (int c = 0; c < kChunks; ++c) {
-        const __m512bh v = (__m512bh)_mm512_loadu_si512(vt_t + (jp * kChunks + c) * 32);
-        for (int r = 0; r < RB; ++r) {
-          int32_t pair;
-          memcpy(&pair, (const uint16_t*)&pb[r] + 2 * jp, 4);
-          o[r][c] = _mm512_dpbf16_ps(o[r][c], (__m512bh)_mm512_set1_epi32(pair), v);
-        }
-      }
-    }
+    Tiles<T, D>::template accumulate<RB>(p, vt + t * kTile * D, o);
   }
   for (int r = 0; r < RB; ++r) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[r]);
-    for (int c = 0; c < kChunks; ++c) store_bf16x16(out[r] + 16 * c, _mm512_mul_ps(o[r][c], inv));
+    for (int c = 0; c < kChunks; ++c) store16(out[r] + 16 * c, _mm512_mul_ps(o[r][c], inv));
   }
 }
 
-template <int D>
-void prefill(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, const uint16_t* k_cache,
-             const uint16_t* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+template <int D, typename T>
+void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache,
+             const T* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
              const int32_t* blocks, int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads,
-             int64_t block_size, float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride,
+             int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
              int threads) {
   constexpr int RB = D <= 64 ? 4 : 2;  // accumulators: RB x D/16 vectors
   const int64_t qpk = num_heads / num_kv_heads;
   const int64_t tiles = (seq_len + kTile - 1) / kTile;
   const int64_t per_head = tiles * kTile * D;
-  std::vector<uint16_t> kt((size_t)(num_kv_heads * per_head)), vt((size_t)(num_kv_heads * per_head));
+  std::vector<T> kt((size_t)(num_kv_heads * per_head)), vt((size_t)(num_kv_heads * per_head));
 #pragma omp parallel for num_threads(threads)
   for (int64_t g = 0; g < num_kv_heads; ++g)
     rearrange<D>(k_cache + g * head_stride, v_cache + g * head_stride, block_stride, slot_stride, blocks, block_size,
@@ -132,8 +193,8 @@ void prefill(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, c
     const int64_t g = task % num_kv_heads, qt = query_tiles - 1 - task / num_kv_heads;
     const int64_t i0 = qt * kQueryTile, i1 = i0 + kQueryTile < query_len ? i0 + kQueryTile : query_len;
     const int64_t rows = (i1 - i0) * qpk;
-    const uint16_t* qr[RB];
-    uint16_t* orow[RB];
+    const T* qr[RB];
+    T* orow[RB];
     int64_t last[RB];
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
       for (int r = 0; r < RB; ++r) {
@@ -143,22 +204,18 @@ void prefill(const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride, c
         orow[r] = out + i * o_token_stride + h * o_head_stride;
         last[r] = first_pos + i;
       }
-      rows_block<D, RB>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, scale);
+      rows_block<D, RB, T>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, scale);
     }
   }
 }
 
-}  // namespace
-
-extern "C" {
-
 // Returns 0, -1 for a head_dim without a compiled variant, -2 for a head count it cannot split.
-int llmbus_paged_prefill_attention_bf16(
-    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [query_len, num_heads, head_dim]
-    const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-    const int32_t* blocks,  // this request's block table row
-    int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+template <typename T>
+int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+                      int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* blocks,
+                      int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
+                      int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || query_len > seq_len || query_len <= 0) return -2;
   if (head_dim == 64)
     prefill<64>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
@@ -171,6 +228,31 @@ int llmbus_paged_prefill_attention_bf16(
   else
     return -1;
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmbus_paged_prefill_attention_bf16(
+    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [query_len, num_heads, head_dim]
+    const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+    const int32_t* blocks,  // this request's block table row
+    int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+  return prefill_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
+                           blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                           o_token_stride, o_head_stride, threads);
+}
+
+int llmbus_paged_prefill_attention_f32(
+    const float* q, int64_t q_token_stride, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+    int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* blocks, int64_t query_len,
+    int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+    float* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
+  return prefill_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
+                           blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,
+                           o_token_stride, o_head_stride, threads);
 }
 
 }  // extern "C"

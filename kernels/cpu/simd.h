@@ -43,3 +43,21 @@ static inline __m512 bf16x16_to_f32_masked(const uint16_t* p, __mmask16 mask) {
 static inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
+
+// 16 elements of a cache or activation row as float32, and back, for kernels that take
+// either dtype: overloads pick the conversion (bfloat16 rounds to nearest even on store).
+static inline __m512 load16(const uint16_t* p) { return bf16x16_to_f32(p); }
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p, __mmask16 mask) { return bf16x16_to_f32_masked(p, mask); }
+static inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+static inline void store16(uint16_t* p, __m512 v, __mmask16 mask = 0xFFFF) { store_bf16x16(p, v, mask); }
+static inline void store16(float* p, __m512 v, __mmask16 mask = 0xFFFF) { _mm512_mask_storeu_ps(p, mask, v); }
+
+// What a PyTorch op of dtype T does to a float32 intermediate it stores: bfloat16 rounds,
+// float32 keeps it.
+template <typename T>
+inline __m512 round_as(__m512 v);
+template <>
+inline __m512 round_as<uint16_t>(__m512 v) { return round_bf16(v); }
+template <>
+inline __m512 round_as<float>(__m512 v) { return v; }

@@ -74,10 +74,11 @@ def load_model(
         param.data = param.data.to(dtype)
     model = model.to(device)
     if can_pack(dtype, torch.device(device)):
-        pack_linears(model)  # what quantization left in bfloat16 (int4: the LM head)
+        pack_linears(model)  # what quantization left unquantized (int4: the LM head)
         if model.lm_head is None:
-            # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more): the
-            # embedding is read a row per token, the head whole on every step.
+            # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more in
+            # bfloat16, 113 MB in float32): the embedding is read a row per token, the head
+            # whole on every step.
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
     model.fused_decode = FusedDecode.build(model)
     return model.eval().requires_grad_(False)

@@ -1,18 +1,19 @@
-"""bfloat16 weights packed once at load for the fastest CPU product this machine has.
-
-Two packings, chosen per process:
-- llmbus's own kernel (kernels/cpu/linear_bf16.cpp), where it builds (x86-64 with AVX-512
-  BF16 and a C++ compiler): it streams the weights at close to memory speed for the few
-  rows of a decode step, where oneDNN reached about 18 GB/s on this machine. Its sums run
-  in another order than oneDNN's, so results differ from `F.linear` by at most a rounding
-  of the last bfloat16 bit (tested against a float64 product).
+"""Weights packed once at load for the fastest CPU product this machine has, in bfloat16
+and float32. Two packings, chosen per process:
+- llmbus's own kernel (kernels/cpu/linear.cpp), where it builds (x86-64 with AVX-512 BF16
+  and a C++ compiler): it streams the weights at close to memory speed for the few rows
+  of a decode step, where oneDNN reached about 18-21 GB/s on this machine, and matches or
+  beats oneDNN at 128-2048 rows (scripts/cpu_kernels_bench.py). Its sums run in another
+  order: bfloat16 results differ from `F.linear` by at most a rounding of the last bit,
+  float32 ones by a few float32 roundings (both tested against a float64 product).
 - oneDNN's blocked layout otherwise. `F.linear` on a plain bfloat16 weight has oneDNN
   reorder the weight on every call, which for a decode token costs as much as the product;
   packing once leaves only the product (576 -> 3072 at 1 row 0.113 -> 0.052 ms) and is
-  bit-identical to `F.linear` (tested).
+  bit-identical to `F.linear` (tested). In float32 it beats MKL's `F.linear` by 1.1-2.5x.
 
-float32 is never packed: it stays on MKL, whose sums match transformers', so that float32
-stays token-identical to transformers.
+float32 thus leaves MKL, whose sums are transformers': logits move in their last bits,
+and greedy output stays token-identical to transformers (16/16 of `llmbus bench
+agreement`'s chat prompts, 128 tokens each, and the oracle tests).
 """
 
 from __future__ import annotations
@@ -28,24 +29,27 @@ from services.worker.layers import replace_linears
 KERNELS = ("llmbus", "onednn")
 
 
+DTYPES = (torch.bfloat16, torch.float32)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return dtype == torch.bfloat16 and device.type == "cpu" and default_kernel() is not None
+    return dtype in DTYPES and device.type == "cpu" and default_kernel(dtype) is not None
 
 
-def default_kernel() -> str | None:
+def default_kernel(dtype: torch.dtype = torch.bfloat16) -> str | None:
     if cpu_kernels.available():
         return "llmbus"
-    return "onednn" if _onednn_packing_works() else None
+    return "onednn" if _onednn_packing_works(dtype) else None
 
 
 @functools.cache
-def _onednn_packing_works() -> bool:
-    """Whether this build and CPU run oneDNN's packed bfloat16 product (oneDNN present, a
-    bfloat16 path for this CPU); if not, the model keeps plain `F.linear`."""
+def _onednn_packing_works(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this build and CPU run oneDNN's packed product in `dtype` (oneDNN present,
+    a bfloat16 path for this CPU); if not, the model keeps plain `F.linear`."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        weight, x = torch.eye(16, dtype=torch.bfloat16), torch.ones(2, 16, dtype=torch.bfloat16)
+        weight, x = torch.eye(16, dtype=dtype), torch.ones(2, 16, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return bool(torch.equal(out, x))
@@ -54,31 +58,36 @@ def _onednn_packing_works() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T + b with W [out, in] bfloat16, packed for `kernel` (default: the best that loads)."""
+    """y = x @ W.T + b with W [out, in] bfloat16 or float32 (activations of the same dtype),
+    packed for `kernel` (default: the best that loads for the dtype)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
         super().__init__()
-        weight = weight.detach().to(torch.bfloat16).contiguous()
+        if weight.dtype not in DTYPES:
+            raise ValueError(f"PackedLinear packs bfloat16 or float32 weights, got {weight.dtype}")
+        self.dtype = weight.dtype
+        weight = weight.detach().contiguous()
         self.out_features, self.in_features = weight.shape
-        kernel = kernel or default_kernel()
-        if kernel == "llmbus" and self.in_features % 2:
-            kernel = "onednn" if _onednn_packing_works() else None  # the kernel reads inputs in pairs
+        kernel = kernel or default_kernel(self.dtype)
+        if kernel == "llmbus" and self.dtype == torch.bfloat16 and self.in_features % 2:
+            # The bfloat16 kernel reads inputs in pairs.
+            kernel = "onednn" if _onednn_packing_works(self.dtype) else None
         if kernel not in KERNELS:
-            raise ValueError(f"no packed bfloat16 product on this machine (kernel {kernel!r})")
+            raise ValueError(f"no packed {self.dtype} product on this machine (kernel {kernel!r})")
         self.kernel = kernel
         if kernel == "llmbus":
-            self.register_buffer("weight_packed", cpu_kernels.pack_bf16(weight))
+            self.register_buffer("weight_packed", cpu_kernels.pack_weight(weight))
             # The kernel adds the bias to its float32 sums, as oneDNN does, before rounding.
-            self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).float())
+            self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype).float())
         else:
             # The hint is the batch size the layout is tuned for; decode steps are the ones
             # bound by weight reads, so tune for one row (no loss measured at 2048).
             self.register_buffer("weight_packed", torch.ops.mkldnn._reorder_linear_weight(weight, 1))
-            self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
+            self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "llmbus":
-            return cpu_kernels.linear_bf16(x, self.weight_packed, self.out_features, self.bias)
+            return cpu_kernels.linear(x, self.weight_packed, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
     @property
@@ -87,14 +96,15 @@ class PackedLinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_weights * 2
+        return self.num_weights * self.dtype.itemsize
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bfloat16 packed for {self.kernel}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} packed for {self.kernel}"
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
-    """Replace every bfloat16 nn.Linear under `model` with its packed form (in place)."""
+    """Replace every bfloat16 or float32 nn.Linear under `model` with its packed form (in place)."""
     return replace_linears(
-        model, lambda linear: PackedLinear(linear.weight, linear.bias) if linear.weight.dtype == torch.bfloat16 else None
+        model, lambda linear: PackedLinear(linear.weight, linear.bias) if linear.weight.dtype in DTYPES else None
     )
