@@ -133,15 +133,16 @@ def test_a_built_library_is_reused_and_a_changed_source_rebuilds(monkeypatch, tm
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
-def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens):
+def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens, dtype):
     """Query and key heads inside a wider fused qkv row, rotated in place, against the
     PyTorch ops on a copy."""
     from services.worker.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(num_tokens)
     rope = RotaryEmbedding(64, 4096, 10000.0, {})
-    qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64, generator=gen).bfloat16()
+    qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64, generator=gen).to(dtype)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
     qk = qkv[:, : 12 * 64].unflatten(-1, (12, 64))
     with monkeypatch.context() as patch:
@@ -162,8 +163,12 @@ def test_silu_mul_kernel_matches_pytorch(num_tokens):
     gen = torch.Generator().manual_seed(num_tokens)
     gate_up = (torch.randn(num_tokens, 2 * 1536, generator=gen) * 6).bfloat16()
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).bfloat16()  # exp's range ends
-    out = cpu_kernels.silu_mul(gate_up)
     gate, up = gate_up.split(1536, dim=-1)
+    # float32: the exponential's last bits differ from PyTorch's, a few roundings at most.
+    out32 = cpu_kernels.silu_mul(gate_up.float())
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32, torch.nn.functional.silu(gate.float()) * up.float(), rtol=2.0**-20, atol=1e-30)
+    out = cpu_kernels.silu_mul(gate_up)
     expected = torch.nn.functional.silu(gate) * up
     differ = out != expected
     assert int(differ.sum()) <= max(2, differ.numel() // 1000)  # exp's last bits, rarely visible

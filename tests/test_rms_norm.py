@@ -1,6 +1,6 @@
-"""Our RMSNorm against transformers' own LlamaRMSNorm: bit for bit in float32 and through
-PyTorch's ops; through the bfloat16 CPU kernel, the same bits but where its float32 sum
-of squares, summed in another order, moves a rounding."""
+"""Our RMSNorm against transformers' own LlamaRMSNorm: bit for bit through PyTorch's ops;
+through the CPU kernel, whose float32 sum of squares runs in another order, the same bits
+in bfloat16 but where that moves a rounding, and within a few float32 roundings in float32."""
 
 import pytest
 import torch
@@ -23,6 +23,9 @@ def norms(hidden_size, dtype, seed):
 def assert_same_or_last_bit(ours: torch.Tensor, theirs: torch.Tensor, kernel: bool) -> None:
     if not kernel:
         assert torch.equal(ours, theirs)
+        return
+    if ours.dtype == torch.float32:  # every element can move, each by a few roundings at most
+        torch.testing.assert_close(ours, theirs, rtol=2.0**-21, atol=1e-30)  # a couple of float32 ulps
         return
     differ = ours != theirs
     assert int(differ.sum()) <= max(2, differ.numel() // 10_000)  # a rare rounding, not a pattern
@@ -47,7 +50,7 @@ def test_rms_norm_matches_transformers(path, dtype, hidden_size, num_tokens):
     x = (torch.randn(num_tokens, hidden_size, generator=gen) * 4).to(dtype)
     x[0, :3] = torch.tensor([60.0, -45.0, 0.0]).to(dtype)  # outlier channels, as SmolLM2 has
     with torch.no_grad():
-        assert_same_or_last_bit(ours(x), theirs(x), path == "kernel" and dtype == torch.bfloat16)
+        assert_same_or_last_bit(ours(x), theirs(x), path == "kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,4 +65,4 @@ def test_the_residual_form_is_the_add_then_the_norm(path, dtype, num_tokens):
     with torch.no_grad():
         normed, new_residual = ours(x, residual.clone())
         assert torch.equal(new_residual, expected_sum)
-        assert_same_or_last_bit(normed, theirs(expected_sum), path == "kernel" and dtype == torch.bfloat16)
+        assert_same_or_last_bit(normed, theirs(expected_sum), path == "kernel")

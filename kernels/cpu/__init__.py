@@ -8,15 +8,16 @@
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
   cache, flash-attention style (kernels/cpu/paged_prefill_attention.cpp).
 - `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
-  pass each, with the roundings of the bfloat16 PyTorch ops they replace
-  (kernels/cpu/elementwise.cpp).
+  pass each, with the roundings of the PyTorch ops they replace (kernels/cpu/elementwise.cpp).
 - `decoder_layer`: all of the above for one Llama layer of a decode-only step in one call
   (kernels/cpu/decoder_layer.cpp), described by `LayerSpec` and `StepSpec`.
 
-They need x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says
-whether they loaded, `unavailable_reason()` why not, and every caller keeps a PyTorch path.
-Float32 models never use them: float32 stays token-identical to transformers, and these
-kernels sum in another order.
+Each takes bfloat16 or float32 (one C++ template, an entry point per dtype). They need
+x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says whether they
+loaded, `unavailable_reason()` why not, and every caller keeps a PyTorch path. They sum in
+another order than PyTorch's kernels, so float32 results move in their last bits; float32
+greedy output stays token-identical to transformers (the oracle tests and `llmbus bench
+agreement`'s prompts).
 """
 
 from __future__ import annotations
@@ -52,33 +53,33 @@ class StepSpec(ctypes.Structure):
         "positions", "slots", "block_table", "seq_lens", "normed", "qkv", "attn", "gate_up", "act")]
 
 
+# The dtypes the kernels take, by the suffix of their C entry points.
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+_C = ctypes.c_int
+_SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<name>_f32
+    "packed_numel": ([_I, _I], _I),
+    "pack": ([_P, _I, _I, _P], None),
+    "linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
+    "paged_decode_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C], _C),
+    "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C], _C),
+    "add_rms_norm": ([_P, _P, _P, _F, _P, _I, _I, _C], None),
+    "rotary": ([_P, _I, _I, _I, _I, _P, _P, _P, _C], None),
+    "silu_mul": ([_P, _P, _I, _I, _C], None),
+    "decoder_layer": ([ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I], _C),
+}
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
     lib, reason = build_library()
     if lib is None:
         log.warning("CPU kernels unavailable, using PyTorch ops", extra={"reason": reason})
         return None, reason
-    for suffix in ("bf16", "f32"):
-        getattr(lib, f"llmbus_packed_{suffix}_numel").argtypes = [_I, _I]
-        getattr(lib, f"llmbus_packed_{suffix}_numel").restype = _I
-        getattr(lib, f"llmbus_pack_{suffix}").argtypes = [_P, _I, _I, _P]
-        getattr(lib, f"llmbus_pack_{suffix}").restype = None
-        getattr(lib, f"llmbus_linear_{suffix}").argtypes = [_P, _I, _I, _I, _P, _I, _P, _P, _I, ctypes.c_int]
-        getattr(lib, f"llmbus_linear_{suffix}").restype = None
-        decode = getattr(lib, f"llmbus_paged_decode_attention_{suffix}")
-        decode.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int]
-        decode.restype = ctypes.c_int
-        prefill = getattr(lib, f"llmbus_paged_prefill_attention_{suffix}")
-        prefill.argtypes = [_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, ctypes.c_int]
-        prefill.restype = ctypes.c_int
-    lib.llmbus_add_rms_norm_bf16.argtypes = [_P, _P, _P, _F, _P, _I, _I, ctypes.c_int]
-    lib.llmbus_add_rms_norm_bf16.restype = None
-    lib.llmbus_rotary_bf16.argtypes = [_P, _I, _I, _I, _I, _P, _P, _P, ctypes.c_int]
-    lib.llmbus_rotary_bf16.restype = None
-    lib.llmbus_silu_mul_bf16.argtypes = [_P, _P, _I, _I, ctypes.c_int]
-    lib.llmbus_silu_mul_bf16.restype = None
-    lib.llmbus_decoder_layer_bf16.argtypes = [ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I]
-    lib.llmbus_decoder_layer_bf16.restype = ctypes.c_int
+    for suffix in _SUFFIX.values():
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            entry = getattr(lib, f"llmbus_{name}_{suffix}")
+            entry.argtypes, entry.restype = argtypes, restype
     return lib, ""
 
 
@@ -97,12 +98,13 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-# The dtypes the kernels take, by the suffix of their C entry points.
-_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+def _entry(name: str, dtype: torch.dtype):
+    """The C entry point `llmbus_<name>_<bf16|f32>` for tensors of `dtype`."""
+    return getattr(_lib(), f"llmbus_{name}_{_SUFFIX[dtype]}")
 
 
 def _packed_numel(dtype: torch.dtype, out_features: int, in_features: int) -> int:
-    return getattr(_lib(), f"llmbus_packed_{_SUFFIX[dtype]}_numel")(out_features, in_features)
+    return _entry("packed_numel", dtype)(out_features, in_features)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -113,8 +115,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
                          f"got {weight.dtype} {tuple(weight.shape)}")
     weight = weight.detach().contiguous()
     packed = torch.empty(_packed_numel(weight.dtype, out_features, in_features), dtype=weight.dtype)
-    getattr(_lib(), f"llmbus_pack_{_SUFFIX[weight.dtype]}")(weight.data_ptr(), out_features, in_features,
-                                                          packed.data_ptr())
+    _entry("pack", weight.dtype)(weight.data_ptr(), out_features, in_features, packed.data_ptr())
     return packed
 
 
@@ -133,7 +134,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    getattr(_lib(), f"llmbus_linear_{_SUFFIX[x.dtype]}")(
+    _entry("linear", x.dtype)(
         x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
     )
@@ -157,7 +158,7 @@ def _attention_entry(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor):
                          f"got {query.dtype} and {kv_cache.dtype}")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError(f"{kernel} needs head_dim contiguous in query and cache")
-    return getattr(_lib(), f"llmbus_{kernel}_{_SUFFIX[query.dtype]}")
+    return _entry(kernel, query.dtype)
 
 
 def paged_decode_attention(
@@ -216,31 +217,32 @@ def paged_prefill_attention(
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether the elementwise kernels take this activation tensor (bfloat16 on the CPU)."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and available()
+    """Whether the elementwise kernels take this activation tensor (bfloat16 or float32 on the CPU)."""
+    return x.dtype in _SUFFIX and x.device.type == "cpu" and available()
 
 
-def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
-    if x.dtype != torch.bfloat16 or not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous bfloat16, got {x.dtype} with strides {x.stride()}")
+def _rows(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if x.dtype not in _SUFFIX or (dtype is not None and x.dtype != dtype) or not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous bfloat16 or float32 (as the activations), "
+                         f"got {x.dtype} with strides {x.stride()}")
     return x
 
 
 def add_rms_norm(
     x: torch.Tensor,  # [rows, hidden]
     residual: torch.Tensor | None,  # [rows, hidden], updated in place to residual + x
-    weight: torch.Tensor,  # [hidden] bfloat16
+    weight: torch.Tensor,  # [hidden], x's dtype
     eps: float,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x), or with a residual (x + residual -> residual): (RMSNorm(residual), residual)."""
-    _rows(x, "x"), _rows(weight, "weight")
+    _rows(x, "x"), _rows(weight, "weight", x.dtype)
     hidden = x.shape[-1]
     if weight.numel() != hidden:
         raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {hidden}")
-    if residual is not None and (_rows(residual, "residual").shape != x.shape):
+    if residual is not None and (_rows(residual, "residual", x.dtype).shape != x.shape):
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
-    _lib().llmbus_add_rms_norm_bf16(
+    _entry("add_rms_norm", x.dtype)(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
         x.numel() // max(hidden, 1), hidden, torch.get_num_threads(),
     )
@@ -254,14 +256,15 @@ def rotary(
     sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
 ) -> torch.Tensor:
     rows, heads, head_dim = x.shape
-    if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
-        raise ValueError(f"rotary takes bfloat16 [rows, heads, head_dim] with contiguous heads, got {x.dtype} {x.stride()}")
+    if x.dtype not in _SUFFIX or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
+        raise ValueError(f"rotary takes bfloat16 or float32 [rows, heads, head_dim] with contiguous heads, "
+                         f"got {x.dtype} {x.stride()}")
     if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
         raise ValueError("rotary: positions must be contiguous int64, one per row")
     for table in (cos_table, sin_table):
         if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
             raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
-    _lib().llmbus_rotary_bf16(x.data_ptr(), rows, heads, head_dim, x.stride(0), positions.data_ptr(),
+    _entry("rotary", x.dtype)(x.data_ptr(), rows, heads, head_dim, x.stride(0), positions.data_ptr(),
                               cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads())
     return x
 
@@ -269,9 +272,9 @@ def rotary(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then up) -> [rows, n]
     _rows(gate_up, "gate_up")
     n = gate_up.shape[-1] // 2
-    out = torch.empty(*gate_up.shape[:-1], n, dtype=torch.bfloat16)
-    _lib().llmbus_silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
-                                torch.get_num_threads())
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    _entry("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
+                                      torch.get_num_threads())
     return out
 
 
@@ -279,8 +282,8 @@ def decoder_layer(layer: LayerSpec, step: StepSpec, hidden: torch.Tensor, residu
     """One decoder layer of a decode-only step, in place: `hidden` [rows, hidden_size] becomes
     the layer's output and `residual` the stream before it (set from `hidden` when `first`).
     The specs hold raw pointers: the caller keeps every tensor they point into alive and
-    checks shapes once when building them (services/worker/models/fused_decode.py)."""
-    status = _lib().llmbus_decoder_layer_bf16(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
-                                              residual.data_ptr(), int(first))
+    checks shapes and dtypes once when building them (services/worker/models/fused_decode.py)."""
+    status = _entry("decoder_layer", hidden.dtype)(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
+                                                   residual.data_ptr(), int(first))
     if status != 0:
         raise ValueError(f"decoder_layer: the attention kernel refused the layer's shape (status {status})")

@@ -29,7 +29,9 @@ from pathlib import Path
 log = logging.getLogger("llmbus.kernels")
 
 SOURCE_DIR = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# -ffp-contract=off: a multiply and an add stay two roundings, as in the PyTorch ops the
+# kernels reproduce (rotary); where a kernel wants a fused multiply-add it says so.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 
 

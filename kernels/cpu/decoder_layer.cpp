@@ -1,8 +1,9 @@
-// A whole Llama decoder layer for a decode-only step, in one call from Python.
+// A whole Llama decoder layer for a decode-only step, in one call from Python, in
+// bfloat16 or float32 (one template).
 //
 // At one token per step the layer's ten kernels each take microseconds, and calling them
 // one by one from PyTorch modules cost more than they did (ctypes, tensor allocation,
-// module dispatch: about 3 ms of a 15 ms step for SmolLM2). Here Python makes one call per
+// module dispatch: about 3 ms of a 15 ms SmolLM2 step). Here Python makes one call per
 // layer; the kernels are the same ones the module path calls, so both paths compute the
 // same bits.
 #include "kernels.h"
@@ -10,14 +11,15 @@
 extern "C" {
 
 // What one layer reads: built once per layer and KV cache (all fields 8 bytes wide, so
-// the ctypes mirror in kernels/cpu/__init__.py has no padding to get wrong).
+// the ctypes mirror in kernels/cpu/__init__.py has no padding to get wrong). Activations,
+// norms, packed weights and caches are of the layer's dtype (T below).
 struct LlmbusLayer {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
   double eps, scale;
-  const uint16_t *input_norm, *post_norm;                    // [hidden] bfloat16
-  const uint16_t *qkv, *o, *gate_up, *down;                  // packed by llmbus_pack_bf16
+  const void *input_norm, *post_norm;                        // [hidden]
+  const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_*
   const float *qkv_bias, *o_bias;                            // float32 or null
-  uint16_t *k_cache, *v_cache;                               // one layer's cache
+  void *k_cache, *v_cache;                                   // one layer's cache
   int64_t block_stride, slot_stride, head_stride;            // in elements
   const float *cos_table, *sin_table;                        // [max_position, head_dim]
 };
@@ -27,40 +29,62 @@ struct LlmbusStep {
   int64_t rows, table_stride, threads;
   const int64_t *positions, *slots;
   const int32_t *block_table, *seq_lens;
-  uint16_t *normed, *qkv, *attn, *gate_up, *act;  // [rows, hidden | q+2kv | q | 2*inter | inter]
+  void *normed, *qkv, *attn, *gate_up, *act;  // [rows, hidden | q+2kv | q | 2*inter | inter]
 };
+
+}  // extern "C"
+
+namespace {
 
 // hidden [rows, hidden_size]: the previous layer's output in, this layer's out (in place).
 // residual: the stream before adding `hidden`; with first_layer it is set to hidden.
 // Returns 0, or the attention kernel's refusal (then hidden holds nothing useful).
-int llmbus_decoder_layer_bf16(const LlmbusLayer* L, const LlmbusStep* S, uint16_t* hidden, uint16_t* residual,
-                               int64_t first_layer) {
+template <typename T>
+int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* residual, int64_t first_layer) {
+  using K = Kernels<T>;
   const int64_t rows = S->rows, h = L->hidden_size, d = L->head_dim;
   const int64_t q_size = L->num_heads * d, kv_size = L->num_kv_heads * d, qkv_size = q_size + 2 * kv_size;
   const int threads = (int)S->threads;
+  const T *input_norm = (const T*)L->input_norm, *post_norm = (const T*)L->post_norm;
+  T *normed = (T*)S->normed, *qkv = (T*)S->qkv, *attn = (T*)S->attn, *gate_up = (T*)S->gate_up, *act = (T*)S->act;
+  T *k_cache = (T*)L->k_cache, *v_cache = (T*)L->v_cache;
   if (first_layer) {
     for (int64_t i = 0; i < rows * h; ++i) residual[i] = hidden[i];
-    llmbus_add_rms_norm_bf16(hidden, nullptr, L->input_norm, (float)L->eps, S->normed, rows, h, threads);
+    K::add_rms_norm(hidden, nullptr, input_norm, (float)L->eps, normed, rows, h, threads);
   } else {
-    llmbus_add_rms_norm_bf16(hidden, residual, L->input_norm, (float)L->eps, S->normed, rows, h, threads);
+    K::add_rms_norm(hidden, residual, input_norm, (float)L->eps, normed, rows, h, threads);
   }
-  llmbus_linear_bf16(S->normed, rows, h, h, L->qkv, qkv_size, L->qkv_bias, S->qkv, qkv_size, threads);
-  llmbus_rotary_bf16(S->qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table,
-                     L->sin_table, threads);
-  llmbus_write_kv_bf16(S->qkv + q_size, S->qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d,
-                       L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, L->block_size);
-  const int status = llmbus_paged_decode_attention_bf16(
-      S->qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, S->block_table,
-      S->table_stride, S->seq_lens, rows, L->num_heads, L->num_kv_heads, d, L->block_size, (float)L->scale, S->attn,
-      q_size, d, threads);
+  K::linear(normed, rows, h, h, (const T*)L->qkv, qkv_size, L->qkv_bias, qkv, qkv_size, threads);
+  K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table, L->sin_table,
+            threads);
+  K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d, k_cache, v_cache,
+              L->block_stride, L->slot_stride, L->head_stride, L->block_size);
+  const int status = K::decode_attention(qkv, qkv_size, d, k_cache, v_cache, L->block_stride, L->slot_stride,
+                                         L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows,
+                                         L->num_heads, L->num_kv_heads, d, L->block_size, (float)L->scale, attn,
+                                         q_size, d, threads);
   if (status != 0) return status;
-  llmbus_linear_bf16(S->attn, rows, q_size, q_size, L->o, h, L->o_bias, hidden, h, threads);
-  llmbus_add_rms_norm_bf16(hidden, residual, L->post_norm, (float)L->eps, S->normed, rows, h, threads);
+  K::linear(attn, rows, q_size, q_size, (const T*)L->o, h, L->o_bias, hidden, h, threads);
+  K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);
   const int64_t inter = L->intermediate_size;
-  llmbus_linear_bf16(S->normed, rows, h, h, L->gate_up, 2 * inter, nullptr, S->gate_up, 2 * inter, threads);
-  llmbus_silu_mul_bf16(S->gate_up, S->act, rows, inter, threads);
-  llmbus_linear_bf16(S->act, rows, inter, inter, L->down, h, nullptr, hidden, h, threads);
+  K::linear(normed, rows, h, h, (const T*)L->gate_up, 2 * inter, nullptr, gate_up, 2 * inter, threads);
+  K::silu_mul(gate_up, act, rows, inter, threads);
+  K::linear(act, rows, inter, inter, (const T*)L->down, h, nullptr, hidden, h, threads);
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int llmbus_decoder_layer_bf16(const LlmbusLayer* L, const LlmbusStep* S, uint16_t* hidden, uint16_t* residual,
+                              int64_t first_layer) {
+  return decoder_layer(L, S, hidden, residual, first_layer);
+}
+
+int llmbus_decoder_layer_f32(const LlmbusLayer* L, const LlmbusStep* S, float* hidden, float* residual,
+                             int64_t first_layer) {
+  return decoder_layer(L, S, hidden, residual, first_layer);
 }
 
 }  // extern "C"

@@ -115,8 +115,8 @@ void linear(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed,
 
 extern "C" {
 
-int64_t llmbus_packed_bf16_numel(int64_t n, int64_t k) { return packed_numel<uint16_t>(n, k); }
-int64_t llmbus_packed_f32_numel(int64_t n, int64_t k) { return packed_numel<float>(n, k); }
+int64_t llmbus_packed_numel_bf16(int64_t n, int64_t k) { return packed_numel<uint16_t>(n, k); }
+int64_t llmbus_packed_numel_f32(int64_t n, int64_t k) { return packed_numel<float>(n, k); }
 
 void llmbus_pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* out) { pack(w, n, k, out); }
 void llmbus_pack_f32(const float* w, int64_t n, int64_t k, float* out) { pack(w, n, k, out); }

@@ -221,21 +221,39 @@ int llmbus_paged_decode_attention_f32(
 
 }  // extern "C"
 
+namespace {
+
+template <typename T>
+void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* slots, int64_t rows,
+              int64_t num_kv_heads, int64_t head_dim, T* k_cache, T* v_cache, int64_t block_stride,
+              int64_t slot_stride, int64_t head_stride, int64_t block_size) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t slot = slots[r];
+    if (slot < 0) continue;
+    const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * slot_stride;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      memcpy(k_cache + base + h * head_stride, key + r * row_stride + h * head_dim, head_dim * sizeof(T));
+      memcpy(v_cache + base + h * head_stride, value + r * row_stride + h * head_dim, head_dim * sizeof(T));
+    }
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 // Each row's key and value heads into its cache slot; a negative slot is a padded row.
 void llmbus_write_kv_bf16(const uint16_t* key, const uint16_t* value, int64_t row_stride, const int64_t* slots,
                           int64_t rows, int64_t num_kv_heads, int64_t head_dim, uint16_t* k_cache, uint16_t* v_cache,
                           int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t slot = slots[r];
-    if (slot < 0) continue;
-    const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * slot_stride;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      memcpy(k_cache + base + h * head_stride, key + r * row_stride + h * head_dim, head_dim * sizeof(uint16_t));
-      memcpy(v_cache + base + h * head_stride, value + r * row_stride + h * head_dim, head_dim * sizeof(uint16_t));
-    }
-  }
+  write_kv(key, value, row_stride, slots, rows, num_kv_heads, head_dim, k_cache, v_cache, block_stride, slot_stride,
+           head_stride, block_size);
+}
+void llmbus_write_kv_f32(const float* key, const float* value, int64_t row_stride, const int64_t* slots,
+                         int64_t rows, int64_t num_kv_heads, int64_t head_dim, float* k_cache, float* v_cache,
+                         int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size) {
+  write_kv(key, value, row_stride, slots, rows, num_kv_heads, head_dim, k_cache, v_cache, block_stride, slot_stride,
+           head_stride, block_size);
 }
 
 }  // extern "C"

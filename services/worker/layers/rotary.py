@@ -68,7 +68,7 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Rotate every head of `x` by its token's position. Query and key heads go
         through in one call (they are adjacent in the fused qkv output): half the calls.
-        In bfloat16 on CPU, kernels/cpu rotates `x` in place in one pass (same roundings)."""
+        On CPU, kernels/cpu rotates `x` in place in one pass (the same bits)."""
         if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
             if self._checked is not positions:  # once per step, not per layer
                 self.check_positions(positions)

@@ -1,4 +1,4 @@
-"""Decode-only steps of a bfloat16 Llama on CPU, one C call per decoder layer.
+"""Decode-only steps of a bfloat16 or float32 Llama on CPU, one C call per decoder layer.
 
 At one token per request a layer's ten kernels each take microseconds, and driving them
 from PyTorch modules (module calls, ctypes, tensor allocation, views) cost about 3 ms of a
@@ -22,8 +22,9 @@ from services.worker.layers.packed_linear import PackedLinear
 
 
 class FusedDecode:
-    def __init__(self, model) -> None:
+    def __init__(self, model, dtype: torch.dtype) -> None:
         self.model = model
+        self.dtype = dtype
         self._cache_key: tuple[int, ...] | None = None
         self._layers: list[cpu_kernels.LayerSpec] = []
 
@@ -38,23 +39,24 @@ class FusedDecode:
             return None
         if model.model.layers[0].self_attn.backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
+        dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) and m.kernel == "llmbus" for m in linears):
-                return None  # float32, quantized, or oneDNN-packed weights
+            if not all(isinstance(m, PackedLinear) and m.kernel == "llmbus" and m.dtype == dtype for m in linears):
+                return None  # quantized or oneDNN-packed weights
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
-            if layer.input_layernorm.weight.dtype != torch.bfloat16:
+            if {layer.input_layernorm.weight.dtype, layer.post_attention_layernorm.weight.dtype} != {dtype}:
                 return None
-        return cls(model)
+        return cls(model, dtype)
 
     def takes(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step is one it runs: decodes only, one unpadded token each."""
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
             and metadata.num_reqs > 0
-            and kv_caches[0].dtype == torch.bfloat16 and kv_caches[0].stride(-1) == 1
+            and kv_caches[0].dtype == self.dtype and kv_caches[0].stride(-1) == 1
         )
 
     def _layer_specs(self, kv_caches: list[torch.Tensor]) -> list[cpu_kernels.LayerSpec]:
@@ -91,7 +93,7 @@ class FusedDecode:
         qkv_size = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
         sizes = (config.hidden_size, qkv_size, attn.num_heads * attn.head_dim, 2 * mlp.intermediate_size,
                  mlp.intermediate_size)
-        scratch = torch.empty(rows * sum(sizes), dtype=torch.bfloat16).split([rows * size for size in sizes])
+        scratch = torch.empty(rows * sum(sizes), dtype=self.dtype).split([rows * size for size in sizes])
         positions = positions.to(torch.int64).contiguous()
         slots = metadata.slot_mapping.to(torch.int64).contiguous()
         block_table = metadata.block_table.to(torch.int32).contiguous()

@@ -117,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, max_position)
-        # Decode-only steps in one C call per layer (bfloat16 on CPU), set by the loader.
+        # Decode-only steps in one C call per layer (on CPU, with the kernels), set by the loader.
         self.fused_decode = None
         if config.tie_word_embeddings:
             self.lm_head = None
