@@ -82,14 +82,18 @@ struct QueryRegs<float, D> {
 template <int D, typename T>
 void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const T* v_cache,
             int64_t block_stride, int64_t slot_stride, const int32_t* blocks, int64_t block_size, int64_t len,
-            float scale, T* out, int64_t o_head_stride, std::vector<float>& scores) {
+            float scale, T* out, int64_t o_head_stride, std::vector<float>& scores, std::vector<int64_t>& offsets) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
   constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
-  auto row = [&](const T* cache, int64_t t) {
-    return cache + (int64_t)blocks[t / block_size] * block_stride + (t % block_size) * slot_stride;
-  };
+  // Each key's offset in the cache, once: a division per lookup (four lookups a key, with
+  // the prefetches) cost more than the arithmetic on the key.
+  offsets.resize((size_t)len);
+  for (int64_t b = 0, t = 0; t < len; ++b)
+    for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
+      offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
+  auto row = [&](const T* cache, int64_t t) { return cache + offsets[t]; };
 
   // Scores, 16 keys at a time: each query head's 16 dot products reduced together.
   const T* keys[16];
@@ -174,6 +178,7 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
+    std::vector<int64_t> offsets;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
       const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
@@ -184,10 +189,10 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
       const T* vc = v_cache + g * head_stride;
       if (head_dim == 64)
         attend<64>(qs, q_head_stride, qpk, kc, vc, block_stride, slot_stride, blocks, block_size, seq_lens[s], scale,
-                   os, o_head_stride, scores);
+                   os, o_head_stride, scores, offsets);
       else
         attend<128>(qs, q_head_stride, qpk, kc, vc, block_stride, slot_stride, blocks, block_size, seq_lens[s], scale,
-                    os, o_head_stride, scores);
+                    os, o_head_stride, scores, offsets);
     }
   }
   return 0;
