@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
 from services.worker.models.fused_decode import FusedDecode
-from services.worker.layers.packed_linear import PackedLinear, can_pack, pack_linears
+from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import LlamaForCausalLM
@@ -80,5 +80,6 @@ def load_model(
             # bfloat16, 113 MB in float32): the embedding is read a row per token, the head
             # whole on every step.
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+        move_to_huge_pages(model)
     model.fused_decode = FusedDecode.build(model)
     return model.eval().requires_grad_(False)

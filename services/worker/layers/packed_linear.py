@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import kernels.cpu as cpu_kernels
+from kernels.cpu import huge_pages
 from services.worker.layers import replace_linears
 
 KERNELS = ("llmbus", "onednn")
@@ -101,6 +102,14 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} packed for {self.kernel}"
+
+
+def move_to_huge_pages(model: nn.Module) -> None:
+    """Every weight packed for llmbus's kernel under `model`, side by side in one arena on
+    2 MB pages (kernels/cpu/huge_pages.py): a decode step streams them all, in order."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.kernel == "llmbus"]
+    for module, weight in zip(packed, huge_pages.consolidate([m.weight_packed for m in packed])):
+        module.weight_packed = weight
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
