@@ -28,8 +28,6 @@ from kernels.cpu import huge_pages
 from services.worker.layers import replace_linears
 
 KERNELS = ("llmbus", "onednn")
-
-
 DTYPES = (torch.bfloat16, torch.float32)
 
 
