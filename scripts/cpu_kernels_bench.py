@@ -21,14 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.cpu as cpu_kernels  # noqa: E402
-from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
-from services.worker.attention.torch_backend import TorchAttentionBackend, new_kv_cache  # noqa: E402
+from services.worker.attention.random_step import heads_first, make_batch  # noqa: E402
+from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 
@@ -72,32 +71,15 @@ def products(repeats: int, dtype: torch.dtype) -> None:
         print(line)
 
 
-def paged_batch(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, seed, dtype):
-    """Random K/V in a heads-first cache with shuffled blocks, and the step's metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(per_req)
-    cache = new_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, "cpu")
-    cache.copy_(torch.randn(cache.shape, generator=gen).to(dtype))
-    perm = torch.randperm(num_blocks, generator=gen).int()
-    table = torch.zeros(len(seq_lens), max(per_req), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(per_req):
-        table[i, :n] = perm[used:used + n]
-        used += n
-    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-    query = torch.randn(int(qsl[-1]), heads, head_dim, generator=gen).to(dtype)
-    md = AttentionMetadata(
-        num_decodes=sum(q == 1 for q in query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), slot_mapping=torch.full((int(qsl[-1]),), -1),
-        block_table=table, query_start_loc_cpu=qsl, seq_lens_cpu=np.asarray(seq_lens))
-    return query, cache, md
+def paged_batch(query_lens, seq_lens, seed, dtype):
+    """A random step over SmolLM2's heads (9 over 3, head_dim 64) in a heads-first cache."""
+    query, cache, md = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype, seed)
+    return query, heads_first(cache), md
 
 
 def attention(repeats: int, monkey_off, dtype: torch.dtype) -> None:
     batch, length = 128, 400
-    layers = [paged_batch([length] * batch, [1] * batch, 9, 3, 64, 16, seed, dtype) for seed in range(8)]
+    layers = [paged_batch([1] * batch, [length] * batch, seed, dtype) for seed in range(8)]
     backend = TorchAttentionBackend()
     unused = torch.zeros(batch, 3, 64).to(dtype)
 
@@ -113,7 +95,7 @@ def attention(repeats: int, monkey_off, dtype: torch.dtype) -> None:
     print(f"decode attention, {batch} x {length} tokens, a layer: llmbus {t_kernel * 1e3:.2f} ms "
           f"({nbytes / t_kernel / 1e9:.1f} GB/s of K/V), PyTorch backend {t_torch * 1e3:.2f} ms: {t_torch / t_kernel:.2f}x")
 
-    query, cache, md = paged_batch([512], [512], 9, 3, 64, 16, 0, dtype)
+    query, cache, md = paged_batch([512], [512], 0, dtype)
     unused = torch.zeros(512, 3, 64).to(dtype)
 
     def prefill():

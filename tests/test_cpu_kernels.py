@@ -9,7 +9,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from kernels.cpu import build as cpu_build
-from test_kernels import heads_first, make_batch
+from services.worker.attention.random_step import heads_first, make_batch
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 

@@ -8,7 +8,6 @@ raw bits, so under it the kernel takes its float32-product path for bf16 too: lo
 conversions and stores of bf16 are tested here, the bf16 tensor-core dot on the GPU.
 """
 
-import numpy as np
 import pytest
 import torch
 
@@ -16,37 +15,8 @@ import kernels  # noqa: F401 - interpreter on CPU
 from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.triton_backend import choose_num_splits
-from services.worker.attention.metadata import AttentionMetadata
-from services.worker.attention.torch_backend import TorchAttentionBackend, new_kv_cache, write_kv_cache
-
-
-def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
-    """A step with random K/V in a cache whose blocks are shuffled (non-contiguous tables)."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_req), dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_per_req):
-        block_table[i, :n] = perm[used : used + n]
-        used += n
-    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
-    query = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=gen).to(dtype)
-    metadata = AttentionMetadata(
-        num_decodes=sum(1 for q in query_lens if q == 1),
-        num_actual_tokens=int(qsl[-1]),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        slot_mapping=torch.full((int(qsl[-1]),), -1, dtype=torch.int64),
-        block_table=block_table,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=np.asarray(seq_lens),
-    )
-    return query, kv_cache, metadata
+from services.worker.attention.random_step import heads_first, make_batch
+from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 
 
 def reference(query, kv_cache, metadata):
@@ -101,15 +71,6 @@ def test_bfloat16_cache_matches_float32_reference(num_splits):
                           md.seq_lens, md.max_query_len, 64**-0.5, num_splits=num_splits)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), reference(query, kv_cache, md), atol=2e-2, rtol=2e-2)
-
-
-def heads_first(kv_cache: torch.Tensor) -> torch.Tensor:
-    """The same cache as the PyTorch backend allocates it: heads-first in memory."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    copy = new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, kv_cache.dtype, "cpu")
-    copy.copy_(kv_cache)
-    assert copy.permute(0, 3, 1, 2, 4).is_contiguous()
-    return copy
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

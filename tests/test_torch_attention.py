@@ -7,7 +7,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 import services.worker.attention.torch_backend as torch_backend
-from test_kernels import heads_first, make_batch
+from services.worker.attention.random_step import heads_first, make_batch
 
 
 def naive_attention(query, kv_cache, md, scale):

@@ -54,8 +54,7 @@ def _madvise():
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized 1-D CPU tensor; 2 MB-aligned and on huge pages if it spans one."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = numel * itemsize
+    nbytes = numel * dtype.itemsize
     madvise = _madvise()
     if madvise is None or nbytes < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
