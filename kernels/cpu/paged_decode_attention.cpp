@@ -11,8 +11,11 @@
 // so nothing stays in L3): one dot product reduced per key, then each head's values
 // summed in turn, took 4.0 ms per layer (10 GB/s of K/V); reducing 16 keys together,
 // converting each value row once for several heads and prefetching 16 rows ahead: 3.0 ms
-// (13 GB/s). Reading 2 KB blocks in random order peaks at ~11 GB/s here without compute,
-// so scattered blocks, not arithmetic, now set the pace (from L3: 32 GB/s).
+// (13 GB/s). Prefetching into L2 instead of L1, keys and values 32 rows ahead in the key
+// pass (so the value pass reads from L2): 2.4-2.8 ms (14-16 GB/s) against 2.8-3.2 ms,
+// alternated. A bare read of the same shuffled 2 KB blocks, prefetched the same way,
+// reaches 25-30 GB/s, the kernel from L3 ~32 GB/s: the reads and the arithmetic still
+// overlap only in part.
 #include <math.h>
 #include <string.h>
 
@@ -41,12 +44,14 @@ inline __m512 reduce16(const __m512* a) {
 }
 
 // Blocks are scattered, so every block is a new short stream that the hardware prefetcher
-// only catches after it has started: ask for the next 16 rows while these are used.
+// only catches after it has started: ask for rows well ahead of their use. Into L2
+// (prefetcht1), not L1: on this CPU an L1 prefetch waits for one of the few L1 miss
+// buffers, so T0 prefetches of shuffled 2 KB blocks kept ~13 GB/s in flight, T1 ~30.
 template <int D, typename T>
 inline void prefetch_rows(const T* const* rows, int n) {
   for (int j = 0; j < n; ++j)
     for (int line = 0; line < D * (int)sizeof(T) / 64; ++line)
-      _mm_prefetch((const char*)rows[j] + line * 64, _MM_HINT_T0);
+      _mm_prefetch((const char*)rows[j] + line * 64, _MM_HINT_T1);
 }
 
 // One query head held in registers, dotted with key rows of the same dtype.
@@ -95,16 +100,27 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
       offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
   auto row = [&](const T* cache, int64_t t) { return cache + offsets[t]; };
 
-  // Scores, 16 keys at a time: each query head's 16 dot products reduced together.
+  // Scores, 16 keys at a time: each query head's 16 dot products reduced together. Keys
+  // and values kAhead rows on are prefetched meanwhile, so the value pass reads from L2.
+  constexpr int64_t kAhead = 32;
   const T* keys[16];
-  const T* ahead[32];
+  const T* ahead[2 * kAhead];
+  {
+    int n_ahead = 0;
+    for (int64_t t = 0; t < len && t < kAhead; ++t) {
+      ahead[n_ahead++] = row(k_cache, t);
+      ahead[n_ahead++] = row(v_cache, t);
+    }
+    prefetch_rows<D>(ahead, n_ahead);
+  }
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = len - t0 < 16 ? (int)(len - t0) : 16;
     for (int j = 0; j < n; ++j) keys[j] = row(k_cache, t0 + j);
     int n_ahead = 0;
-    for (int64_t t = t0 + 16; t < len && t < t0 + 32; ++t) ahead[n_ahead++] = row(k_cache, t);
-    if (t0 + 16 >= len)  // the values come next
-      for (int64_t t = 0; t < len && t < 16; ++t) ahead[n_ahead++] = row(v_cache, t);
+    for (int64_t t = t0 + kAhead; t < len && t < t0 + kAhead + 16; ++t) {
+      ahead[n_ahead++] = row(k_cache, t);
+      ahead[n_ahead++] = row(v_cache, t);
+    }
     prefetch_rows<D>(ahead, n_ahead);
     for (int i = 0; i < qpk; ++i) {
       const QueryRegs<T, D> qv(q + i * q_head_stride);
@@ -142,11 +158,6 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
     for (int j = 0; j < kHeadsPerPass; ++j)
       for (int c = 0; c < kLanes; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      if (h0 == 0 && t % 16 == 0) {
-        int n_ahead = 0;
-        for (int64_t u = t + 16; u < len && u < t + 32; ++u) ahead[n_ahead++] = row(v_cache, u);
-        prefetch_rows<D>(ahead, n_ahead);
-      }
       const T* value = row(v_cache, t);
       __m512 v[kLanes];
       for (int c = 0; c < kLanes; ++c) v[c] = load16(value + 16 * c);
