@@ -3,19 +3,19 @@
 //
 // The PyTorch backend first gathers each sequence's blocks into a contiguous copy, then
 // runs two batched matmuls; at 128 decodes over ~500 tokens that copy alone moved ~0.9 GB
-// per step. Here each (sequence, KV head) task walks its block table and reads every key
-// and value once, straight from the cache, for all the query heads that share it (GQA).
+// per step. Here each sequence (one task) walks its block table and, KV head by KV head,
+// reads every key and value once, straight from the cache, for all the query heads that
+// share it (GQA).
 // Works on any cache layout whose head_dim is contiguous: strides are passed in elements.
 //
 // Measured on this machine (128 decodes over 400 tokens, blocks shuffled, 8 layers' caches
 // so nothing stays in L3): one dot product reduced per key, then each head's values
-// summed in turn, took 4.0 ms per layer (10 GB/s of K/V); reducing 16 keys together,
-// converting each value row once for several heads and prefetching 16 rows ahead: 3.0 ms
-// (13 GB/s). Prefetching into L2 instead of L1, keys and values 32 rows ahead in the key
-// pass (so the value pass reads from L2): 2.4-2.8 ms (14-16 GB/s) against 2.8-3.2 ms,
-// alternated. A bare read of the same shuffled 2 KB blocks, prefetched the same way,
-// reaches 25-30 GB/s, the kernel from L3 ~32 GB/s: the reads and the arithmetic still
-// overlap only in part.
+// summed in turn, took 4.0 ms per layer (10 GB/s of K/V); reducing 16 keys together and
+// converting each value row once for several heads: 3.0 ms (13 GB/s). Then the reads:
+// prefetches into L2 rather than L1, spread one row at a time between dot products,
+// 32 rows ahead for keys and values at once, running on from one KV head into the next:
+// 1.95-2.2 ms (18-20 GB/s) against 2.8-3.2 ms, alternated. A bare read of the same
+// blocks reaches 25-30 GB/s, the kernel on data in L3 ~32 GB/s.
 #include <math.h>
 #include <string.h>
 
@@ -48,10 +48,8 @@ inline __m512 reduce16(const __m512* a) {
 // (prefetcht1), not L1: on this CPU an L1 prefetch waits for one of the few L1 miss
 // buffers, so T0 prefetches of shuffled 2 KB blocks kept ~13 GB/s in flight, T1 ~30.
 template <int D, typename T>
-inline void prefetch_rows(const T* const* rows, int n) {
-  for (int j = 0; j < n; ++j)
-    for (int line = 0; line < D * (int)sizeof(T) / 64; ++line)
-      _mm_prefetch((const char*)rows[j] + line * 64, _MM_HINT_T1);
+inline void prefetch_row(const T* row) {
+  for (int line = 0; line < D * (int)sizeof(T) / 64; ++line) _mm_prefetch((const char*)row + line * 64, _MM_HINT_T1);
 }
 
 // One query head held in registers, dotted with key rows of the same dtype.
@@ -84,48 +82,59 @@ struct QueryRegs<float, D> {
   }
 };
 
+// One KV head of one sequence: its qpk query heads against len keys and values whose
+// offsets in the cache are given. next_k/next_v (or null) are the next head of the same
+// sequence, whose first rows are prefetched while this head's last keys are scored.
 template <int D, typename T>
-void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const T* v_cache,
-            int64_t block_stride, int64_t slot_stride, const int32_t* blocks, int64_t block_size, int64_t len,
-            float scale, T* out, int64_t o_head_stride, std::vector<float>& scores, std::vector<int64_t>& offsets) {
+void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const T* v_cache, const T* next_k,
+            const T* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, T* out,
+            int64_t o_head_stride, std::vector<float>& scores) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
   constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
-  // Each key's offset in the cache, once: a division per lookup (four lookups a key, with
-  // the prefetches) cost more than the arithmetic on the key.
-  offsets.resize((size_t)len);
-  for (int64_t b = 0, t = 0; t < len; ++b)
-    for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
-      offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
   auto row = [&](const T* cache, int64_t t) { return cache + offsets[t]; };
 
   // Scores, 16 keys at a time: each query head's 16 dot products reduced together. Keys
-  // and values kAhead rows on are prefetched meanwhile, so the value pass reads from L2.
+  // and values kAhead rows on are prefetched meanwhile, so the value pass reads from L2,
+  // one row between two dot products rather than all in a burst: a burst overfills the
+  // queue of misses and the rest of it is dropped (measured on a bare read with this much
+  // arithmetic per row: 18 GB/s spread out against 15 in bursts).
   constexpr int64_t kAhead = 32;
-  const T* keys[16];
-  const T* ahead[2 * kAhead];
-  {
-    int n_ahead = 0;
+  if (!warm)  // the first head of a sequence: nothing asked for these rows yet
     for (int64_t t = 0; t < len && t < kAhead; ++t) {
-      ahead[n_ahead++] = row(k_cache, t);
-      ahead[n_ahead++] = row(v_cache, t);
+      prefetch_row<D>(row(k_cache, t));
+      prefetch_row<D>(row(v_cache, t));
     }
-    prefetch_rows<D>(ahead, n_ahead);
-  }
+  const int value_head = qpk > 1 ? 1 : 0;  // the head whose pass prefetches values
+  const T* keys[16];
+  const T* ahead_k[16];
+  const T* ahead_v[16];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = len - t0 < 16 ? (int)(len - t0) : 16;
     for (int j = 0; j < n; ++j) keys[j] = row(k_cache, t0 + j);
     int n_ahead = 0;
-    for (int64_t t = t0 + kAhead; t < len && t < t0 + kAhead + 16; ++t) {
-      ahead[n_ahead++] = row(k_cache, t);
-      ahead[n_ahead++] = row(v_cache, t);
+    for (int64_t t = t0 + kAhead; t < t0 + kAhead + 16; ++t, ++n_ahead) {
+      if (t < len) {
+        ahead_k[n_ahead] = row(k_cache, t);
+        ahead_v[n_ahead] = row(v_cache, t);
+      } else if (next_k && t - len < len) {  // past this head's keys: the next head's first
+        ahead_k[n_ahead] = row(next_k, t - len);
+        ahead_v[n_ahead] = row(next_v, t - len);
+      } else {
+        break;
+      }
     }
-    prefetch_rows<D>(ahead, n_ahead);
     for (int i = 0; i < qpk; ++i) {
       const QueryRegs<T, D> qv(q + i * q_head_stride);
       __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = j < n ? qv.dot(keys[j]) : _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) {
+        if (j < n_ahead) {
+          if (i == 0) prefetch_row<D>(ahead_k[j]);
+          if (i == value_head) prefetch_row<D>(ahead_v[j]);
+        }
+        acc[j] = j < n ? qv.dot(keys[j]) : _mm512_setzero_ps();
+      }
       _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n),
                             _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
     }
@@ -185,25 +194,37 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
   if (head_dim != 64 && head_dim != 128) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
-  // Sequences differ in length: hand out (sequence, KV head) tasks one at a time.
+  // Sequences differ in length: hand them out one at a time. A sequence's KV heads are
+  // taken in turn by one thread, so the prefetches run on from one head into the next.
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < num_seqs * num_kv_heads; ++task) {
-      const int64_t s = task / num_kv_heads, g = task % num_kv_heads;
-      const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
-      T* os = out + s * o_token_stride + g * qpk * o_head_stride;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t len = seq_lens[s];
+      // Each key's offset in the cache, once for all heads: a division per lookup (four
+      // lookups a key, with the prefetches) cost more than the arithmetic on the key.
+      offsets.resize((size_t)len);
       const int32_t* blocks = block_table + s * table_stride;
-      const T* kc = k_cache + g * head_stride;
-      const T* vc = v_cache + g * head_stride;
-      if (head_dim == 64)
-        attend<64>(qs, q_head_stride, qpk, kc, vc, block_stride, slot_stride, blocks, block_size, seq_lens[s], scale,
-                   os, o_head_stride, scores, offsets);
-      else
-        attend<128>(qs, q_head_stride, qpk, kc, vc, block_stride, slot_stride, blocks, block_size, seq_lens[s], scale,
-                    os, o_head_stride, scores, offsets);
+      for (int64_t b = 0, t = 0; t < len; ++b)
+        for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
+          offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
+      for (int64_t g = 0; g < num_kv_heads; ++g) {
+        const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
+        T* os = out + s * o_token_stride + g * qpk * o_head_stride;
+        const T* kc = k_cache + g * head_stride;
+        const T* vc = v_cache + g * head_stride;
+        const bool last = g + 1 == num_kv_heads;
+        const T* next_k = last ? nullptr : kc + head_stride;
+        const T* next_v = last ? nullptr : vc + head_stride;
+        if (head_dim == 64)
+          attend<64>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > 0, scale, os,
+                     o_head_stride, scores);
+        else
+          attend<128>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > 0, scale, os,
+                      o_head_stride, scores);
+      }
     }
   }
   return 0;
