@@ -2,7 +2,7 @@
 give the same bits as the module path that calls the same kernels one by one: the same
 greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64
 and 128, over block boundaries, for a batch whose requests finish at different steps, in
-bfloat16 and float32."""
+bfloat16, float32 and int4 weights."""
 
 import pytest
 import torch
@@ -22,15 +22,15 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", None), ("bfloat16", "int4")])
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
                    tie_word_embeddings=True)),
     ("qwen2", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320)),
 ])
-def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dtype):
+def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dtype, quantization):
     folder = build_tiny_model(tmp_path, arch, **overrides)
-    fused = LLM(str(folder), dtype=dtype, block_size=16)
+    fused = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization)
     path = fused.runner.model.fused_decode
     assert path is not None
     calls = []
@@ -39,7 +39,7 @@ def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dty
     fused_out = run(fused)
     assert calls and max(calls) == len(PROMPTS) and min(calls) < len(PROMPTS)  # a shrinking batch
 
-    modules = LLM(str(folder), dtype=dtype, block_size=16)
+    modules = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization)
     modules.runner.model.fused_decode = None
     assert run(modules) == fused_out
 
@@ -49,5 +49,7 @@ def test_only_models_packed_for_the_kernels_take_it(tmp_path):
     assert LLM(str(folder), dtype="bfloat16").runner.model.fused_decode.dtype == torch.bfloat16
     assert LLM(str(folder), dtype="float32").runner.model.fused_decode.dtype == torch.float32
     assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.model.fused_decode is None
+    # int4 on llmbus's int4 kernel (the bits test above checks what the layer computes).
+    assert LLM(str(folder), dtype="bfloat16", quantization="int4").runner.model.fused_decode is not None
     # Asking for the Triton backend means Triton's attention, not the CPU kernel's.
     assert LLM(str(folder), dtype="bfloat16", attention_backend="triton").runner.model.fused_decode is None

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
 from services.worker.layers.quantized_linear import INT8_KERNEL_MAX_ROWS, Int4Linear, Int8Linear, int4_grid
 from services.worker.model_runner import ModelRunner
@@ -113,15 +114,61 @@ def test_int4_keeps_a_weight_that_is_already_on_a_16_level_grid_exactly():
     assert ((rebuilt - noisy).abs().view(48, 2, 32) <= got_step[..., None] / 2 + 1e-6).all()
 
 
+KERNELS = ["torch", pytest.param("llmbus", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 40])
-def test_int4_linear_is_the_product_with_the_grid_weights(rows):
+def test_int4_linear_is_the_product_with_the_grid_weights(rows, kernel):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96)
     levels, step, low = int4_grid(weight)
     on_grid = (levels.view(96, 2, 32) * step[..., None] + low[..., None]).view(96, 64)
     x = torch.randn(rows, 64)
-    out = Int4Linear(weight, bias, torch.bfloat16)(x.bfloat16()).float()
+    layer = Int4Linear(weight, bias, torch.bfloat16, kernel=kernel)
+    assert layer.kernel == kernel
+    out = layer(x.bfloat16()).float()
     torch.testing.assert_close(out, F.linear(x, on_grid, bias), rtol=0.02, atol=0.1)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 130])
+@pytest.mark.parametrize("out_features, in_features, bias", [(64, 32, False), (100, 576, True), (960, 1536, False)])
+def test_llmbus_int4_kernel_rounds_the_exact_product(rows, out_features, in_features, bias):
+    """The llmbus int4 kernel against the float64 product with the weights it stores (levels,
+    step and low as float16): within one bfloat16 rounding of the result, give or take the
+    float32 rounding of its sums; 1-3 row tiles, partial 64-output blocks, a bias."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    groups = in_features // 32
+    levels = torch.randint(0, 16, (out_features, in_features), generator=gen)
+    step = torch.rand(out_features, groups, generator=gen) * 0.05 + 0.001
+    low = -8 * step + torch.randn(out_features, groups, generator=gen) * 0.01
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = cpu_kernels.pack_int4(levels, step, low)
+    out = cpu_kernels.linear_int4(x, packed, out_features, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    stored = (levels.view(out_features, groups, 32).double() * step.half().double()[..., None]
+              + low.half().double()[..., None]).view(out_features, in_features)
+    exact = x.double() @ stored.T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ stored.abs().T + (0 if b is None else b.double().abs())
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)  # one bfloat16 step
+    assert bool(((out.double() - exact).abs() <= ulp + 2.0**-18 * magnitude).all())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+def test_llmbus_int4_kernel_refuses_what_it_cannot_read():
+    levels, step = torch.randint(0, 16, (64, 64)), torch.rand(64, 2)
+    packed = cpu_kernels.pack_int4(levels, step, step)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.linear_int4(torch.randn(2, 64), packed, 64)  # float32 activations
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_kernels.linear_int4(torch.randn(2, 32).bfloat16(), packed, 64)
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_kernels.pack_int4(levels + 1, step, step)
+    with pytest.raises(ValueError, match="in % 32"):
+        cpu_kernels.pack_int4(levels[:, :48], step, step)
 
 
 def test_quantization_needs_bfloat16_activations(tiny_llama):

@@ -3,6 +3,8 @@
 - `linear`: a bfloat16 or float32 matrix product over weights packed once at load
   (`pack_weight`), streaming the weights at close to memory speed for decode-sized batches
   (kernels/cpu/linear.cpp).
+- `linear_int4`: the same for 4-bit weights (a step and a low per group of 32 inputs,
+  `pack_int4`) and bfloat16 activations (kernels/cpu/linear_int4.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
@@ -43,7 +45,7 @@ class LayerSpec(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
-        ("cos_table", _P), ("sin_table", _P)]
+        ("cos_table", _P), ("sin_table", _P), ("int4", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -68,6 +70,12 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
     "silu_mul": ([_P, _P, _I, _I, _C], None),
     "decoder_layer": ([ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I], _C),
 }
+_INT4_SIGNATURES = {  # one of each: 4-bit weights take bfloat16 activations only
+    "int4_packed_bytes": ([_I, _I], _I),
+    "pack_int4": ([_P, _P, _P, _I, _I, _P], None),
+    "linear_int4_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
+}
+INT4_GROUP_SIZE = 32  # inputs per step and low, fixed by the kernel
 
 
 @functools.cache
@@ -80,6 +88,9 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         for name, (argtypes, restype) in _SIGNATURES.items():
             entry = getattr(lib, f"llmbus_{name}_{suffix}")
             entry.argtypes, entry.restype = argtypes, restype
+    for name, (argtypes, restype) in _INT4_SIGNATURES.items():
+        entry = getattr(lib, f"llmbus_{name}")
+        entry.argtypes, entry.restype = argtypes, restype
     return lib, ""
 
 
@@ -135,6 +146,46 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     rows = x2.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
     _entry("linear", x.dtype)(
+        x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
+    )
+    return y.view(*x.shape[:-1], out_features)
+
+
+def pack_int4(levels: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """levels [out, in] (0..15), step and low [out, in / 32] -> the flat uint8 form
+    `linear_int4` reads (weight = levels * step + low; step and low kept as float16)."""
+    out_features, in_features = levels.shape
+    groups = in_features // INT4_GROUP_SIZE
+    if in_features % INT4_GROUP_SIZE or step.shape != (out_features, groups) or low.shape != step.shape:
+        raise ValueError(f"pack_int4: levels [{out_features}, {in_features}] need in % {INT4_GROUP_SIZE} == 0 "
+                         f"and step, low [{out_features}, {groups}]; got {tuple(step.shape)}, {tuple(low.shape)}")
+    if levels.min() < 0 or levels.max() > 15:
+        raise ValueError("pack_int4: levels must lie in 0..15")
+    levels = levels.to(torch.uint8).contiguous()
+    step, low = step.float().contiguous(), low.float().contiguous()
+    packed = torch.empty(_lib().llmbus_int4_packed_bytes(out_features, in_features), dtype=torch.uint8)
+    _lib().llmbus_pack_int4(levels.data_ptr(), step.data_ptr(), low.data_ptr(), out_features, in_features,
+                            packed.data_ptr())
+    return packed
+
+
+def linear_int4(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] bfloat16 @ W.T (+ bias, float32) -> [..., out] bfloat16, W packed by `pack_int4`."""
+    in_features = x.shape[-1]
+    if (x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or in_features % INT4_GROUP_SIZE
+            or packed.numel() != _lib().llmbus_int4_packed_bytes(out_features, in_features)):
+        raise ValueError(f"linear_int4: x {x.dtype} [..., {in_features}] does not fit a packed int4 "
+                         f"[{out_features}, ?] weight (x must be bfloat16)")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
+        raise ValueError("linear_int4: bias must be contiguous float32 [out_features]")
+    x2 = x.reshape(-1, in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(rows, out_features, dtype=x.dtype)
+    _lib().llmbus_linear_int4_bf16(
         x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
     )

@@ -17,11 +17,12 @@ struct LlmbusLayer {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
   double eps, scale;
   const void *input_norm, *post_norm;                        // [hidden]
-  const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_*
+  const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_* (see int4)
   const float *qkv_bias, *o_bias;                            // float32 or null
   void *k_cache, *v_cache;                                   // one layer's cache
   int64_t block_stride, slot_stride, head_stride;            // in elements
   const float *cos_table, *sin_table;                        // [max_position, head_dim]
+  int64_t int4;  // 1: qkv, o, gate_up, down packed by llmbus_pack_int4 (bfloat16 layers only)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -36,9 +37,20 @@ struct LlmbusStep {
 
 namespace {
 
+// One of the layer's products, on its weights' format.
+template <typename T>
+void product(const LlmbusLayer* L, const T* x, int64_t rows, int64_t k, const void* w, int64_t n, const float* bias,
+             T* y, int threads) {
+  if constexpr (sizeof(T) == 2) {
+    if (L->int4) return llmbus_linear_int4_bf16(x, rows, k, k, (const uint8_t*)w, n, bias, y, n, threads);
+  }
+  Kernels<T>::linear(x, rows, k, k, (const T*)w, n, bias, y, n, threads);
+}
+
 // hidden [rows, hidden_size]: the previous layer's output in, this layer's out (in place).
 // residual: the stream before adding `hidden`; with first_layer it is set to hidden.
-// Returns 0, or the attention kernel's refusal (then hidden holds nothing useful).
+// Returns 0, or the attention kernel's refusal (then hidden holds nothing useful), or -10
+// for int4 weights in a float32 layer.
 template <typename T>
 int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* residual, int64_t first_layer) {
   using K = Kernels<T>;
@@ -48,13 +60,14 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   const T *input_norm = (const T*)L->input_norm, *post_norm = (const T*)L->post_norm;
   T *normed = (T*)S->normed, *qkv = (T*)S->qkv, *attn = (T*)S->attn, *gate_up = (T*)S->gate_up, *act = (T*)S->act;
   T *k_cache = (T*)L->k_cache, *v_cache = (T*)L->v_cache;
+  if (L->int4 && sizeof(T) != 2) return -10;
   if (first_layer) {
     for (int64_t i = 0; i < rows * h; ++i) residual[i] = hidden[i];
     K::add_rms_norm(hidden, nullptr, input_norm, (float)L->eps, normed, rows, h, threads);
   } else {
     K::add_rms_norm(hidden, residual, input_norm, (float)L->eps, normed, rows, h, threads);
   }
-  K::linear(normed, rows, h, h, (const T*)L->qkv, qkv_size, L->qkv_bias, qkv, qkv_size, threads);
+  product(L, normed, rows, h, L->qkv, qkv_size, L->qkv_bias, qkv, threads);
   K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table, L->sin_table,
             threads);
   K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d, k_cache, v_cache,
@@ -64,12 +77,12 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
                                          L->num_heads, L->num_kv_heads, d, L->block_size, (float)L->scale, attn,
                                          q_size, d, threads);
   if (status != 0) return status;
-  K::linear(attn, rows, q_size, q_size, (const T*)L->o, h, L->o_bias, hidden, h, threads);
+  product(L, attn, rows, q_size, L->o, h, L->o_bias, hidden, threads);
   K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);
   const int64_t inter = L->intermediate_size;
-  K::linear(normed, rows, h, h, (const T*)L->gate_up, 2 * inter, nullptr, gate_up, 2 * inter, threads);
+  product(L, normed, rows, h, L->gate_up, 2 * inter, nullptr, gate_up, threads);
   K::silu_mul(gate_up, act, rows, inter, threads);
-  K::linear(act, rows, inter, inter, (const T*)L->down, h, nullptr, hidden, h, threads);
+  product(L, act, rows, inter, L->down, h, nullptr, hidden, threads);
   return 0;
 }
 

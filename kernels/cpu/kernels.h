@@ -24,6 +24,8 @@ extern "C" {
                               int threads);                                                                       \
   void llmbus_silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
 LLMBUS_DECLARE(uint16_t, bf16)
+void llmbus_linear_int4_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* packed,
+                             int64_t n, const float* bias, uint16_t* y, int64_t y_stride, int threads);
 LLMBUS_DECLARE(float, f32)
 #undef LLMBUS_DECLARE
 }

@@ -2,9 +2,9 @@
 channel) and int4 (a step and an offset per group of 32 inputs).
 
 A decode step is a matrix-vector product per weight, bound by the bytes it reads: int8
-reads half of bfloat16's, int4 a quarter. Both use PyTorch's own weight-only kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, the ones torchao calls on CPU),
-which convert as they multiply. For many rows the int8 kernel is slow, so larger batches
+reads half of bfloat16's, int4 a quarter. int8 uses PyTorch's own weight-only kernel
+(`_weight_int8pack_mm`, the one torchao calls on CPU), which converts as it multiplies;
+int4 llmbus's (kernels/cpu/linear_int4.cpp), or PyTorch's where that does not build. For many rows the int8 kernel is slow, so larger batches
 convert the weight to bfloat16 first and use the ordinary GEMM (measured on this machine,
 the SmolLM2 576 -> 3072 projection: 1 row 0.06 ms against bfloat16's 0.11; 32 rows 0.78 ms
 against 0.75 converted; 512 rows 12.3 against 4.8).
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels.cpu as cpu_kernels
 from services.worker.layers import replace_linears
 
 # Rows (tokens) up to which the int8 kernel is used; above it, convert then GEMM.
@@ -61,7 +62,7 @@ class Int8Linear(nn.Module):
 
 
 # Weights in a group share one scale and one offset (as GGUF's Q4_1 blocks do).
-INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZE = cpu_kernels.INT4_GROUP_SIZE
 
 
 def int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
@@ -94,18 +95,34 @@ def int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):
 
 class Int4Linear(nn.Module):
     """y = x @ W.T + b with W in 4 bits per weight, a step and an offset per group of 32
-    inputs, through PyTorch's CPU int4 kernel (the one torchao uses); x and y bfloat16.
-    A decode step reads a quarter of bfloat16's weight bytes. Measured on SmolLM2, whose
-    layers int4 keeps exactly: a decode step at batch 1 takes 20.6 ms against bfloat16's
-    38 and int8's 23; at batch 32, 117 ms against 87 and 174; prefill is 2x bfloat16's."""
+    inputs; x and y bfloat16. A decode step reads a quarter of bfloat16's weight bytes.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    Two kernels: llmbus's own (kernels/cpu/linear_int4.cpp), where the CPU kernels build,
+    which keeps the step and offset as float16 (GGUF's Q4_1 does the same, so SmolLM2's
+    grid stays exact) and streams the packed weights at memory speed; otherwise PyTorch's
+    CPU int4 kernel (the one torchao uses), with the step and offset in bfloat16. Measured
+    on SmolLM2 with PyTorch's kernel: a decode step at batch 1 took 20.6 ms against
+    bfloat16's 38 and int8's 23 (module path, before the fused layer); prefill 2x bfloat16's."""
+
+    KERNELS = ("llmbus", "torch")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 kernel: str | None = None) -> None:
         super().__init__()
         out_features, in_features = weight.shape
         if in_features % INT4_GROUP_SIZE:
             raise ValueError(f"int4 needs input sizes divisible by {INT4_GROUP_SIZE}, not {in_features}")
+        kernel = kernel or ("llmbus" if cpu_kernels.available() and dtype == torch.bfloat16 else "torch")
+        if kernel not in self.KERNELS:
+            raise ValueError(f"unknown int4 kernel {kernel!r}: {', '.join(self.KERNELS)}")
+        self.kernel = kernel
         levels, step, low = int4_grid(weight)
         self.in_features, self.out_features = in_features, out_features
+        if kernel == "llmbus":
+            self.register_buffer("weight_packed", cpu_kernels.pack_int4(levels, step, low))
+            # Added to the float32 sums before rounding, as the bfloat16 kernel does.
+            self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).float())
+            return
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(levels, 1))
         # The kernel computes (level - 8) * scale + zero.
         scales_and_zeros = torch.stack([step, low + 8 * step], dim=-1)  # [out, groups, 2]
@@ -113,6 +130,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "llmbus":
+            return cpu_kernels.linear_int4(x, self.weight_packed, self.out_features, self.bias)
         rows = x.reshape(-1, self.in_features)
         out = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP_SIZE, self.scales_and_zeros)
         if self.bias is not None:
@@ -126,11 +145,13 @@ class Int4Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         """Bytes a product reads: packed nibbles, and a scale and offset per group."""
+        if self.kernel == "llmbus":
+            return self.weight_packed.numel()
         sz = self.scales_and_zeros
         return self.weight_int4.numel() * self.weight_int4.element_size() + sz.numel() * sz.element_size()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights ({self.kernel})"
 
 
 QUANTIZATIONS = ("int8", "int4")

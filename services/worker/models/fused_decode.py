@@ -8,8 +8,9 @@ once (weight, cache and table pointers, in a `LayerSpec`), and each step once (a
 
 The kernels are the ones the module path calls (packed products, fused add-norm, rotary,
 cache write, decode attention, SiLU-mul), so both paths compute the same bits
-(tests/test_fused_decode.py). Steps with prefill chunks, other dtypes, quantized weights
-or other attention backends take the module path.
+(tests/test_fused_decode.py). Layers packed for llmbus's kernels take part: bfloat16 and
+float32, and int4 weights on llmbus's int4 kernel (with bfloat16 activations). Steps with
+prefill chunks, int8 weights or other attention backends take the module path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import kernels.cpu as cpu_kernels
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.packed_linear import PackedLinear
+from services.worker.layers.quantized_linear import Int4Linear
 
 
 class FusedDecode:
@@ -43,8 +45,10 @@ class FusedDecode:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) and m.kernel == "llmbus" and m.dtype == dtype for m in linears):
-                return None  # quantized or oneDNN-packed weights
+            packed = all(isinstance(m, PackedLinear) and m.kernel == "llmbus" and m.dtype == dtype for m in linears)
+            int4 = dtype == torch.bfloat16 and all(isinstance(m, Int4Linear) and m.kernel == "llmbus" for m in linears)
+            if not (packed or int4):
+                return None  # int8, PyTorch's int4 or oneDNN-packed weights
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
             if {layer.input_layernorm.weight.dtype, layer.post_attention_layernorm.weight.dtype} != {dtype}:
@@ -79,6 +83,7 @@ class FusedDecode:
                 k_cache=k.data_ptr(), v_cache=v.data_ptr(),
                 block_stride=k.stride(0), slot_stride=k.stride(1), head_stride=k.stride(2),
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
+                int4=int(isinstance(attn.qkv_proj, Int4Linear)),
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs
