@@ -36,16 +36,23 @@ def test_a_worker_that_stops_answering_and_comes_back_finishes_the_request(deplo
     expected = complete(deployment).json()["choices"][0]["text"]
     worker = deployment.procs["worker"]
     os.kill(worker.pid, signal.SIGSTOP)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
         pending = pool.submit(complete, deployment)
         time.sleep(3.0)  # past the 2 s step deadline and heartbeat timeout: declared dead
         health = httpx.get(deployment.base_url + "/health", timeout=10)
         assert health.status_code == 503 and "no worker" in health.json()["reason"]
-        assert not pending.done()  # the request waits for a worker rather than failing
+        # A request that arrives while no worker is known (the gateway now knows no
+        # context length either) waits too, as one does before the first worker joins.
+        # (The scheduler's --no-worker-timeout of 4 s runs from the first request's arrival.)
+        late = pool.submit(complete, deployment)
+        time.sleep(0.3)  # the gateway used to refuse at once: "context is 0 tokens"
+        assert not pending.done(), pending.result().text
+        assert not late.done(), late.result().text  # they wait for a worker rather than failing
         os.kill(worker.pid, signal.SIGCONT)  # it speaks again: rejoins, resets, recomputes
-        resp = pending.result(timeout=60)
-    assert resp.status_code == 200
-    assert resp.json()["choices"][0]["text"] == expected
+        resp, late_resp = pending.result(timeout=60), late.result(timeout=60)
+    for r in (resp, late_resp):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected
     assert deployment.stats()["kv_cache_usage"] == 0
 
 

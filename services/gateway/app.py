@@ -238,6 +238,11 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
                 if bad:
                     raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
         info = await client().scheduler_info()
+        if info.num_workers < 1:
+            # No worker yet (still loading the model) or none left: the context is not known
+            # here. The scheduler holds the request until a worker joins, checks its length
+            # then, and answers with a clear error if none joins in time.
+            return body, params, token_ids, None
         context = info.max_model_len
         max_tokens = params.max_tokens
         if max_tokens is not None and len(token_ids) + max_tokens > context:
