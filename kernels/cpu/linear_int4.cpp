@@ -15,9 +15,15 @@
 // Packed layout, one contiguous stream per block of 64 outputs (zero-padded):
 //   [ceil(n/64) blocks][k/32 groups] { nibbles [16 input pairs][64 bytes],
 //                                      step float16 [64], low float16 [64] }
-// The 64 bytes of a pair: byte i < 32 holds output i (input 2p in word position 0, ...):
-// see pack() for the exact order, which is what one vpmovzxbw + vpermw turns into the
+// Byte i of a pair's first 32 holds input 2p + i%2 of output i/2 (low nibble) and of
+// output 16 + i/2 (high nibble); the next 32 bytes likewise for outputs 32..63. One
+// vpmovzxbw and one vpermw (after a shift, for the high nibbles) turn each half into the
 // input-pair-interleaved vectors vdpbf16ps takes.
+//
+// Measured (SmolLM2's layer products in a row, 1 row, 106 M weights): 3.0-3.5 ms against
+// bfloat16's 6.7-8.9 ms, 2.2-2.7x; 4 rows 1.6x; from 16 rows on bfloat16's rate or within
+// 12% of it. Also tried: no shuffle at all (a nibble n as bfloat16 bits 0x4300 | n, which
+// is 128 + n, the 128 taken off per group) and half blocks for 4-6 rows: no faster here.
 #include <string.h>
 
 #include <vector>
