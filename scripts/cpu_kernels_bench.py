@@ -6,7 +6,8 @@ shapes: the kernel figures in docs/performance.md ("Third pass").
 - products: every layer weight of a decode step in a row (30 layers + the tied head,
   270 MB in bfloat16, so nothing stays in cache), llmbus's packed product against
   oneDNN's (and in float32 MKL's plain `F.linear`, what transformers runs), at 1-32 rows
-  (GB/s of weights), and one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
+  (GB/s of weights); in bfloat16 also the layers' int4 product against bfloat16's at
+  1-128 rows; one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
 - decode attention: 128 decodes over 400 tokens with shuffled blocks, 8 layers' caches in
   turn (GB/s of K/V), against the PyTorch backend's gathered matmuls;
 - prefill attention: one 512-token prompt (9 heads over 3), against PyTorch's SDPA.
@@ -60,6 +61,8 @@ def products(repeats: int, dtype: torch.dtype) -> None:
             t = best(lambda: [other(x[k], i) for i, (n, k) in enumerate(shapes)], repeats)
             line += f", {name} {t * 1e3:6.2f} ms ({nbytes / t / 1e9:4.1f} GB/s): {t / t_ours:.2f}x"
         print(line)
+    if dtype == torch.bfloat16:
+        int4(repeats)
     print("products, 576 -> 3072:")
     for rows in (128, 512, 2048):
         x = torch.randn(rows, 576).to(dtype)
@@ -69,6 +72,26 @@ def products(repeats: int, dtype: torch.dtype) -> None:
         for name, other in others.items():
             line += f", {name} {flops / best(lambda: other(x, 2), repeats) / 1e9:4.0f} GFLOP/s"
         print(line)
+
+
+def int4(repeats: int) -> None:
+    """The layers' products in int4 (linear_int4.cpp) against the same in bfloat16: the
+    LM head stays bfloat16 in an int4 model, so it is left out of both."""
+    from services.worker.layers.quantized_linear import int4_grid
+
+    shapes = LAYER_SHAPES * 30
+    weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
+    bf16 = [cpu_kernels.pack_weight(w.bfloat16()) for w in weights]
+    packed = [cpu_kernels.pack_int4(*int4_grid(w)) for w in weights]
+    nbytes = sum(p.numel() for p in packed)
+    print(f"products in int4, the layers' weights in a row ({nbytes / 1e6:.0f} MB; bfloat16 "
+          f"{sum(p.numel() * 2 for p in bf16) / 1e6:.0f} MB):")
+    for rows in (1, 4, 16, 128):
+        x = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+        t_int4 = best(lambda: [cpu_kernels.linear_int4(x[k], p, n) for (n, k), p in zip(shapes, packed)], repeats)
+        t_bf16 = best(lambda: [cpu_kernels.linear(x[k], p, n) for (n, k), p in zip(shapes, bf16)], repeats)
+        print(f"  {rows:4d} rows: int4 {t_int4 * 1e3:6.2f} ms ({nbytes / t_int4 / 1e9:4.1f} GB/s), "
+              f"bfloat16 {t_bf16 * 1e3:6.2f} ms: {t_bf16 / t_int4:.2f}x")
 
 
 def paged_batch(query_lens, seq_lens, seed, dtype):
