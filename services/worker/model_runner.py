@@ -45,7 +45,7 @@ class ModelRunner:
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
         if quantization is not None and self.device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU (its kernels are PyTorch's CPU ones)")
+            raise ValueError(f"--quantization {quantization} runs on CPU (its kernels are CPU ones)")
         if quantization is not None and dtype != "bfloat16":
             # int8's kernel takes bfloat16 only; int4's float32 path is a slow reference
             # (measured: a decode step 127 ms, against 60 ms unquantized in float32).
