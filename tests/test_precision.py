@@ -132,13 +132,7 @@ def test_int4_linear_is_the_product_with_the_grid_weights(rows, kernel):
     torch.testing.assert_close(out, F.linear(x, on_grid, bias), rtol=0.02, atol=0.1)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 130])
-@pytest.mark.parametrize("out_features, in_features, bias", [(64, 32, False), (100, 576, True), (960, 1536, False)])
-def test_llmbus_int4_kernel_rounds_the_exact_product(rows, out_features, in_features, bias):
-    """The llmbus int4 kernel against the float64 product with the weights it stores (levels,
-    step and low as float16): within one bfloat16 rounding of the result, give or take the
-    float32 rounding of its sums; 1-3 row tiles, partial 64-output blocks, a bias."""
+def _random_int4(rows, out_features, in_features, bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     groups = in_features // 32
     levels = torch.randint(0, 16, (out_features, in_features), generator=gen)
@@ -146,15 +140,45 @@ def test_llmbus_int4_kernel_rounds_the_exact_product(rows, out_features, in_feat
     low = -8 * step + torch.randn(out_features, groups, generator=gen) * 0.01
     b = torch.randn(out_features, generator=gen) if bias else None
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    packed = cpu_kernels.pack_int4(levels, step, low)
-    out = cpu_kernels.linear_int4(x, packed, out_features, b)
+    # The weights as the kernel stores them: step and low in float16.
+    stored = (levels.view(out_features, groups, 32).float() * step.half().float()[..., None]
+              + low.half().float()[..., None]).view(out_features, in_features)
+    return levels, step, low, b, x, stored
+
+
+SHAPES = [(64, 32, False), (100, 576, True), (960, 1536, False)]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 47])
+@pytest.mark.parametrize("out_features, in_features, bias", SHAPES)
+def test_llmbus_int4_kernel_rounds_the_exact_product(rows, out_features, in_features, bias):
+    """Below the expansion threshold: against the float64 product with the weights it
+    stores (levels, step and low as float16), within one bfloat16 rounding of the result,
+    give or take the float32 rounding of its sums; 1-3 row tiles, partial 64-output blocks,
+    a bias."""
+    assert rows < cpu_kernels.int4_expand_rows()
+    levels, step, low, b, x, stored = _random_int4(rows, out_features, in_features, bias)
+    out = cpu_kernels.linear_int4(x, cpu_kernels.pack_int4(levels, step, low), out_features, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    stored = (levels.view(out_features, groups, 32).double() * step.half().double()[..., None]
-              + low.half().double()[..., None]).view(out_features, in_features)
-    exact = x.double() @ stored.T + (0 if b is None else b.double())
-    magnitude = x.double().abs() @ stored.abs().T + (0 if b is None else b.double().abs())
+    exact = x.double() @ stored.double().T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ stored.double().abs().T + (0 if b is None else b.double().abs())
     ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)  # one bfloat16 step
     assert bool(((out.double() - exact).abs() <= ulp + 2.0**-18 * magnitude).all())
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("extra_rows", [0, 1, 82])
+@pytest.mark.parametrize("out_features, in_features, bias", SHAPES)
+def test_llmbus_int4_kernel_from_the_threshold_is_the_bfloat16_product(extra_rows, out_features, in_features, bias):
+    """From `int4_expand_rows()` rows on, the weights are expanded to bfloat16 (rounded
+    once) and multiplied by the bfloat16 kernel: the same bits as that kernel on those
+    weights, which on a Q4 checkpoint are the bfloat16 model's own."""
+    rows = cpu_kernels.int4_expand_rows() + extra_rows
+    levels, step, low, b, x, stored = _random_int4(rows, out_features, in_features, bias)
+    out = cpu_kernels.linear_int4(x, cpu_kernels.pack_int4(levels, step, low), out_features, b)
+    reference = cpu_kernels.linear(x, cpu_kernels.pack_weight(stored.bfloat16()), out_features, b)
+    assert torch.equal(out, reference)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")

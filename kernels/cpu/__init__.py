@@ -72,6 +72,7 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
 }
 _INT4_SIGNATURES = {  # one of each: 4-bit weights take bfloat16 activations only
     "int4_packed_bytes": ([_I, _I], _I),
+    "int4_expand_rows": ([], _I),
     "pack_int4": ([_P, _P, _P, _I, _I, _P], None),
     "linear_int4_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
 }
@@ -170,9 +171,17 @@ def pack_int4(levels: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> to
     return packed
 
 
+def int4_expand_rows() -> int:
+    """Rows from which `linear_int4` expands each block of weights to bfloat16 (level * step
+    + low, rounded once) and runs `linear`'s bfloat16 product on it."""
+    return _lib().llmbus_int4_expand_rows()
+
+
 def linear_int4(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] bfloat16 @ W.T (+ bias, float32) -> [..., out] bfloat16, W packed by `pack_int4`."""
+    """x [..., in] bfloat16 @ W.T (+ bias, float32) -> [..., out] bfloat16, W packed by
+    `pack_int4`: per group sums on the 4-bit levels for few rows, the bfloat16 product on
+    the expanded weights from `int4_expand_rows()` rows on."""
     in_features = x.shape[-1]
     if (x.dtype != torch.bfloat16 or packed.dtype != torch.uint8 or in_features % INT4_GROUP_SIZE
             or packed.numel() != _lib().llmbus_int4_packed_bytes(out_features, in_features)):

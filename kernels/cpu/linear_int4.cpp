@@ -28,6 +28,7 @@
 
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -137,9 +138,66 @@ void pack(const uint8_t* levels, const float* step, const float* low, int64_t n,
 }
 
 // y [m, n] = x [m, k] @ W.T + bias; threads split the output blocks, as in linear.cpp.
+// Rows from which a block is expanded to bfloat16 once and multiplied by linear.cpp's
+// tiles. Measured on SmolLM2's layers: expanding costs ~5 ms a pass over their 106 M
+// weights (~45 ps a weight, two threads), and the int4 tiles run 5-12% behind the bfloat16
+// ones from 32 rows on, so the two meet around 64-96 rows; at 512 rows expanding is 6-10%
+// ahead.
+constexpr int64_t kExpandRows = 80;
+
+// One block's weights as bfloat16, level * step + low rounded once, in linear.cpp's packed
+// layout ([k/2 pairs][64 outputs][2]): on a Q4 checkpoint these are the bfloat16 model's
+// own weights, so the product is the bfloat16 model's.
+void expand_block(const uint8_t* block, int64_t groups, uint16_t* panel, __m512i table) {
+  const __m512i high_words = _mm512_set1_epi32((int)0xFFFF0000u);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* gp = block + g * kGroupBytes;
+    const uint8_t* scales = gp + (kGroup / 2) * kPairBytes;
+    __m512 step[4], low[4];
+    for (int j = 0; j < 4; ++j) {
+      step[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 32 * j)));
+      low[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(scales + 2 * kBlock + 32 * j)));
+    }
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const uint8_t* w = gp + p * kPairBytes;
+      const __m512i b01 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)w));
+      const __m512i b23 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32)));
+      const __m512i levels[4] = {
+          _mm512_permutexvar_epi16(b01, table), _mm512_permutexvar_epi16(_mm512_srli_epi16(b01, 4), table),
+          _mm512_permutexvar_epi16(b23, table), _mm512_permutexvar_epi16(_mm512_srli_epi16(b23, 4), table)};
+      uint16_t* out = panel + (g * (kGroup / 2) + p) * kBlock * 2;
+      for (int j = 0; j < 4; ++j) {
+        // Lane L holds output 16j + L's pair: the even input in its low word, the odd in its high.
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(levels[j], 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(levels[j], high_words));
+        const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(even, step[j], low[j])));
+        const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(odd, step[j], low[j])));
+        _mm512_storeu_si512(out + 32 * j, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+      }
+    }
+  }
+}
+
+// y [m, n] = x [m, k] @ W.T + bias; threads split the output blocks, as in linear.cpp.
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* packed, int64_t n,
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, groups = k / kGroup;
+  const __m512i table = level_table();
+  if (m >= kExpandRows) {
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<uint16_t> panel((size_t)(k * kBlock));
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < blocks; ++b) {
+        expand_block(packed + b * groups * kGroupBytes, groups, panel.data(), table);
+        const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
+        // One thread: inside this parallel region the call runs in the calling thread.
+        llmbus_linear_bf16(x, m, k, x_stride, panel.data(), valid, bias ? bias + b * kBlock : nullptr,
+                           y + b * kBlock, y_stride, 1);
+      }
+    }
+    return;
+  }
   // sum(x) per row and group, for the lows.
   std::vector<float> sums((size_t)(m * groups));
   for (int64_t r = 0; r < m; ++r)
@@ -147,7 +205,6 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uin
       __m512 s = _mm512_add_ps(load16(x + r * x_stride + g * kGroup), load16(x + r * x_stride + g * kGroup + 16));
       sums[r * groups + g] = _mm512_reduce_add_ps(s);
     }
-  const __m512i table = level_table();
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = packed + b * groups * kGroupBytes;
@@ -172,6 +229,9 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uin
 extern "C" {
 
 int64_t llmbus_int4_packed_bytes(int64_t n, int64_t k) { return packed_bytes(n, k); }
+
+// From this many rows the product is linear.cpp's on bfloat16 weights (see expand_block).
+int64_t llmbus_int4_expand_rows() { return kExpandRows; }
 
 void llmbus_pack_int4(const uint8_t* levels, const float* step, const float* low, int64_t n, int64_t k,
                       uint8_t* out) {
