@@ -54,6 +54,20 @@ def test_decode_attention_matches_float64(layout, num_heads, num_kv_heads, head_
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("seq_lens", [[1037], [15, 100]], ids=["one", "two"])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (6, 2, 128)])
+def test_decode_attention_of_a_few_streams_matches_float64(seq_lens, num_heads, num_kv_heads, head_dim, dtype):
+    """Fewer sequences than twice the threads: each KV head is a task of its own."""
+    query, kv_cache, md = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, 16,
+                                     dtype, seed=len(seq_lens))
+    scale = head_dim**-0.5
+    out = cpu_kernels.paged_decode_attention(query, heads_first(kv_cache), md.block_table, md.seq_lens, scale)
+    expected = attention_float64(query, kv_cache, md.block_table, md.seq_lens, scale)
+    torch.testing.assert_close(out.double(), expected, **DECODE_TOLERANCE[dtype])
+
+
+@needs_kernels
 def test_decode_attention_survives_peaked_and_flat_scores():
     """A huge scale puts all weight on one key (no overflow in exp), a zero query spreads it
     evenly (the mean of the values)."""

@@ -3,9 +3,9 @@
 //
 // The PyTorch backend first gathers each sequence's blocks into a contiguous copy, then
 // runs two batched matmuls; at 128 decodes over ~500 tokens that copy alone moved ~0.9 GB
-// per step. Here each sequence (one task) walks its block table and, KV head by KV head,
-// reads every key and value once, straight from the cache, for all the query heads that
-// share it (GQA).
+// per step. Here each sequence (one task; one per KV head for a single stream) walks its
+// block table and, KV head by KV head, reads every key and value once, straight from the
+// cache, for all the query heads that share it (GQA).
 // Works on any cache layout whose head_dim is contiguous: strides are passed in elements.
 //
 // Measured on this machine (128 decodes over 400 tokens, blocks shuffled, 8 layers' caches
@@ -195,34 +195,39 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
   // Sequences differ in length: hand them out one at a time. A sequence's KV heads are
-  // taken in turn by one thread, so the prefetches run on from one head into the next.
+  // taken in turn by one thread, so the prefetches run on from one head into the next;
+  // with fewer sequences than twice the threads (a single stream), each KV head is a task
+  // of its own, so that every thread has work.
+  const int64_t heads_per_task = num_seqs >= 2 * threads ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores;
     std::vector<int64_t> offsets;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t task = 0; task < num_seqs * tasks_per_seq; ++task) {
+      const int64_t s = task / tasks_per_seq, g0 = task % tasks_per_seq * heads_per_task;
       const int64_t len = seq_lens[s];
-      // Each key's offset in the cache, once for all heads: a division per lookup (four
-      // lookups a key, with the prefetches) cost more than the arithmetic on the key.
+      // Each key's offset in the cache, once for the task's heads: a division per lookup
+      // (four lookups a key, with the prefetches) cost more than the arithmetic on the key.
       offsets.resize((size_t)len);
       const int32_t* blocks = block_table + s * table_stride;
       for (int64_t b = 0, t = 0; t < len; ++b)
         for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
           offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
-      for (int64_t g = 0; g < num_kv_heads; ++g) {
+      for (int64_t g = g0; g < g0 + heads_per_task; ++g) {
         const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
         T* os = out + s * o_token_stride + g * qpk * o_head_stride;
         const T* kc = k_cache + g * head_stride;
         const T* vc = v_cache + g * head_stride;
-        const bool last = g + 1 == num_kv_heads;
+        const bool last = g + 1 == g0 + heads_per_task;
         const T* next_k = last ? nullptr : kc + head_stride;
         const T* next_v = last ? nullptr : vc + head_stride;
         if (head_dim == 64)
-          attend<64>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > 0, scale, os,
+          attend<64>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                      o_head_stride, scores);
         else
-          attend<128>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > 0, scale, os,
+          attend<128>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                       o_head_stride, scores);
       }
     }
