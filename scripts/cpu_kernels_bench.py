@@ -6,8 +6,8 @@ shapes: the kernel figures in docs/performance.md ("Third pass").
 - products: every layer weight of a decode step in a row (30 layers + the tied head,
   270 MB in bfloat16, so nothing stays in cache), llmbus's packed product against
   oneDNN's (and in float32 MKL's plain `F.linear`, what transformers runs), at 1-32 rows
-  (GB/s of weights); in bfloat16 also the layers' int4 product against bfloat16's at
-  1-128 rows; one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
+  (GB/s of weights); in bfloat16 also the layers' int4 and int8 products against
+  bfloat16's at 1-128 rows; one 576 -> 3072 product at 128-2048 rows (GFLOP/s);
 - decode attention: 128 decodes over 400 tokens with shuffled blocks, 8 layers' caches in
   turn (GB/s of K/V), against the PyTorch backend's gathered matmuls;
 - prefill attention: one 512-token prompt (9 heads over 3), against PyTorch's SDPA.
@@ -62,7 +62,7 @@ def products(repeats: int, dtype: torch.dtype) -> None:
             line += f", {name} {t * 1e3:6.2f} ms ({nbytes / t / 1e9:4.1f} GB/s): {t / t_ours:.2f}x"
         print(line)
     if dtype == torch.bfloat16:
-        int4(repeats)
+        quantized(repeats)
     print("products, 576 -> 3072:")
     for rows in (128, 512, 2048):
         x = torch.randn(rows, 576).to(dtype)
@@ -74,24 +74,28 @@ def products(repeats: int, dtype: torch.dtype) -> None:
         print(line)
 
 
-def int4(repeats: int) -> None:
-    """The layers' products in int4 (linear_int4.cpp) against the same in bfloat16: the
-    LM head stays bfloat16 in an int4 model, so it is left out of both."""
+def quantized(repeats: int) -> None:
+    """The layers' products in int4 and int8 (linear_int4.cpp, linear_int8.cpp) against the
+    same in bfloat16: the LM head is left out (int4 keeps it in bfloat16)."""
     from services.worker.layers.quantized_linear import int4_grid
 
     shapes = LAYER_SHAPES * 30
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
     bf16 = [cpu_kernels.pack_weight(w.bfloat16()) for w in weights]
-    packed = [cpu_kernels.pack_int4(*int4_grid(w)) for w in weights]
-    nbytes = sum(p.numel() for p in packed)
-    print(f"products in int4, the layers' weights in a row ({nbytes / 1e6:.0f} MB; bfloat16 "
-          f"{sum(p.numel() * 2 for p in bf16) / 1e6:.0f} MB):")
+    int4 = [cpu_kernels.pack_int4(*int4_grid(w)) for w in weights]
+    scales = [w.abs().amax(1) / 127 for w in weights]
+    int8 = [cpu_kernels.pack_int8(torch.round(w / s[:, None]).to(torch.int8), s) for w, s in zip(weights, scales)]
+    mb = {name: sum(p.numel() * p.element_size() for p in packed) / 1e6
+          for name, packed in (("int4", int4), ("int8", int8), ("bfloat16", bf16))}
+    print("products of the layers' weights in a row, quantized (" + ", ".join(f"{k} {v:.0f} MB" for k, v in mb.items()) + "):")
     for rows in (1, 4, 16, 128):
         x = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
-        t_int4 = best(lambda: [cpu_kernels.linear_int4(x[k], p, n) for (n, k), p in zip(shapes, packed)], repeats)
         t_bf16 = best(lambda: [cpu_kernels.linear(x[k], p, n) for (n, k), p in zip(shapes, bf16)], repeats)
-        print(f"  {rows:4d} rows: int4 {t_int4 * 1e3:6.2f} ms ({nbytes / t_int4 / 1e9:4.1f} GB/s), "
-              f"bfloat16 {t_bf16 * 1e3:6.2f} ms: {t_bf16 / t_int4:.2f}x")
+        line = f"  {rows:4d} rows: bfloat16 {t_bf16 * 1e3:6.2f} ms"
+        for name, fn, packed in (("int4", cpu_kernels.linear_int4, int4), ("int8", cpu_kernels.linear_int8, int8)):
+            t = best(lambda: [fn(x[k], p, n) for (n, k), p in zip(shapes, packed)], repeats)
+            line += f", {name} {t * 1e3:6.2f} ms ({mb[name] / 1e3 / t:4.1f} GB/s): {t_bf16 / t:.2f}x"
+        print(line)
 
 
 def paged_batch(query_lens, seq_lens, seed, dtype):

@@ -2,7 +2,7 @@
 give the same bits as the module path that calls the same kernels one by one: the same
 greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64
 and 128, over block boundaries, for a batch whose requests finish at different steps, in
-bfloat16, float32 and int4 weights."""
+bfloat16, float32, int4 and int8 weights."""
 
 import pytest
 import torch
@@ -22,7 +22,8 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", None), ("bfloat16", "int4")])
+@pytest.mark.parametrize("dtype, quantization",
+                         [("bfloat16", None), ("float32", None), ("bfloat16", "int4"), ("bfloat16", "int8")])
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
                    tie_word_embeddings=True)),
@@ -48,8 +49,8 @@ def test_only_models_packed_for_the_kernels_take_it(tmp_path):
     folder = build_tiny_model(tmp_path, "llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     assert LLM(str(folder), dtype="bfloat16").runner.model.fused_decode.dtype == torch.bfloat16
     assert LLM(str(folder), dtype="float32").runner.model.fused_decode.dtype == torch.float32
-    assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.model.fused_decode is None
-    # int4 on llmbus's int4 kernel (the bits test above checks what the layer computes).
+    # int4 and int8 on llmbus's kernels (the bits test above checks what the layer computes).
     assert LLM(str(folder), dtype="bfloat16", quantization="int4").runner.model.fused_decode is not None
+    assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.model.fused_decode is not None
     # Asking for the Triton backend means Triton's attention, not the CPU kernel's.
     assert LLM(str(folder), dtype="bfloat16", attention_backend="triton").runner.model.fused_decode is None

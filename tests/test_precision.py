@@ -16,12 +16,18 @@ from test_engine_correctness import PROMPTS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+KERNELS = ["torch", pytest.param("llmbus", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 200])
-def test_int8_linear_is_the_float_product_within_quantization_error(rows):
+def test_int8_linear_is_the_float_product_within_quantization_error(rows, kernel):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64), torch.randn(96)
     x = torch.randn(rows, 64)
-    layer = Int8Linear(weight, bias)
+    layer = Int8Linear(weight, bias, kernel=kernel)
+    assert layer.kernel == kernel
     scales = weight.abs().amax(1, keepdim=True) / 127
     dequantized = torch.round(weight / scales) * scales
     out = layer(x.bfloat16()).float()
@@ -114,10 +120,6 @@ def test_int4_keeps_a_weight_that_is_already_on_a_16_level_grid_exactly():
     assert ((rebuilt - noisy).abs().view(48, 2, 32) <= got_step[..., None] / 2 + 1e-6).all()
 
 
-KERNELS = ["torch", pytest.param("llmbus", marks=pytest.mark.skipif(
-    not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}"))]
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("rows", [1, 40])
 def test_int4_linear_is_the_product_with_the_grid_weights(rows, kernel):
@@ -179,6 +181,29 @@ def test_llmbus_int4_kernel_from_the_threshold_is_the_bfloat16_product(extra_row
     out = cpu_kernels.linear_int4(x, cpu_kernels.pack_int4(levels, step, low), out_features, b)
     reference = cpu_kernels.linear(x, cpu_kernels.pack_weight(stored.bfloat16()), out_features, b)
     assert torch.equal(out, reference)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 130])
+@pytest.mark.parametrize("out_features, in_features, bias", SHAPES)
+def test_llmbus_int8_kernel_rounds_the_exact_product(rows, out_features, in_features, bias):
+    """int8 weights times their scales against the float64 product: within one bfloat16
+    rounding of the result, give or take the float32 rounding of the sums; 1-6 row tiles
+    and their tails, partial 64-output blocks, a bias."""
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    levels = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
+    scale = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    out = cpu_kernels.linear_int8(x, cpu_kernels.pack_int8(levels, scale), out_features, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    weight = levels.double() * scale.double()[:, None]
+    exact = x.double() @ weight.T + (0 if b is None else b.double())
+    magnitude = x.double().abs() @ weight.abs().T + (0 if b is None else b.double().abs())
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs().clamp(min=1e-30))) - 7)
+    assert bool(((out.double() - exact).abs() <= ulp + 2.0**-20 * magnitude).all())
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.linear_int8(x.float(), cpu_kernels.pack_int8(levels, scale), out_features, b)
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")

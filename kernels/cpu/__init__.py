@@ -3,8 +3,9 @@
 - `linear`: a bfloat16 or float32 matrix product over weights packed once at load
   (`pack_weight`), streaming the weights at close to memory speed for decode-sized batches
   (kernels/cpu/linear.cpp).
-- `linear_int4`: the same for 4-bit weights (a step and a low per group of 32 inputs,
-  `pack_int4`) and bfloat16 activations (kernels/cpu/linear_int4.cpp).
+- `linear_int4`, `linear_int8`: the same for 4-bit weights (a step and a low per group of
+  32 inputs, `pack_int4`) or int8 weights (a scale per output, `pack_int8`) and bfloat16
+  activations (kernels/cpu/linear_int4.cpp, linear_int8.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
@@ -45,7 +46,7 @@ class LayerSpec(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
-        ("cos_table", _P), ("sin_table", _P), ("int4", _I)]
+        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -70,7 +71,10 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
     "silu_mul": ([_P, _P, _I, _I, _C], None),
     "decoder_layer": ([ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I], _C),
 }
-_INT4_SIGNATURES = {  # one of each: 4-bit weights take bfloat16 activations only
+_INT_SIGNATURES = {  # one of each: int4 and int8 weights take bfloat16 activations only
+    "int8_packed_bytes": ([_I, _I], _I),
+    "pack_int8": ([_P, _P, _I, _I, _P], None),
+    "linear_int8_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
     "int4_packed_bytes": ([_I, _I], _I),
     "int4_expand_rows": ([], _I),
     "pack_int4": ([_P, _P, _P, _I, _I, _P], None),
@@ -89,7 +93,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         for name, (argtypes, restype) in _SIGNATURES.items():
             entry = getattr(lib, f"llmbus_{name}_{suffix}")
             entry.argtypes, entry.restype = argtypes, restype
-    for name, (argtypes, restype) in _INT4_SIGNATURES.items():
+    for name, (argtypes, restype) in _INT_SIGNATURES.items():
         entry = getattr(lib, f"llmbus_{name}")
         entry.argtypes, entry.restype = argtypes, restype
     return lib, ""
@@ -171,6 +175,31 @@ def pack_int4(levels: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> to
     return packed
 
 
+def pack_int8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] int8 (in even), scale [out] -> the flat int8 form `linear_int8` reads
+    (weight * scale per output; the scales ride at the end of the buffer as float32)."""
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.int8 or in_features % 2 or scale.shape != (out_features,):
+        raise ValueError(f"pack_int8 takes an int8 [out, in] weight (in even) and [out] scales; "
+                         f"got {weight.dtype} {tuple(weight.shape)}, {tuple(scale.shape)}")
+    weight, scale = weight.contiguous(), scale.float().contiguous()
+    packed = torch.empty(_lib().llmbus_int8_packed_bytes(out_features, in_features), dtype=torch.int8)
+    _lib().llmbus_pack_int8(weight.data_ptr(), scale.data_ptr(), out_features, in_features, packed.data_ptr())
+    return packed
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] bfloat16 @ (W * scale).T (+ bias, float32) -> [..., out] bfloat16, W packed
+    by `pack_int8`."""
+    in_features = x.shape[-1]
+    if (x.dtype != torch.bfloat16 or packed.dtype != torch.int8 or in_features % 2
+            or packed.numel() != _lib().llmbus_int8_packed_bytes(out_features, in_features)):
+        raise ValueError(f"linear_int8: x {x.dtype} [..., {in_features}] does not fit a packed int8 "
+                         f"[{out_features}, ?] weight (x must be bfloat16)")
+    return _int_product("linear_int8_bf16", x, packed, out_features, bias)
+
+
 def int4_expand_rows() -> int:
     """Rows from which `linear_int4` expands each block of weights to bfloat16 (level * step
     + low, rounded once) and runs `linear`'s bfloat16 product on it."""
@@ -187,14 +216,21 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, out_features: int,
             or packed.numel() != _lib().llmbus_int4_packed_bytes(out_features, in_features)):
         raise ValueError(f"linear_int4: x {x.dtype} [..., {in_features}] does not fit a packed int4 "
                          f"[{out_features}, ?] weight (x must be bfloat16)")
+    return _int_product("linear_int4_bf16", x, packed, out_features, bias)
+
+
+def _int_product(entry: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """The call shared by the quantized products, once their weight has been checked."""
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
-        raise ValueError("linear_int4: bias must be contiguous float32 [out_features]")
+        raise ValueError("bias must be contiguous float32 [out_features]")
+    in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    _lib().llmbus_linear_int4_bf16(
+    getattr(_lib(), f"llmbus_{entry}")(
         x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
     )

@@ -17,12 +17,13 @@ struct LlmbusLayer {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
   double eps, scale;
   const void *input_norm, *post_norm;                        // [hidden]
-  const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_* (see int4)
+  const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_* (see weight_format)
   const float *qkv_bias, *o_bias;                            // float32 or null
   void *k_cache, *v_cache;                                   // one layer's cache
   int64_t block_stride, slot_stride, head_stride;            // in elements
   const float *cos_table, *sin_table;                        // [max_position, head_dim]
-  int64_t int4;  // 1: qkv, o, gate_up, down packed by llmbus_pack_int4 (bfloat16 layers only)
+  int64_t weight_format;  // qkv, o, gate_up, down: 0 packed in T, 4 by llmbus_pack_int4, 8 by
+                          // llmbus_pack_int8 (the last two in bfloat16 layers only)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -42,7 +43,8 @@ template <typename T>
 void product(const LlmbusLayer* L, const T* x, int64_t rows, int64_t k, const void* w, int64_t n, const float* bias,
              T* y, int threads) {
   if constexpr (sizeof(T) == 2) {
-    if (L->int4) return llmbus_linear_int4_bf16(x, rows, k, k, (const uint8_t*)w, n, bias, y, n, threads);
+    if (L->weight_format == 4) return llmbus_linear_int4_bf16(x, rows, k, k, (const uint8_t*)w, n, bias, y, n, threads);
+    if (L->weight_format == 8) return llmbus_linear_int8_bf16(x, rows, k, k, (const int8_t*)w, n, bias, y, n, threads);
   }
   Kernels<T>::linear(x, rows, k, k, (const T*)w, n, bias, y, n, threads);
 }
@@ -50,7 +52,7 @@ void product(const LlmbusLayer* L, const T* x, int64_t rows, int64_t k, const vo
 // hidden [rows, hidden_size]: the previous layer's output in, this layer's out (in place).
 // residual: the stream before adding `hidden`; with first_layer it is set to hidden.
 // Returns 0, or the attention kernel's refusal (then hidden holds nothing useful), or -10
-// for int4 weights in a float32 layer.
+// for int4 or int8 weights in a float32 layer.
 template <typename T>
 int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* residual, int64_t first_layer) {
   using K = Kernels<T>;
@@ -60,7 +62,7 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   const T *input_norm = (const T*)L->input_norm, *post_norm = (const T*)L->post_norm;
   T *normed = (T*)S->normed, *qkv = (T*)S->qkv, *attn = (T*)S->attn, *gate_up = (T*)S->gate_up, *act = (T*)S->act;
   T *k_cache = (T*)L->k_cache, *v_cache = (T*)L->v_cache;
-  if (L->int4 && sizeof(T) != 2) return -10;
+  if (L->weight_format != 0 && sizeof(T) != 2) return -10;
   if (first_layer) {
     for (int64_t i = 0; i < rows * h; ++i) residual[i] = hidden[i];
     K::add_rms_norm(hidden, nullptr, input_norm, (float)L->eps, normed, rows, h, threads);

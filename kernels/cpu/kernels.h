@@ -26,6 +26,8 @@ extern "C" {
 LLMBUS_DECLARE(uint16_t, bf16)
 void llmbus_linear_int4_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* packed,
                              int64_t n, const float* bias, uint16_t* y, int64_t y_stride, int threads);
+void llmbus_linear_int8_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* packed,
+                             int64_t n, const float* bias, uint16_t* y, int64_t y_stride, int threads);
 LLMBUS_DECLARE(float, f32)
 #undef LLMBUS_DECLARE
 }

@@ -26,7 +26,7 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from kernels.cpu import huge_pages
 from services.worker.layers import replace_linears
-from services.worker.layers.quantized_linear import Int4Linear
+from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
 
 KERNELS = ("llmbus", "onednn")
 DTYPES = (torch.bfloat16, torch.float32)
@@ -104,10 +104,11 @@ class PackedLinear(nn.Module):
 
 
 def move_to_huge_pages(model: nn.Module) -> None:
-    """Every weight packed for llmbus's kernels under `model` (bfloat16, float32, int4), side
+    """Every weight packed for llmbus's kernels under `model` (bfloat16, float32, int4, int8), side
     by side in one arena on 2 MB pages (kernels/cpu/huge_pages.py): a decode step streams
     them all, in order."""
-    packed = [m for m in model.modules() if isinstance(m, (PackedLinear, Int4Linear)) and m.kernel == "llmbus"]
+    packed = [m for m in model.modules()
+              if isinstance(m, (PackedLinear, Int4Linear, Int8Linear)) and m.kernel == "llmbus"]
     for module, weight in zip(packed, huge_pages.consolidate([m.weight_packed for m in packed])):
         module.weight_packed = weight
 

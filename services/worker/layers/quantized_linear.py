@@ -2,12 +2,13 @@
 channel) and int4 (a step and an offset per group of 32 inputs).
 
 A decode step is a matrix-vector product per weight, bound by the bytes it reads: int8
-reads half of bfloat16's, int4 a quarter. int8 uses PyTorch's own weight-only kernel
-(`_weight_int8pack_mm`, the one torchao calls on CPU), which converts as it multiplies;
-int4 llmbus's (kernels/cpu/linear_int4.cpp), or PyTorch's where that does not build. For many rows the int8 kernel is slow, so larger batches
-convert the weight to bfloat16 first and use the ordinary GEMM (measured on this machine,
-the SmolLM2 576 -> 3072 projection: 1 row 0.06 ms against bfloat16's 0.11; 32 rows 0.78 ms
-against 0.75 converted; 512 rows 12.3 against 4.8).
+reads half of bfloat16's, int4 a quarter. Both run on llmbus's kernels
+(kernels/cpu/linear_int8.cpp, linear_int4.cpp) where the CPU kernels build, and otherwise
+on PyTorch's own weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`,
+the ones torchao calls on CPU). PyTorch's int8 kernel is slow for many rows, so there
+larger batches convert the weight to bfloat16 first and use the ordinary GEMM (measured on
+this machine, the SmolLM2 576 -> 3072 projection: 1 row 0.06 ms against bfloat16's 0.11;
+32 rows 0.78 ms against 0.75 converted; 512 rows 12.3 against 4.8).
 
 Why weight-only: quantizing the activations too (fbgemm's dynamic int8 GEMM) was 3-5x
 faster still, but SmolLM2's activations have outlier channels, and with one scale per
@@ -27,17 +28,38 @@ INT8_KERNEL_MAX_ROWS = 16
 
 
 class Int8Linear(nn.Module):
-    """y = x @ (W * scale).T + b, W int8 [out, in]; x and y bfloat16."""
+    """y = x @ (W * scale).T + b, W int8 [out, in] with one scale per output; x and y
+    bfloat16. On llmbus's int8 kernel (kernels/cpu/linear_int8.cpp) where the CPU kernels
+    build: int8 widened to bfloat16 in registers (exact), float32 sums, the scale once per
+    output, so every row count streams the int8 bytes. Otherwise PyTorch's weight-only kernel
+    (`_weight_int8pack_mm`) up to INT8_KERNEL_MAX_ROWS rows and a bfloat16 GEMM on the
+    converted weight above (PyTorch's kernel is slow for many rows)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    KERNELS = ("llmbus", "torch")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None) -> None:
         super().__init__()
         weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        kernel = kernel or ("llmbus" if cpu_kernels.available() and self.in_features % 2 == 0 else "torch")
+        if kernel not in self.KERNELS:
+            raise ValueError(f"unknown int8 kernel {kernel!r}: {', '.join(self.KERNELS)}")
+        self.kernel = kernel
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
-        self.register_buffer("weight_int8", torch.round(weight / scales[:, None]).to(torch.int8))
+        levels = torch.round(weight / scales[:, None]).to(torch.int8)
+        if kernel == "llmbus":
+            # The scales as PyTorch's kernel takes them (bfloat16), so both kernels multiply
+            # by the same numbers.
+            self.register_buffer("weight_packed", cpu_kernels.pack_int8(levels, scales.to(torch.bfloat16).float()))
+            self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16).float())
+            return
+        self.register_buffer("weight_int8", levels)
         self.register_buffer("scales", scales.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "llmbus":
+            return cpu_kernels.linear_int8(x, self.weight_packed, self.out_features, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             out = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
@@ -49,16 +71,17 @@ class Int8Linear(nn.Module):
 
     @property
     def num_weights(self) -> int:
-        return self.weight_int8.numel()
+        return self.in_features * self.out_features
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a product reads: the int8 weights and their scales."""
+        if self.kernel == "llmbus":
+            return self.weight_packed.numel()
         return self.weight_int8.numel() + self.scales.numel() * self.scales.element_size()
 
     def extra_repr(self) -> str:
-        out_features, in_features = self.weight_int8.shape
-        return f"in_features={in_features}, out_features={out_features}, int8 weights"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights ({self.kernel})"
 
 
 # Weights in a group share one scale and one offset (as GGUF's Q4_1 blocks do).
@@ -159,7 +182,7 @@ QUANTIZATIONS = ("int8", "int4")
 
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
     if method == "int8":
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias)  # bfloat16 activations, whatever `dtype` says
     if method == "int4":
         return Int4Linear(weight, bias, dtype)
     raise ValueError(f"unknown quantization {method!r}: {', '.join(QUANTIZATIONS)}")

@@ -9,8 +9,9 @@ once (weight, cache and table pointers, in a `LayerSpec`), and each step once (a
 The kernels are the ones the module path calls (packed products, fused add-norm, rotary,
 cache write, decode attention, SiLU-mul), so both paths compute the same bits
 (tests/test_fused_decode.py). Layers packed for llmbus's kernels take part: bfloat16 and
-float32, and int4 weights on llmbus's int4 kernel (with bfloat16 activations). Steps with
-prefill chunks, int8 weights or other attention backends take the module path.
+float32, and int4 or int8 weights on llmbus's kernels (with bfloat16 activations). Steps
+with prefill chunks, weights on PyTorch's kernels or other attention backends take the
+module path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch
 import kernels.cpu as cpu_kernels
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.packed_linear import PackedLinear
-from services.worker.layers.quantized_linear import Int4Linear
+from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
+
+# LlmbusLayer.weight_format for each kind of product (kernels/cpu/decoder_layer.cpp).
+_WEIGHT_FORMATS = {PackedLinear: 0, Int4Linear: 4, Int8Linear: 8}
 
 
 class FusedDecode:
@@ -46,9 +50,10 @@ class FusedDecode:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             packed = all(isinstance(m, PackedLinear) and m.kernel == "llmbus" and m.dtype == dtype for m in linears)
-            int4 = dtype == torch.bfloat16 and all(isinstance(m, Int4Linear) and m.kernel == "llmbus" for m in linears)
-            if not (packed or int4):
-                return None  # int8, PyTorch's int4 or oneDNN-packed weights
+            quantized = dtype == torch.bfloat16 and any(
+                all(isinstance(m, kind) and m.kernel == "llmbus" for m in linears) for kind in (Int4Linear, Int8Linear))
+            if not (packed or quantized):
+                return None  # on PyTorch's quantized kernels, or oneDNN-packed weights
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
             if {layer.input_layernorm.weight.dtype, layer.post_attention_layernorm.weight.dtype} != {dtype}:
@@ -83,7 +88,7 @@ class FusedDecode:
                 k_cache=k.data_ptr(), v_cache=v.data_ptr(),
                 block_stride=k.stride(0), slot_stride=k.stride(1), head_stride=k.stride(2),
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
-                int4=int(isinstance(attn.qkv_proj, Int4Linear)),
+                weight_format=_WEIGHT_FORMATS[type(attn.qkv_proj)],
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs

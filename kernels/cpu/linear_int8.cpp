@@ -1,0 +1,115 @@
+// y = x @ (W * scale).T (+ bias) for int8 weights with one float32 scale per output,
+// bfloat16 x and y, float32 sums.
+//
+// Half of bfloat16's bytes per weight. An int8 value is exact in bfloat16 (8 bits of
+// precision), so each block of weights is widened to bfloat16 in registers (sign-extend,
+// convert to float32, round to bfloat16: exact) and multiplied with vdpbf16ps as in
+// linear.cpp; the scale multiplies each output's float32 sum once at the end.
+//
+// Packed layout: linear.cpp's, in int8: blocks of 64 outputs, [ceil(n/64)][k/2][64][2], one
+// contiguous stream per block, then the scales, float32 [ceil(n/64) * 64], so that one
+// pointer holds the whole weight (as the fused decode layer passes it). 1-6-row tiles
+// share each widened vector between rows.
+#include <string.h>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kBlock = 64;
+
+// 32 int8 weights (16 outputs x an input pair) -> 32 bfloat16, same order.
+inline __m512bh widen(const int8_t* w) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);  // lo fills the low 16 elements
+}
+
+template <int MR>
+inline void tile(const uint16_t* x, int64_t x_stride, const int8_t* block, int64_t k_steps, const float* scale,
+                 const float* bias, uint16_t* y, int64_t y_stride, int64_t valid) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k_steps; ++kk) {
+    const int8_t* w = block + kk * kBlock * 2;
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = widen(w + 32 * j);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      memcpy(&pair, x + r * x_stride + 2 * kk, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = valid - j * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = tail_mask(left);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + j * 16);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_fmadd_ps(acc[r][j], s, b), mask);
+  }
+}
+
+int64_t padded(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+int64_t packed_bytes(int64_t n, int64_t k) { return padded(n) * (k + (int64_t)sizeof(float)); }
+
+// w [n, k] int8 (k even) and scale [n] -> packed, zero-padded to whole blocks.
+void pack(const int8_t* w, const float* scale, int64_t n, int64_t k, int8_t* out) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
+  float* scales = (float*)(out + padded(n) * k);
+  for (int64_t o = 0; o < padded(n); ++o) scales[o] = o < n ? scale[o] : 0.0f;
+#pragma omp parallel for
+  for (int64_t b = 0; b < blocks; ++b) {
+    int8_t* dst = out + b * k * kBlock;
+    for (int64_t kk = 0; kk < k_steps; ++kk)
+      for (int64_t j = 0; j < kBlock; ++j) {
+        const int64_t row = b * kBlock + j;
+        for (int64_t i = 0; i < 2; ++i) dst[(kk * kBlock + j) * 2 + i] = row < n ? w[row * k + 2 * kk + i] : 0;
+      }
+  }
+}
+
+void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
+            const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
+  const float* scale = (const float*)(packed + padded(n) * k);
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int8_t* block = packed + b * k * kBlock;
+    const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
+    const float* sb = scale + b * kBlock;
+    const float* bb = bias ? bias + b * kBlock : nullptr;
+    uint16_t* yb = y + b * kBlock;
+    int64_t r = 0;
+    for (; r + 6 <= m; r += 6)
+      tile<6>(x + r * x_stride, x_stride, block, k_steps, sb, bb, yb + r * y_stride, y_stride, valid);
+    const uint16_t* xr = x + r * x_stride;
+    uint16_t* yr = yb + r * y_stride;
+    switch (m - r) {
+      case 5: tile<5>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
+      case 4: tile<4>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
+      case 3: tile<3>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
+      case 2: tile<2>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
+      case 1: tile<1>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t llmbus_int8_packed_bytes(int64_t n, int64_t k) { return packed_bytes(n, k); }
+
+void llmbus_pack_int8(const int8_t* w, const float* scale, int64_t n, int64_t k, int8_t* out) {
+  pack(w, scale, n, k, out);
+}
+
+void llmbus_linear_int8_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* packed,
+                             int64_t n, const float* bias, uint16_t* y, int64_t y_stride, int threads) {
+  linear(x, m, k, x_stride, packed, n, bias, y, y_stride, threads);
+}
+
+}  // extern "C"
