@@ -183,18 +183,35 @@ def test_llmbus_int4_kernel_from_the_threshold_is_the_bfloat16_product(extra_row
     assert torch.equal(out, reference)
 
 
+def _random_int8(rows, out_features, in_features, bias):
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    levels = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
+    scale = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
+    b = torch.randn(out_features, generator=gen) if bias else None
+    return levels, scale, b, torch.randn(rows, in_features, generator=gen).bfloat16()
+
+
 @pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 130])
+@pytest.mark.parametrize("extra_rows", [0, 50])
+@pytest.mark.parametrize("out_features, in_features, bias", SHAPES)
+def test_llmbus_int8_kernel_from_the_threshold_is_the_bfloat16_product(extra_rows, out_features, in_features, bias):
+    """From `int8_expand_rows()` rows on: the bfloat16 kernel on level * scale rounded to
+    bfloat16, bit for bit."""
+    levels, scale, b, x = _random_int8(cpu_kernels.int8_expand_rows() + extra_rows, out_features, in_features, bias)
+    out = cpu_kernels.linear_int8(x, cpu_kernels.pack_int8(levels, scale), out_features, b)
+    weight = (levels.float() * scale[:, None]).bfloat16()
+    assert torch.equal(out, cpu_kernels.linear(x, cpu_kernels.pack_weight(weight), out_features, b))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 79])
 @pytest.mark.parametrize("out_features, in_features, bias", SHAPES)
 def test_llmbus_int8_kernel_rounds_the_exact_product(rows, out_features, in_features, bias):
     """int8 weights times their scales against the float64 product: within one bfloat16
     rounding of the result, give or take the float32 rounding of the sums; 1-6 row tiles
     and their tails, partial 64-output blocks, a bias."""
-    gen = torch.Generator().manual_seed(rows * 7 + out_features)
-    levels = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
-    scale = torch.rand(out_features, generator=gen) * 0.01 + 1e-4
-    b = torch.randn(out_features, generator=gen) if bias else None
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    assert rows < cpu_kernels.int8_expand_rows()
+    levels, scale, b, x = _random_int8(rows, out_features, in_features, bias)
     out = cpu_kernels.linear_int8(x, cpu_kernels.pack_int8(levels, scale), out_features, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     weight = levels.double() * scale.double()[:, None]

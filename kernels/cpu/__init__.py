@@ -73,6 +73,7 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
 }
 _INT_SIGNATURES = {  # one of each: int4 and int8 weights take bfloat16 activations only
     "int8_packed_bytes": ([_I, _I], _I),
+    "int8_expand_rows": ([], _I),
     "pack_int8": ([_P, _P, _I, _I, _P], None),
     "linear_int8_bf16": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
     "int4_packed_bytes": ([_I, _I], _I),
@@ -198,6 +199,12 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, out_features: int,
         raise ValueError(f"linear_int8: x {x.dtype} [..., {in_features}] does not fit a packed int8 "
                          f"[{out_features}, ?] weight (x must be bfloat16)")
     return _int_product("linear_int8_bf16", x, packed, out_features, bias)
+
+
+def int8_expand_rows() -> int:
+    """Rows from which `linear_int8` expands each block of weights to bfloat16 (level *
+    scale, rounded once) and runs `linear`'s bfloat16 product on it."""
+    return _lib().llmbus_int8_expand_rows()
 
 
 def int4_expand_rows() -> int:

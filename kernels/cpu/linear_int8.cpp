@@ -6,12 +6,18 @@
 // convert to float32, round to bfloat16: exact) and multiplied with vdpbf16ps as in
 // linear.cpp; the scale multiplies each output's float32 sum once at the end.
 //
+// From kExpandRows rows on, each block is expanded to bfloat16 once per call (level *
+// scale, rounded once) and multiplied by linear.cpp's tiles instead.
+//
 // Packed layout: linear.cpp's, in int8: blocks of 64 outputs, [ceil(n/64)][k/2][64][2], one
 // contiguous stream per block, then the scales, float32 [ceil(n/64) * 64], so that one
 // pointer holds the whole weight (as the fused decode layer passes it). 1-6-row tiles
 // share each widened vector between rows.
 #include <string.h>
 
+#include <vector>
+
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -71,10 +77,52 @@ void pack(const int8_t* w, const float* scale, int64_t n, int64_t k, int8_t* out
   }
 }
 
+// Rows from which a block is expanded to bfloat16 once (level * scale, rounded once) and
+// multiplied by linear.cpp's tiles, which run faster than widening in every tile (as in
+// linear_int4.cpp; there the two meet around 64-96 rows).
+constexpr int64_t kExpandRows = 80;
+
+// One block's weights as bfloat16 in linear.cpp's packed layout ([k/2][64][2]).
+void expand_block(const int8_t* block, int64_t k_steps, const float* scale, uint16_t* panel) {
+  // Element i of a 16-weight half holds output i/2: each output's scale, twice.
+  const __m512i pairs_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i pairs_hi = _mm512_add_epi32(pairs_lo, _mm512_set1_epi32(8));
+  __m512 s_lo[4], s_hi[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 s = _mm512_loadu_ps(scale + 16 * j);
+    s_lo[j] = _mm512_permutexvar_ps(pairs_lo, s);
+    s_hi[j] = _mm512_permutexvar_ps(pairs_hi, s);
+  }
+  for (int64_t kk = 0; kk < k_steps; ++kk) {
+    const int8_t* w = block + kk * kBlock * 2;
+    for (int j = 0; j < 4; ++j) {
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * j))));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * j + 16))));
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi[j]), _mm512_mul_ps(lo, s_lo[j]));
+      _mm512_storeu_si512(panel + kk * kBlock * 2 + 32 * j, (__m512i)v);
+    }
+  }
+}
+
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
   const float* scale = (const float*)(packed + padded(n) * k);
+  if (m >= kExpandRows) {
+#pragma omp parallel num_threads(threads)
+    {
+      std::vector<uint16_t> panel((size_t)(k * kBlock));
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < blocks; ++b) {
+        expand_block(packed + b * k * kBlock, k_steps, scale + b * kBlock, panel.data());
+        const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
+        // One thread: inside this parallel region the call runs in the calling thread.
+        llmbus_linear_bf16(x, m, k, x_stride, panel.data(), valid, bias ? bias + b * kBlock : nullptr,
+                           y + b * kBlock, y_stride, 1);
+      }
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* block = packed + b * k * kBlock;
@@ -102,6 +150,9 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int
 extern "C" {
 
 int64_t llmbus_int8_packed_bytes(int64_t n, int64_t k) { return packed_bytes(n, k); }
+
+// From this many rows the product is linear.cpp's on bfloat16 weights (see expand_block).
+int64_t llmbus_int8_expand_rows() { return kExpandRows; }
 
 void llmbus_pack_int8(const int8_t* w, const float* scale, int64_t n, int64_t k, int8_t* out) {
   pack(w, scale, n, k, out);
