@@ -114,6 +114,22 @@ def test_the_library_shares_pytorchs_openmp_runtime():
     assert len(runtimes) == 1, runtimes
 
 
+def test_the_kernels_build_where_the_cpu_and_a_compiler_allow():
+    """Every kernel test skips when the library does not load, so a source that stops
+    compiling would otherwise pass as skips: where this CPU and a compiler allow a build,
+    it must load."""
+    import os
+    import shutil
+
+    if os.environ.get("LLMBUS_CPU_KERNELS", "1") == "0":
+        pytest.skip("LLMBUS_CPU_KERNELS=0")
+    if not set(cpu_build.REQUIRED_CPU_FLAGS) <= cpu_build.cpu_flags():
+        pytest.skip("this CPU lacks AVX-512 BF16")
+    if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
 def test_build_says_why_it_did_not(monkeypatch, tmp_path):
     monkeypatch.setenv("LLMBUS_HOME", str(tmp_path))
     monkeypatch.setenv("LLMBUS_CPU_KERNELS", "0")

@@ -183,21 +183,10 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uin
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, groups = k / kGroup;
   const __m512i table = level_table();
-  if (m >= kExpandRows) {
-#pragma omp parallel num_threads(threads)
-    {
-      std::vector<uint16_t> panel((size_t)(k * kBlock));
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < blocks; ++b) {
-        expand_block(packed + b * groups * kGroupBytes, groups, panel.data(), table);
-        const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
-        // One thread: inside this parallel region the call runs in the calling thread.
-        llmbus_linear_bf16(x, m, k, x_stride, panel.data(), valid, bias ? bias + b * kBlock : nullptr,
-                           y + b * kBlock, y_stride, 1);
-      }
-    }
-    return;
-  }
+  if (m >= kExpandRows)
+    return expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
+      expand_block(packed + b * groups * kGroupBytes, groups, panel, table);
+    });
   // sum(x) per row and group, for the lows.
   std::vector<float> sums((size_t)(m * groups));
   for (int64_t r = 0; r < m; ++r)

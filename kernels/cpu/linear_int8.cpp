@@ -15,8 +15,6 @@
 // share each widened vector between rows.
 #include <string.h>
 
-#include <vector>
-
 #include "kernels.h"
 #include "simd.h"
 
@@ -108,21 +106,10 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
   const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
   const float* scale = (const float*)(packed + padded(n) * k);
-  if (m >= kExpandRows) {
-#pragma omp parallel num_threads(threads)
-    {
-      std::vector<uint16_t> panel((size_t)(k * kBlock));
-#pragma omp for schedule(static)
-      for (int64_t b = 0; b < blocks; ++b) {
-        expand_block(packed + b * k * kBlock, k_steps, scale + b * kBlock, panel.data());
-        const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
-        // One thread: inside this parallel region the call runs in the calling thread.
-        llmbus_linear_bf16(x, m, k, x_stride, panel.data(), valid, bias ? bias + b * kBlock : nullptr,
-                           y + b * kBlock, y_stride, 1);
-      }
-    }
-    return;
-  }
+  if (m >= kExpandRows)
+    return expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
+      expand_block(packed + b * k * kBlock, k_steps, scale + b * kBlock, panel);
+    });
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t b = 0; b < blocks; ++b) {
     const int8_t* block = packed + b * k * kBlock;
