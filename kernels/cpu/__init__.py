@@ -144,18 +144,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
             or packed.numel() != _packed_numel(x.dtype, out_features, in_features)):
         raise ValueError(f"linear: x {x.dtype} [..., {in_features}] does not fit a packed "
                          f"{packed.dtype} [{out_features}, ?] weight")
-    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
-        raise ValueError("linear: bias must be contiguous float32 [out_features]")
-    x2 = x.reshape(-1, in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    rows = x2.shape[0]
-    y = torch.empty(rows, out_features, dtype=x.dtype)
-    _entry("linear", x.dtype)(
-        x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
-        None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
-    )
-    return y.view(*x.shape[:-1], out_features)
+    return _product("linear", _entry("linear", x.dtype), x, packed, out_features, bias)
 
 
 def pack_int4(levels: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
@@ -198,7 +187,7 @@ def linear_int8(x: torch.Tensor, packed: torch.Tensor, out_features: int,
             or packed.numel() != _lib().llmbus_int8_packed_bytes(out_features, in_features)):
         raise ValueError(f"linear_int8: x {x.dtype} [..., {in_features}] does not fit a packed int8 "
                          f"[{out_features}, ?] weight (x must be bfloat16)")
-    return _int_product("linear_int8_bf16", x, packed, out_features, bias)
+    return _product("linear_int8", _lib().llmbus_linear_int8_bf16, x, packed, out_features, bias)
 
 
 def int8_expand_rows() -> int:
@@ -223,21 +212,22 @@ def linear_int4(x: torch.Tensor, packed: torch.Tensor, out_features: int,
             or packed.numel() != _lib().llmbus_int4_packed_bytes(out_features, in_features)):
         raise ValueError(f"linear_int4: x {x.dtype} [..., {in_features}] does not fit a packed int4 "
                          f"[{out_features}, ?] weight (x must be bfloat16)")
-    return _int_product("linear_int4_bf16", x, packed, out_features, bias)
+    return _product("linear_int4", _lib().llmbus_linear_int4_bf16, x, packed, out_features, bias)
 
 
-def _int_product(entry: str, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """The call shared by the quantized products, once their weight has been checked."""
+def _product(name: str, entry, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """The call the products share (`linear`, `linear_int4`, `linear_int8`), once the caller
+    has checked that x fits its packed weight: y [..., out] of x's dtype."""
     if bias is not None and (bias.dtype != torch.float32 or bias.numel() != out_features or not bias.is_contiguous()):
-        raise ValueError("bias must be contiguous float32 [out_features]")
+        raise ValueError(f"{name}: bias must be contiguous float32 [out_features]")
     in_features = x.shape[-1]
     x2 = x.reshape(-1, in_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
     y = torch.empty(rows, out_features, dtype=x.dtype)
-    getattr(_lib(), f"llmbus_{entry}")(
+    entry(
         x2.data_ptr(), rows, in_features, x2.stride(0), packed.data_ptr(), out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr(), out_features, torch.get_num_threads(),
     )

@@ -32,31 +32,6 @@ LLMBUS_DECLARE(float, f32)
 #undef LLMBUS_DECLARE
 }
 
-// y [m, n] = x [m, k] @ W.T + bias for a quantized W whose blocks of 64 outputs
-// expand(b, panel) writes out as bfloat16 in linear.cpp's packed layout: each thread expands
-// its blocks one at a time into its own panel and multiplies with the bfloat16 kernel
-// (called with one thread: inside this parallel region it runs in the calling thread).
-// The int4 and int8 products take this path for many rows.
-#include <vector>
-
-template <typename Expand>
-void expanded_product(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, int64_t n, const float* bias,
-                      uint16_t* y, int64_t y_stride, int threads, Expand expand) {
-  constexpr int64_t kBlock = 64;
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<uint16_t> panel((std::size_t)(k * kBlock));
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      expand(b, panel.data());
-      const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
-      llmbus_linear_bf16(x, m, k, x_stride, panel.data(), valid, bias ? bias + b * kBlock : nullptr, y + b * kBlock,
-                         y_stride, 1);
-    }
-  }
-}
-
 template <typename T>
 struct Kernels;
 

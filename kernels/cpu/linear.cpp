@@ -11,11 +11,12 @@
 // float32 results differ from MKL's blocked sums in the last bits.
 #include <string.h>
 
+#include "blocks.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kBlock = 64;  // output features per packed block: four 16-lane vectors
+using blocks::kBlock;
 
 // One multiply-add step of dtype T: S inputs of one row against 64 packed features.
 template <typename T>
@@ -68,36 +69,20 @@ inline void tile(const T* x, int64_t x_stride, const T* block, int64_t k_steps, 
 }
 
 template <typename T>
-int64_t packed_numel(int64_t n, int64_t k) { return (n + kBlock - 1) / kBlock * kBlock * k; }
+int64_t packed_numel(int64_t n, int64_t k) { return blocks::count(n) * kBlock * k; }
 
 // w [n, k] row-major (k a multiple of S) -> packed, zero-padded to whole blocks.
 template <typename T>
-void pack(const T* w, int64_t n, int64_t k, T* out) {
-  constexpr int64_t S = Step<T>::S;
-  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / S;
-#pragma omp parallel for
-  for (int64_t b = 0; b < blocks; ++b) {
-    T* dst = out + b * k * kBlock;
-    for (int64_t kk = 0; kk < k_steps; ++kk)
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int64_t row = b * kBlock + j;
-        for (int64_t i = 0; i < S; ++i) dst[(kk * kBlock + j) * S + i] = row < n ? w[row * k + S * kk + i] : T(0);
-      }
-  }
-}
+void pack(const T* w, int64_t n, int64_t k, T* out) { blocks::pack<Step<T>::S>(w, n, k, out); }
 
 // y [m, n] (row stride y_stride) = x [m, k] (row stride x_stride) @ W.T + bias (float32, or null).
 // Threads split the output blocks: each streams its share of the weights once.
 template <typename T>
 void linear(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed, int64_t n, const float* bias, T* y,
             int64_t y_stride, int threads) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / Step<T>::S;
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
+  const int64_t k_steps = k / Step<T>::S;
+  blocks::for_each(n, bias, y, threads, [&](int64_t b, int64_t valid, const float* bb, T* yb) {
     const T* block = packed + b * k * kBlock;
-    const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
-    const float* bb = bias ? bias + b * kBlock : nullptr;
-    T* yb = y + b * kBlock;
     int64_t r = 0;
     for (; r + 6 <= m; r += 6)
       tile<T, 6>(x + r * x_stride, x_stride, block, k_steps, bb, yb + r * y_stride, y_stride, valid);
@@ -108,7 +93,7 @@ void linear(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed,
       case 2: tile<T, 2>(x + r * x_stride, x_stride, block, k_steps, bb, yb + r * y_stride, y_stride, valid); break;
       case 1: tile<T, 1>(x + r * x_stride, x_stride, block, k_steps, bb, yb + r * y_stride, y_stride, valid); break;
     }
-  }
+  });
 }
 
 }  // namespace

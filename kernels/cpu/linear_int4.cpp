@@ -28,12 +28,12 @@
 
 #include <vector>
 
-#include "kernels.h"
+#include "blocks.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kBlock = 64;   // outputs per block: four 16-lane vectors
+using blocks::kBlock;
 constexpr int64_t kGroup = 32;   // inputs per step/low
 constexpr int64_t kPairBytes = kBlock;  // one input pair for 64 outputs: 128 nibbles
 constexpr int64_t kGroupBytes = (kGroup / 2) * kPairBytes + 2 * kBlock * 2;  // nibbles + steps + lows
@@ -99,13 +99,13 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint8_t* block, int6
   }
 }
 
-int64_t packed_bytes(int64_t n, int64_t k) { return (n + kBlock - 1) / kBlock * (k / kGroup) * kGroupBytes; }
+int64_t packed_bytes(int64_t n, int64_t k) { return blocks::count(n) * (k / kGroup) * kGroupBytes; }
 
 // levels [n, k] (0..15), step and low [n, k/32] float32 -> packed (see the layout above).
 void pack(const uint8_t* levels, const float* step, const float* low, int64_t n, int64_t k, uint8_t* out) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, groups = k / kGroup;
+  const int64_t groups = k / kGroup;
 #pragma omp parallel for
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks::count(n); ++b) {
     for (int64_t g = 0; g < groups; ++g) {
       uint8_t* gp = out + (b * groups + g) * kGroupBytes;
       for (int64_t p = 0; p < kGroup / 2; ++p) {
@@ -181,10 +181,10 @@ void expand_block(const uint8_t* block, int64_t groups, uint16_t* panel, __m512i
 // y [m, n] = x [m, k] @ W.T + bias; threads split the output blocks, as in linear.cpp.
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* packed, int64_t n,
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, groups = k / kGroup;
+  const int64_t groups = k / kGroup;
   const __m512i table = level_table();
   if (m >= kExpandRows)
-    return expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
+    return blocks::expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
       expand_block(packed + b * groups * kGroupBytes, groups, panel, table);
     });
   // sum(x) per row and group, for the lows.
@@ -194,12 +194,8 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uin
       __m512 s = _mm512_add_ps(load16(x + r * x_stride + g * kGroup), load16(x + r * x_stride + g * kGroup + 16));
       sums[r * groups + g] = _mm512_reduce_add_ps(s);
     }
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
+  blocks::for_each(n, bias, y, threads, [&](int64_t b, int64_t valid, const float* bb, uint16_t* yb) {
     const uint8_t* block = packed + b * groups * kGroupBytes;
-    const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
-    const float* bb = bias ? bias + b * kBlock : nullptr;
-    uint16_t* yb = y + b * kBlock;
     int64_t r = 0;
     for (; r + 3 <= m; r += 3)
       tile<3>(x + r * x_stride, x_stride, block, groups, sums.data() + r * groups, groups, bb, yb + r * y_stride,
@@ -210,7 +206,7 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uin
     else if (m - r == 1)
       tile<1>(x + r * x_stride, x_stride, block, groups, sums.data() + r * groups, groups, bb, yb + r * y_stride,
               y_stride, valid, table);
-  }
+  });
 }
 
 }  // namespace

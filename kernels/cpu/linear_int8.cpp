@@ -15,18 +15,21 @@
 // share each widened vector between rows.
 #include <string.h>
 
-#include "kernels.h"
+#include "blocks.h"
 #include "simd.h"
 
 namespace {
 
-constexpr int64_t kBlock = 64;
+using blocks::kBlock;
+
+// 16 int8 weights -> 16 float32 (exact).
+inline __m512 to_f32(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+}
 
 // 32 int8 weights (16 outputs x an input pair) -> 32 bfloat16, same order.
 inline __m512bh widen(const int8_t* w) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);  // lo fills the low 16 elements
+  return _mm512_cvtne2ps_pbh(to_f32(w + 16), to_f32(w));  // the second fills the low 16 elements
 }
 
 template <int MR>
@@ -56,23 +59,14 @@ inline void tile(const uint16_t* x, int64_t x_stride, const int8_t* block, int64
   }
 }
 
-int64_t padded(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+int64_t padded(int64_t n) { return blocks::count(n) * kBlock; }
 int64_t packed_bytes(int64_t n, int64_t k) { return padded(n) * (k + (int64_t)sizeof(float)); }
 
 // w [n, k] int8 (k even) and scale [n] -> packed, zero-padded to whole blocks.
 void pack(const int8_t* w, const float* scale, int64_t n, int64_t k, int8_t* out) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
+  blocks::pack<2>(w, n, k, out);
   float* scales = (float*)(out + padded(n) * k);
   for (int64_t o = 0; o < padded(n); ++o) scales[o] = o < n ? scale[o] : 0.0f;
-#pragma omp parallel for
-  for (int64_t b = 0; b < blocks; ++b) {
-    int8_t* dst = out + b * k * kBlock;
-    for (int64_t kk = 0; kk < k_steps; ++kk)
-      for (int64_t j = 0; j < kBlock; ++j) {
-        const int64_t row = b * kBlock + j;
-        for (int64_t i = 0; i < 2; ++i) dst[(kk * kBlock + j) * 2 + i] = row < n ? w[row * k + 2 * kk + i] : 0;
-      }
-  }
 }
 
 // Rows from which a block is expanded to bfloat16 once (level * scale, rounded once) and
@@ -94,9 +88,8 @@ void expand_block(const int8_t* block, int64_t k_steps, const float* scale, uint
   for (int64_t kk = 0; kk < k_steps; ++kk) {
     const int8_t* w = block + kk * kBlock * 2;
     for (int j = 0; j < 4; ++j) {
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * j))));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 32 * j + 16))));
-      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s_hi[j]), _mm512_mul_ps(lo, s_lo[j]));
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(to_f32(w + 32 * j + 16), s_hi[j]),
+                                             _mm512_mul_ps(to_f32(w + 32 * j), s_lo[j]));
       _mm512_storeu_si512(panel + kk * kBlock * 2 + 32 * j, (__m512i)v);
     }
   }
@@ -104,19 +97,15 @@ void expand_block(const int8_t* block, int64_t k_steps, const float* scale, uint
 
 void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int8_t* packed, int64_t n,
             const float* bias, uint16_t* y, int64_t y_stride, int threads) {
-  const int64_t blocks = (n + kBlock - 1) / kBlock, k_steps = k / 2;
+  const int64_t k_steps = k / 2;
   const float* scale = (const float*)(packed + padded(n) * k);
   if (m >= kExpandRows)
-    return expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
+    return blocks::expanded_product(x, m, k, x_stride, n, bias, y, y_stride, threads, [&](int64_t b, uint16_t* panel) {
       expand_block(packed + b * k * kBlock, k_steps, scale + b * kBlock, panel);
     });
-#pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t b = 0; b < blocks; ++b) {
+  blocks::for_each(n, bias, y, threads, [&](int64_t b, int64_t valid, const float* bb, uint16_t* yb) {
     const int8_t* block = packed + b * k * kBlock;
-    const int64_t valid = n - b * kBlock < kBlock ? n - b * kBlock : kBlock;
     const float* sb = scale + b * kBlock;
-    const float* bb = bias ? bias + b * kBlock : nullptr;
-    uint16_t* yb = y + b * kBlock;
     int64_t r = 0;
     for (; r + 6 <= m; r += 6)
       tile<6>(x + r * x_stride, x_stride, block, k_steps, sb, bb, yb + r * y_stride, y_stride, valid);
@@ -129,7 +118,7 @@ void linear(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const int
       case 2: tile<2>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
       case 1: tile<1>(xr, x_stride, block, k_steps, sb, bb, yr, y_stride, valid); break;
     }
-  }
+  });
 }
 
 }  // namespace
