@@ -45,7 +45,8 @@ def llmbus_itls(llm, requests: list[BenchRequest]) -> list[float]:
     return itls
 
 
-def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchRequest]) -> list[float]:
+def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchRequest],
+                      device: torch.device | None = None) -> list[float]:
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
@@ -61,12 +62,12 @@ def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchReques
         def end(self) -> None:
             pass
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     itls = []
     with torch.inference_mode():
         for r in tqdm(requests, desc="transformers", unit="req", file=sys.stderr):
             clock = Clock()
-            ids = torch.tensor([r.prompt_token_ids])
+            ids = torch.tensor([r.prompt_token_ids], device=device)
             model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None,
                            pad_token_id=0, max_new_tokens=r.max_tokens, min_new_tokens=0, streamer=clock)
             tokens = clock.times[1:]  # [0] is the prompt
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     requests = random_workload(args.num_requests, (args.input_len, args.input_len),
                                (args.output_len, args.output_len), llm.runner.vocab_size, seed=args.seed)
     print(f"workload W0: {len(requests)} requests one at a time, input {args.input_len}, output "
-          f"{args.output_len}, model {path}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+          f"{args.output_len}, model {path}, dtype {args.dtype}, device {llm.runner.device}, "
+          f"threads {torch.get_num_threads()}")
     roofline = measure_runner(llm.runner)
     print(roofline.describe())
     bound_ms = roofline.min_decode_step_s * 1e3
@@ -94,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     results["llmbus_itl_ms"] = round(itl, 2)
     print(f"      llmbus: median inter-token latency {itl:.1f} ms = {itl / bound_ms:.2f}x the bandwidth bound")
     if not args.skip_hf:
+        device = llm.runner.device  # transformers runs where the engine ran
         del llm
-        hf = statistics.median(transformers_itls(path, parse_dtype(args.dtype), requests)) * 1e3
+        hf = statistics.median(transformers_itls(path, parse_dtype(args.dtype), requests, device)) * 1e3
         results["transformers_itl_ms"] = round(hf, 2)
         print(f"transformers: median inter-token latency {hf:.1f} ms = {hf / bound_ms:.2f}x the bandwidth bound")
         print(f"ratio llmbus/transformers inter-token latency: {itl / hf:.2f}")

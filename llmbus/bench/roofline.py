@@ -7,6 +7,8 @@
 - Memory: copy bandwidth (bytes read + bytes written per second, as STREAM's copy counts
   them) over a buffer far larger than the caches. A decode step must read every weight
   once, so weight bytes / bandwidth is the least time a step can take.
+
+Both are measured on the device the model runs on (a GPU's figures on a GPU).
 """
 
 from __future__ import annotations
@@ -43,21 +45,25 @@ class Roofline:
         )
 
 
-def _best_time(fn, repeats: int, min_seconds: float = 0.3) -> float:
-    """Best per-call time over a few timed batches of calls (best: the machine is shared)."""
+def _best_time(fn, repeats: int, min_seconds: float = 0.3, device: torch.device | None = None) -> float:
+    """Best per-call time over a few timed batches of calls (best: the machine is shared).
+    On a GPU the calls are asynchronous: each batch waits for its kernels to finish."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     fn()  # warm up: allocation, kernel selection
+    sync()
     best = float("inf")
     deadline = time.perf_counter() + min_seconds
     while True:
         start = time.perf_counter()
         for _ in range(repeats):
             fn()
+        sync()
         best = min(best, (time.perf_counter() - start) / repeats)
         if time.perf_counter() > deadline:
             return best
 
 
-def matmul_flops(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> float:
+def matmul_flops(dtype: torch.dtype, shapes: list[tuple[int, int, int]], device: torch.device | None = None) -> float:
     """The best FLOP/s of `x @ w.T` over the (tokens, in, out) shapes, through F.linear and,
     where the model packs its weights, through the packed product it runs: the bound is
     the best this machine does, not what an unpacked call does."""
@@ -65,21 +71,21 @@ def matmul_flops(dtype: torch.dtype, shapes: list[tuple[int, int, int]]) -> floa
 
     best = 0.0
     for m, k, n in shapes:
-        x = torch.randn(m, k).to(dtype)
-        w = torch.randn(n, k).to(dtype)
+        x = torch.randn(m, k, device=device).to(dtype)
+        w = torch.randn(n, k, device=device).to(dtype)
         products = [lambda: F.linear(x, w)]
         if can_pack(dtype, x.device):
             packed = PackedLinear(w, None)
             products.append(lambda: packed(x))
         for product in products:
-            best = max(best, 2 * m * k * n / _best_time(product, repeats=5))
+            best = max(best, 2 * m * k * n / _best_time(product, repeats=5, device=x.device))
     return best
 
 
-def copy_bandwidth(num_bytes: int = 512 << 20) -> float:
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+def copy_bandwidth(num_bytes: int = 512 << 20, device: torch.device | None = None) -> float:
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_time(lambda: dst.copy_(src), repeats=2, min_seconds=1.0)
+    seconds = _best_time(lambda: dst.copy_(src), repeats=2, min_seconds=1.0, device=src.device)
     return 2 * num_bytes / seconds
 
 
@@ -104,13 +110,15 @@ def model_weights(model: torch.nn.Module, tied: bool) -> tuple[int, int]:
 
 
 def measure(model: torch.nn.Module, hidden: int, intermediate: int, tied: bool, dtype: torch.dtype,
-            num_tokens: int = 512) -> Roofline:
+            num_tokens: int = 512, device: torch.device | None = None) -> Roofline:
     num_params, weight_bytes = model_weights(model, tied)
-    flops = matmul_flops(dtype, [(num_tokens, hidden, intermediate), (1024, 1024, 1024)])
-    return Roofline(dtype, flops, copy_bandwidth(), num_params, weight_bytes)
+    # A GPU's peak needs a bigger square than a CPU's to show (1024^3 is ~3 us on an H200).
+    square = 8192 if device is not None and device.type == "cuda" else 1024
+    flops = matmul_flops(dtype, [(num_tokens, hidden, intermediate), (square, square, square)], device)
+    return Roofline(dtype, flops, copy_bandwidth(device=device), num_params, weight_bytes)
 
 
 def measure_runner(runner, num_tokens: int = 512) -> Roofline:
     cfg = runner.model_config
     return measure(runner.model, cfg.hidden_size, cfg.intermediate_size, cfg.tie_word_embeddings,
-                   runner.dtype, num_tokens)
+                   runner.dtype, num_tokens, runner.device)

@@ -39,10 +39,11 @@ def run_llmbus(llm, requests: list[BenchRequest]) -> dict:
     return _rates("llmbus", requests, num_out, elapsed)
 
 
-def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int) -> dict:
+def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int,
+                     device: torch.device | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
     pad_id = 0
     num_out = 0
     start = time.perf_counter()
@@ -58,7 +59,7 @@ def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest
             # A static batch runs until its longest request is done; each request counts
             # only its own tokens.
             model.generate(
-                ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+                ids.to(device), attention_mask=mask.to(device), do_sample=False, eos_token_id=None, pad_token_id=pad_id,
                 max_new_tokens=max(r.max_tokens for r in batch), min_new_tokens=0,
             )
             num_out += sum(r.max_tokens for r in batch)
@@ -92,14 +93,16 @@ def run(args: argparse.Namespace) -> int:
         llm.runner.vocab_size, seed=args.seed,
     )
     print(f"workload: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
-          f"seed {args.seed}, model {path}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+          f"seed {args.seed}, model {path}, dtype {args.dtype}, device {llm.runner.device}, "
+          f"threads {torch.get_num_threads()}")
     roofline = measure_runner(llm.runner)
     print(roofline.describe())
     results = [run_llmbus(llm, requests)]
     if not args.skip_hf:
+        device = llm.runner.device  # transformers runs where the engine ran
         del llm  # free its KV cache before transformers loads its own copy
         hf_requests = requests[: args.hf_num_requests] if args.hf_num_requests else requests
-        results.append(run_transformers(path, parse_dtype(args.dtype), hf_requests, args.hf_batch_size))
+        results.append(run_transformers(path, parse_dtype(args.dtype), hf_requests, args.hf_batch_size, device))
     for r in results:
         print(f"{r['engine']:>13}: {r['requests']} req, {r['output_tokens']} out tok in {r['seconds']} s "
               f"-> {r['output_tok_s']} output tok/s, {r['total_tok_s']} total tok/s")

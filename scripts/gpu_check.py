@@ -1,0 +1,158 @@
+"""The engine end to end on a GPU: greedy output against transformers on the same GPU.
+
+CI has no GPU, so the CUDA path of the worker (Triton attention and KV writes, inputs on
+the device, sampling there) is only exercised where a GPU is lent. This runs the same
+cases as tests/test_engine_correctness.py — plain batch, chunked prefill, prefix-cache
+hits, preemption, block size 32 — on tiny random models (llama: head dim 16; qwen2 with
+q/k/v biases; a llama with head dim 64 and GQA 3, SmolLM2's layout) in float32, where
+the output must equal transformers' token for token, and reports bfloat16's agreement.
+
+    python scripts/gpu_check.py --out $OUT    # writes gpu_check.json; exit 1 on a mismatch
+
+`--random-smollm2 ASSETS DEST` instead writes a SmolLM2-shaped model with random weights
+(ASSETS: a folder with SmolLM2's config.json and tokenizer files) for `llmbus bench` on a
+machine the real checkpoint cannot be carried to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+MAX_NEW = 24
+
+
+def random_prompts(lengths, vocab_size=384, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = random_prompts([1, 5, 16, 17, 33, 64, 100])
+
+# name -> LLM keyword arguments; each must reproduce transformers' greedy output.
+CASES = {
+    "batch": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8},
+    "preemption": {"num_kv_blocks": 12, "block_size": 16, "enable_prefix_caching": False},
+    "preemption_chunked_prefix": {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 24},
+    "block_size_32": {"block_size": 32, "max_num_batched_tokens": 40},
+}
+
+MODELS = {
+    "llama_hd16": ("llama", {}),
+    "qwen2_bias": ("qwen2", {}),
+    "llama_hd64_gqa3": ("llama", {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                  "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.08}),
+}
+
+
+def greedy(llm, prompts, max_new=MAX_NEW):
+    from llmbus import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) -> list[dict]:
+    from llmbus import LLM
+    from tiny_models import build_tiny_model, hf_greedy
+
+    folder = build_tiny_model(root / name, arch=arch, **overrides)
+    reference = hf_greedy(folder, PROMPTS, MAX_NEW, device=device)
+    rows = []
+    for case, kwargs in CASES.items():
+        start = time.perf_counter()
+        try:
+            llm = LLM(str(folder), **kwargs)
+            out = greedy(llm, PROMPTS)
+            row = {"model": name, "case": case, "dtype": "float32", "device": str(llm.runner.device),
+                   "identical": out == reference, "preemptions": llm.stats().num_preemptions}
+        except Exception as exc:  # one broken case must not hide the others' results
+            row = {"model": name, "case": case, "dtype": "float32", "identical": False, "error": repr(exc)}
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    # Prefix hits: the first request fills the cache, the rest find its full blocks.
+    prefix = random_prompts([48], seed=7)[0]
+    prompts = [prefix + tail for tail in random_prompts([3, 9, 20, 1], seed=8)]
+    try:
+        llm = LLM(str(folder), block_size=16)
+        out = greedy(llm, prompts[:1]) + greedy(llm, prompts[1:])
+        row = {"model": name, "case": "prefix_hits", "dtype": "float32",
+               "identical": out == hf_greedy(folder, prompts, MAX_NEW, device=device),
+               "prefix_cache_hits": llm.stats().prefix_cache_hits}
+    except Exception as exc:
+        row = {"model": name, "case": "prefix_hits", "dtype": "float32", "identical": False, "error": repr(exc)}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+    # bfloat16: agreement with float32's transformers output, reported (not required).
+    try:
+        out = greedy(LLM(str(folder), dtype="bfloat16"), PROMPTS)
+        same = sum(a == b for a, b in zip(out, reference))
+        row = {"model": name, "case": "bfloat16_agreement", "dtype": "bfloat16",
+               "identical_prompts": f"{same}/{len(PROMPTS)}"}
+    except Exception as exc:
+        row = {"model": name, "case": "bfloat16_agreement", "dtype": "bfloat16", "error": repr(exc)}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+    return rows
+
+
+def random_smollm2(assets: Path, dest: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(assets)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dest, safe_serialization=True)
+    for f in assets.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, dest / f.name)
+    print(f"random SmolLM2-shaped model in {dest}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--random-smollm2", nargs=2, metavar=("ASSETS", "DEST"))
+    parser.add_argument("--cpu", action="store_true", help="run the checks on CPU (to test this script)")
+    args = parser.parse_args()
+    if args.random_smollm2:
+        random_smollm2(Path(args.random_smollm2[0]), Path(args.random_smollm2[1]))
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.cpu:
+        print("no GPU: nothing to check (the CPU path is what CI tests)")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 must be float32 on both sides
+    torch.backends.cudnn.allow_tf32 = False
+    import triton
+
+    report = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+              "rows": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (arch, overrides) in MODELS.items():
+            report["rows"] += check_model(name, arch, overrides, Path(tmp), device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    failed = [r for r in report["rows"] if r.get("identical") is False or "error" in r]
+    print(f"{len(report['rows']) - len(failed)}/{len(report['rows'])} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
