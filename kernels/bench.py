@@ -2,7 +2,8 @@
 
 On a GPU: correctness at real sizes against the PyTorch reference, then decode timings
 for batch x context in {1, 16, 64, 256} x {512, 4096, 16384} (head dim 128, 32 query /
-8 KV heads, bf16, block 16) with every split count, the achieved K/V bandwidth against
+8 KV heads, bf16, block 16) with every tile size and split count, the one the defaults
+pick (TILE_KEYS, choose_num_splits), the achieved K/V bandwidth against
 the H200's ~4.8 TB/s, torch SDPA on the same data gathered contiguous (and FlashInfer if
 importable), and one mixed prefill + decode step. Writes `kernels_bench.json` and
 `kernels_bench.md` into --out (default $OUT or .).
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import TILE_KEYS, paged_attention
 from kernels.triton_backend import choose_num_splits
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
@@ -67,18 +68,18 @@ def timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def run_kernel(query, key_cache, value_cache, md, num_splits):
+def run_kernel(query, key_cache, value_cache, md, num_splits, tile_keys=None):
     return paged_attention(query, key_cache, value_cache, md.block_table, md.query_start_loc, md.seq_lens,
-                           md.max_query_len, query.shape[-1] ** -0.5, num_splits=num_splits)
+                           md.max_query_len, query.shape[-1] ** -0.5, num_splits=num_splits, tile_keys=tile_keys)
 
 
-def check(query, key_cache, value_cache, md, num_splits) -> float:
+def check(query, key_cache, value_cache, md, num_splits, tile_keys=None) -> float:
     ref = TorchAttentionBackend().forward(
         query.float(), torch.zeros(query.shape[0], *key_cache.shape[2:], device=query.device),
         torch.zeros(query.shape[0], *key_cache.shape[2:], device=query.device),
         torch.stack([key_cache, value_cache]).float(), md, query.shape[-1] ** -0.5,
     )
-    out = run_kernel(query, key_cache, value_cache, md, num_splits).float()
+    out = run_kernel(query, key_cache, value_cache, md, num_splits, tile_keys).float()
     return float((out - ref).abs().max())
 
 
@@ -91,11 +92,11 @@ def main() -> int:
     if args.smoke:
         heads, kv_heads, head_dim, dtype = 4, 2, 64, torch.float32
         batches, contexts, mixed = [1, 2], [32, 64], (16, 1, 2, 48)
-        splits = [1, 2]
+        splits, tiles = [1, 2], [16, 32]
     else:
         heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
         batches, contexts, mixed = [1, 16, 64, 256], [512, 4096, 16384], (2048, 1, 64, 4096)
-        splits = [1, 2, 4, 8, 16]
+        splits, tiles = [1, 2, 4, 8, 16], [16, 32, 64, 128]
     block_size = 16
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                     "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype),
@@ -104,11 +105,11 @@ def main() -> int:
     # Correctness at the benchmark's sizes (a few shapes; the reference gathers contiguously).
     for batch, context, q_len in [(batches[1], contexts[1], 1), (batches[0], contexts[-1], 1), (2, max(contexts[0], 48), 37)]:  # 37 new tokens need a context that holds them
         step = make_step(batch, context, q_len, heads, kv_heads, head_dim, block_size, dtype, device)
-        for s in (1, splits[-1]):
-            err = check(*step, s)
+        for s, t in [(1, tiles[0]), (splits[-1], tiles[0]), (1, tiles[-1]), (splits[-1], tiles[-1])]:
+            err = check(*step, s, t)
             report["correctness"].append({"batch": batch, "context": context, "query_len": q_len,
-                                          "num_splits": s, "max_abs_err": err, "ok": err < 3e-2})
-            print(f"check batch={batch} context={context} q={q_len} splits={s}: max err {err:.2e}", flush=True)
+                                          "num_splits": s, "tile_keys": t, "max_abs_err": err, "ok": err < 3e-2})
+            print(f"check batch={batch} context={context} q={q_len} splits={s} tile={t}: max err {err:.2e}", flush=True)
 
     try:
         import flashinfer  # noqa: F401
@@ -121,8 +122,11 @@ def main() -> int:
             query, key_cache, value_cache, md = make_step(batch, context, 1, heads, kv_heads, head_dim,
                                                           block_size, dtype, device)
             kv_bytes = 2 * batch * context * kv_heads * head_dim * key_cache.element_size()
-            times = {s: timed(lambda s=s: run_kernel(query, key_cache, value_cache, md, s), device) for s in splits}
-            picked = choose_num_splits(batch, kv_heads, 1, context)
+            times = {(t, s): timed(lambda s=s, t=t: run_kernel(query, key_cache, value_cache, md, s, t), device)
+                     for t in tiles for s in splits}
+            picked = (max(block_size, TILE_KEYS), choose_num_splits(batch, kv_heads, 1, context))
+            if picked not in times:  # the defaults may lie outside a (smoke) sweep
+                times[picked] = timed(lambda: run_kernel(query, key_cache, value_cache, md, picked[1], picked[0]), device)
             best = min(times, key=times.get)
             # SDPA on the same K/V laid out contiguous, [batch, kv_heads, context, head_dim].
             k = key_cache[md.block_table.long()].reshape(batch, -1, kv_heads, head_dim)[:, :context].transpose(1, 2).contiguous()
@@ -131,8 +135,9 @@ def main() -> int:
             sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), device)
             del k, v
             row = {"batch": batch, "context": context, "kv_bytes": kv_bytes,
-                   "ms_by_splits": {s: round(t * 1e3, 4) for s, t in times.items()},
-                   "best_splits": best, "heuristic_splits": picked,
+                   "ms_by_tile_splits": {f"t{t}s{s}": round(x * 1e3, 4) for (t, s), x in times.items()},
+                   "best": f"t{best[0]}s{best[1]}", "best_ms": round(times[best] * 1e3, 4),
+                   "picked": f"t{picked[0]}s{picked[1]}",
                    "kernel_ms": round(times[picked] * 1e3, 4),
                    "kernel_TBps": round(kv_bytes / times[picked] / 1e12, 3),
                    "peak_fraction": round(kv_bytes / times[picked] / H200_PEAK_BYTES_S, 3),
@@ -171,10 +176,10 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels_bench.json").write_text(json.dumps(report, indent=1))
-    lines = ["| batch | context | best splits | heuristic | kernel ms | TB/s | of peak | SDPA contiguous ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | context | best (tile, splits) | best ms | picked | picked ms | TB/s | of peak | SDPA contiguous ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
-        lines.append(f"| {r['batch']} | {r['context']} | {r['best_splits']} | {r['heuristic_splits']} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['best']} | {r['best_ms']} | {r['picked']} | "
                      f"{r['kernel_ms']} | {r['kernel_TBps']} | {r['peak_fraction']} | {r['sdpa_contiguous_ms']} |")
     (out / "kernels_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

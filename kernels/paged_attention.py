@@ -6,6 +6,11 @@ block is read once per tile, and walks that request's blocks through the block t
 causal within the new tokens, full over the cached prefix. Softmax is online, in
 float32, whatever the cache dtype.
 
+A program's inner loop reads TILE_KEYS keys at once, gathered from TILE_KEYS / block_size
+cache blocks: more bytes in flight per program than one block at a time (on an H200 a
+16-key tile left decode at 0.67 of the memory bandwidth where contiguous SDPA reached
+0.95; docs/kernels.md).
+
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one slice of the
 keys and writes an unnormalised partial (acc, max, sum); `_reduce_splits_kernel` merges
 the slices. It pays when few sequences with long contexts leave the GPU idle.
@@ -18,6 +23,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+# Keys per inner iteration (at least one cache block). Set from `python -m kernels.bench`.
+TILE_KEYS = 64
 
 
 @triton.jit
@@ -40,7 +48,8 @@ def _paged_attention_kernel(
     NUM_QUERIES_PER_KV: tl.constexpr,  # GQA group size
     GROUP_PAD: tl.constexpr,  # next power of two of the group
     BLOCK_Q: tl.constexpr,  # query tokens per program
-    BLOCK_SIZE: tl.constexpr,  # cache block size = keys per inner iteration
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    TILE_KEYS: tl.constexpr,  # keys per inner iteration, a multiple of BLOCK_SIZE
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -71,30 +80,33 @@ def _paged_attention_kernel(
 
         # Keys this program covers: its split's slice, cut at the tile's last position.
         kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_SIZE) * BLOCK_SIZE
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_KEYS) * TILE_KEYS
         kv_start = split * split_len
         kv_end = tl.minimum(kv_end, kv_start + split_len)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        offs_n = tl.arange(0, BLOCK_SIZE)
-        for start in range(kv_start, kv_end, BLOCK_SIZE):
-            physical = tl.load(block_table_ptr + req * stride_bt + start // BLOCK_SIZE).to(tl.int64)
+        offs_n = tl.arange(0, TILE_KEYS)
+        for start in range(kv_start, kv_end, TILE_KEYS):
+            key_pos = start + offs_n
+            key_valid = key_pos < kv_end  # the last tile may run past the keys (and the table)
+            physical = tl.load(block_table_ptr + req * stride_bt + key_pos // BLOCK_SIZE,
+                               mask=key_valid, other=0).to(tl.int64)
             kv_offs = (
-                physical * stride_c_block
-                + offs_n[:, None] * stride_c_slot
+                physical[:, None] * stride_c_block
+                + (key_pos % BLOCK_SIZE)[:, None] * stride_c_slot
                 + kv_head * stride_c_head
                 + d[None, :]
             )
-            k = tl.load(key_cache_ptr + kv_offs, mask=d_valid[None, :], other=0.0)  # [BLOCK_SIZE, BLOCK_D]
+            kv_mask = key_valid[:, None] & d_valid[None, :]
+            k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [TILE_KEYS, BLOCK_D]
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = s * scale  # [BLOCK_M, BLOCK_SIZE]
-            key_pos = start + offs_n
-            visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < kv_end) & row_valid[:, None]
+            s = s * scale  # [BLOCK_M, TILE_KEYS]
+            visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :] & row_valid[:, None]
             s = tl.where(visible, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -102,7 +114,7 @@ def _paged_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(value_cache_ptr + kv_offs, mask=d_valid[None, :], other=0.0)
+            v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -162,6 +174,7 @@ def paged_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    tile_keys: int | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -170,6 +183,8 @@ def paged_attention(
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert block_size in (16, 32, 64), "block_size must be 16, 32 or 64"
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    tile_keys = max(block_size, TILE_KEYS if tile_keys is None else tile_keys)
+    assert tile_keys % block_size == 0 and tile_keys & (tile_keys - 1) == 0, "tile_keys: a power-of-two multiple of block_size"
     num_reqs = seq_lens.shape[0]
     assert query_start_loc.shape == (num_reqs + 1,) and block_table.shape[0] == num_reqs
     out = torch.empty_like(query) if out is None else out
@@ -197,6 +212,7 @@ def paged_attention(
         GROUP_PAD=group_pad,
         BLOCK_Q=block_q,
         BLOCK_SIZE=block_size,
+        TILE_KEYS=tile_keys,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         NUM_SPLITS=num_splits,

@@ -5,9 +5,11 @@
 # use random weights of SmolLM2's shape). In order of what matters most:
 #   1. scripts/gpu_check.py: the engine on CUDA, greedy output vs transformers on the GPU
 #   2. python -m kernels.bench: Triton paged attention at real sizes, splits, vs SDPA
-#   3. llmbus bench throughput (W1) and latency (W0) on the GPU, bf16, then W1 in f32
+#   3. scripts/gpu_step_profile.py: a decode step's host time against its GPU time
+#   4. llmbus bench throughput (W1) and latency (W0) on the GPU, bf16, then W1 in f32
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
-# $OUT: device_check.log (all output), gpu_check.json, kernels_bench.json/.md.
+# $OUT: device_check.log (all output), gpu_check.json, kernels_bench.json/.md,
+# gpu_step_profile.json.
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
@@ -33,10 +35,11 @@ step() {  # step NAME SECONDS COMMAND...
     nproc
 } >>"$LOG" 2>&1
 
-step gpu_check 120 python3 scripts/gpu_check.py --out "$OUT"
-step kernels_bench 150 python3 -m kernels.bench --out "$OUT"
+step gpu_check 90 python3 scripts/gpu_check.py --out "$OUT"
+step kernels_bench 200 python3 -m kernels.bench --out "$OUT"
 MODEL=/tmp/smollm2-random
 step random_model 45 python3 scripts/gpu_check.py --random-smollm2 .gpu_assets/smollm2 "$MODEL"
+step step_profile 60 python3 scripts/gpu_step_profile.py --model "$MODEL" --batch 1 16 128 --out "$OUT"
 step w1_bf16 90 python3 -m llmbus bench throughput --model "$MODEL" --dtype bfloat16
 step w0_bf16 75 python3 -m llmbus bench latency --model "$MODEL" --dtype bfloat16
 step w1_f32 90 python3 -m llmbus bench throughput --model "$MODEL" --dtype float32

@@ -57,6 +57,17 @@ def test_head_dims_and_split_kv_match_reference(head_dim, num_splits):
     torch.testing.assert_close(out, reference(query, kv_cache, md), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tile_keys", [16, 32, 128])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_tiles_of_several_blocks_match_reference(tile_keys, num_splits):
+    # A tile gathers tile_keys / 16 blocks; lengths end mid-tile and mid-block, one
+    # sequence is shorter than a tile, and prefill chunks start mid-sequence.
+    query, kv_cache, md = make_batch([1, 1, 1, 7, 20], [3, 45, 140, 60, 20], 6, 2, 64, 16, torch.float32, seed=6)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
+                          md.seq_lens, md.max_query_len, 64**-0.5, num_splits=num_splits, tile_keys=tile_keys)
+    torch.testing.assert_close(out, reference(query, kv_cache, md), atol=1e-4, rtol=1e-4)
+
+
 def test_split_kv_also_handles_prefill_chunks():
     query, kv_cache, md = make_batch([1, 9], [40, 37], 4, 2, 64, 16, torch.float32, seed=2)
     out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc,
