@@ -11,15 +11,19 @@ from kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.metadata import AttentionMetadata
 
 # Split-KV pays when too few (sequence, KV head) programs exist to fill the GPU and each
-# has a long run of keys. These numbers are a starting point (an H200 has 132 SMs); the
-# GPU benchmark (`python -m kernels.bench`) is what should set them.
-SPLIT_TARGET_PROGRAMS = 264
-SPLIT_MIN_KEYS = 512
+# has a long run of keys. Set from `python -m kernels.bench` on an H200 (132 SMs; tile of
+# 64 keys; docs/kernels.md): with 8 or 128 programs, splitting up to ~512 programs won
+# (1 x 4096: 16 splits, 2.1x faster than 8; 16 x 4096: 4, 1.15x faster than 2); from 512
+# programs on, one split was best or within 3%; under 1024 keys a split only added the
+# reduction's launch (1 x 512: 2 splits took 2.1x as long as 1). Slices stay >= 256 keys.
+SPLIT_TARGET_PROGRAMS = 512
+SPLIT_MIN_SEQ = 1024
+SPLIT_MIN_KEYS = 256
 MAX_SPLITS = 16
 
 
 def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int) -> int:
-    if max_query_len != 1 or max_seq_len < 2 * SPLIT_MIN_KEYS:
+    if max_query_len != 1 or max_seq_len < SPLIT_MIN_SEQ:
         return 1
     programs = num_reqs * num_kv_heads
     if programs >= SPLIT_TARGET_PROGRAMS:
