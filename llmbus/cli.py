@@ -8,6 +8,7 @@ import os
 import sys
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError
+from shared.config import KV_CACHE_DTYPES
 from shared.logs import setup_logging
 
 
@@ -40,6 +41,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
                         help="KV cache budget when --num-kv-blocks is not given")
     parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
+    parser.add_argument("--kv-cache-dtype", default=env("--kv-cache-dtype", "auto"), choices=KV_CACHE_DTYPES,
+                        help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, twice "
+                             "the tokens per GB (CPU attention backend; docs/performance.md for its agreement)")
     parser.add_argument("--attention-backend", default=env("--attention-backend"), choices=["torch", "triton"],
                         help="default: triton on a GPU, torch on CPU")
     parser.add_argument("--threads", type=int, default=env("--threads"),
@@ -70,6 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         attention_backend=args.attention_backend,

@@ -52,6 +52,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
         block_size: int = 16,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
@@ -69,6 +70,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             enable_prefix_caching=enable_prefix_caching,
+            cache_dtype=kv_cache_dtype,
         )
         self.tokenizer = Tokenizer(path)
         self.runner = ModelRunner(

@@ -58,7 +58,7 @@ def cmd_worker(args) -> int:
     path, name = _setup(args)
     cache = CacheConfig(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)), cache_dtype=args.kv_cache_dtype,
     )
     asyncio.run(serve(path, args.nats_url, name, cache, args.dtype, args.attention_backend,
                       args.max_model_len, args.worker_id, threads=args.threads,
@@ -106,7 +106,7 @@ def cmd_serve(args) -> int:
     if args.max_model_len:
         model += ["--max-model-len", str(args.max_model_len)]
     worker = [*model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--kv-cache-dtype", args.kv_cache_dtype]
     if args.attention_backend:
         worker += ["--attention-backend", args.attention_backend]
     if args.quantization:

@@ -28,14 +28,22 @@ class SchedulerConfig:
             )
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact number of blocks; wins over the memory budget
     kv_cache_memory_bytes: int = 1 << 30  # budget when num_kv_blocks is not given
     enable_prefix_caching: bool = True
+    # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per value,
+    # twice the tokens in the same memory and half the bytes for attention to read.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

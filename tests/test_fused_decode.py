@@ -2,7 +2,7 @@
 give the same bits as the module path that calls the same kernels one by one: the same
 greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64
 and 128, over block boundaries, for a batch whose requests finish at different steps, in
-bfloat16, float32, int4 and int8 weights."""
+bfloat16, float32, int4 and int8 weights, and with a float8 KV cache."""
 
 import pytest
 import torch
@@ -22,16 +22,18 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("dtype, quantization",
-                         [("bfloat16", None), ("float32", None), ("bfloat16", "int4"), ("bfloat16", "int8")])
+@pytest.mark.parametrize("dtype, quantization, kv_cache_dtype", [
+    ("bfloat16", None, "auto"), ("float32", None, "auto"), ("bfloat16", "int4", "auto"), ("bfloat16", "int8", "auto"),
+    ("bfloat16", None, "fp8_e4m3"), ("float32", None, "fp8_e5m2"),
+])
 @pytest.mark.parametrize("arch, overrides", [
     ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
                    tie_word_embeddings=True)),
     ("qwen2", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320)),
 ])
-def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dtype, quantization):
+def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dtype, quantization, kv_cache_dtype):
     folder = build_tiny_model(tmp_path, arch, **overrides)
-    fused = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization)
+    fused = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     path = fused.runner.model.fused_decode
     assert path is not None
     calls = []
@@ -40,7 +42,7 @@ def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dty
     fused_out = run(fused)
     assert calls and max(calls) == len(PROMPTS) and min(calls) < len(PROMPTS)  # a shrinking batch
 
-    modules = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization)
+    modules = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     modules.runner.model.fused_decode = None
     assert run(modules) == fused_out
 

@@ -8,6 +8,9 @@
   activations (kernels/cpu/linear_int4.cpp, linear_int8.cpp).
 - `paged_decode_attention`: attention of one query token per sequence, reading keys and
   values in place from the paged cache (kernels/cpu/paged_decode_attention.cpp).
+- `write_kv`: new keys and values into their cache slots; with an 8-bit float cache
+  (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`) converted as PyTorch converts (kernels/cpu/fp8.h).
+  Both attention kernels read such a cache too, for queries of either dtype.
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
   cache, flash-attention style (kernels/cpu/paged_prefill_attention.cpp).
 - `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
@@ -46,7 +49,7 @@ class LayerSpec(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
-        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I)]
+        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -58,14 +61,28 @@ class StepSpec(ctypes.Structure):
 
 # The dtypes the kernels take, by the suffix of their C entry points.
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+# 8-bit float KV caches, by the format code the kernels take (kernels/cpu/fp8.h); 0 is a
+# cache of the activations' own dtype.
+FP8_KV_FORMATS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def kv_format(activation_dtype: torch.dtype, cache_dtype: torch.dtype) -> int | None:
+    """The kernels' code for a cache of `cache_dtype` beside activations of `activation_dtype`,
+    or None where they take no such pair."""
+    if activation_dtype not in _SUFFIX:
+        return None
+    return 0 if cache_dtype == activation_dtype else FP8_KV_FORMATS.get(cache_dtype)
 
 _C = ctypes.c_int
 _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<name>_f32
     "packed_numel": ([_I, _I], _I),
     "pack": ([_P, _I, _I, _P], None),
     "linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
-    "paged_decode_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C], _C),
-    "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C], _C),
+    "paged_decode_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I],
+                               _C),
+    "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I],
+                                _C),
+    "write_kv": ([_P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I], _C),
     "add_rms_norm": ([_P, _P, _P, _F, _P, _I, _I, _C], None),
     "rotary": ([_P, _I, _I, _I, _I, _P, _P, _P, _C], None),
     "silu_mul": ([_P, _P, _I, _I, _C], None),
@@ -238,20 +255,22 @@ def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether both attention kernels (decode and prefill) take this query and cache."""
     head_dim = query.shape[-1]
     return (
-        query.dtype in _SUFFIX and kv_cache.dtype == query.dtype and query.device.type == "cpu"
+        kv_format(query.dtype, kv_cache.dtype) is not None and query.device.type == "cpu"
         and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
         and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] // kv_cache.shape[3] <= 64 and available()
     )
 
 
 def _attention_entry(kernel: str, query: torch.Tensor, kv_cache: torch.Tensor):
-    """The C entry point for this query and cache, after the checks ctypes cannot make."""
-    if query.dtype not in _SUFFIX or kv_cache.dtype != query.dtype:
-        raise ValueError(f"{kernel} takes a bfloat16 or float32 query and a cache of the same dtype, "
-                         f"got {query.dtype} and {kv_cache.dtype}")
+    """The C entry point for this query and cache and the cache's format code, after the
+    checks ctypes cannot make."""
+    code = kv_format(query.dtype, kv_cache.dtype)
+    if code is None:
+        raise ValueError(f"{kernel} takes a bfloat16 or float32 query and a cache of the same dtype or of "
+                         f"float8 (e4m3fn, e5m2), got {query.dtype} and {kv_cache.dtype}")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError(f"{kernel} needs head_dim contiguous in query and cache")
-    return _entry(kernel, query.dtype)
+    return _entry(kernel, query.dtype), code
 
 
 def paged_decode_attention(
@@ -263,7 +282,7 @@ def paged_decode_attention(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    entry = _attention_entry("paged_decode_attention", query, kv_cache)
+    entry, code = _attention_entry("paged_decode_attention", query, kv_cache)
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table and seq_lens must be int32")
     block_table, seq_lens = block_table.contiguous(), seq_lens.contiguous()
@@ -273,7 +292,7 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(),
         k.stride(0), k.stride(1), k.stride(2), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads(),
+        torch.get_num_threads(), code,
     )
     if status == -1:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")
@@ -291,7 +310,7 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    entry = _attention_entry("paged_prefill_attention", query, kv_cache)
+    entry, code = _attention_entry("paged_prefill_attention", query, kv_cache)
     if blocks.dtype != torch.int32 or not blocks.is_contiguous() or blocks.numel() * block_size < seq_len:
         raise ValueError(f"paged_prefill_attention needs a contiguous int32 block row covering {seq_len} tokens")
     out = torch.empty_like(query)
@@ -299,7 +318,7 @@ def paged_prefill_attention(
     status = entry(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
         k.stride(2), blocks.data_ptr(), query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(), code,
     )
     if status == -1:
         raise ValueError(f"paged_prefill_attention: head_dim {head_dim} has no compiled variant")
@@ -307,6 +326,37 @@ def paged_prefill_attention(
         raise ValueError(f"paged_prefill_attention: {query_len} new of {seq_len} tokens, "
                          f"{num_heads} heads over {num_kv_heads}")
     return out
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], bfloat16 or float32
+    value: torch.Tensor,  # as key
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], head_dim contiguous
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padded token
+) -> None:
+    """key and value into their slots, converted to the cache's dtype (float8: rounded to
+    nearest even, saturating at the format's largest finite value)."""
+    code = kv_format(key.dtype, kv_cache.dtype)
+    if code is None or value.dtype != key.dtype or key.shape != value.shape:
+        raise ValueError(f"write_kv: key and value of one dtype and shape into a cache of it or of float8; "
+                         f"got {key.dtype} {tuple(key.shape)}, {value.dtype}, cache {kv_cache.dtype}")
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if kv_cache.shape[3:] != (num_kv_heads, head_dim) or kv_cache.stride(-1) != 1:
+        raise ValueError(f"write_kv: cache {tuple(kv_cache.shape)} does not hold [{num_kv_heads}, {head_dim}] "
+                         f"heads with head_dim contiguous")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (num_tokens,):
+        raise ValueError("write_kv: slot_mapping must be int64, one slot per token")
+    if num_tokens and int(slot_mapping.max()) >= kv_cache.shape[1] * kv_cache.shape[2]:
+        raise ValueError("write_kv: a slot lies past the cache")
+    # The kernel takes heads adjacent within a row and one row stride for both.
+    if key.stride()[1:] != (head_dim, 1) or value.stride() != key.stride():
+        key, value = key.contiguous(), value.contiguous()
+    slots = slot_mapping.contiguous()
+    k, v = kv_cache[0], kv_cache[1]
+    _entry("write_kv", key.dtype)(
+        key.data_ptr(), value.data_ptr(), key.stride(0), slots.data_ptr(), num_tokens, num_kv_heads, head_dim,
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), kv_cache.shape[2], code,
+    )
 
 
 def supports(x: torch.Tensor) -> bool:

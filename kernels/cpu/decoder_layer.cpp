@@ -24,6 +24,7 @@ struct LlmbusLayer {
   const float *cos_table, *sin_table;                        // [max_position, head_dim]
   int64_t weight_format;  // qkv, o, gate_up, down: 0 packed in T, 4 by llmbus_pack_int4, 8 by
                           // llmbus_pack_int8 (the last two in bfloat16 layers only)
+  int64_t kv_format;      // the caches: 0 in T, 1 float8 e4m3, 2 float8 e5m2 (fp8.h)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -61,7 +62,6 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   const int threads = (int)S->threads;
   const T *input_norm = (const T*)L->input_norm, *post_norm = (const T*)L->post_norm;
   T *normed = (T*)S->normed, *qkv = (T*)S->qkv, *attn = (T*)S->attn, *gate_up = (T*)S->gate_up, *act = (T*)S->act;
-  T *k_cache = (T*)L->k_cache, *v_cache = (T*)L->v_cache;
   if (L->weight_format != 0 && sizeof(T) != 2) return -10;
   if (first_layer) {
     for (int64_t i = 0; i < rows * h; ++i) residual[i] = hidden[i];
@@ -72,12 +72,14 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   product(L, normed, rows, h, L->qkv, qkv_size, L->qkv_bias, qkv, threads);
   K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table, L->sin_table,
             threads);
-  K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d, k_cache, v_cache,
-              L->block_stride, L->slot_stride, L->head_stride, L->block_size);
-  const int status = K::decode_attention(qkv, qkv_size, d, k_cache, v_cache, L->block_stride, L->slot_stride,
-                                         L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows,
-                                         L->num_heads, L->num_kv_heads, d, L->block_size, (float)L->scale, attn,
-                                         q_size, d, threads);
+  int status = K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d,
+                           L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, L->block_size,
+                           L->kv_format);
+  if (status != 0) return status;
+  status = K::decode_attention(qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride,
+                               L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows, L->num_heads,
+                               L->num_kv_heads, d, L->block_size, (float)L->scale, attn, q_size, d, threads,
+                               L->kv_format);
   if (status != 0) return status;
   product(L, attn, rows, q_size, L->o, h, L->o_bias, hidden, threads);
   K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);

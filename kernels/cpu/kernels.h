@@ -8,15 +8,15 @@ extern "C" {
   void llmbus_linear_##SUFFIX(const T* x, int64_t m, int64_t k, int64_t x_stride, const T* packed, int64_t n,     \
                               const float* bias, T* y, int64_t y_stride, int threads);                              \
   int llmbus_paged_decode_attention_##SUFFIX(                                                                       \
-      const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache, const T* v_cache,                \
+      const T* q, int64_t q_token_stride, int64_t q_head_stride, const void* k_cache, const void* v_cache,          \
       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,                  \
       int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
       int64_t head_dim, int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,    \
-      int threads);                                                                                                 \
-  void llmbus_write_kv_##SUFFIX(const T* key, const T* value, int64_t row_stride, const int64_t* slots,           \
-                                int64_t rows, int64_t num_kv_heads, int64_t head_dim, T* k_cache, T* v_cache,     \
-                                int64_t block_stride, int64_t slot_stride, int64_t head_stride,                   \
-                                int64_t block_size);                                                              \
+      int threads, int64_t kv_format);                                                                              \
+  int llmbus_write_kv_##SUFFIX(const T* key, const T* value, int64_t row_stride, const int64_t* slots,            \
+                               int64_t rows, int64_t num_kv_heads, int64_t head_dim, void* k_cache, void* v_cache,  \
+                               int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size,   \
+                               int64_t kv_format);                                                                \
   void llmbus_add_rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, float eps, T* out, int64_t rows,    \
                                     int64_t hidden, int threads);                                                 \
   void llmbus_rotary_##SUFFIX(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride,              \

@@ -1,5 +1,6 @@
 // Decode attention (one query token per sequence) read in place from the paged KV cache,
-// bfloat16 or float32 cache and queries (one template), float32 scores, softmax and sums.
+// bfloat16 or float32 queries with a cache of their dtype or of 8-bit floats (fp8.h; one
+// template), float32 scores, softmax and sums.
 //
 // The PyTorch backend first gathers each sequence's blocks into a contiguous copy, then
 // runs two batched matmuls; at 128 decodes over ~500 tokens that copy alone moved ~0.9 GB
@@ -21,6 +22,7 @@
 
 #include <vector>
 
+#include "fp8.h"
 #include "simd.h"
 
 namespace {
@@ -85,15 +87,16 @@ struct QueryRegs<float, D> {
 // One KV head of one sequence: its qpk query heads against len keys and values whose
 // offsets in the cache are given. next_k/next_v (or null) are the next head of the same
 // sequence, whose first rows are prefetched while this head's last keys are scored.
-template <int D, typename T>
-void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const T* v_cache, const T* next_k,
-            const T* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, T* out,
+// An 8-bit cache's keys are widened to T, 16 rows at a time, once for all the query heads.
+template <int D, typename T, int F, typename E = typename CacheOf<T, F>::E>
+void attend(const T* q, int64_t q_head_stride, int qpk, const E* k_cache, const E* v_cache, const E* next_k,
+            const E* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, T* out,
             int64_t o_head_stride, std::vector<float>& scores) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
   constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
-  auto row = [&](const T* cache, int64_t t) { return cache + offsets[t]; };
+  auto row = [&](const E* cache, int64_t t) { return cache + offsets[t]; };
 
   // Scores, 16 keys at a time: each query head's 16 dot products reduced together. Keys
   // and values kAhead rows on are prefetched meanwhile, so the value pass reads from L2,
@@ -107,9 +110,11 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
       prefetch_row<D>(row(v_cache, t));
     }
   const int value_head = qpk > 1 ? 1 : 0;  // the head whose pass prefetches values
-  const T* keys[16];
-  const T* ahead_k[16];
-  const T* ahead_v[16];
+  const E* keys[16];
+  const E* ahead_k[16];
+  const E* ahead_v[16];
+  const T* key_rows[16];
+  alignas(64) T widened[F == fp8::kSame ? 1 : 16 * D];
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int n = len - t0 < 16 ? (int)(len - t0) : 16;
     for (int j = 0; j < n; ++j) keys[j] = row(k_cache, t0 + j);
@@ -125,6 +130,14 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
         break;
       }
     }
+    for (int j = 0; j < n; ++j) {
+      if constexpr (F == fp8::kSame) {
+        key_rows[j] = keys[j];
+      } else {
+        CacheOf<T, F>::template widen<D>(keys[j], widened + j * D);
+        key_rows[j] = widened + j * D;
+      }
+    }
     for (int i = 0; i < qpk; ++i) {
       const QueryRegs<T, D> qv(q + i * q_head_stride);
       __m512 acc[16];
@@ -133,7 +146,7 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
           if (i == 0) prefetch_row<D>(ahead_k[j]);
           if (i == value_head) prefetch_row<D>(ahead_v[j]);
         }
-        acc[j] = j < n ? qv.dot(keys[j]) : _mm512_setzero_ps();
+        acc[j] = j < n ? qv.dot(key_rows[j]) : _mm512_setzero_ps();
       }
       _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n),
                             _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
@@ -167,9 +180,9 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
     for (int j = 0; j < kHeadsPerPass; ++j)
       for (int c = 0; c < kLanes; ++c) acc[j][c] = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const T* value = row(v_cache, t);
+      const E* value = row(v_cache, t);
       __m512 v[kLanes];
-      for (int c = 0; c < kLanes; ++c) v[c] = load16(value + 16 * c);
+      for (int c = 0; c < kLanes; ++c) v[c] = CacheOf<T, F>::load(value + 16 * c);
       for (int j = 0; j < kHeadsPerPass; ++j) {
         if (j >= nh) break;
         const __m512 p = _mm512_set1_ps(scores[(h0 + j) * padded + t]);
@@ -185,8 +198,8 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const T* k_cache, const 
 }
 
 // Returns 0, or -1 for a head_dim without a compiled variant (the caller falls back).
-template <typename T>
-int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+template <typename T, int F, typename E = typename CacheOf<T, F>::E>
+int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E* k_cache, const E* v_cache,
                      int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,
                      int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out,
@@ -218,16 +231,16 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
       for (int64_t g = g0; g < g0 + heads_per_task; ++g) {
         const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
         T* os = out + s * o_token_stride + g * qpk * o_head_stride;
-        const T* kc = k_cache + g * head_stride;
-        const T* vc = v_cache + g * head_stride;
+        const E* kc = k_cache + g * head_stride;
+        const E* vc = v_cache + g * head_stride;
         const bool last = g + 1 == g0 + heads_per_task;
-        const T* next_k = last ? nullptr : kc + head_stride;
-        const T* next_v = last ? nullptr : vc + head_stride;
+        const E* next_k = last ? nullptr : kc + head_stride;
+        const E* next_v = last ? nullptr : vc + head_stride;
         if (head_dim == 64)
-          attend<64>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
+          attend<64, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                      o_head_stride, scores);
         else
-          attend<128>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
+          attend<128, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                       o_head_stride, scores);
       }
     }
@@ -239,43 +252,55 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
 
 extern "C" {
 
-int llmbus_paged_decode_attention_bf16(
-    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [num_seqs, num_heads, head_dim]
-    const uint16_t* k_cache, const uint16_t* v_cache,                  // element strides below
-    int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-    const int32_t* block_table, int64_t table_stride, const int32_t* seq_lens,
-    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-    float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
-  return decode_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
-                          block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                          block_size, scale, out, o_token_stride, o_head_stride, threads);
-}
-
-int llmbus_paged_decode_attention_f32(
-    const float* q, int64_t q_token_stride, int64_t q_head_stride, const float* k_cache, const float* v_cache,
-    int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table, int64_t table_stride,
-    const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, float* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
-  return decode_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
-                          block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,
-                          block_size, scale, out, o_token_stride, o_head_stride, threads);
-}
+// kv_format (fp8.h): 0 a cache of the queries' dtype, 1 float8 e4m3, 2 float8 e5m2; -3
+// for another code.
+#define LLMBUS_DECODE_ATTENTION(T, SUFFIX)                                                                        \
+  int llmbus_paged_decode_attention_##SUFFIX(                                                                     \
+      const T* q, int64_t q_token_stride, int64_t q_head_stride, /* [num_seqs, num_heads, head_dim] */             \
+      const void* k_cache, const void* v_cache, /* element strides below */                                       \
+      int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,                  \
+      int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
+      int64_t head_dim, int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,    \
+      int threads, int64_t kv_format) {                                                                           \
+    return with_format(kv_format, [&](auto format) {                                                              \
+      using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
+      return decode_attention<T, decltype(format)::value>(                                                        \
+          q, q_token_stride, q_head_stride, (const E*)k_cache, (const E*)v_cache, block_stride, slot_stride,       \
+          head_stride, block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,          \
+          block_size, scale, out, o_token_stride, o_head_stride, threads);                                        \
+    });                                                                                                           \
+  }
+LLMBUS_DECODE_ATTENTION(uint16_t, bf16)
+LLMBUS_DECODE_ATTENTION(float, f32)
+#undef LLMBUS_DECODE_ATTENTION
 
 }  // extern "C"
 
 namespace {
 
-template <typename T>
+// Each row's key and value heads into its cache slot (converted to the cache's format);
+// a negative slot is a padded row.
+template <typename T, int F, typename E = typename CacheOf<T, F>::E>
 void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* slots, int64_t rows,
-              int64_t num_kv_heads, int64_t head_dim, T* k_cache, T* v_cache, int64_t block_stride,
+              int64_t num_kv_heads, int64_t head_dim, E* k_cache, E* v_cache, int64_t block_stride,
               int64_t slot_stride, int64_t head_stride, int64_t block_size) {
+  auto put = [&](const T* src, E* dst) {
+    if constexpr (F == fp8::kSame) {
+      memcpy(dst, src, head_dim * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < head_dim; i += 16) {
+        const __mmask16 m = tail_mask(head_dim - i);
+        fp8::store16<F>(dst + i, load16(src + i, m), m);
+      }
+    }
+  };
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t slot = slots[r];
     if (slot < 0) continue;
     const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * slot_stride;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      memcpy(k_cache + base + h * head_stride, key + r * row_stride + h * head_dim, head_dim * sizeof(T));
-      memcpy(v_cache + base + h * head_stride, value + r * row_stride + h * head_dim, head_dim * sizeof(T));
+      put(key + r * row_stride + h * head_dim, k_cache + base + h * head_stride);
+      put(value + r * row_stride + h * head_dim, v_cache + base + h * head_stride);
     }
   }
 }
@@ -284,18 +309,22 @@ void write_kv(const T* key, const T* value, int64_t row_stride, const int64_t* s
 
 extern "C" {
 
-// Each row's key and value heads into its cache slot; a negative slot is a padded row.
-void llmbus_write_kv_bf16(const uint16_t* key, const uint16_t* value, int64_t row_stride, const int64_t* slots,
-                          int64_t rows, int64_t num_kv_heads, int64_t head_dim, uint16_t* k_cache, uint16_t* v_cache,
-                          int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size) {
-  write_kv(key, value, row_stride, slots, rows, num_kv_heads, head_dim, k_cache, v_cache, block_stride, slot_stride,
-           head_stride, block_size);
-}
-void llmbus_write_kv_f32(const float* key, const float* value, int64_t row_stride, const int64_t* slots,
-                         int64_t rows, int64_t num_kv_heads, int64_t head_dim, float* k_cache, float* v_cache,
-                         int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size) {
-  write_kv(key, value, row_stride, slots, rows, num_kv_heads, head_dim, k_cache, v_cache, block_stride, slot_stride,
-           head_stride, block_size);
-}
+// Returns 0, or -3 for an unknown kv_format.
+#define LLMBUS_WRITE_KV(T, SUFFIX)                                                                                \
+  int llmbus_write_kv_##SUFFIX(const T* key, const T* value, int64_t row_stride, const int64_t* slots,            \
+                               int64_t rows, int64_t num_kv_heads, int64_t head_dim, void* k_cache, void* v_cache, \
+                               int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size,  \
+                               int64_t kv_format) {                                                               \
+    return with_format(kv_format, [&](auto format) {                                                              \
+      using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
+      write_kv<T, decltype(format)::value>(key, value, row_stride, slots, rows, num_kv_heads, head_dim,          \
+                                           (E*)k_cache, (E*)v_cache, block_stride, slot_stride, head_stride,      \
+                                           block_size);                                                           \
+      return 0;                                                                                                   \
+    });                                                                                                           \
+  }
+LLMBUS_WRITE_KV(uint16_t, bf16)
+LLMBUS_WRITE_KV(float, f32)
+#undef LLMBUS_WRITE_KV
 
 }  // extern "C"

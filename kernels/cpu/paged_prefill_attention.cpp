@@ -18,6 +18,7 @@
 
 #include <vector>
 
+#include "fp8.h"
 #include "simd.h"
 
 namespace {
@@ -113,11 +114,13 @@ struct Tiles<float, D> {
   }
 };
 
-// The request's keys and values, paged, into tiles of kTile keys (zeros past len).
-template <int D, typename T>
-void rearrange(const T* k_cache, const T* v_cache, int64_t block_stride, int64_t slot_stride, const int32_t* blocks,
+// The request's keys and values, paged, into tiles of kTile keys (zeros past len); rows of
+// an 8-bit cache are widened to T on the way (exactly).
+template <int D, typename T, int F, typename E = typename CacheOf<T, F>::E>
+void rearrange(const E* k_cache, const E* v_cache, int64_t block_stride, int64_t slot_stride, const int32_t* blocks,
                int64_t block_size, int64_t len, T* kt, T* vt) {
   const int64_t tiles = (len + kTile - 1) / kTile;
+  alignas(64) T key_row[D], value_row[D];
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t j = 0; j < kTile; ++j) {
       const int64_t pos = t * kTile + j;
@@ -125,8 +128,15 @@ void rearrange(const T* k_cache, const T* v_cache, int64_t block_stride, int64_t
       const T* value = nullptr;
       if (pos < len) {
         const int64_t off = (int64_t)blocks[pos / block_size] * block_stride + (pos % block_size) * slot_stride;
-        key = k_cache + off;
-        value = v_cache + off;
+        if constexpr (F == fp8::kSame) {
+          key = k_cache + off;
+          value = v_cache + off;
+        } else {
+          CacheOf<T, F>::template widen<D>(k_cache + off, key_row);
+          CacheOf<T, F>::template widen<D>(v_cache + off, value_row);
+          key = key_row;
+          value = value_row;
+        }
       }
       Tiles<T, D>::store_row(kt + t * kTile * D, vt + t * kTile * D, j, key, value);
     }
@@ -170,9 +180,9 @@ void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* 
   }
 }
 
-template <int D, typename T>
-void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache,
-             const T* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
+template <int D, typename T, int F, typename E = typename CacheOf<T, F>::E>
+void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E* k_cache,
+             const E* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
              const int32_t* blocks, int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads,
              int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
              int threads) {
@@ -183,7 +193,7 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T*
   std::vector<T> kt((size_t)(num_kv_heads * per_head)), vt((size_t)(num_kv_heads * per_head));
 #pragma omp parallel for num_threads(threads)
   for (int64_t g = 0; g < num_kv_heads; ++g)
-    rearrange<D>(k_cache + g * head_stride, v_cache + g * head_stride, block_stride, slot_stride, blocks, block_size,
+    rearrange<D, T, F>(k_cache + g * head_stride, v_cache + g * head_stride, block_stride, slot_stride, blocks, block_size,
                  seq_len, kt.data() + g * per_head, vt.data() + g * per_head);
   const int64_t query_tiles = (query_len + kQueryTile - 1) / kQueryTile;
   const int64_t first_pos = seq_len - query_len;  // the new tokens are the last query_len
@@ -210,19 +220,19 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T*
 }
 
 // Returns 0, -1 for a head_dim without a compiled variant, -2 for a head count it cannot split.
-template <typename T>
-int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const T* k_cache, const T* v_cache,
+template <typename T, int F, typename E = typename CacheOf<T, F>::E>
+int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E* k_cache, const E* v_cache,
                       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* blocks,
                       int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
                       int threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || query_len > seq_len || query_len <= 0) return -2;
   if (head_dim == 64)
-    prefill<64>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
+    prefill<64, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                 query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
                 threads);
   else if (head_dim == 128)
-    prefill<128>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
+    prefill<128, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                  query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
                  threads);
   else
@@ -234,25 +244,25 @@ int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride,
 
 extern "C" {
 
-int llmbus_paged_prefill_attention_bf16(
-    const uint16_t* q, int64_t q_token_stride, int64_t q_head_stride,  // [query_len, num_heads, head_dim]
-    const uint16_t* k_cache, const uint16_t* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
-    const int32_t* blocks,  // this request's block table row
-    int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, uint16_t* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
-  return prefill_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
-                           blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                           o_token_stride, o_head_stride, threads);
-}
-
-int llmbus_paged_prefill_attention_f32(
-    const float* q, int64_t q_token_stride, int64_t q_head_stride, const float* k_cache, const float* v_cache,
-    int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* blocks, int64_t query_len,
-    int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float* out, int64_t o_token_stride, int64_t o_head_stride, int threads) {
-  return prefill_attention(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride,
-                           blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,
-                           o_token_stride, o_head_stride, threads);
-}
+// kv_format as for llmbus_paged_decode_attention_* (fp8.h); -3 for an unknown one.
+#define LLMBUS_PREFILL_ATTENTION(T, SUFFIX)                                                                       \
+  int llmbus_paged_prefill_attention_##SUFFIX(                                                                    \
+      const T* q, int64_t q_token_stride, int64_t q_head_stride, /* [query_len, num_heads, head_dim] */            \
+      const void* k_cache, const void* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,    \
+      const int32_t* blocks, /* this request's block table row */                                                 \
+      int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
+      int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride, int threads,         \
+      int64_t kv_format) {                                                                                        \
+    return with_format(kv_format, [&](auto format) {                                                              \
+      using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
+      return prefill_attention<T, decltype(format)::value>(                                                       \
+          q, q_token_stride, q_head_stride, (const E*)k_cache, (const E*)v_cache, block_stride, slot_stride,       \
+          head_stride, blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,     \
+          o_token_stride, o_head_stride, threads);                                                                \
+    });                                                                                                           \
+  }
+LLMBUS_PREFILL_ATTENTION(uint16_t, bf16)
+LLMBUS_PREFILL_ATTENTION(float, f32)
+#undef LLMBUS_PREFILL_ATTENTION
 
 }  // extern "C"

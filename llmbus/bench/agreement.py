@@ -12,6 +12,8 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from shared.config import KV_CACHE_DTYPES
+
 # Chat prompts of the kinds users send: facts, code, lists, arithmetic, open writing.
 PROMPTS = [
     "What is the capital of France?",
@@ -95,6 +97,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
                         help="compare quantized weights (with --dtype activations; int8 needs bfloat16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="compare an 8-bit float KV cache (with --dtype activations and weights)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--skip-hf", action="store_true",
                         help="skip the same comparison for transformers (which tells precision from bugs)")
@@ -105,9 +109,12 @@ def run(args: argparse.Namespace) -> int:
 
     path = str(resolve_model(args.model))
     reference = greedy_outputs(path, "float32", PROMPTS, args.max_tokens)
-    other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens, quantization=args.quantization)
+    other = greedy_outputs(path, args.dtype, PROMPTS, args.max_tokens, quantization=args.quantization,
+                           kv_cache_dtype=args.kv_cache_dtype)
     agreement, prefixes = compare(reference, other)
     label = f"{args.quantization} ({args.dtype})" if args.quantization else args.dtype
+    if args.kv_cache_dtype != "auto":
+        label += f", {args.kv_cache_dtype} KV cache"
     print(f"{label} vs float32, greedy, {agreement.prompts} chat prompts, up to {args.max_tokens} tokens each")
     for prompt, ref, n in zip(PROMPTS, reference, prefixes):
         print(f"  {'same' if n == len(ref) else f'differs at token {n}':>20}  {prompt}")
@@ -116,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
           f"({agreement.prefix_rate:.0%})")
     result = {"dtype": label, "identical": agreement.identical, "prompts": agreement.prompts,
               "matching_prefix_tokens": agreement.matching_prefix_tokens, "tokens": agreement.tokens}
-    if not (args.skip_hf or args.quantization):
+    if not (args.skip_hf or args.quantization or args.kv_cache_dtype != "auto"):
         # The same question for transformers: its float32 is our reference token for token,
         # so its lower precision should part from it about as often as ours does.
         hf, _ = compare(reference, transformers_greedy(path, args.dtype, PROMPTS, args.max_tokens))

@@ -27,6 +27,9 @@ from services.worker.sampler import Sampler
 from shared.config import CacheConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
+# --kv-cache-dtype (shared.config.KV_CACHE_DTYPES): "auto" keeps the model's dtype.
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +60,10 @@ class ModelRunner:
         self.model_config = ModelConfig.from_folder(model_path)
         self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
+        self.kv_cache_dtype = KV_CACHE_DTYPES.get(self.cache_config.cache_dtype, self.dtype)
+        if self.kv_cache_dtype != self.dtype and attention_backend != "torch":
+            raise ValueError(f"--kv-cache-dtype {self.cache_config.cache_dtype} runs on the torch attention backend "
+                             f"(the CPU's); the {attention_backend} backend reads a cache of the model's dtype")
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization, self.device)
@@ -64,7 +71,8 @@ class ModelRunner:
         cfg = self.model_config
         self.kv_caches = [
             backend.new_kv_cache(
-                self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
+                self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
+                self.device,
             )  # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -88,7 +96,7 @@ class ModelRunner:
         cfg = self.model_config
         bytes_per_block = (
             2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
-            * self.dtype.itemsize
+            * self.kv_cache_dtype.itemsize
         )
         num_blocks = self.cache_config.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:

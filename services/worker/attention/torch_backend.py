@@ -21,6 +21,10 @@ kernels/cpu/paged_decode_attention.cpp, which reads each key and value once in p
 (no gathered copy, no padding); prefill chunks to kernels/cpu/paged_prefill_attention.cpp
 (flash-attention over the request's blocks: ~3x SDPA in bfloat16, ~2x in float32, on a
 512-token prompt). The paths below are what runs without them.
+
+An 8-bit float cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`) is written by the CPU
+kernels' conversion, or by PyTorch's (the same bits, tested); every read widens it to the
+query's dtype first: exactly, as every float8 value is a bfloat16 one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,22 @@ from kernels.cpu import huge_pages
 from services.worker.attention.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16
+
+# The largest finite value of each float8 cache dtype: values beyond it saturate (PyTorch's
+# conversion would give inf for e5m2), as in the CPU kernels.
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    if cache_dtype in FP8_MAX:
+        limit = FP8_MAX[cache_dtype]
+        return x.clamp(-limit, limit).to(cache_dtype)
+    return x.to(cache_dtype)
+
+
+def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache values in the query's dtype (a no-op for a cache of that dtype)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -58,11 +78,20 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padded token
     padded: bool | None = None,  # whether any slot is -1 (None: look)
 ) -> None:
+    if (kv_cache.dtype in FP8_MAX and kv_cache.device.type == "cpu"
+            and cpu_kernels.kv_format(key.dtype, kv_cache.dtype) is not None and cpu_kernels.available()):
+        cpu_kernels.write_kv(key, value, kv_cache, slot_mapping)  # converts as PyTorch does, in one pass
+        return
     if padded is None:
         padded = bool((slot_mapping < 0).any())
     if padded:
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if kv_cache.dtype != key.dtype:
+        # index_copy_ takes no float8: copy the bytes.
+        key, value = to_cache_dtype(key, kv_cache.dtype), to_cache_dtype(value, kv_cache.dtype)
+        if kv_cache.dtype in FP8_MAX:
+            kv_cache, key, value = kv_cache.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
     # [num_slots, num_kv_heads, head_dim]: a view in either layout (blocks and slots nest).
     kv_cache[0].flatten(0, 1).index_copy_(0, slot_mapping, key)
     kv_cache[1].flatten(0, 1).index_copy_(0, slot_mapping, value)
@@ -153,8 +182,8 @@ class TorchAttentionBackend:
             if state.kernel_prefills:
                 out[start:end] = cpu_kernels.paged_prefill_attention(query[start:end], kv_cache, block_ids, seq_len, scale)
                 continue
-            k = gather_kv(kv_cache[0], block_ids)[:, :seq_len]  # [num_kv_heads, seq_len, d]
-            v = gather_kv(kv_cache[1], block_ids)[:, :seq_len]
+            k = widen(gather_kv(kv_cache[0], block_ids)[:, :seq_len], query.dtype)  # [num_kv_heads, seq_len, d]
+            v = widen(gather_kv(kv_cache[1], block_ids)[:, :seq_len], query.dtype)
             # A leading batch dimension of 1: SDPA's CPU flash kernel takes 4-D inputs, and
             # 3-D ones fell to a path 3x slower (bf16, 512-token prompt: 14.1 vs 4.3 ms a layer).
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, d]
@@ -203,8 +232,8 @@ class TorchAttentionBackend:
         group: _DecodeGroup,
         scale: float,
     ) -> torch.Tensor:  # [group, num_heads, head_dim]
-        k = gather_kv(kv_cache[0], group.block_ids, group.rows)  # [num_kv_heads, group, L, d]
-        v = gather_kv(kv_cache[1], group.block_ids, group.rows)
+        k = widen(gather_kv(kv_cache[0], group.block_ids, group.rows), query.dtype)  # [num_kv_heads, group, L, d]
+        v = widen(gather_kv(kv_cache[1], group.block_ids, group.rows), query.dtype)
         size, num_heads, head_dim = query.shape
         num_kv_heads = k.shape[0]
         if query.dtype == torch.float32:

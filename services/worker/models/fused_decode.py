@@ -65,7 +65,7 @@ class FusedDecode:
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
             and metadata.num_reqs > 0
-            and kv_caches[0].dtype == self.dtype and kv_caches[0].stride(-1) == 1
+            and cpu_kernels.kv_format(self.dtype, kv_caches[0].dtype) is not None and kv_caches[0].stride(-1) == 1
         )
 
     def _layer_specs(self, kv_caches: list[torch.Tensor]) -> list[cpu_kernels.LayerSpec]:
@@ -89,6 +89,7 @@ class FusedDecode:
                 block_stride=k.stride(0), slot_stride=k.stride(1), head_stride=k.stride(2),
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
                 weight_format=_WEIGHT_FORMATS[type(attn.qkv_proj)],
+                kv_format=cpu_kernels.kv_format(self.dtype, cache.dtype),
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs
