@@ -5,7 +5,8 @@ for batch x context in {1, 16, 64, 256} x {512, 4096, 16384} (head dim 128, 32 q
 8 KV heads, bf16, block 16) with every tile size and split count, the one the defaults
 pick (TILE_KEYS, choose_num_splits), the achieved K/V bandwidth against
 the H200's ~4.8 TB/s, torch SDPA on the same data gathered contiguous (and FlashInfer if
-importable), and one mixed prefill + decode step. Writes `kernels_bench.json` and
+importable), a float8 cache (e4m3, e5m2) against bf16 at three shapes, and one mixed
+prefill + decode step. Writes `kernels_bench.json` and
 `kernels_bench.md` into --out (default $OUT or .).
 
 `--smoke` runs the same code on tiny shapes (CPU: Triton's interpreter), to prove the
@@ -93,10 +94,12 @@ def main() -> int:
         heads, kv_heads, head_dim, dtype = 4, 2, 64, torch.float32
         batches, contexts, mixed = [1, 2], [32, 64], (16, 1, 2, 48)
         splits, tiles = [1, 2], [16, 32]
+        fp8_shapes = [(2, 64)]
     else:
         heads, kv_heads, head_dim, dtype = 32, 8, 128, torch.bfloat16
         batches, contexts, mixed = [1, 16, 64, 256], [512, 4096, 16384], (2048, 1, 64, 4096)
         splits, tiles = [1, 2, 4, 8, 16], [16, 32, 64, 128]
+        fp8_shapes = [(16, 16384), (64, 4096), (256, 16384)]
     block_size = 16
     report: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                     "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": str(dtype),
@@ -149,6 +152,28 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report["flashinfer"] = "importable but not wired" if have_flashinfer else "not importable"
+
+    # A float8 KV cache (`--kv-cache-dtype`): half the bytes, widened as the tiles load.
+    from services.worker.attention.torch_backend import to_cache_dtype
+
+    report["fp8_decode"] = []
+    for batch, context in fp8_shapes:
+        query, key_cache, value_cache, md = make_step(batch, context, 1, heads, kv_heads, head_dim, block_size,
+                                                      dtype, device)
+        splits_picked = choose_num_splits(batch, kv_heads, 1, context)
+        row = {"batch": batch, "context": context, "num_splits": splits_picked,
+               "cache_ms": {"auto": round(timed(lambda: run_kernel(query, key_cache, value_cache, md, splits_picked),
+                                                device) * 1e3, 4)}}
+        for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+            k8, v8 = to_cache_dtype(key_cache, fmt), to_cache_dtype(value_cache, fmt)
+            row["cache_ms"][str(fmt).removeprefix("torch.")] = round(
+                timed(lambda: run_kernel(query, k8, v8, md, splits_picked), device) * 1e3, 4)
+            del k8, v8
+        report["fp8_decode"].append(row)
+        print("fp8", json.dumps(row), flush=True)
+        del query, key_cache, value_cache, md
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # A mixed step: one prefill chunk beside many decodes, in one launch.
     chunk, _, num_decodes, context = mixed

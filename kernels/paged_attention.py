@@ -4,7 +4,9 @@ One launch serves prefill chunks and decodes alike: a program takes BLOCK_Q quer
 tokens of one request and all query heads that share one KV head (GQA), so each KV
 block is read once per tile, and walks that request's blocks through the block table:
 causal within the new tokens, full over the cached prefix. Softmax is online, in
-float32, whatever the cache dtype.
+float32, whatever the cache dtype. A float8 cache (`--kv-cache-dtype`) is widened to the
+queries' dtype as its tiles load (exact), so the products are the same as on its widened
+copy.
 
 A program's inner loop reads TILE_KEYS keys at once, gathered from TILE_KEYS / block_size
 cache blocks: more bytes in flight per program than one block at a time (on an H200 a
@@ -53,7 +55,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FP32_DOT: tl.constexpr,  # products in exact float32 (no tf32): float32 caches, interpreter
+    FP32_DOT: tl.constexpr,  # products in exact float32 (no tf32): float32 queries, interpreter
 ):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -100,7 +102,8 @@ def _paged_attention_kernel(
                 + d[None, :]
             )
             kv_mask = key_valid[:, None] & d_valid[None, :]
-            k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [TILE_KEYS, BLOCK_D]
+            # A float8 cache is widened to the queries' dtype as it is read (exact).
+            k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)  # [TILE_KEYS, BLOCK_D]
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -114,7 +117,7 @@ def _paged_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
@@ -218,7 +221,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         # Triton's interpreter computes bf16 dots on the raw bits, so there the products run
         # in float32 too; on a GPU a bf16 cache uses bf16 tensor-core dots.
-        FP32_DOT=key_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        FP32_DOT=query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

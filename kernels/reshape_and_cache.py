@@ -1,10 +1,31 @@
-"""Write one step's new keys and values into their paged-cache slots."""
+"""Write one step's new keys and values into their paged-cache slots.
+
+A float8 cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`) takes the values rounded to
+nearest even and saturated at the format's largest finite value, as the CPU path stores
+them (services/worker/attention/torch_backend.py: FP8_MAX)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from services.worker.attention.torch_backend import FP8_MAX
+
+_FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+_FP8_MIN_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+
+
+@triton.jit
+def _round_to_fp8_grid(x, SATURATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x (float32) saturated and rounded to nearest even on a float8 format's grid, so the
+    cast that follows is exact: the same trick as kernels/cpu/fp8.h. (Triton's interpreter
+    rounds float8 casts its own way, ties and all; a GPU's cvt.rn would agree with this.)"""
+    a = tl.minimum(tl.abs(x), SATURATE)
+    exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
+    magic = ((exponent + (127 + 23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 and tiny negatives stay negative
 
 
 @triton.jit
@@ -20,6 +41,9 @@ def _reshape_and_cache_kernel(
     block_size,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SATURATE: tl.constexpr,  # a float8 cache's largest finite value; 0: not float8
+    MANTISSA: tl.constexpr,  # a float8 cache's mantissa bits
+    MIN_EXP: tl.constexpr,  # and its smallest normal exponent
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -31,6 +55,9 @@ def _reshape_and_cache_kernel(
         mask = d < HEAD_DIM
         k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
         v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
+        if SATURATE > 0:
+            k = _round_to_fp8_grid(k.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
+            v = _round_to_fp8_grid(v.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
         dst = block * stride_c_block + offset * stride_c_slot + head * stride_c_head + d
         tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -58,4 +85,7 @@ def reshape_and_cache(
         key_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        SATURATE=FP8_MAX.get(key_cache.dtype, 0.0),
+        MANTISSA=_FP8_MANTISSA.get(key_cache.dtype, 0),
+        MIN_EXP=_FP8_MIN_EXP.get(key_cache.dtype, 0),
     )

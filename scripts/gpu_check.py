@@ -5,7 +5,9 @@ the device, sampling there) is only exercised where a GPU is lent. This runs the
 cases as tests/test_engine_correctness.py — plain batch, chunked prefill, prefix-cache
 hits, preemption, block size 32 — on tiny random models (llama: head dim 16; qwen2 with
 q/k/v biases; a llama with head dim 64 and GQA 3, SmolLM2's layout) in float32, where
-the output must equal transformers' token for token, and reports bfloat16's agreement.
+the output must equal transformers' token for token, and reports bfloat16's agreement
+and a float8 KV cache's; then the float8 cache's write and read on the GPU's kernels
+against the CPU path's bytes and the widened cache's bits.
 
     python scripts/gpu_check.py --out $OUT    # writes gpu_check.json; exit 1 on a mismatch
 
@@ -28,6 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import kernels  # noqa: E402, F401 - Triton's interpreter with --cpu, before triton loads
 
 MAX_NEW = 24
 
@@ -97,6 +102,16 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
     print(json.dumps(row), flush=True)
     rows.append(row)
 
+    # A float8 KV cache runs (agreement with float32's transformers output reported).
+    try:
+        out = greedy(LLM(str(folder), kv_cache_dtype="fp8_e4m3"), PROMPTS)
+        row = {"model": name, "case": "fp8_e4m3_cache_agreement", "dtype": "float32",
+               "identical_prompts": f"{sum(a == b for a, b in zip(out, reference))}/{len(PROMPTS)}"}
+    except Exception as exc:
+        row = {"model": name, "case": "fp8_e4m3_cache_agreement", "dtype": "float32", "error": repr(exc)}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
     # bfloat16: agreement with float32's transformers output, reported (not required).
     try:
         out = greedy(LLM(str(folder), dtype="bfloat16"), PROMPTS)
@@ -107,6 +122,41 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
         row = {"model": name, "case": "bfloat16_agreement", "dtype": "bfloat16", "error": repr(exc)}
     print(json.dumps(row), flush=True)
     rows.append(row)
+    return rows
+
+
+def check_fp8(device: str) -> list[dict]:
+    """The float8 KV cache on the GPU's kernels: the Triton write stores the bytes the CPU
+    path stores (PyTorch's rounding, saturated), and attention over a float8 cache gives
+    the bits it gives over the cache widened to the queries' dtype."""
+    from kernels.paged_attention import paged_attention
+    from kernels.reshape_and_cache import reshape_and_cache
+    from services.worker.attention.random_step import make_batch
+    from services.worker.attention.torch_backend import to_cache_dtype, write_kv_cache
+    from test_fp8_kv_cache import awkward_values
+
+    rows = []
+    for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for dtype in (torch.bfloat16, torch.float32):
+            values = awkward_values(fmt).to(dtype)
+            slots = torch.randperm(values.shape[0])
+            expected = torch.zeros(2, values.shape[0], 1, 1, 64, dtype=fmt)
+            write_kv_cache(values, -values, expected, slots)  # on the CPU
+            cache = torch.zeros_like(expected, device=device)
+            reshape_and_cache(values.to(device), -values.to(device), cache[0], cache[1], slots.to(device))
+            write_same = torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+            query, kv_cache, md = make_batch([1, 1, 7], [9, 300, 30], 32, 8, 128, 16, dtype, seed=3)
+            cache8 = to_cache_dtype(kv_cache, fmt).to(device)
+            args = (md.block_table.to(device), md.query_start_loc.to(device), md.seq_lens.to(device),
+                    md.max_query_len, 128**-0.5)
+            q = query.to(device)
+            read_same = torch.equal(paged_attention(q, cache8[0], cache8[1], *args),
+                                    paged_attention(q, cache8[0].to(dtype), cache8[1].to(dtype), *args))
+            row = {"model": "-", "case": f"fp8_kernels_{str(fmt).removeprefix('torch.')}_{str(dtype).removeprefix('torch.')}",
+                   "dtype": str(dtype), "identical": write_same and read_same, "write_same": write_same,
+                   "read_same": read_same}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     return rows
 
 
@@ -146,6 +196,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, overrides) in MODELS.items():
             report["rows"] += check_model(name, arch, overrides, Path(tmp), device)
+    try:
+        report["rows"] += check_fp8(device)
+    except Exception as exc:
+        report["rows"].append({"case": "fp8_kernels", "identical": False, "error": repr(exc)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))

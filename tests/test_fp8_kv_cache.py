@@ -102,8 +102,40 @@ def test_engine_holds_twice_the_tokens_and_runs_every_path(tiny_llama):
     assert fp8.stats().prefix_cache_hits >= 32
 
 
-def test_unknown_or_unsupported_cache_dtypes_are_refused(tiny_llama):
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_kernels_write_and_read_float8_as_the_cpu_path_does(fmt, dtype):
+    # Under Triton's interpreter on CPU; on a GPU scripts/gpu_check.py runs the same engine.
+    from kernels.paged_attention import paged_attention
+    from kernels.reshape_and_cache import reshape_and_cache
+
+    values = awkward_values(fmt).to(dtype)
+    rows = values.shape[0]
+    slots = torch.randperm(rows)
+    cache = torch.zeros(2, rows, 1, 1, 64, dtype=fmt)
+    reshape_and_cache(values, -values, cache[0], cache[1], slots)
+    expected = torch.zeros_like(cache)
+    write_kv_cache(values, -values, expected, slots)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+    query, kv_cache, md = make_batch([1, 1, 7], [9, 40, 30], 6, 2, 64, 16, dtype, seed=3)
+    cache8 = to_cache_dtype(kv_cache, fmt)
+    args = (md.block_table, md.query_start_loc, md.seq_lens, md.max_query_len, 0.125)
+    assert torch.equal(paged_attention(query, cache8[0], cache8[1], *args),
+                       paged_attention(query, cache8[0].to(dtype), cache8[1].to(dtype), *args))
+
+
+def test_the_engine_on_the_triton_backend_takes_a_float8_cache(tiny_llama):
+    prompts = [[5 + i % 300 for i in range(n)] for n in (3, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    triton_llm = LLM(str(tiny_llama), kv_cache_dtype="fp8_e5m2", attention_backend="triton", max_num_batched_tokens=24)
+    assert triton_llm.runner.kv_caches[0].dtype == torch.float8_e5m2
+    torch_llm = LLM(str(tiny_llama), kv_cache_dtype="fp8_e5m2", max_num_batched_tokens=24)
+    # float32 model: both backends read the same float8 values and sum in float32.
+    assert [o.outputs[0].token_ids for o in triton_llm.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in torch_llm.generate(prompts, params)]
+
+
+def test_unknown_cache_dtypes_are_refused():
     with pytest.raises(ValueError, match="kv cache dtype must be one of auto, fp8"):
         CacheConfig(cache_dtype="int8")
-    with pytest.raises(ValueError, match="torch attention backend"):
-        LLM(str(tiny_llama), kv_cache_dtype="fp8_e5m2", attention_backend="triton")

@@ -61,9 +61,6 @@ class ModelRunner:
         self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
         self.kv_cache_dtype = KV_CACHE_DTYPES.get(self.cache_config.cache_dtype, self.dtype)
-        if self.kv_cache_dtype != self.dtype and attention_backend != "torch":
-            raise ValueError(f"--kv-cache-dtype {self.cache_config.cache_dtype} runs on the torch attention backend "
-                             f"(the CPU's); the {attention_backend} backend reads a cache of the model's dtype")
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization, self.device)
