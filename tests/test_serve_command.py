@@ -21,7 +21,7 @@ def served(tiny_llama):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
-         "--port", str(port), "--tokenizers", "2", "--num-kv-blocks", "64"],
+         "--port", str(port), "--tokenizers", "2", "--num-kv-blocks", "64", "--kv-cache-dtype", "fp8_e5m2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()  # printed once /health is green
@@ -38,6 +38,8 @@ def test_serve_starts_everything_and_answers(served):
     for service in ("scheduler", "worker", "gateway"):
         assert f"llmbus {service}" in names
     assert names.count("llmbus tokenizer") == 2
+    worker = next(" ".join(c.cmdline()) for c in children if "llmbus worker" in " ".join(c.cmdline()))
+    assert "--kv-cache-dtype fp8_e5m2" in worker  # the worker's flags reach it (a float8 cache serves below)
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200
