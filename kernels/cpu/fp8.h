@@ -9,7 +9,8 @@
 // value's exponent, clamped to the format's smallest normal one) leaves a sum whose last
 // bit is worth 2^(e - M), so the addition itself rounds to nearest even; the rounded value
 // is then exact in the format and its bits are read off. Values past the largest finite
-// one saturate to it (the callers clamp before PyTorch's conversion too).
+// one saturate to it (the callers clamp before PyTorch's conversion too); so does a NaN,
+// where PyTorch would keep it.
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
