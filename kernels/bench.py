@@ -154,7 +154,7 @@ def main() -> int:
     report["flashinfer"] = "importable but not wired" if have_flashinfer else "not importable"
 
     # A float8 KV cache (`--kv-cache-dtype`): half the bytes, widened as the tiles load.
-    from services.worker.attention.torch_backend import to_cache_dtype
+    from services.worker.attention.kv_cache_dtype import to_cache_dtype
 
     report["fp8_decode"] = []
     for batch, context in fp8_shapes:

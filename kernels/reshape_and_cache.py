@@ -2,7 +2,7 @@
 
 A float8 cache (`--kv-cache-dtype fp8_e4m3 | fp8_e5m2`) takes the values rounded to
 nearest even and saturated at the format's largest finite value, as the CPU path stores
-them (services/worker/attention/torch_backend.py: FP8_MAX)."""
+them (services/worker/attention/kv_cache_dtype.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.attention.torch_backend import FP8_MAX
+from services.worker.attention.kv_cache_dtype import FP8_MAX
 
 _FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 _FP8_MIN_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}

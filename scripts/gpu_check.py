@@ -122,8 +122,9 @@ def check_fp8(device: str) -> list[dict]:
     the bits it gives over the cache widened to the queries' dtype."""
     from kernels.paged_attention import paged_attention
     from kernels.reshape_and_cache import reshape_and_cache
+    from services.worker.attention.kv_cache_dtype import to_cache_dtype
     from services.worker.attention.random_step import make_batch
-    from services.worker.attention.torch_backend import to_cache_dtype, write_kv_cache
+    from services.worker.attention.torch_backend import write_kv_cache
     from test_fp8_kv_cache import awkward_values
 
     rows = []

@@ -14,7 +14,8 @@ import torch
 import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
 from services.worker.attention.random_step import heads_first, make_batch
-from services.worker.attention.torch_backend import FP8_MAX, TorchAttentionBackend, to_cache_dtype, write_kv_cache
+from services.worker.attention.kv_cache_dtype import FP8_MAX, to_cache_dtype
+from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from shared.config import CacheConfig
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]

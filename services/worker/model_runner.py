@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.backend import get_attention_backend
+from services.worker.attention.kv_cache_dtype import cache_dtype
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype
@@ -26,9 +27,6 @@ from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
 from shared.config import CacheConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
-
-# --kv-cache-dtype (shared.config.KV_CACHE_DTYPES): "auto" keeps the model's dtype.
-KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +58,7 @@ class ModelRunner:
         self.model_config = ModelConfig.from_folder(model_path)
         self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
-        self.kv_cache_dtype = KV_CACHE_DTYPES.get(self.cache_config.cache_dtype, self.dtype)
+        self.kv_cache_dtype = cache_dtype(self.cache_config.cache_dtype, self.dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization, self.device)

@@ -37,21 +37,10 @@ import torch.nn.functional as F
 
 import kernels.cpu as cpu_kernels
 from kernels.cpu import huge_pages
+from services.worker.attention.kv_cache_dtype import FP8_MAX, to_cache_dtype
 from services.worker.attention.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16
-
-# The largest finite value of each float8 cache dtype: values beyond it saturate (PyTorch's
-# conversion would give inf for e5m2), as in the CPU kernels.
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
-
-
-def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    if cache_dtype in FP8_MAX:
-        limit = FP8_MAX[cache_dtype]
-        return x.clamp(-limit, limit).to(cache_dtype)
-    return x.to(cache_dtype)
-
 
 def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered cache values in the query's dtype (a no-op for a cache of that dtype)."""
