@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "simd.h"
 
 namespace blocks {
 
@@ -28,6 +29,25 @@ void pack(const E* w, int64_t n, int64_t k, E* out) {
         const int64_t row = b * kBlock + j;
         for (int64_t i = 0; i < S; ++i) dst[(kk * kBlock + j) * S + i] = row < n ? w[row * k + S * kk + i] : E(0);
       }
+  }
+}
+
+// One tile's float32 sums out to MR rows of a block's outputs: acc * scale (per output, or
+// none) + bias (or none), the outputs past `valid` masked off. Every product ends so.
+template <int MR, typename T>
+inline void store_tile(const __m512 (&acc)[MR][4], const float* scale, const float* bias, T* y, int64_t y_stride,
+                       int64_t valid) {
+  for (int j = 0; j < 4; ++j) {
+    const int64_t left = valid - j * 16;
+    if (left <= 0) break;
+    const __mmask16 mask = tail_mask(left);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
+    if (scale) {
+      const __m512 s = _mm512_maskz_loadu_ps(mask, scale + j * 16);
+      for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_fmadd_ps(acc[r][j], s, b), mask);
+    } else {
+      for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_add_ps(acc[r][j], b), mask);
+    }
   }
 }
 

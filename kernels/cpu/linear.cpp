@@ -59,13 +59,7 @@ inline void tile(const T* x, int64_t x_stride, const T* block, int64_t k_steps, 
       for (int j = 0; j < 4; ++j) acc[r][j] = Step<T>::fma(acc[r][j], xb, w + j * 16 * S);
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t left = valid - j * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = tail_mask(left);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_add_ps(acc[r][j], b), mask);
-  }
+  blocks::store_tile<MR>(acc, nullptr, bias, y, y_stride, valid);
 }
 
 template <typename T>

@@ -90,13 +90,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const uint8_t* block, int6
       }
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t left = valid - j * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = tail_mask(left);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_add_ps(total[r][j], b), mask);
-  }
+  blocks::store_tile<MR>(total, nullptr, bias, y, y_stride, valid);
 }
 
 int64_t packed_bytes(int64_t n, int64_t k) { return blocks::count(n) * (k / kGroup) * kGroupBytes; }

@@ -49,14 +49,7 @@ inline void tile(const uint16_t* x, int64_t x_stride, const int8_t* block, int64
       for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, wv[j]);
     }
   }
-  for (int j = 0; j < 4; ++j) {
-    const int64_t left = valid - j * 16;
-    if (left <= 0) break;
-    const __mmask16 mask = tail_mask(left);
-    const __m512 s = _mm512_maskz_loadu_ps(mask, scale + j * 16);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + j * 16) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) store16(y + r * y_stride + j * 16, _mm512_fmadd_ps(acc[r][j], s, b), mask);
-  }
+  blocks::store_tile<MR>(acc, scale, bias, y, y_stride, valid);
 }
 
 int64_t padded(int64_t n) { return blocks::count(n) * kBlock; }
