@@ -6,14 +6,23 @@ them (services/worker/attention/kv_cache_dtype.py)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from services.worker.attention.kv_cache_dtype import FP8_MAX
 
-_FP8_MANTISSA = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
-_FP8_MIN_EXP = {torch.float8_e4m3fn: -6, torch.float8_e5m2: -14}
+
+def _fp8_grid(dtype: torch.dtype) -> dict:
+    """The kernel's constants for a cache of `dtype`: a float8 format's largest finite value,
+    mantissa bits and smallest normal exponent (all zero for any other dtype)."""
+    if dtype not in FP8_MAX:
+        return {"SATURATE": 0.0, "MANTISSA": 0, "MIN_EXP": 0}
+    info = torch.finfo(dtype)
+    return {"SATURATE": FP8_MAX[dtype], "MANTISSA": round(-math.log2(info.eps)),
+            "MIN_EXP": round(math.log2(info.smallest_normal))}
 
 
 @triton.jit
@@ -85,7 +94,5 @@ def reshape_and_cache(
         key_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        SATURATE=FP8_MAX.get(key_cache.dtype, 0.0),
-        MANTISSA=_FP8_MANTISSA.get(key_cache.dtype, 0),
-        MIN_EXP=_FP8_MIN_EXP.get(key_cache.dtype, 0),
+        **_fp8_grid(key_cache.dtype),
     )

@@ -11,7 +11,7 @@ import torch
 
 # shared.config.KV_CACHE_DTYPES names these; "auto" keeps the model's dtype.
 FLOAT8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_MAX = {dtype: torch.finfo(dtype).max for dtype in FLOAT8.values()}  # 448, 57344
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -42,6 +42,7 @@ from services.worker.attention.metadata import AttentionMetadata
 
 DECODE_GROUP_SIZE = 16
 
+
 def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Gathered cache values in the query's dtype (a no-op for a cache of that dtype)."""
     return x if x.dtype == dtype else x.to(dtype)
