@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import sys
 import tempfile
@@ -34,15 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels  # noqa: E402, F401 - Triton's interpreter with --cpu, before triton loads
 
-MAX_NEW = 24
-
-
-def random_prompts(lengths, vocab_size=384, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
-
-
-PROMPTS = random_prompts([1, 5, 16, 17, 33, 64, 100])
+from test_engine_correctness import MAX_NEW, PROMPTS  # noqa: E402 - the prompts those tests use
+from tiny_models import build_tiny_model, hf_greedy, random_prompts  # noqa: E402
 
 # name -> LLM keyword arguments; each must reproduce transformers' greedy output.
 CASES = {
@@ -70,7 +62,6 @@ def greedy(llm, prompts, max_new=MAX_NEW):
 
 def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) -> list[dict]:
     from llmbus import LLM
-    from tiny_models import build_tiny_model, hf_greedy
 
     folder = build_tiny_model(root / name, arch=arch, **overrides)
     reference = hf_greedy(folder, PROMPTS, MAX_NEW, device=device)

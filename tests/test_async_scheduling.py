@@ -5,7 +5,6 @@ transformers (and to the synchronous engine), with nothing computed twice or los
 
 from __future__ import annotations
 
-import random
 from collections import deque
 
 import pytest
@@ -14,16 +13,9 @@ from llmbus import LLM, SamplingParams
 from services.scheduler.scheduler import Scheduler
 from shared.messages import EngineCoreRequest, FinishReason
 from test_scheduler import make_request, make_scheduler, runner_output
-from tiny_models import hf_greedy
+from tiny_models import hf_greedy, random_prompts
 
 MAX_NEW = 20
-
-
-def random_prompts(lengths, vocab_size=384, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
-
-
 PROMPTS = random_prompts([1, 7, 16, 17, 40, 90])
 
 

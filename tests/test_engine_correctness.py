@@ -1,20 +1,13 @@
 """Greedy output of the whole engine is token-identical to transformers on the same weights,
 however the scheduler slices the work: plain, chunked prefill, prefix hits, preemption."""
 
-import random
-
 import pytest
 
 from llmbus import LLM, SamplingParams
-from tiny_models import hf_greedy
+from tiny_models import hf_greedy, random_prompts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-
-
-def random_prompts(lengths, vocab_size=384, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
 PROMPTS = random_prompts([1, 5, 16, 17, 33, 64, 100])

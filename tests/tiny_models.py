@@ -6,6 +6,7 @@ tokenizer files), so the engine loads them through its ordinary path.
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import torch
@@ -100,6 +101,12 @@ def build_tiny_model(
     else:
         model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def random_prompts(lengths, vocab_size: int = 384, seed: int = 0) -> list[list[int]]:
+    """Prompts of these lengths in token ids, drawn past the special tokens (ids 0-2)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
