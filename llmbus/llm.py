@@ -1,42 +1,37 @@
-"""The offline API: scheduler and model runner wired together in one process.
+"""The offline API: the engine core with the model runner in this process.
 
-`LLM.step()` is the whole engine: schedule, execute, update, detokenize. The services
-run the very same two objects with a bus in between.
+The scheduler service drives the very same `EngineCore` (two steps in flight by
+default) with a NATS executor; here its executor calls the model runner directly, on a
+thread of its own, while this object's event loop lands the previous step and
+detokenizes. So offline and served run one path, and the offline figure is the served
+one minus the bus.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-import msgspec
 from tqdm import tqdm
 
 from llmbus.model_fetch import resolve_model
 from llmbus.outputs import CompletionOutput, RequestOutput
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
-from services.worker.model_config import ModelConfig
+from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, SchedulerConfig
-from shared.detokenizer import IncrementalDetokenizer
-from shared.messages import EngineCoreRequest, FinishReason, SchedulerStats
+from shared.messages import EngineCoreOutputs, SchedulerStats
+from shared.output_processor import ParentRequest
 from shared.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-
-
-@dataclass(slots=True)
-class _Sequence:
-    """One engine request: a prompt's n-th sample, with its detokenizer."""
-
-    request_id: str
-    parent: RequestOutput
-    output: CompletionOutput
-    detokenizer: IncrementalDetokenizer
-    want_logprobs: bool
+T = TypeVar("T")
 
 
 class LLM:
@@ -58,13 +53,9 @@ class LLM:
         long_prefill_token_threshold: int = 0,
         attention_backend: str | None = None,
         threads: int | None = None,
+        async_scheduling: bool = True,
     ) -> None:
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
         path = resolve_model(model)
-        ModelConfig.from_folder(path)  # an unsupported model fails here, before anything loads
         cache_config = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -72,11 +63,16 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             cache_dtype=kv_cache_dtype,
         )
-        self.tokenizer = Tokenizer(path)
-        self.runner = ModelRunner(
-            path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
-            max_model_len=max_model_len,
+        # An unsupported model fails in the runner's constructor, before any weight loads.
+        self.executor = InProcessExecutor(
+            lambda: ModelRunner(
+                path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
+                max_model_len=max_model_len,
+            ),
+            threads,
         )
+        self.runner = self.executor.runner
+        self.tokenizer = Tokenizer(path)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -88,11 +84,15 @@ class LLM:
             num_kv_blocks=self.runner.num_blocks,
             block_size=block_size,
             vocab_size=self.runner.vocab_size,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
         )
+        self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._ids = itertools.count()
-        self._sequences: dict[str, _Sequence] = {}
+        # engine request id -> (its client request, what `generate` returns for it)
+        self._requests: dict[str, tuple[ParentRequest, RequestOutput]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._driver: ThreadPoolExecutor | None = None  # runs the loop when the caller's thread has one
 
     @property
     def max_model_len(self) -> int:
@@ -129,7 +129,6 @@ class LLM:
                     if done in pending:
                         pending.discard(done)
                         bar.update()
-            self.step()  # lets the worker drop the state of the requests that just finished
         return results
 
     def chat(
@@ -149,41 +148,57 @@ class LLM:
     # ---- the engine -------------------------------------------------------------------
 
     def step(self) -> list[str]:
-        """One engine step; returns the ids of sequences that finished in it."""
-        if not self.scheduler.has_work():
-            return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        finished = []
-        for outputs in self.scheduler.update_from_output(scheduler_output, runner_output).values():
-            for out in outputs.outputs:
-                seq = self._sequences.get(out.request_id)
-                if seq is None:
-                    continue
-                completion = seq.output
-                completion.token_ids.extend(out.new_token_ids)
-                if seq.want_logprobs:
-                    completion.logprobs.extend(out.new_logprobs)
-                seq.parent.num_cached_tokens = out.num_cached_tokens
-                stop_string = seq.detokenizer.update(out.new_token_ids)
-                if stop_string is not None and out.finish_reason is None:
-                    self.scheduler.abort_requests([out.request_id])
-                    out.finish_reason, out.stop_reason = FinishReason.STOP, stop_string
-                if out.finish_reason is not None:
-                    self._finish(seq, out.finish_reason, out.stop_reason, out.error)
-                    finished.append(out.request_id)
+        """Land one engine step (filling the pipeline first); returns the ids of the
+        sequences that finished in it. Once nothing is left unfinished, whatever is still
+        in flight is landed too, so an idle engine holds no step and no worker state."""
+        return self._run(self._step())
+
+    async def _step(self) -> list[str]:
+        landed = await self.engine.step()
+        finished = self._process(landed.outputs) if landed is not None else []
+        if not self.scheduler.has_unfinished_requests():
+            for rest in await self.engine.drain():
+                finished += self._process(rest.outputs)
         return finished
 
-    def _finish(self, seq: _Sequence, reason: FinishReason, stop_reason, error) -> None:
-        completion = seq.output
-        seq.detokenizer.flush()
-        completion.finish_reason = str(reason)
-        completion.stop_reason = seq.detokenizer.stop_string or stop_reason
-        completion.text = seq.detokenizer.output_text
-        if error is not None:
-            raise RuntimeError(f"request {seq.request_id} failed in the engine: {error}")
-        del self._sequences[seq.request_id]
-        seq.parent.finished = all(o.finish_reason is not None for o in seq.parent.outputs)
+    def _process(self, outputs: dict[str, EngineCoreOutputs]) -> list[str]:
+        finished = []
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                entry = self._requests.get(out.request_id)
+                delta = entry[0].apply(out) if entry is not None else None
+                if delta is None:
+                    continue
+                result = entry[1]
+                if delta.needs_abort:
+                    self.scheduler.abort_requests([out.request_id])
+                completion = result.outputs[delta.index]
+                completion.text += delta.text
+                completion.token_ids.extend(delta.token_ids)
+                if completion.logprobs is not None:
+                    completion.logprobs.extend(delta.logprobs)
+                result.num_cached_tokens = delta.num_cached_tokens
+                if delta.finish_reason is None:
+                    continue
+                completion.finish_reason = str(delta.finish_reason)
+                completion.stop_reason = delta.stop_reason
+                del self._requests[out.request_id]
+                result.finished = all(o.finish_reason is not None for o in result.outputs)
+                if delta.error is not None:
+                    raise RuntimeError(f"request {out.request_id} failed in the engine: {delta.error}")
+                finished.append(out.request_id)
+        return finished
+
+    def _run(self, coro: Coroutine[None, None, T]) -> T:
+        """Run a coroutine on this engine's own event loop, also from code that already
+        runs one (a notebook): then on a helper thread, while the caller waits."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return self._loop.run_until_complete(coro)
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-driver")
+        return self._driver.submit(self._loop.run_until_complete, coro).result()
 
     def _children(self, result: RequestOutput) -> list[str]:
         return [f"{result.request_id}-{o.index}" for o in result.outputs]
@@ -204,40 +219,21 @@ class LLM:
         try:
             for (text, token_ids), params in zip(encoded, params_list):
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
-                for index in range(params.n):
-                    seq_id = f"{result.request_id}-{index}"
-                    child_params = params
-                    if params.n > 1 and params.seed is not None:
-                        # n samples with one seed would all be the same sample.
-                        child_params = msgspec.structs.replace(params, seed=params.seed + index)
-                    self.scheduler.add_request(
-                        EngineCoreRequest(
-                            request_id=seq_id,
-                            prompt_token_ids=token_ids,
-                            sampling_params=child_params,
-                            eos_token_id=self.eos_token_id,
-                            arrival_time=time.time(),
-                        )
-                    )
-                    added.append(seq_id)
-                    completion = CompletionOutput(
+                parent = ParentRequest(
+                    result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
+                )
+                for index, request in enumerate(parent.engine_requests):
+                    self.scheduler.add_request(request)
+                    added.append(request.request_id)
+                    result.outputs.append(CompletionOutput(
                         index=index, text="", token_ids=[], finish_reason=None,
                         logprobs=[] if params.logprobs is not None else None,
-                    )
-                    result.outputs.append(completion)
-                    self._sequences[seq_id] = _Sequence(
-                        seq_id,
-                        result,
-                        completion,
-                        IncrementalDetokenizer(
-                            self.tokenizer.backend, token_ids, params.skip_special_tokens, params.stop
-                        ),
-                        params.logprobs is not None,
-                    )
+                    ))
+                    self._requests[request.request_id] = (parent, result)
                 results.append(result)
         except Exception:
             self.scheduler.abort_requests(added)
             for seq_id in added:
-                self._sequences.pop(seq_id, None)
+                self._requests.pop(seq_id, None)
             raise
         return results

@@ -1,16 +1,17 @@
 """Async scheduling: step N+1 is built and handed to the worker before step N's answer
-is applied, as the scheduler service does over the bus. The real scheduler core and the
-real model runner are driven in that order here; greedy output must stay identical to
-transformers (and to the synchronous engine), with nothing computed twice or lost."""
+is landed. The engine core that the offline `LLM` and the scheduler service both run is
+driven here with the real scheduler core and the real model runner (the in-process
+executor); greedy output must stay identical to transformers (and to the synchronous
+engine), with nothing computed twice or lost."""
 
 from __future__ import annotations
 
-from collections import deque
+import asyncio
 
 import pytest
 
 from llmbus import LLM, SamplingParams
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.engine_core import EngineCore
 from shared.messages import EngineCoreRequest, FinishReason
 from test_scheduler import make_request, make_scheduler, runner_output
 from tiny_models import hf_greedy, random_prompts
@@ -19,37 +20,46 @@ MAX_NEW = 20
 PROMPTS = random_prompts([1, 7, 16, 17, 40, 90])
 
 
+class CountingExecutor:
+    """The LLM's own executor, counting the tokens each step sends to the runner."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.num_computed_tokens = 0
+
+    async def execute(self, step, headers):
+        self.num_computed_tokens += step.total_num_scheduled_tokens
+        return await self.inner.execute(step, headers)
+
+
 def run_pipelined(llm: LLM, requests: list[EngineCoreRequest], depth: int = 2, abort_after: dict | None = None):
-    """Drive llm's scheduler core and model runner with `depth` steps in flight. Returns
-    each request's tokens and finish reason, and how many tokens the runner computed."""
-    core, runner = llm.scheduler, llm.runner
+    """Drive llm's scheduler core and model runner through an engine core with `depth`
+    steps in flight. Returns each request's tokens and finish reason, and how many tokens
+    the runner computed."""
+    executor = CountingExecutor(llm.executor)
+    engine = EngineCore(llm.scheduler, executor, depth)
     for request in requests:
-        core.add_request(request)
+        llm.scheduler.add_request(request)
     tokens = {r.request_id: [] for r in requests}
     finish = {}
     abort_after = dict(abort_after or {})
-    in_flight: deque = deque()
-    computed = 0
-    while core.has_work() or in_flight:
-        if len(in_flight) < depth and core.has_work():
-            so = core.schedule()
-            if so.num_scheduled_tokens or so.finished_req_ids:
-                # The worker runs steps in order as they arrive, before the scheduler
-                # hears back: run it now, apply its answer later.
-                in_flight.append((so, runner.execute_model(so)))
-                computed += so.total_num_scheduled_tokens
-                continue
-        assert in_flight, "work left but nothing schedulable and nothing in flight"
-        so, out = in_flight.popleft()
-        for outputs in core.update_from_output(so, out).values():
-            for o in outputs.outputs:
-                tokens[o.request_id] += o.new_token_ids
-                if o.finish_reason is not None:
-                    finish[o.request_id] = o.finish_reason
-                if abort_after.get(o.request_id) == len(tokens[o.request_id]):
-                    core.abort_requests([o.request_id])
-                    finish[o.request_id] = FinishReason.ABORT
-    return tokens, finish, computed
+
+    async def drive():
+        while engine.busy():
+            landed = await engine.step()
+            assert landed is not None, "work left but nothing schedulable and nothing in flight"
+            assert engine.num_in_flight < depth
+            for outputs in landed.outputs.values():
+                for o in outputs.outputs:
+                    tokens[o.request_id] += o.new_token_ids
+                    if o.finish_reason is not None:
+                        finish[o.request_id] = o.finish_reason
+                    if abort_after.get(o.request_id) == len(tokens[o.request_id]):
+                        llm.scheduler.abort_requests([o.request_id])
+                        finish[o.request_id] = FinishReason.ABORT
+
+    asyncio.run(drive())
+    return tokens, finish, executor.num_computed_tokens
 
 
 def greedy_requests(prompts, max_tokens=MAX_NEW, **params) -> list[EngineCoreRequest]:
@@ -69,8 +79,8 @@ def reference(tiny_llama):
 
 
 def assert_clean(llm: LLM) -> None:
-    """Every block back in the pool and the worker holding no request state."""
-    llm.step()  # one more (empty) step carries the last finished ids to the runner
+    """Every block back in the pool and the worker holding no request state (the engine
+    ran until idle: its last step carried the last finished ids to the runner)."""
     pool = llm.scheduler.kv_cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_blocks
     assert llm.runner.requests == {}

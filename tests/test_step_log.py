@@ -16,11 +16,19 @@ def test_every_step_is_logged_and_two_equal_runs_compare_equal(tiny_llama, tmp_p
     llm = LLM(str(tiny_llama), max_num_batched_tokens=16)  # 16: the 20-token prompt takes two steps
     prompts = [list(range(3, 23)), list(range(5, 10))]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    num_steps = 0
+    sent = []  # every step the engine hands the runner with tokens to compute
+    execute = llm.executor.execute
+
+    async def counting(step, headers=None):
+        if step.total_num_scheduled_tokens:
+            sent.append(step.step_id)
+        return await execute(step, headers)
+
+    llm.executor.execute = counting
     llm.add_requests(prompts, [params] * 2)
     while llm.scheduler.has_unfinished_requests():
         llm.step()
-        num_steps += 1
+    num_steps = len(sent)
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert len(steps) == num_steps
     # Every prompt token and every output token but the last goes through a forward once.

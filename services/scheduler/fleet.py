@@ -5,16 +5,15 @@ Workers are data-parallel replicas: a request is placed on the worker that alrea
 caches most of its prefix (then the least loaded) and stays there while it runs. When
 a worker dies or drains, its unfinished requests move to the others and resume from
 their prompt plus the tokens already generated; with no worker left they wait here,
-for a bounded time. A plain object: the service shell calls it between ticks.
+for a bounded time. A plain object: the service shell calls it between steps.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
@@ -32,9 +31,6 @@ class WorkerHandle:
     info: WorkerInfo
     core: Scheduler
     last_seen: float
-    needs_reset: bool = True
-    last_answer_at: float = 0.0  # when its last step's answer came (monotonic)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)  # new work for its loop
 
     @property
     def worker_id(self) -> str:
@@ -137,15 +133,13 @@ class Fleet:
         except ValueError as exc:
             return [_error(item, str(exc), FinishReason.REJECTED)]
         self.owner[item.request_id] = handle
-        handle.wake.set()
         return []
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             handle = self.owner.pop(request_id, None)
             if handle is not None:
-                handle.core.abort_requests([request_id])
-                handle.wake.set()  # its worker drops the request at the next step
+                handle.core.abort_requests([request_id])  # its worker drops it at the next step
         if self.unplaced:
             drop = set(request_ids)
             self.unplaced = deque((item, t) for item, t in self.unplaced if item.request_id not in drop)

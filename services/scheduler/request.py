@@ -46,6 +46,8 @@ class Request:
     queue_time_s: float | None = None  # until first scheduled; reported once
     queue_time_reported: bool = False
     queue_time_traced: bool = False
+    # The span link of trace_headers, parsed once (step tracing only; see step_tracer.py).
+    trace_link: object = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

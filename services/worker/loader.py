@@ -48,6 +48,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     folder: str | Path,
+    config: ModelConfig,
     dtype: torch.dtype,
     backend: AttentionBackend,
     max_position: int,
@@ -55,7 +56,6 @@ def load_model(
     device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
     folder = Path(folder)
-    config = ModelConfig.from_folder(folder)
     with torch.device("cpu"):
         model = LlamaForCausalLM(config, backend, max_position)
     model.load_weights(iter_weights(folder))

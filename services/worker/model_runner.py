@@ -61,7 +61,7 @@ class ModelRunner:
         self.kv_cache_dtype = cache_dtype(self.cache_config.cache_dtype, self.dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
-        self.model = load_model(model_path, self.dtype, backend, self.max_model_len, quantization, self.device)
+        self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization, self.device)
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
         self.kv_caches = [
@@ -103,6 +103,10 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def drop_requests(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
 
     # ---- one step -------------------------------------------------------------------
 

@@ -2,8 +2,8 @@
 
 It announces itself (model, KV capacity, context) on start, whenever a scheduler says
 hello, and every `heartbeat_s` after that; then it answers `SchedulerOutput` requests on
-its step subject with a `ModelRunnerOutput`. The forward pass runs on one dedicated
-thread, so steps stay strictly ordered and the event loop keeps heartbeats and NATS
+its step subject with a `ModelRunnerOutput`. The forward pass runs on the executor's
+one thread, so steps stay strictly ordered and the event loop keeps heartbeats and NATS
 pings alive during a long step.
 """
 
@@ -13,11 +13,10 @@ import asyncio
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
-import torch
 
+from services.worker.executor import InProcessExecutor, execute_step
 from services.worker.model_runner import ModelRunner
 from shared.bus import Subjects, connect, encode, stop_on_signals
 from shared.config import CacheConfig
@@ -48,18 +47,7 @@ def _execute(runner: ModelRunner, data: bytes, decoder: msgspec.msgpack.Decoder)
         scheduler_output: SchedulerOutput = decoder.decode(data)
     except msgspec.DecodeError as exc:
         return ModelRunnerOutput(step_id=-1, req_ids=[], sampled_token_ids=[], error=f"malformed step: {exc}")
-    try:
-        return runner.execute_model(scheduler_output)
-    except Exception as exc:  # noqa: BLE001 - report the failure; the scheduler ends those requests
-        log.exception("step %d failed", scheduler_output.step_id)
-        # The runner's state for these requests may be half-updated: drop it, the
-        # scheduler will not send them again.
-        for req_id in scheduler_output.num_scheduled_tokens:
-            runner.requests.pop(req_id, None)
-        return ModelRunnerOutput(
-            step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[],
-            error=f"{type(exc).__name__}: {exc}",
-        )
+    return execute_step(runner, scheduler_output)
 
 
 async def serve(
@@ -79,18 +67,12 @@ async def serve(
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
-    # Every torch call, loading included, runs on this one thread. A second thread that
-    # touches torch gets its own OpenMP team, and from then on both teams run at ~1.5 of
-    # 2 cores (measured: a decode step went from 187 ms to 223 ms).
-    step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-    loop = asyncio.get_running_loop()
-    if threads:
-        # OpenMP's thread count is per calling thread: set it on the step thread itself.
-        await loop.run_in_executor(step_thread, torch.set_num_threads, threads)
-    runner = await loop.run_in_executor(
-        step_thread, ModelRunner, model_path, cache_config, dtype, attention_backend, max_model_len, None,
-        quantization,
+    # The runner lives on the executor's one thread, loading included (executor.py says why).
+    executor = InProcessExecutor(
+        lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization),
+        threads,
     )
+    runner = executor.runner
     subjects = Subjects(model_name)
     info = WorkerInfo(
         worker_id=worker_id,
@@ -109,7 +91,7 @@ async def serve(
     async def handle_step(msg) -> None:
         last_step_at[0] = time.monotonic()
         ctx = extract(msg.headers)
-        output = await loop.run_in_executor(step_thread, run_step, runner, msg.data, decoder, tracer, ctx)
+        output = await executor.run(run_step, runner, msg.data, decoder, tracer, ctx)
         await msg.respond(encode(output))
 
     async def announce(_msg=None) -> None:
@@ -137,5 +119,5 @@ async def serve(
     while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
         await asyncio.sleep(0.1)
     await nc.drain()
-    step_thread.shutdown()
+    executor.close()
     shutdown_tracing()

@@ -1,0 +1,150 @@
+"""The fleet in process: placement, drain, death, waiting with no worker, and the queue
+bound, with exact request ids and clocks instead of processes and timeouts."""
+
+from __future__ import annotations
+
+from services.scheduler.fleet import Fleet
+from shared.config import SchedulerConfig
+from shared.messages import EngineCoreRequest, FinishReason, WorkerInfo
+from shared.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def worker(worker_id: str, num_kv_blocks: int = 64, draining: bool = False) -> WorkerInfo:
+    return WorkerInfo(worker_id, "tiny", num_kv_blocks, BLOCK_SIZE, max_model_len=1024, vocab_size=100,
+                      draining=draining)
+
+
+def request(request_id: str, prompt=(1, 2, 3, 4, 5, 6, 7, 8, 9), max_tokens: int = 4) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
+                             reply_subject=f"out.{request_id}")
+
+
+def make_fleet(max_num_seqs: int = 128, **options) -> Fleet:
+    config = SchedulerConfig(max_model_len=512, max_num_seqs=max_num_seqs)
+    return Fleet(config, heartbeat_timeout_s=2.0, no_worker_timeout_s=30.0, **options)
+
+
+def owner_of(fleet: Fleet, request_id: str) -> str:
+    return fleet.owner[request_id].worker_id
+
+
+def test_a_request_goes_to_the_least_loaded_worker():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    assert fleet.submit(request("a"), now=0.0) == []
+    assert fleet.submit(request("b", prompt=[50, 51, 52, 53, 54]), now=0.0) == []
+    assert {owner_of(fleet, "a"), owner_of(fleet, "b")} == {"w1", "w2"}
+
+
+def test_a_request_goes_where_its_prefix_is_cached():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    core = fleet.owner["a"].core
+    step = core.schedule()  # prefill: the prompt's two full blocks are registered
+    assert step.num_scheduled_tokens == {"a": 9}
+    fleet.submit(request("c", prompt=[1, 2, 3, 4, 5, 6, 7, 8, 40]), now=0.0)
+    # Both workers are as loaded, but only a's holds the shared 8-token prefix.
+    fleet.submit(request("d", prompt=[60, 61]), now=0.0)
+    assert owner_of(fleet, "c") == owner_of(fleet, "a")
+    assert owner_of(fleet, "d") != owner_of(fleet, "a")
+
+
+def test_a_dead_worker_s_requests_move_to_the_others_with_their_tokens():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    fleet.owner["a"].core.requests["a"].append_output_token(42)  # one token already streamed
+    fleet.heard_from(worker("w2"), now=1.0)
+    fleet.heard_from(worker("w1"), now=1.0)
+    assert fleet.check(now=2.5) == []  # w1 heard at 1.0, w2 at 1.0: both alive
+    fleet.heard_from(worker("w2"), now=3.0)
+    assert fleet.check(now=3.5) == []  # w1 silent for 2.5 s: dead, its request moved
+    assert list(fleet.workers) == ["w2"]
+    assert owner_of(fleet, "a") == "w2"
+    moved = fleet.workers["w2"].core.requests["a"]
+    assert moved.output_token_ids == [42] and moved.all_token_ids[-1] == 42
+
+
+def test_a_draining_worker_hands_its_requests_over_and_leaves():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    leaving = owner_of(fleet, "a")
+    assert fleet.heard_from(worker(leaving, draining=True), now=0.5) == []
+    assert leaving not in fleet.workers
+    assert owner_of(fleet, "a") != leaving
+
+
+def test_with_no_worker_a_request_waits_then_ends_with_a_clear_error():
+    fleet = make_fleet()
+    assert fleet.submit(request("a"), now=0.0) == []
+    assert fleet.num_waiting() == 1
+    assert fleet.check(now=29.0) == []
+    [(subject, output)] = fleet.check(now=30.5)
+    assert subject == "out.a"
+    assert output.finish_reason == FinishReason.ERROR
+    assert "no worker became available within 30 s" in output.error
+    assert fleet.num_waiting() == 0
+
+
+def test_a_waiting_request_is_placed_when_a_worker_joins():
+    fleet = make_fleet()
+    fleet.submit(request("a"), now=0.0)
+    assert fleet.heard_from(worker("w1"), now=5.0) == []
+    assert owner_of(fleet, "a") == "w1"
+    fleet.heard_from(worker("w1"), now=39.5)
+    assert fleet.check(now=40.0) == []  # placed: no longer subject to the no-worker timeout
+
+
+def test_a_request_too_long_for_the_joining_worker_is_rejected_then():
+    fleet = make_fleet()
+    fleet.submit(request("a", prompt=[1] * 300), now=0.0)
+    [(subject, output)] = fleet.heard_from(worker("w1", num_kv_blocks=32), now=1.0)  # 128 tokens of cache
+    assert subject == "out.a"
+    assert output.finish_reason == FinishReason.REJECTED
+    assert "context" in output.error
+
+
+def test_beyond_max_waiting_requests_new_ones_are_refused_as_overloaded():
+    fleet = make_fleet(max_waiting_requests=2)
+    assert fleet.submit(request("a"), now=0.0) == []
+    assert fleet.submit(request("b"), now=0.0) == []
+    [(subject, output)] = fleet.submit(request("c"), now=0.0)
+    assert (subject, output.finish_reason) == ("out.c", FinishReason.OVERLOADED)
+    fleet.abort(["a"])
+    assert fleet.submit(request("d"), now=0.0) == []
+
+
+def test_an_abort_reaches_the_owning_core_and_the_waiters():
+    fleet = make_fleet()
+    fleet.submit(request("waiting"), now=0.0)
+    fleet.abort(["waiting"])
+    assert fleet.num_waiting() == 0
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    core = fleet.workers["w1"].core
+    fleet.abort(["a"])
+    assert "a" not in core.requests and "a" not in fleet.owner
+
+
+def test_stats_add_up_over_workers():
+    fleet = make_fleet(max_num_seqs=1)
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    fleet.submit(request("b", prompt=[50, 51, 52]), now=0.0)
+    fleet.submit(request("late"), now=0.0)
+    for handle in fleet.workers.values():
+        handle.core.schedule()
+    stats = fleet.stats()
+    assert stats.num_running_reqs == 2
+    assert stats.num_waiting_reqs == 1
+    per_worker = [h.core.make_stats() for h in fleet.workers.values()]
+    assert stats.kv_cache_usage == sum(s.kv_cache_usage for s in per_worker) / 2
+    assert stats.prefix_cache_queries == sum(s.prefix_cache_queries for s in per_worker) > 0
