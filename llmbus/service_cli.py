@@ -90,8 +90,8 @@ def cmd_scheduler(args) -> int:
 
 
 def cmd_gateway(args) -> int:
-    from services.gateway.app import GatewayConfig
     from services.gateway.service import serve
+    from shared.config import GatewayConfig
 
     path, name = _setup(args)
     serve(path, args.nats_url, GatewayConfig(name, args.api_key, args.max_body_bytes), args.host, args.port)

@@ -50,3 +50,17 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    idle_timeout_s: float = 300.0  # a request whose engine stays silent this long fails
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be positive")
+        if self.idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be positive")

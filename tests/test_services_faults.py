@@ -1,6 +1,7 @@
 """How the services behave when a part stops answering: errors that come quickly, never hangs."""
 
 import concurrent.futures
+import json
 import os
 import signal
 import time
@@ -118,7 +119,8 @@ def test_scheduler_death_ends_in_flight_requests_quickly_and_a_restart_takes_ove
             rest = [line for line in lines if line]
         elapsed = time.monotonic() - killed_at
         assert elapsed < 6  # ended within a few seconds, not at the idle timeout
-        assert any('"code": 503' in line for line in rest)
+        errors = [json.loads(line[len("data: "):])["error"] for line in rest if line.startswith('data: {"error"')]
+        assert [e["code"] for e in errors] == [503]
         assert rest[-1] == "data: [DONE]"
         d.procs["scheduler"].wait(10)
         refused = httpx.post(d.base_url + "/v1/completions", json={**body, "stream": False, "max_tokens": 4}, timeout=30)

@@ -13,6 +13,7 @@ import time
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
+from services.gateway.errors import BadRequest, Unavailable
 from shared.bus import Subjects, encode
 from shared.messages import (
     AbortRequests,
@@ -27,22 +28,6 @@ from shared.messages import (
 )
 
 log = logging.getLogger("llmbus.gateway")
-
-
-class BadRequest(ValueError):
-    """The client's input is wrong: a 400."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class Unavailable(RuntimeError):
-    """A service the request needs does not answer: a 503."""
-
-
-class Overloaded(RuntimeError):
-    """The engine's waiting queue is full: a 429, to be retried later."""
 
 
 class EngineClient:

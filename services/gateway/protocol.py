@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.engine_client import BadRequest
+from services.gateway.errors import BadRequest
 from shared.sampling_params import SamplingParams
 
 

@@ -7,10 +7,11 @@ import uuid
 
 import uvicorn
 
-from services.gateway.app import GatewayConfig, create_app
+from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import Subjects, connect
+from shared.config import GatewayConfig
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.gateway")

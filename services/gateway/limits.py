@@ -1,0 +1,38 @@
+"""API key and body size, checked before a route reads anything.
+
+A plain ASGI middleware: it looks at the request's headers and then either answers
+itself or hands the untouched scope, receive and send on. Starlette's
+BaseHTTPMiddleware instead pipes every response body through a memory stream, and for
+SSE that was most of the gateway's CPU: 58% of its samples at 128 streams (py-spy), one
+stream hand-off, event and task switch per chunk.
+"""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+
+from services.gateway.errors import GatewayError, TooLarge, Unauthorized, error_response
+from shared.config import GatewayConfig
+
+
+class Limits:
+    def __init__(self, app, config: GatewayConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            error = self._check(Headers(scope=scope))
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, headers: Headers) -> GatewayError | None:
+        key = self.config.api_key
+        if key and headers.get("authorization", "") != f"Bearer {key}":
+            return Unauthorized("invalid or missing API key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
+            return TooLarge(f"request body is {length} bytes; the limit is {self.config.max_body_bytes}")
+        return None

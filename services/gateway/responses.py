@@ -1,0 +1,116 @@
+"""OpenAI's response bodies as msgspec structs, and the logprobs in each endpoint's shape.
+
+Fields that OpenAI sends as `null` are plain fields; `usage` on stream chunks is UNSET
+(absent) unless the client asked for it, then null on every chunk but the last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from shared.messages import Logprobs
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct, omit_defaults=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
+        details = PromptTokensDetails(cached_tokens) if cached_tokens else None
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+
+
+class Response(msgspec.Struct):
+    """A whole (non-streamed) response: `text_completion` or `chat.completion`."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice] | list[ChatChoice]
+    usage: UsageInfo
+
+
+class Chunk(msgspec.Struct):
+    """One SSE event: `text_completion` or `chat.completion.chunk`."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice] | list[ChatChunkChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class LogprobsFormatter:
+    """Token ids as text, in each endpoint's logprobs shape."""
+
+    def __init__(self, tokenizer) -> None:  # a `tokenizers.Tokenizer`
+        self.tokenizer = tokenizer
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, items: list[Logprobs]) -> dict[str, Any]:
+        return {
+            "tokens": [self._text(lp.token_ids[0]) for lp in items],
+            "token_logprobs": [lp.logprobs[0] for lp in items],
+            "top_logprobs": [
+                {self._text(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])} for lp in items
+            ],
+            "text_offset": [],
+        }
+
+    def chat(self, items: list[Logprobs]) -> dict[str, Any]:
+        def entry(token_id: int, value: float) -> dict[str, Any]:
+            text = self._text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**entry(lp.token_ids[0], lp.logprobs[0]),
+                 "top_logprobs": [entry(t, v) for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])]}
+                for lp in items
+            ]
+        }

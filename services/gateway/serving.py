@@ -1,0 +1,296 @@
+"""Serving one completion or chat request: validate, tokenize, generate, answer.
+
+Input is validated here, before anything reaches the engine. The answer is one JSON body
+or an SSE stream; a stream waits for the engine's first output before its headers go
+out, so a request the engine refuses still gets a real HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
+
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import BadRequest, GatewayError, NotFound, TooLarge, Unavailable, error_body, status_of
+from services.gateway.generation import Usage, generate
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_prompt,
+    parse_body,
+    to_sampling_params,
+    validate_messages,
+)
+from services.gateway import responses as r
+from shared.config import GatewayConfig
+from shared.messages import TokenizeRequest
+from shared.output_processor import ChoiceDelta
+from shared.tracing import SpanKind, inject
+
+request_log = logging.getLogger("llmbus.requests")
+
+_json = msgspec.json.Encoder()
+
+
+def _end_span(span, status: int, exc: BaseException | None = None) -> None:
+    span.set_attribute("http.response.status_code", status)
+    if exc is not None:
+        span.record_exception(exc)
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR))
+    span.end()
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient, tokenizer, config: GatewayConfig, metrics: GatewayMetrics,
+                 tracer) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = metrics
+        self.tracer = tracer
+        self.logprobs = r.LogprobsFormatter(tokenizer.backend)
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        """FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
+        of a stream and parents everything the request causes on the bus."""
+        path = request.url.path
+        span = self.tracer.start_span(
+            "gateway.request", kind=SpanKind.INTERNAL,
+            attributes={"http.request.method": "POST", "url.path": path, "http.route": path},
+        )
+        ctx = trace.set_span_in_context(span)
+        try:
+            body, params, token_ids = await self._prepare(
+                request, ChatCompletionRequest if chat else CompletionRequest, ctx
+            )
+        except Exception as exc:
+            _end_span(span, status_of(exc), exc)
+            raise
+        return await _Generation(self, request, body, params, token_ids, chat, span, ctx).respond()
+
+    # ---- before the engine --------------------------------------------------------------
+
+    async def _read_body(self, request: Request) -> bytes:
+        body = b""
+        async for chunk in request.stream():  # also bounds bodies sent without a length
+            body += chunk
+            if len(body) > self.config.max_body_bytes:
+                raise TooLarge(f"request body exceeds {self.config.max_body_bytes} bytes")
+        return body
+
+    async def _tokenize(self, request: TokenizeRequest, ctx) -> list[int]:
+        with self.tracer.start_as_current_span("gateway.tokenize", context=ctx, kind=SpanKind.CLIENT) as span:
+            ids = await self.client.tokenize(request, headers=inject())
+            span.set_attribute("llmbus.num_tokens", len(ids))
+            return ids
+
+    async def _prepare(self, request: Request, kind, ctx):
+        if self.client.scheduler_silent():
+            raise Unavailable("the scheduler is not running")
+        body = parse_body(await self._read_body(request), kind)
+        name = self.config.model_name
+        if body.model != name:
+            raise NotFound(f"the model `{body.model}` does not exist; this server serves `{name}`",
+                           "model", "model_not_found")
+        params = to_sampling_params(body)
+        if isinstance(body, ChatCompletionRequest):
+            validate_messages(body.messages)
+            token_ids = await self._tokenize(
+                TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt), ctx
+            )
+        else:
+            prompt = completion_prompt(body)
+            if isinstance(prompt, str):
+                token_ids = await self._tokenize(TokenizeRequest(prompt=prompt), ctx)
+            else:
+                token_ids = prompt
+                vocab = self.tokenizer.backend.get_vocab_size(True)
+                bad = [t for t in token_ids if not 0 <= t < vocab]
+                if bad:
+                    raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+        info = await self.client.scheduler_info()
+        if info.num_workers >= 1:
+            # With no worker yet (still loading) or none left the context is not known here:
+            # the scheduler holds the request until one joins and checks its length then.
+            _check_context(info.max_model_len, len(token_ids), params.max_tokens)
+        return body, params, token_ids
+
+
+def _check_context(context: int, num_prompt: int, max_tokens: int | None) -> None:
+    if max_tokens is not None and num_prompt + max_tokens > context:
+        raise BadRequest(
+            f"this model's context is {context} tokens, but the prompt has {num_prompt} tokens "
+            f"and max_tokens asks for {max_tokens} more ({num_prompt + max_tokens} in all)",
+            "max_tokens",
+        )
+    if num_prompt >= context:
+        raise BadRequest(f"this model's context is {context} tokens, but the prompt has {num_prompt} tokens", "prompt")
+
+
+class _Generation:
+    """One request's answer: its deltas collected into a body, or framed as SSE."""
+
+    def __init__(self, serving: OpenAIServing, request: Request, body, params, token_ids: list[int],
+                 chat: bool, span, ctx) -> None:
+        self.s = serving
+        self.request = request
+        self.body = body
+        self.chat = chat
+        self.span = span
+        self.params = params
+        self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.usage = Usage()
+        self.object = "chat.completion" if chat else "text_completion"
+        self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
+        self.stream = generate(
+            serving.client, serving.tokenizer.backend, self.request_id, token_ids, self.params,
+            serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
+        )
+        self.echo = ""
+        if not chat and body.echo:
+            tok = serving.tokenizer
+            self.echo = body.prompt if isinstance(body.prompt, str) else tok.decode(token_ids, skip_special_tokens=False)
+
+    async def respond(self) -> Response:
+        if self.body.stream:
+            try:
+                first = await self.stream.__anext__()
+            except StopAsyncIteration:
+                first = []
+            except Exception as exc:
+                self._finished(status_of(exc), exc)
+                raise
+            return StreamingResponse(
+                self._sse(first), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            response = await self._collect()
+        except Exception as exc:
+            self._finished(status_of(exc), exc)
+            raise
+        self._finished(response.status_code)
+        return response
+
+    def _finished(self, status: int, exc: BaseException | None = None) -> None:
+        usage = self.usage
+        self.stream_span.set_attribute("llmbus.completion_tokens", usage.completion_tokens)
+        self.stream_span.end()
+        _end_span(self.span, status, exc)
+        e2e = time.monotonic() - usage.started_at
+        if status == 200 and usage.finish_reasons:
+            self.s.metrics.request_finished(usage.prompt_tokens, usage.completion_tokens, usage.finish_reasons,
+                                            usage.ttft, usage.itls, e2e, usage.queue_time_s)
+        request_log.info("request finished", extra={
+            "request_id": self.request_id, "status": status, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
+            "ttft_s": None if usage.ttft is None else round(usage.ttft, 4), "e2e_s": round(e2e, 4),
+            "finish_reason": ",".join(usage.finish_reasons) or None,
+        })
+
+    def _usage(self) -> r.UsageInfo:
+        u = self.usage
+        return r.UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+    def _logprobs(self, items) -> dict | None:
+        return (self.s.logprobs.chat if self.chat else self.s.logprobs.completion)(items)
+
+    async def _collect(self) -> Response:
+        n = self.params.n
+        texts = [self.echo] * n
+        finish: list[str | None] = [None] * n
+        logprobs: list[list] = [[] for _ in range(n)]
+        want_logprobs = self.params.logprobs is not None
+
+        async def consume():
+            async for deltas in self.stream:
+                for d in deltas:
+                    texts[d.index] += d.text
+                    logprobs[d.index].extend(d.logprobs)
+                    if d.finish_reason is not None:
+                        finish[d.index] = str(d.finish_reason)
+
+        async def watch_disconnect():
+            while not await self.request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(watch_disconnect())
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer not in done:
+            consumer.cancel()  # the client left: the generator's cleanup aborts in the engine
+            await self.stream.aclose()
+            return Response(b"{}", status_code=499, media_type="application/json")
+        watcher.cancel()
+        consumer.result()
+        choices = []
+        for i in range(n):
+            lp = self._logprobs(logprobs[i]) if want_logprobs else None
+            if self.chat:
+                choices.append(r.ChatChoice(i, r.ChatMessage("assistant", texts[i]), lp, finish[i]))
+            else:
+                choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
+        body = r.Response(self.request_id, self.object, self.created, self.s.config.model_name, choices,
+                          self._usage())
+        return Response(_json.encode(body), media_type="application/json")
+
+    def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = r.Chunk(self.request_id, obj, self.created, self.s.config.model_name, choices, usage)
+        # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
+        # its cost per chunk (one chunk per token per stream at 128 streams).
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+    def _delta_choice(self, d: ChoiceDelta):
+        lp = self._logprobs(d.logprobs) if d.logprobs else None
+        reason = None if d.finish_reason is None else str(d.finish_reason)
+        if self.chat:
+            return r.ChatChunkChoice(d.index, r.DeltaMessage(content=d.text or None), lp, reason)
+        return r.CompletionChoice(d.index, d.text, lp, reason)
+
+    async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
+        n = self.params.n
+        status, failure = 499, None  # a client that leaves mid-stream never sees the end
+        try:
+            if self.chat:
+                yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
+                                   for i in range(n)], usage)
+            elif self.echo:
+                yield self._chunk([r.CompletionChoice(i, self.echo, None, None) for i in range(n)], usage)
+            async for deltas in _prepend(first, self.stream):
+                # A delta with no text, end or logprobs holds bytes of an incomplete character.
+                out = [self._delta_choice(d) for d in deltas if d.text or d.finish_reason is not None or d.logprobs]
+                if out:
+                    yield self._chunk(out, usage)
+            if include_usage:
+                yield self._chunk([], self._usage())
+            status = 200
+        except GatewayError as exc:
+            status, failure = status_of(exc), exc
+            yield b"data: " + error_body(exc) + b"\n\n"
+        finally:
+            self._finished(status, failure)
+        yield b"data: [DONE]\n\n"
+
+
+async def _prepend(first, stream):
+    try:
+        if first:
+            yield first
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()  # a client that left must abort the engine request now
