@@ -1,4 +1,6 @@
-"""Triton kernels: the GPU attention backend (paged attention and the KV-cache write).
+"""Triton kernels of the GPU attention backend (paged attention and the KV-cache write);
+the backend itself is services/worker/attention/triton_backend.py. This package imports
+nothing from services/.
 
 Without a GPU, Triton's interpreter runs them on CPU tensors (slow, but exact enough to
 test). The interpreter must be chosen before anything imports triton — transformers and

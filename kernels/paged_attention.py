@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per inner iteration (at least one cache block). Set from `python -m kernels.bench`.
+# Keys per inner iteration (at least one cache block). Set from `python -m llmbus.bench.kernels`.
 TILE_KEYS = 64
 
 

@@ -12,16 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.attention.kv_cache_dtype import FP8_MAX
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _fp8_grid(dtype: torch.dtype) -> dict:
     """The kernel's constants for a cache of `dtype`: a float8 format's largest finite value,
     mantissa bits and smallest normal exponent (all zero for any other dtype)."""
-    if dtype not in FP8_MAX:
+    if dtype not in _FLOAT8:
         return {"SATURATE": 0.0, "MANTISSA": 0, "MIN_EXP": 0}
     info = torch.finfo(dtype)
-    return {"SATURATE": FP8_MAX[dtype], "MANTISSA": round(-math.log2(info.eps)),
+    return {"SATURATE": info.max, "MANTISSA": round(-math.log2(info.eps)),
             "MIN_EXP": round(math.log2(info.smallest_normal))}
 
 

@@ -4,7 +4,7 @@
 # tokenizer in .gpu_assets/smollm2/ — the weights are too big to carry, so the speed runs
 # use random weights of SmolLM2's shape). In order of what matters most:
 #   1. scripts/gpu_check.py: the engine on CUDA, greedy output vs transformers on the GPU
-#   2. python -m kernels.bench: Triton paged attention at real sizes, splits, vs SDPA
+#   2. python -m llmbus.bench.kernels: Triton paged attention at real sizes, splits, vs SDPA
 #   3. scripts/gpu_step_profile.py: a decode step's host time against its GPU time
 #   4. llmbus bench throughput (W1) and latency (W0) on the GPU, bf16, then W1 in f32
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
@@ -36,7 +36,7 @@ step() {  # step NAME SECONDS COMMAND...
 } >>"$LOG" 2>&1
 
 step gpu_check 90 python3 scripts/gpu_check.py --out "$OUT"
-step kernels_bench 200 python3 -m kernels.bench --out "$OUT"
+step kernels_bench 200 python3 -m llmbus.bench.kernels --out "$OUT"
 MODEL=/tmp/smollm2-random
 step random_model 45 python3 scripts/gpu_check.py --random-smollm2 .gpu_assets/smollm2 "$MODEL"
 step step_profile 60 python3 scripts/gpu_step_profile.py --model "$MODEL" --batch 1 16 128 --out "$OUT"

@@ -14,7 +14,7 @@ import torch
 import kernels  # noqa: F401 - interpreter on CPU
 from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
-from kernels.triton_backend import choose_num_splits
+from services.worker.attention.triton_backend import choose_num_splits
 from services.worker.attention.random_step import heads_first, make_batch
 from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 
@@ -155,7 +155,7 @@ def test_gpu_bench_script_runs_end_to_end_on_tiny_shapes(tmp_path):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "kernels.bench", "--smoke", "--out", str(tmp_path)],
+    result = subprocess.run([sys.executable, "-m", "llmbus.bench.kernels", "--smoke", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     import json

@@ -1,4 +1,4 @@
-"""`python -m kernels.bench`: the GPU check of the attention kernels, one prepared script.
+"""`python -m llmbus.bench.kernels`: the GPU check of the attention kernels, one prepared script.
 
 On a GPU: correctness at real sizes against the PyTorch reference, then decode timings
 for batch x context in {1, 16, 64, 256} x {512, 4096, 16384} (head dim 128, 32 query /
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention import TILE_KEYS, paged_attention
-from kernels.triton_backend import choose_num_splits
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.attention.triton_backend import choose_num_splits
 
 H200_PEAK_BYTES_S = 4.8e12
 

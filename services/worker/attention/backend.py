@@ -37,7 +37,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 
         return TorchAttentionBackend()
     if name == "triton":
-        from kernels.triton_backend import TritonAttentionBackend  # type: ignore[import-not-found]
+        from services.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention_backend {name!r}: torch or triton")
