@@ -4,82 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
-from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, ModelFetchError
-from shared.config import KV_CACHE_DTYPES
+from llmbus.args import add_engine_args, engine_kwargs
+from llmbus.model_fetch import DEFAULT_MODEL, ModelFetchError
+from llmbus.service_cli import add_service_commands
 from shared.logs import setup_logging
-
-
-def env(flag: str, default=None):
-    """Every flag's default can come from the environment: --max-num-seqs <- LLMBUS_MAX_NUM_SEQS.
-    (argparse converts a string default with the flag's type.)"""
-    value = os.environ.get("LLMBUS_" + flag.lstrip("-").replace("-", "_").upper())
-    return default if value in (None, "") else value
-
-
-def env_flag(flag: str) -> bool:
-    return str(env(flag, "")).lower() in ("1", "true", "yes", "on")
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=env("--model"),
-        help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}",
-    )
-    parser.add_argument("--max-model-len", type=int, default=env("--max-model-len"),
-                        help="context length (default: the model's)")
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default=env("--dtype", "float32"), choices=["float32", "bfloat16"])
-    parser.add_argument("--quantization", default=env("--quantization"), choices=["int8", "int4"],
-                        help="CPU, with --dtype bfloat16: int4 (4-bit weights in groups of 32; a GGUF Q4 "
-                             "checkpoint keeps its exact grid) or int8 (per-channel int8 weights)")
-    parser.add_argument("--num-kv-blocks", type=int, default=env("--num-kv-blocks"), help="exact KV cache size in blocks")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
-                        help="KV cache budget when --num-kv-blocks is not given")
-    parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
-    parser.add_argument("--kv-cache-dtype", default=env("--kv-cache-dtype", "auto"), choices=KV_CACHE_DTYPES,
-                        help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, twice "
-                             "the tokens per GB (docs/performance.md for how often greedy output moves)")
-    parser.add_argument("--attention-backend", default=env("--attention-backend"), choices=["torch", "triton"],
-                        help="default: triton on a GPU, torch on CPU")
-    parser.add_argument("--threads", type=int, default=env("--threads"),
-                        help="torch threads for the model (default: torch's, one per core)")
-
-
-def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
-    parser.add_argument("--max-num-batched-tokens", type=int, default=env("--max-num-batched-tokens", 2048))
-    parser.add_argument("--no-prefix-caching", action="store_true", default=env_flag("--no-prefix-caching"))
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Everything the in-process engine takes (`generate`, `bench throughput`)."""
-    add_model_args(parser)
-    add_worker_args(parser)
-    add_scheduler_args(parser)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype,
-        quantization=args.quantization,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
-        block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        enable_prefix_caching=not args.no_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        attention_backend=args.attention_backend,
-        threads=args.threads,
-    )
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
@@ -147,8 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
         if engine:  # it builds an in-process LLM: every engine flag applies
             add_engine_args(p)
         p.set_defaults(func=bench_module.run)
-
-    from llmbus.service_cli import add_service_commands
 
     add_service_commands(sub)
     return parser

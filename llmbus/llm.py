@@ -60,7 +60,6 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
             cache_dtype=kv_cache_dtype,
         )
         # An unsupported model fails in the runner's constructor, before any weight loads.
@@ -80,11 +79,11 @@ class LLM:
                 max_model_len=self.runner.max_model_len,
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_chunked_prefill=enable_chunked_prefill,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             num_kv_blocks=self.runner.num_blocks,
             block_size=block_size,
             vocab_size=self.runner.vocab_size,
-            enable_prefix_caching=cache_config.enable_prefix_caching,
         )
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -102,7 +102,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> N
     while time.monotonic() < deadline:
         for proc in procs:
             if proc.poll() is not None:
-                raise RuntimeError(f"a service exited during start-up: {' '.join(proc.args[3:5])} (code {proc.returncode})")
+                raise RuntimeError(f"a service exited during start-up: {proc.args[3]} (code {proc.returncode})")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
                 if resp.status == 200:
@@ -126,8 +126,9 @@ def stop_all(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
             proc.wait()
 
 
-def run_serve(args, service_argv: dict[str, list[str]]) -> int:
-    """`service_argv` holds each service's own arguments, already rendered by the CLI."""
+def run_serve(args, service_env: dict[str, str]) -> int:
+    """`service_env`: the deployment's flags as LLMBUS_* variables, which every service's
+    flags default to (each takes the ones it has)."""
     nats = None
     procs: list[subprocess.Popen] = []
     stop_requested = False
@@ -143,13 +144,14 @@ def run_serve(args, service_argv: dict[str, list[str]]) -> int:
         if not nats_url:
             nats = NatsServer().start()
             nats_url = nats.url
+        env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
-        procs.append(spawn_service(["scheduler", *common, *service_argv["scheduler"]]))
+        procs.append(spawn_service(["scheduler", *common], env))
         for _ in range(args.tokenizers):
-            procs.append(spawn_service(["tokenizer", *common, *service_argv["tokenizer"]]))
+            procs.append(spawn_service(["tokenizer", *common], env))
         for _ in range(args.workers):
-            procs.append(spawn_service(["worker", *common, *service_argv["worker"]]))
-        procs.append(spawn_service(["gateway", *common, *service_argv["gateway"]]))
+            procs.append(spawn_service(["worker", *common], env))
+        procs.append(spawn_service(["gateway", *common], env))
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, procs, args.startup_timeout)
         print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)

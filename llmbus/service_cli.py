@@ -1,7 +1,8 @@
 """The service subcommands: `llmbus gateway|tokenizer|scheduler|worker|serve`.
 
-Every knob is a flag with an `LLMBUS_*` environment default, so compose files and
-`llmbus serve` start the very same commands.
+Every knob is a flag with an `LLMBUS_*` environment default (llmbus/args.py), so
+compose files and `llmbus serve` start the very same commands; `serve` hands each child
+its flags as those variables instead of rendering them back into argv.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ import argparse
 import asyncio
 import os
 
-from llmbus.cli import add_model_args, add_scheduler_args, add_worker_args, env, env_flag
+from llmbus.args import (
+    add_model_args,
+    add_scheduler_args,
+    add_worker_args,
+    as_env,
+    cache_config,
+    env,
+    gateway_config,
+    scheduler_config,
+)
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 
 
@@ -53,14 +63,9 @@ def cmd_tokenizer(args) -> int:
 
 def cmd_worker(args) -> int:
     from services.worker.service import serve
-    from shared.config import CacheConfig
 
     path, name = _setup(args)
-    cache = CacheConfig(
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)), cache_dtype=args.kv_cache_dtype,
-    )
-    asyncio.run(serve(path, args.nats_url, name, cache, args.dtype, args.attention_backend,
+    asyncio.run(serve(path, args.nats_url, name, cache_config(args), args.dtype, args.attention_backend,
                       args.max_model_len, args.worker_id, threads=args.threads,
                       quantization=args.quantization))
     return 0
@@ -68,18 +73,10 @@ def cmd_worker(args) -> int:
 
 def cmd_scheduler(args) -> int:
     from services.scheduler.service import serve
-    from shared.config import SchedulerConfig
 
     args.served_model_name = served_name(args)
-    config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len or (1 << 31),
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
     asyncio.run(serve(
-        args.nats_url, args.served_model_name, config,
-        enable_prefix_caching=not args.no_prefix_caching,
+        args.nats_url, args.served_model_name, scheduler_config(args),
         step_timeout_s=args.step_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
@@ -91,53 +88,25 @@ def cmd_scheduler(args) -> int:
 
 def cmd_gateway(args) -> int:
     from services.gateway.service import serve
-    from shared.config import GatewayConfig
 
     path, name = _setup(args)
-    serve(path, args.nats_url, GatewayConfig(name, args.api_key, args.max_body_bytes), args.host, args.port)
+    serve(path, args.nats_url, gateway_config(args, name), args.host, args.port)
     return 0
+
+
+# Flags of `serve` itself, not of any service it starts.
+_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "tokenizers", "workers", "startup_timeout"}
 
 
 def cmd_serve(args) -> int:
     from llmbus.serve import run_serve
 
-    path, name = _setup(args)  # fetch once here, not in every child
-    model = ["--model", path, "--served-model-name", name]
-    if args.max_model_len:
-        model += ["--max-model-len", str(args.max_model_len)]
-    worker = [*model, "--dtype", args.dtype, "--block-size", str(args.block_size),
-              "--kv-cache-memory-gb", str(args.kv_cache_memory_gb), "--kv-cache-dtype", args.kv_cache_dtype]
-    if args.attention_backend:
-        worker += ["--attention-backend", args.attention_backend]
-    if args.quantization:
-        worker += ["--quantization", args.quantization]
+    args.model, args.served_model_name = _setup(args)  # fetch once here, not in every child
     # Workers on one machine share its cores: N workers with a thread per core each would
     # oversubscribe, and an OpenMP team stalls whenever one of its threads is descheduled.
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
-    if args.threads or args.workers > 1:
-        worker += ["--threads", str(threads)]
-    if args.num_kv_blocks:
-        worker += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    scheduler = [*model, "--max-num-seqs", str(args.max_num_seqs),
-                 "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                 "--long-prefill-token-threshold", str(args.long_prefill_token_threshold),
-                 "--step-timeout", str(args.step_timeout), "--max-waiting-requests", str(args.max_waiting_requests)]
-    if args.no_prefix_caching:
-        scheduler.append("--no-prefix-caching")
-    if args.no_async_scheduling:
-        scheduler.append("--no-async-scheduling")
-    gateway = [*model, "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes)]
-    env_key = ["--api-key", args.api_key] if args.api_key else []
-    return run_serve(args, {
-        "scheduler": scheduler, "tokenizer": model, "worker": worker, "gateway": [*gateway, *env_key],
-    })
-
-
-def add_async_scheduling_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--no-async-scheduling", action="store_true", default=env_flag("--no-async-scheduling"),
-        help="wait for each step's answer before building the next (default: keep two in flight)",
-    )
+    if args.threads is None and args.workers > 1:
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
+    return run_serve(args, as_env(args, [name for name in vars(args) if name not in _SERVE_ONLY]))
 
 
 def add_service_commands(sub) -> None:
@@ -165,7 +134,6 @@ def add_service_commands(sub) -> None:
                    help="seconds a request may wait while no worker is up")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0),
                    help="beyond this many waiting requests new ones get 429 (0 = no limit)")
-    add_async_scheduling_arg(p)
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
@@ -186,5 +154,4 @@ def add_service_commands(sub) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))
     p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
     p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))
-    add_async_scheduling_arg(p)
     p.set_defaults(func=cmd_serve)

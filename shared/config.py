@@ -14,6 +14,8 @@ class SchedulerConfig:
     # cannot starve the decodes running beside it.
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
+    # The scheduler owns every block pool, so the prefix cache is its to turn off.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -36,7 +38,6 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact number of blocks; wins over the memory budget
     kv_cache_memory_bytes: int = 1 << 30  # budget when num_kv_blocks is not given
-    enable_prefix_caching: bool = True
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per value,
     # twice the tokens in the same memory and half the bytes for attention to read.
     cache_dtype: str = "auto"

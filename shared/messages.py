@@ -104,6 +104,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
+    """One scheduler core's figures, or a fleet's (`combine`); rendered as they are by
+    /health and, under vLLM's names, by /metrics."""
+
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # fraction of blocks in use, 0..1
@@ -114,6 +117,22 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     scheduler_id: str = ""
     worker_id: str = ""  # the worker of the step these outputs came from
     step_time_s: float = 0.0  # that step's duration as the scheduler saw it
+
+    @classmethod
+    def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
+        """Several cores as one: counts add up, KV usage is the mean of their fractions."""
+        total = cls(num_waiting_reqs=num_waiting_elsewhere)
+        for name in _SUMMED_STATS:
+            setattr(total, name, getattr(total, name) + sum(getattr(p, name) for p in parts))
+        if parts:
+            total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
+        return total
+
+
+# Every count of SchedulerStats (the int fields): what `combine` adds up.
+_SUMMED_STATS = [
+    f.name for f in msgspec.structs.fields(SchedulerStats) if f.type is int
+]
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

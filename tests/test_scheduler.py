@@ -28,11 +28,10 @@ EOS = 99
 
 def make_scheduler(num_kv_blocks: int = 64, prefix_caching: bool = True, **config) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(**config),
+        SchedulerConfig(enable_prefix_caching=prefix_caching, **config),
         num_kv_blocks=num_kv_blocks,
         block_size=BLOCK_SIZE,
         vocab_size=VOCAB,
-        enable_prefix_caching=prefix_caching,
     )
 
 

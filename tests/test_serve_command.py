@@ -38,8 +38,10 @@ def test_serve_starts_everything_and_answers(served):
     for service in ("scheduler", "worker", "gateway"):
         assert f"llmbus {service}" in names
     assert names.count("llmbus tokenizer") == 2
-    worker = next(" ".join(c.cmdline()) for c in children if "llmbus worker" in " ".join(c.cmdline()))
-    assert "--kv-cache-dtype fp8_e5m2" in worker  # the worker's flags reach it (a float8 cache serves below)
+    worker = next(c for c in children if "llmbus worker" in " ".join(c.cmdline()))
+    # The worker's flags reach it, as the LLMBUS_* variables its flags default to (a float8
+    # cache serves below).
+    assert worker.environ()["LLMBUS_KV_CACHE_DTYPE"] == "fp8_e5m2"
     resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200

@@ -77,7 +77,7 @@ def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchReques
 
 def run(args: argparse.Namespace) -> int:
     from llmbus import LLM
-    from llmbus.cli import engine_kwargs
+    from llmbus.args import engine_kwargs
     from llmbus.model_fetch import resolve_model
     from services.worker.loader import parse_dtype
 

@@ -82,7 +82,7 @@ def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float
 
 def run(args: argparse.Namespace) -> int:
     from llmbus import LLM
-    from llmbus.cli import engine_kwargs
+    from llmbus.args import engine_kwargs
     from llmbus.model_fetch import resolve_model
     from services.worker.loader import parse_dtype
 

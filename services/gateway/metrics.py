@@ -16,18 +16,27 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
+# SchedulerStats field -> (metric, help): gauges as they are, cumulative counts as deltas.
+_GAUGES = {
+    "num_running_reqs": ("llmbus:num_requests_running", "Requests running on the engine"),
+    "num_waiting_reqs": ("llmbus:num_requests_waiting", "Requests waiting to be scheduled"),
+    "kv_cache_usage": ("llmbus:kv_cache_usage_perc", "KV-cache usage, 1 = full"),
+}
+_COUNTERS = {
+    "prefix_cache_queries": ("llmbus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": ("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "num_preemptions": ("llmbus:num_preemptions", "Preemptions"),
+}
+
+
 class GatewayMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "scheduler"]
         r = self.registry
         self._model = model_name
-        self.num_requests_running = Gauge("llmbus:num_requests_running", "Requests running on the engine", labels, registry=r)
-        self.num_requests_waiting = Gauge("llmbus:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
-        self.kv_cache_usage = Gauge("llmbus:kv_cache_usage_perc", "KV-cache usage, 1 = full", labels, registry=r)
-        self.prefix_cache_queries = Counter("llmbus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
-        self.prefix_cache_hits = Counter("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r)
-        self.num_preemptions = Counter("llmbus:num_preemptions", "Preemptions", labels, registry=r)
+        self._gauges = {f: Gauge(name, doc, labels, registry=r) for f, (name, doc) in _GAUGES.items()}
+        self._counters = {f: Counter(name, doc, labels, registry=r) for f, (name, doc) in _COUNTERS.items()}
         self.worker_step = Histogram("llmbus:worker_step_seconds", "Duration of one engine step, per worker",
                                      ["model_name", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("llmbus:prompt_tokens", "Prefill tokens processed", ["model_name"], registry=r)
@@ -41,21 +50,20 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("llmbus:request_queue_time_seconds", "Time waiting in the scheduler queue",
                                     ["model_name"], buckets=_E2E_BUCKETS, registry=r)
-        self._last_cumulative: dict[str, tuple[int, int, int]] = {}
+        self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         labels = (self._model, stats.scheduler_id or "unknown")
-        self.num_requests_running.labels(*labels).set(stats.num_running_reqs)
-        self.num_requests_waiting.labels(*labels).set(stats.num_waiting_reqs)
-        self.kv_cache_usage.labels(*labels).set(stats.kv_cache_usage)
-        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-        before = self._last_cumulative.get(labels[1], (0, 0, 0))
-        if any(n < b for n, b in zip(now, before)):
-            before = (0, 0, 0)  # that scheduler restarted: its counts began again
-        for counter, n, b in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions), now, before):
-            if n > b:
-                counter.labels(*labels).inc(n - b)
-        self._last_cumulative[labels[1]] = now
+        for field, gauge in self._gauges.items():
+            gauge.labels(*labels).set(getattr(stats, field))
+        now = {field: getattr(stats, field) for field in self._counters}
+        before = self._last_counts.get(labels[1], {})
+        if any(now[f] < before.get(f, 0) for f in now):
+            before = {}  # that scheduler restarted: its counts began again
+        for field, counter in self._counters.items():
+            if now[field] > before.get(field, 0):
+                counter.labels(*labels).inc(now[field] - before.get(field, 0))
+        self._last_counts[labels[1]] = now
         if stats.worker_id and stats.step_time_s > 0:
             self.worker_step.labels(self._model, stats.worker_id).observe(stats.step_time_s)
 

@@ -41,14 +41,12 @@ class Fleet:
     def __init__(
         self,
         config: SchedulerConfig,
-        enable_prefix_caching: bool = True,
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
         max_waiting_requests: int = 0,  # 0 = unbounded
     ) -> None:
         self.config = config
         self.max_waiting_requests = max_waiting_requests
-        self.enable_prefix_caching = enable_prefix_caching
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.no_worker_timeout_s = no_worker_timeout_s
         self.workers: dict[str, WorkerHandle] = {}
@@ -69,7 +67,7 @@ class Fleet:
             handle.last_seen = now
             return []
         config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
-        core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, self.enable_prefix_caching)
+        core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size)
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
         log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
         waiting, self.unplaced = self.unplaced, deque()
@@ -154,18 +152,7 @@ class Fleet:
         return min((h.core.max_model_len for h in self.workers.values()), default=0)
 
     def stats(self) -> SchedulerStats:
-        per_worker = [h.core.make_stats() for h in self.workers.values()]
-        total = SchedulerStats(num_waiting_reqs=len(self.unplaced))
-        for s in per_worker:
-            total.num_running_reqs += s.num_running_reqs
-            total.num_waiting_reqs += s.num_waiting_reqs
-            total.prefix_cache_queries += s.prefix_cache_queries
-            total.prefix_cache_hits += s.prefix_cache_hits
-            total.num_preemptions += s.num_preemptions
-            total.num_generation_tokens += s.num_generation_tokens
-        if per_worker:
-            total.kv_cache_usage = sum(s.kv_cache_usage for s in per_worker) / len(per_worker)
-        return total
+        return SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
 
 
 def _error(item: EngineCoreRequest | Request, reason: str, finish=FinishReason.ERROR) -> Rejection:

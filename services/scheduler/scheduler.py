@@ -35,11 +35,10 @@ class Scheduler:
         num_kv_blocks: int,
         block_size: int,
         vocab_size: int,
-        enable_prefix_caching: bool = True,
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
         # A request must fit in the cache on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len, num_kv_blocks * block_size)
         self.requests: dict[str, Request] = {}

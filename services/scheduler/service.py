@@ -43,7 +43,6 @@ class SchedulerService:
         nc,
         subjects: Subjects,
         config: SchedulerConfig,
-        enable_prefix_caching: bool = True,
         step_timeout_s: float = 120.0,
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
@@ -54,7 +53,7 @@ class SchedulerService:
         self.async_scheduling = async_scheduling
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
-        self.fleet = Fleet(config, enable_prefix_caching, heartbeat_timeout_s, no_worker_timeout_s,
+        self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
                            max_waiting_requests)
         self.scheduler_id = uuid.uuid4().hex[:8]
         tracer = setup_tracing("scheduler")
