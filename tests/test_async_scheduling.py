@@ -140,6 +140,13 @@ def test_an_abort_while_steps_are_in_flight_loses_no_other_request(tiny_llama, r
     assert_clean(llm)
 
 
+def test_the_offline_llm_without_async_scheduling_gives_the_same_tokens(tiny_llama, reference):
+    llm = LLM(str(tiny_llama), async_scheduling=False)
+    assert llm.engine.max_steps_in_flight == 1
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == reference
+
+
 def test_depth_one_is_the_synchronous_engine(tiny_llama, reference):
     llm = LLM(str(tiny_llama))
     tokens, _, _ = run_pipelined(llm, greedy_requests(PROMPTS), depth=1)

@@ -42,12 +42,28 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+def _engine(requests: dict[str, int], **options) -> tuple:
+    """A scheduler holding `requests` (id -> max_tokens, 3-token prompts), a fake executor
+    and the engine core between them."""
+    scheduler = make_scheduler()
+    for i, (request_id, max_tokens) in enumerate(requests.items()):
+        scheduler.add_request(make_request(request_id, [3 * i + 1, 3 * i + 2, 3 * i + 3], max_tokens=max_tokens))
+    executor = FakeExecutor()
+    return scheduler, executor, EngineCore(scheduler, executor, **options)
+
+
+async def _answer_until(done, executor: FakeExecutor) -> None:
+    """Answer every step as it is sent until `done()`."""
+    while not done():
+        await _settle()
+        for step in executor.sent:
+            if not executor._answers[step.step_id].done():
+                executor.answer(step)
+
+
 def test_two_steps_are_sent_before_the_first_lands():
     async def scenario():
-        scheduler = make_scheduler()
-        scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=5))
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor, max_steps_in_flight=2)
+        scheduler, executor, engine = _engine({"a": 5}, max_steps_in_flight=2)
         stepping = asyncio.ensure_future(engine.step())
         await _settle()
         assert [s.num_scheduled_tokens for s in executor.sent] == [{"a": 3}, {"a": 1}]
@@ -64,10 +80,7 @@ def test_two_steps_are_sent_before_the_first_lands():
 
 def test_depth_one_waits_for_each_answer():
     async def scenario():
-        scheduler = make_scheduler()
-        scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=5))
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor, max_steps_in_flight=1)
+        _, executor, engine = _engine({"a": 5}, max_steps_in_flight=1)
         stepping = asyncio.ensure_future(engine.step())
         await _settle()
         assert len(executor.sent) == 1
@@ -80,16 +93,9 @@ def test_depth_one_waits_for_each_answer():
 
 def test_only_the_first_step_to_a_new_worker_resets_it():
     async def scenario():
-        scheduler = make_scheduler()
-        scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=3))
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor, needs_reset=True)
+        _, executor, engine = _engine({"a": 3}, needs_reset=True)
         stepping = asyncio.ensure_future(engine.drain())
-        while not stepping.done():
-            await _settle()
-            for step in executor.sent:
-                if not executor._answers[step.step_id].done():
-                    executor.answer(step)
+        await _answer_until(stepping.done, executor)
         await stepping
         assert [s.reset for s in executor.sent] == [True] + [False] * (len(executor.sent) - 1)
 
@@ -98,11 +104,7 @@ def test_only_the_first_step_to_a_new_worker_resets_it():
 
 def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_tells_the_worker():
     async def scenario():
-        scheduler = make_scheduler()
-        scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=10))
-        scheduler.add_request(make_request("b", [4, 5, 6], max_tokens=10))
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor)
+        scheduler, executor, engine = _engine({"a": 10, "b": 10})
         stepping = asyncio.ensure_future(engine.step())
         await _settle()
         scheduler.abort_requests(["a"])  # both steps in flight carry it
@@ -122,10 +124,7 @@ def test_an_abort_while_a_step_is_in_flight_drops_its_token_and_tells_the_worker
 
 def test_a_worker_that_stops_answering_is_lost_with_every_step_in_flight():
     async def scenario():
-        scheduler = make_scheduler()
-        scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=10))
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor)
+        scheduler, executor, engine = _engine({"a": 10})
         stepping = asyncio.ensure_future(engine.step())
         await _settle()
         executor.vanish(executor.sent[0])
@@ -141,9 +140,7 @@ def test_a_worker_that_stops_answering_is_lost_with_every_step_in_flight():
 
 def test_run_publishes_every_landed_step_and_sleeps_until_woken():
     async def scenario():
-        scheduler = make_scheduler()
-        executor = FakeExecutor()
-        engine = EngineCore(scheduler, executor)
+        scheduler, executor, engine = _engine({})
         published = []
 
         async def publish(landed):
@@ -154,11 +151,7 @@ def test_run_publishes_every_landed_step_and_sleeps_until_woken():
         assert executor.sent == []  # idle: nothing sent
         scheduler.add_request(make_request("a", [1, 2], max_tokens=2))
         engine.wake()
-        while not any(o.finish_reason is not None for o in published):
-            await _settle()
-            for step in executor.sent:
-                if not executor._answers[step.step_id].done():
-                    executor.answer(step)
+        await _answer_until(lambda: any(o.finish_reason is not None for o in published), executor)
         running.cancel()
         with pytest.raises(asyncio.CancelledError):
             await running

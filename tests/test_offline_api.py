@@ -1,5 +1,7 @@
 """The offline `LLM` API: text in, text out, and bad input that is refused cleanly."""
 
+import asyncio
+
 import pytest
 
 from llmbus import LLM, SamplingParams
@@ -18,6 +20,25 @@ def test_generate_from_text_returns_text_and_token_ids(llm):
     assert len(completion.token_ids) == 8
     assert completion.finish_reason == "length"
     assert completion.text == llm.tokenizer.decode(completion.token_ids)
+
+
+def test_generate_works_from_code_that_already_runs_an_event_loop(llm):
+    """As in a notebook: the engine's own loop then runs on a helper thread."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [expected] = llm.generate([5, 6, 7], params)
+
+    async def notebook_cell():
+        return llm.generate([5, 6, 7], params)
+
+    [inside] = asyncio.run(notebook_cell())
+    assert inside.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_offline_runs_two_steps_in_flight_and_leaves_none_when_idle(llm):
+    assert llm.engine.max_steps_in_flight == 2
+    llm.generate([[4, 5, 6], [7, 8]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert llm.engine.num_in_flight == 0 and not llm.engine.busy()
+    assert llm.runner.requests == {}
 
 
 def test_chat_renders_the_template(llm):

@@ -1,0 +1,166 @@
+"""The gateway in process, over a fake engine client: what a client reads for scripted
+engine outputs (JSON and SSE alike), and every engine refusal in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.gateway.app import create_app
+from services.tokenizer.service import tokenize
+from services.tokenizer.tokenizer import Tokenizer
+from shared.config import GatewayConfig
+from shared.messages import EngineCoreOutput, FinishReason, SchedulerInfo, SchedulerStats
+
+SCRIPT = "héllo wörld — naïve café and more words after it"
+
+
+class FakeEngine:
+    """Answers each submitted request with SCRIPT's tokens (up to max_tokens), or ends it
+    with `finish` at once."""
+
+    reply_subject = "llmbus.tiny.outputs.test"
+
+    def __init__(self, tokenizer: Tokenizer, finish: FinishReason | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self.queues = {}
+        self.submitted = []
+        self.aborted = []
+
+    async def tokenize(self, request, headers=None) -> list[int]:
+        return tokenize(self.tokenizer, request).token_ids
+
+    async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
+        return SchedulerInfo("s1", "tiny", 1, 256, SchedulerStats(num_running_reqs=len(self.queues)))
+
+    def scheduler_silent(self) -> bool:
+        return False
+
+    def open(self, request_ids, queue) -> None:
+        self.queues.update(dict.fromkeys(request_ids, queue))
+
+    def close(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.queues.pop(request_id, None)
+
+    def abort_soon(self, request_ids) -> None:
+        self.aborted += request_ids
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+        queue = self.queues[request.request_id]
+        if self.finish is not None:
+            queue.put_nowait(EngineCoreOutput(request.request_id, [], self.finish, error=f"scripted {self.finish}"))
+            return
+        ids = self.tokenizer.encode(SCRIPT, add_special_tokens=False)[: request.sampling_params.max_tokens]
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            queue.put_nowait(EngineCoreOutput(request.request_id, [token_id], FinishReason.LENGTH if last else None))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return Tokenizer(tiny_llama)
+
+
+def gateway(tokenizer, finish=None) -> tuple[TestClient, FakeEngine]:
+    engine = FakeEngine(tokenizer, finish)
+
+    async def factory(on_stats):
+        return engine
+
+    return TestClient(create_app(factory, tokenizer, GatewayConfig("tiny"))), engine
+
+
+def sse_events(resp) -> list:
+    lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_a_completion_is_the_engine_s_tokens_as_text(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 64}).json()
+    ids = tokenizer.encode(SCRIPT, add_special_tokens=False)
+    assert body["choices"][0]["text"] == SCRIPT
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("hi")), "completion_tokens": len(ids),
+                             "total_tokens": len(tokenizer.encode("hi")) + len(ids)}
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert engine.aborted == []
+
+
+def test_a_streamed_chat_reads_as_the_whole_answer(tokenizer):
+    client, _ = gateway(tokenizer)
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    with client:
+        whole = client.post("/v1/chat/completions", json=request).json()
+        with client.stream("POST", "/v1/chat/completions",
+                           json={**request, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+            events = sse_events(resp)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    streamed = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"] == SCRIPT
+    assert [e["usage"] for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1]["usage"] == whole["usage"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_cuts_the_text_and_aborts_the_engine_request(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 64,
+                                                    "stop": ["naïve"]}).json()
+    assert body["choices"][0]["text"] == SCRIPT[: SCRIPT.index("naïve")]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert engine.aborted == [engine.submitted[0].request_id]
+
+
+def test_n_choices_are_seeded_apart(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "n": 2,
+                                                    "seed": 9}).json()
+    assert [r.sampling_params.seed for r in engine.submitted] == [9, 10]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+
+
+@pytest.mark.parametrize("finish, status, kind", [
+    (FinishReason.REJECTED, 400, "invalid_request_error"),
+    (FinishReason.OVERLOADED, 429, "rate_limit_exceeded"),
+    (FinishReason.ERROR, 500, "internal_error"),
+    (FinishReason.UNAVAILABLE, 503, "service_unavailable"),
+])
+def test_an_engine_refusal_is_the_same_error_in_json_and_before_a_stream(tokenizer, finish, status, kind):
+    client, _ = gateway(tokenizer, finish)
+    with client:
+        for stream in (False, True):
+            resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "stream": stream})
+            assert resp.status_code == status
+            assert resp.json()["error"] == {"message": f"scripted {finish}", "type": kind, "param": None,
+                                            "code": status}
+            assert (resp.headers.get("retry-after") == "1") == (status == 429)
+
+
+def test_bad_input_is_refused_before_the_engine(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        missing = client.post("/v1/completions", json={"model": "other", "prompt": "hi"})
+        too_long = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 300})
+        not_json = client.post("/v1/completions", content=b"{nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
+    assert engine.submitted == []
+
+
+def test_health_renders_the_scheduler_s_stats(tokenizer):
+    client, _ = gateway(tokenizer)
+    with client:
+        health = client.get("/health").json()
+    assert health["status"] == "ok" and health["workers"] == 1 and health["max_model_len"] == 256
+    assert health["stats"]["num_running_reqs"] == 0 and "kv_cache_usage" in health["stats"]
