@@ -1,10 +1,11 @@
 """The offline API: the engine core with the model runner in this process.
 
 The scheduler service drives the very same `EngineCore` (two steps in flight by
-default) with a NATS executor; here its executor calls the model runner directly, on a
-thread of its own, while this object's event loop lands the previous step and
-detokenizes. So offline and served run one path, and the offline figure is the served
-one minus the bus.
+default) with a NATS executor; here its executor calls the model runner directly. The
+engine's event loop runs on the runner's own thread (services/worker/executor.py says
+why), so every torch call stays on that one thread, and `generate` works the same from
+plain code and from code that already runs an event loop (a notebook): the caller's
+thread only waits.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from tqdm import tqdm
@@ -90,8 +90,7 @@ class LLM:
         self._ids = itertools.count()
         # engine request id -> (its client request, what `generate` returns for it)
         self._requests: dict[str, tuple[ParentRequest, RequestOutput]] = {}
-        self._loop = asyncio.new_event_loop()
-        self._driver: ThreadPoolExecutor | None = None  # runs the loop when the caller's thread has one
+        self._loop = asyncio.new_event_loop()  # run on the runner's thread, call by call
 
     @property
     def max_model_len(self) -> int:
@@ -150,7 +149,7 @@ class LLM:
         """Land one engine step (filling the pipeline first); returns the ids of the
         sequences that finished in it. Once nothing is left unfinished, whatever is still
         in flight is landed too, so an idle engine holds no step and no worker state."""
-        return self._run(self._step())
+        return self.run_in_engine(self._step())
 
     async def _step(self) -> list[str]:
         landed = await self.engine.step()
@@ -188,16 +187,10 @@ class LLM:
                 finished.append(out.request_id)
         return finished
 
-    def _run(self, coro: Coroutine[None, None, T]) -> T:
-        """Run a coroutine on this engine's own event loop, also from code that already
-        runs one (a notebook): then on a helper thread, while the caller waits."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return self._loop.run_until_complete(coro)
-        if self._driver is None:
-            self._driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llm-driver")
-        return self._driver.submit(self._loop.run_until_complete, coro).result()
+    def run_in_engine(self, coro: Coroutine[None, None, T]) -> T:
+        """Run a coroutine on the engine's event loop, on the runner's thread; the caller
+        waits (from any thread, a running event loop's included)."""
+        return self.executor.call(self._loop.run_until_complete, coro)
 
     def _children(self, result: RequestOutput) -> list[str]:
         return [f"{result.request_id}-{o.index}" for o in result.outputs]

@@ -6,8 +6,6 @@ engine), with nothing computed twice or lost."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from llmbus import LLM, SamplingParams
@@ -58,7 +56,7 @@ def run_pipelined(llm: LLM, requests: list[EngineCoreRequest], depth: int = 2, a
                         llm.scheduler.abort_requests([o.request_id])
                         finish[o.request_id] = FinishReason.ABORT
 
-    asyncio.run(drive())
+    llm.run_in_engine(drive())
     return tokens, finish, executor.num_computed_tokens
 
 

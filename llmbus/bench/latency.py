@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload W0: {len(requests)} requests one at a time, input {args.input_len}, output "
           f"{args.output_len}, model {path}, dtype {args.dtype}, device {llm.runner.device}, "
           f"threads {torch.get_num_threads()}")
-    roofline = measure_runner(llm.runner)
+    roofline = llm.executor.call(measure_runner, llm.runner)  # torch on the runner's thread
     print(roofline.describe())
     bound_ms = roofline.min_decode_step_s * 1e3
     results = {"dtype": args.dtype, "bandwidth_bound_ms": round(bound_ms, 2)}

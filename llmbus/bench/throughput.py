@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {len(requests)} requests, input {args.input_len}, output {args.output_len}, "
           f"seed {args.seed}, model {path}, dtype {args.dtype}, device {llm.runner.device}, "
           f"threads {torch.get_num_threads()}")
-    roofline = measure_runner(llm.runner)
+    roofline = llm.executor.call(measure_runner, llm.runner)  # torch on the runner's thread
     print(roofline.describe())
     results = [run_llmbus(llm, requests)]
     if not args.skip_hf:

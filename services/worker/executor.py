@@ -5,14 +5,22 @@ engine core.
 Every torch call, model loading included, runs on one thread. A second thread that
 touches torch gets its own OpenMP team, and from then on both teams run at ~1.5 of 2
 cores (measured: a decode step went from 187 ms to 223 ms). So the runner is built on
-the executor's own thread and only ever called there; the engine core's event loop
-schedules, lands and detokenizes on another while a forward runs.
+the executor's own thread and only ever called there.
+
+Offline, the engine core's event loop runs on that thread too and `execute` calls the
+runner inline. Running the forward on the thread while the loop scheduled and
+detokenized beside it was measured and lost: W1 bfloat16 368.6 and 369.8 output tok/s
+against the one-at-a-time loop's 402.3 (ABBA, docs/performance.md). On two cores the
+loop's Python work preempts one of the two OpenMP threads that run in lockstep, and the
+stall costs more than the overlap hides. The worker service keeps its loop on another
+thread (heartbeats must go on during a long step) and calls `run`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -49,6 +57,7 @@ class InProcessExecutor:
             # OpenMP's thread count is per calling thread: set it on the step thread itself.
             self.call(torch.set_num_threads, threads)
         self.runner = self.call(make_runner)
+        self._ident = self.call(threading.get_ident)
 
     def call(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` on the runner's thread and wait for it (for torch work beside
@@ -60,7 +69,10 @@ class InProcessExecutor:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     async def execute(self, step: SchedulerOutput, headers: dict[str, str] | None = None) -> ModelRunnerOutput:
-        return await self.run(execute_step, self.runner, step)
+        """Inline: the engine core's loop must be running on the runner's thread (see `call`)."""
+        if threading.get_ident() != self._ident:
+            raise RuntimeError("InProcessExecutor.execute runs on the runner's thread: run the loop there")
+        return execute_step(self.runner, step)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
