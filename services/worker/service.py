@@ -18,7 +18,7 @@ import msgspec
 
 from services.worker.executor import InProcessExecutor, execute_step
 from services.worker.model_runner import ModelRunner
-from shared.bus import Subjects, connect, encode, stop_on_signals
+from shared.bus import Subjects, close, connect, encode, stop_on_signals
 from shared.config import CacheConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from shared.tracing import extract, setup_tracing, shutdown_tracing
@@ -118,6 +118,6 @@ async def serve(
     deadline = time.monotonic() + drain_timeout_s
     while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
         await asyncio.sleep(0.1)
-    await nc.drain()
+    await close(nc)
     executor.close()
     shutdown_tracing()

@@ -1,0 +1,107 @@
+"""The supervisor behind `llmbus serve`, with fake processes and a clock passed in:
+restarts with doubling backoff, the backoff forgotten after a healthy run, a crash loop
+reported, and stopping in order."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from llmbus.supervisor import CrashLoop, Supervisor
+
+
+class FakeProcess:
+    def __init__(self, log: list, name: str) -> None:
+        self.code = None
+        self.log = log
+        self.name = name
+
+    def poll(self):
+        return self.code
+
+    def send_signal(self, sig) -> None:
+        self.log.append((self.name, sig))
+        self.code = -sig
+
+    def wait(self, timeout=None):
+        return self.code
+
+
+def make(log: list, name: str):
+    started = []
+
+    def start():
+        started.append(FakeProcess(log, name))
+        return started[-1]
+
+    return start, started
+
+
+def test_an_exited_replica_restarts_after_a_doubling_backoff():
+    sup = Supervisor(backoff_s=0.5, max_backoff_s=2.0, healthy_after_s=30, max_restarts=10, window_s=60)
+    start, started = make([], "worker-1")
+    replica = sup.add("worker-1", start, now=0.0)
+    starts_at = []
+    now = 0.0
+    for _ in range(4):
+        replica.proc.code = -signal.SIGKILL
+        sup.poll(now)  # noticed: due again after the backoff
+        due = replica.restart_at
+        sup.poll(due - 0.01)
+        assert len(started) == len(starts_at) + 1  # not before it is due
+        sup.poll(due)
+        starts_at.append(due - now)
+        now = due
+    assert starts_at == [0.5, 1.0, 2.0, 2.0]
+    assert replica.num_restarts == 4 and replica.running
+
+
+def test_a_replica_that_ran_a_while_starts_again_at_the_first_backoff():
+    sup = Supervisor(backoff_s=0.5, healthy_after_s=30)
+    start, _ = make([], "scheduler")
+    replica = sup.add("scheduler", start, now=0.0)
+    replica.proc.code = 1
+    sup.poll(1.0)
+    sup.poll(1.5)
+    replica.proc.code = 1
+    sup.poll(2.0)
+    assert replica.backoff_s == 1.0  # it exited soon after starting: doubled
+    sup.poll(3.0)
+    replica.proc.code = 1
+    sup.poll(100.0)  # up for 97 s this time
+    assert replica.backoff_s == 0.5
+
+
+def test_too_many_exits_in_the_window_is_a_crash_loop():
+    sup = Supervisor(backoff_s=0.1, max_restarts=3, window_s=60)
+    start, _ = make([], "tokenizer-1")
+    replica = sup.add("tokenizer-1", start, now=0.0)
+    now = 0.0
+    with pytest.raises(CrashLoop, match=r"tokenizer-1 exited 3 times in 60 s \(last: code 2\)"):
+        for _ in range(5):
+            replica.proc.code = 2
+            sup.poll(now)
+            now = replica.restart_at
+            sup.poll(now)
+
+
+def test_exits_spread_wider_than_the_window_are_no_crash_loop():
+    sup = Supervisor(backoff_s=0.1, max_restarts=3, window_s=60, healthy_after_s=1000)
+    start, _ = make([], "worker-2")
+    replica = sup.add("worker-2", start, now=0.0)
+    for i in range(6):
+        replica.proc.code = 1
+        sup.poll(100.0 * (i + 1))
+        sup.poll(100.0 * (i + 1) + 20)
+    assert replica.num_restarts == 6
+
+
+def test_stop_goes_group_by_group():
+    log = []
+    sup = Supervisor()
+    for name in ("scheduler", "tokenizer-1", "worker-1", "worker-2", "gateway"):
+        sup.add(name, make(log, name)[0], now=0.0)
+    sup.stop(["gateway", "worker", "scheduler", "tokenizer"], timeout_s=1)
+    assert [name for name, _ in log] == ["gateway", "worker-1", "worker-2", "scheduler", "tokenizer-1"]
+    assert {sig for _, sig in log} == {signal.SIGTERM}
