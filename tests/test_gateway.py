@@ -66,8 +66,8 @@ def tokenizer(tiny_llama):
     return Tokenizer(tiny_llama)
 
 
-def gateway(tokenizer, finish=None) -> tuple[TestClient, FakeEngine]:
-    engine = FakeEngine(tokenizer, finish)
+def gateway(tokenizer, finish=None, engine_class=FakeEngine) -> tuple[TestClient, FakeEngine]:
+    engine = engine_class(tokenizer, finish)
 
     async def factory(on_stats):
         return engine

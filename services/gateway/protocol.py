@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from services.gateway.errors import BadRequest
 from shared.sampling_params import SamplingParams
+
+
+# Every integer field fits the wire's 64-bit integers (msgpack): a seed of 2**80 is the
+# client's error, a 400 naming the field, not an encoding failure at submit.
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
@@ -17,19 +22,19 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
 
 class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     model: str
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
@@ -38,17 +43,17 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
 
 
@@ -62,6 +67,8 @@ def parse_body(body: bytes, kind: type) -> Any:
         raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid UTF-8: {exc}") from exc
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
@@ -114,6 +121,10 @@ def validate_messages(messages: list[dict[str, Any]]) -> None:
     """Chat messages as OpenAI defines them; templates would render a missing field as ''."""
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
+    try:
+        msgspec.msgpack.encode(messages)  # what goes to the tokenizer must fit the wire
+    except (OverflowError, TypeError) as exc:
+        raise BadRequest(f"messages cannot be sent on: {exc}", "messages") from exc
     for i, message in enumerate(messages):
         role = message.get("role")
         if not isinstance(role, str) or not role:
