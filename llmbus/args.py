@@ -117,7 +117,8 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
 
 
 def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
-    return GatewayConfig(model_name, args.api_key, args.max_body_bytes)
+    return GatewayConfig(model_name, args.api_key, args.max_body_bytes,
+                         scheduler_resume_timeout_s=args.scheduler_resume_timeout)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -37,6 +37,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=int(env("--port", 8000)))
     parser.add_argument("--api-key", default=env("--api-key", None), help="require `Authorization: Bearer KEY` on /v1")
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
+    parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
+                        help="seconds requests in flight wait for a scheduler to come back and resume them")
 
 
 def served_name(args: argparse.Namespace) -> str:

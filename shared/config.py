@@ -59,6 +59,8 @@ class GatewayConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     idle_timeout_s: float = 300.0  # a request whose engine stays silent this long fails
+    # How long requests in flight wait for a scheduler to come back and resume them.
+    scheduler_resume_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

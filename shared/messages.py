@@ -40,6 +40,10 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     arrival_time: float = 0.0
     reply_subject: str = ""  # which gateway gets the outputs
     trace_headers: dict[str, str] = {}
+    # A resumed request (its scheduler died): the tokens its client has already received.
+    # Kept apart from the prompt, so the seed stream (seed, output position), min/max
+    # tokens and the penalties carry on where they were.
+    output_token_ids: list[int] = []
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):

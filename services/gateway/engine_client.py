@@ -14,6 +14,7 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import BadRequest, Unavailable
+from services.gateway.stream_ledger import StreamLedger
 from shared.bus import Subjects, encode
 from shared.messages import (
     AbortRequests,
@@ -23,6 +24,7 @@ from shared.messages import (
     FinishReason,
     SchedulerHeartbeat,
     SchedulerInfo,
+    SchedulerStats,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -33,7 +35,7 @@ log = logging.getLogger("llmbus.gateway")
 class EngineClient:
     def __init__(
         self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0, on_stats=None,
-        scheduler_timeout_s: float = 2.5,
+        scheduler_timeout_s: float = 2.5, resume_timeout_s: float = 30.0,
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -49,13 +51,18 @@ class EngineClient:
         self._on_stats = on_stats  # called with each SchedulerStats that arrives
         self._background: set[asyncio.Task] = set()
         self._heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)
+        self._stats_decoder = msgspec.msgpack.Decoder(SchedulerStats)
         self.scheduler_timeout_s = scheduler_timeout_s
+        # How long in-flight requests wait for a scheduler to resume them on.
+        self.resume_timeout_s = resume_timeout_s
+        self.ledger = StreamLedger()
         self.scheduler_id: str | None = None
         self._last_heartbeat: float | None = None
         self._watchdog: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.nc.subscribe(self.reply_subject, cb=self._on_outputs)
+        await self.nc.subscribe(self.subjects.scheduler_stats, cb=self._on_scheduler_stats)
         await self.nc.subscribe(self.subjects.scheduler_heartbeat, cb=self._on_heartbeat)
         await self.nc.flush()
         # Counted from now: a scheduler that never speaks is as silent as one that stopped.
@@ -69,23 +76,31 @@ class EngineClient:
             beat = self._heartbeat_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        if self.scheduler_id is not None and beat.scheduler_id != self.scheduler_id:
-            # A new scheduler knows nothing of what the old one was running.
-            self._fail_open_requests("the scheduler restarted; this request was lost with it")
+        changed = self.scheduler_id is not None and beat.scheduler_id != self.scheduler_id
         self.scheduler_id = beat.scheduler_id
         self._last_heartbeat = time.monotonic()
+        if changed:
+            # A new scheduler knows nothing of what the old one was running: it gets every
+            # unfinished request again, resumed from the tokens already streamed.
+            resumed = self.ledger.resumed_requests()
+            if resumed:
+                log.warning("scheduler %s took over; resuming %d request(s)", beat.scheduler_id, len(resumed))
+            for request in resumed:
+                await self.nc.publish(self.subjects.requests, encode(request))
 
     def scheduler_silent(self) -> bool:
         """True when no scheduler has been heard for too long (or at all since start)."""
         return self._last_heartbeat is not None and time.monotonic() - self._last_heartbeat > self.scheduler_timeout_s
 
     async def _watch_scheduler(self) -> None:
+        """Requests in flight wait for a scheduler to come back (and resume them) for a
+        bounded time; past it they end with a clear error rather than hang."""
+        bound = self.scheduler_timeout_s + self.resume_timeout_s
         while True:
             await asyncio.sleep(0.25)
-            if self.scheduler_silent() and self._queues:
-                self._fail_open_requests(
-                    f"the scheduler has not been heard from for {self.scheduler_timeout_s:.1f} s"
-                )
+            silent_for = time.monotonic() - self._last_heartbeat
+            if silent_for > bound and self._queues:
+                self._fail_open_requests(f"no scheduler has been heard from for {silent_for:.1f} s")
 
     async def on_reconnect(self) -> None:
         """Outputs published while the bus was down are lost: a stream would have a gap or
@@ -97,6 +112,14 @@ class EngineClient:
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(EngineCoreOutput(request_id, [], FinishReason.UNAVAILABLE, error=reason))
+
+    async def _on_scheduler_stats(self, msg) -> None:
+        try:
+            stats = self._stats_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if self._on_stats is not None:
+            self._on_stats(stats)
 
     async def _on_outputs(self, msg) -> None:
         try:
@@ -110,6 +133,7 @@ class EngineClient:
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)
             if queue is not None:
+                self.ledger.received(output)
                 queue.put_nowait(output)
 
     # ---- calls ------------------------------------------------------------------------
@@ -157,14 +181,17 @@ class EngineClient:
     def close(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._queues.pop(request_id, None)
+        self.ledger.forget(request_ids)
 
     async def submit(self, request: EngineCoreRequest) -> None:
+        self.ledger.submitted(request)
         await self.nc.publish(self.subjects.requests, encode(request))
 
     def abort_soon(self, request_ids: list[str]) -> None:
         """Abort from anywhere, even a cancelled task's cleanup: the publish runs on its own."""
         if not request_ids:
             return
+        self.ledger.forget(request_ids)
         task = asyncio.get_running_loop().create_task(
             self.nc.publish(self.subjects.abort, encode(AbortRequests(list(request_ids))))
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from services.gateway.engine_client import EngineClient
@@ -33,6 +33,7 @@ class Usage:
     itls: list[float] = field(default_factory=list)
     queue_time_s: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
+    on_tokens: Callable[[int], None] | None = None  # told of tokens as they go out (metrics)
 
     @property
     def ttft(self) -> float | None:
@@ -50,6 +51,8 @@ class Usage:
             self.queue_time_s = delta.queue_time_s
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
+        if delta.token_ids and self.on_tokens is not None:
+            self.on_tokens(len(delta.token_ids))
         if delta.finish_reason is not None:
             self.finish_reasons.append(str(delta.finish_reason))
 

@@ -1,12 +1,17 @@
 """Prometheus metrics of one gateway, under vLLM's names with the `llmbus:` prefix, so
 dashboards built for vLLM read them unchanged.
 
-Scheduler-side figures arrive with every `EngineCoreOutputs` (gauges as they are,
-cumulative counters as deltas) and carry a `scheduler` label; request-level figures are
-what this gateway saw of its own requests.
+Scheduler-side figures arrive on the scheduler's stats subject at a steady rate (and
+with every `EngineCoreOutputs`): gauges as they are, cumulative counts as deltas, under a
+`scheduler` label; a scheduler not heard from for `stale_s` has its gauges dropped, so a
+dead one's last figures do not linger. Request-level figures are what this gateway saw of
+its own requests; generated tokens count as they are sent. Every series with known
+labels exists from the start, at 0, so `absent()` alerts and rates work before traffic.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -29,8 +34,12 @@ _COUNTERS = {
 }
 
 
+# vLLM's finished_reason values, and ours for a request the engine failed.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+
+
 class GatewayMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, stale_s: float = 5.0) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "scheduler"]
         r = self.registry
@@ -51,9 +60,22 @@ class GatewayMetrics:
         self.queue_time = Histogram("llmbus:request_queue_time_seconds", "Time waiting in the scheduler queue",
                                     ["model_name"], buckets=_E2E_BUCKETS, registry=r)
         self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
+        self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
+        self.stale_s = stale_s
+        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+            metric.labels(model_name)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model_name, reason)
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         labels = (self._model, stats.scheduler_id or "unknown")
+        if labels[1] not in self._last_seen:
+            # One scheduler serves a deployment: a new one replaced the one before, whose
+            # figures are gone with it.
+            self._drop(list(self._last_seen))
+            for counter in self._counters.values():
+                counter.labels(*labels)  # at 0 from the first sight of this scheduler
+        self._last_seen[labels[1]] = time.monotonic()
         for field, gauge in self._gauges.items():
             gauge.labels(*labels).set(getattr(stats, field))
         now = {field: getattr(stats, field) for field in self._counters}
@@ -67,11 +89,13 @@ class GatewayMetrics:
         if stats.worker_id and stats.step_time_s > 0:
             self.worker_step.labels(self._model, stats.worker_id).observe(stats.step_time_s)
 
-    def request_finished(self, prompt_tokens: int, generation_tokens: int, finish_reasons: list[str],
+    def tokens_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+
+    def request_finished(self, prompt_tokens: int, finish_reasons: list[str],
                          ttft: float | None, itls: list[float], e2e: float, queue_time: float | None) -> None:
         m = self._model
         self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.generation_tokens.labels(m).inc(generation_tokens)
         for reason in finish_reasons:
             self.request_success.labels(m, reason).inc()
         if ttft is not None:
@@ -83,4 +107,14 @@ class GatewayMetrics:
             self.queue_time.labels(m).observe(queue_time)
 
     def render(self) -> bytes:
+        self._drop_stale(time.monotonic())
         return generate_latest(self.registry)
+
+    def _drop_stale(self, now: float) -> None:
+        self._drop([s for s, seen in self._last_seen.items() if now - seen > self.stale_s])
+
+    def _drop(self, schedulers: list[str]) -> None:
+        for scheduler in schedulers:
+            for gauge in self._gauges.values():
+                gauge.remove(self._model, scheduler)
+            del self._last_seen[scheduler]

@@ -10,7 +10,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import Subjects, connect
+from shared.bus import Subjects, close, connect
 from shared.config import GatewayConfig
 from shared.tracing import setup_tracing, shutdown_tracing
 
@@ -29,12 +29,13 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
                 await holder[0].on_reconnect()
 
         nc = await connect(nats_url, f"gateway-{gateway_id}", on_reconnect)
-        client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats)
+        client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats,
+                              resume_timeout_s=config.scheduler_resume_timeout_s)
         holder.append(client)
         await client.start()
 
         async def aclose():
-            await nc.drain()
+            await close(nc)
 
         client.aclose = aclose  # type: ignore[attr-defined]
         return client

@@ -150,7 +150,7 @@ class _Generation:
         self.params = params
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.usage = Usage()
+        self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
         self.object = "chat.completion" if chat else "text_completion"
         self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
         self.stream = generate(
@@ -190,8 +190,8 @@ class _Generation:
         _end_span(self.span, status, exc)
         e2e = time.monotonic() - usage.started_at
         if status == 200 and usage.finish_reasons:
-            self.s.metrics.request_finished(usage.prompt_tokens, usage.completion_tokens, usage.finish_reasons,
-                                            usage.ttft, usage.itls, e2e, usage.queue_time_s)
+            self.s.metrics.request_finished(usage.prompt_tokens, usage.finish_reasons, usage.ttft, usage.itls, e2e,
+                                            usage.queue_time_s)
         request_log.info("request finished", extra={
             "request_id": self.request_id, "status": status, "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,

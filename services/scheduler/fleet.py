@@ -118,7 +118,10 @@ class Fleet:
         if not self.workers:
             self.unplaced.append((item, since))
             return []
-        tokens = item.prompt_token_ids if isinstance(item, EngineCoreRequest) else item.all_token_ids
+        if isinstance(item, EngineCoreRequest):
+            tokens = [*item.prompt_token_ids, *item.output_token_ids]
+        else:
+            tokens = item.all_token_ids
         handle = max(
             self.workers.values(),
             key=lambda h: (h.core.kv_cache_manager.num_cached_prefix_blocks(tokens), -h.core.load()),

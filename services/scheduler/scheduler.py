@@ -55,6 +55,7 @@ class Scheduler:
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a `ValueError` names what is wrong with it, and nothing changes."""
         num_prompt = len(req.prompt_token_ids)
+        num_output = len(req.output_token_ids)
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if num_prompt == 0:
@@ -64,12 +65,14 @@ class Scheduler:
                 f"prompt is {num_prompt} tokens, but the model's context is "
                 f"{self.max_model_len} tokens and at least one must be left to generate"
             )
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*req.prompt_token_ids, *req.output_token_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = req.sampling_params
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if num_output >= max_tokens:
+            raise ValueError(f"a resumed request has {num_output} of its {max_tokens} tokens already: nothing to do")
         request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -80,6 +83,8 @@ class Scheduler:
             reply_subject=req.reply_subject,
             trace_headers=dict(req.trace_headers),
             queued_at=time.monotonic(),
+            all_token_ids=[*req.prompt_token_ids, *req.output_token_ids],
+            output_token_ids=list(req.output_token_ids),
         )
         self.requests[request.request_id] = request
         self.waiting.append(request)

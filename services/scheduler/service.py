@@ -22,7 +22,7 @@ from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
-from shared.bus import Subjects, connect, encode, stop_on_signals
+from shared.bus import Subjects, close, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
     AbortRequests,
@@ -60,6 +60,7 @@ class SchedulerService:
         self.step_tracer = StepTracer(tracer if tracing_enabled() else None)
         self.wake = asyncio.Event()
         self.engines: dict[str, EngineCore] = {}  # worker id -> the engine core driving it
+        self._stats_sent: tuple | None = None  # (running, waiting, kv usage) last published
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
         self._worker_decoder = msgspec.msgpack.Decoder(WorkerInfo)
@@ -83,6 +84,7 @@ class SchedulerService:
             return
         await self._publish_rejections(self.fleet.submit(request, time.monotonic()))
         self._wake_all()
+        await self._publish_stats(only_if_changed=True)
 
     async def on_abort(self, msg) -> None:
         try:
@@ -91,6 +93,7 @@ class SchedulerService:
             return
         self.fleet.abort(ids)
         self._wake_all()  # so the worker hears of it at the next step
+        await self._publish_stats(only_if_changed=True)
 
     async def on_announce(self, msg) -> None:
         try:
@@ -143,6 +146,7 @@ class SchedulerService:
                     last_heartbeat = now
                     beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers))
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
+                    await self._publish_stats()  # idle included: gauges come back to 0
                 await self._publish_rejections(self.fleet.check(now))
                 for worker_id, (handle, task) in list(tasks.items()):
                     if self.fleet.workers.get(worker_id) is not handle:
@@ -171,6 +175,16 @@ class SchedulerService:
                 await self._publish_rejections(self.fleet.remove(handle.worker_id, str(exc)))
             self._wake_all()
 
+    async def _publish_stats(self, only_if_changed: bool = False) -> None:
+        """The fleet's stats on their own subject: every gateway renders the latest, so
+        /metrics is right between requests too, not only when an output passes by."""
+        stats = msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id)
+        key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
+        if only_if_changed and key == self._stats_sent:
+            return
+        self._stats_sent = key
+        await self.nc.publish(self.subjects.scheduler_stats, encode(stats))
+
     async def _publish(self, handle: WorkerHandle, landed: LandedStep) -> None:
         stats = msgspec.structs.replace(
             self.fleet.stats(), scheduler_id=self.scheduler_id, worker_id=handle.worker_id,
@@ -183,6 +197,7 @@ class SchedulerService:
                     self.fleet.finished(output.request_id)
             if subject:
                 await self.nc.publish(subject, encode(outputs))
+        await self._publish_stats(only_if_changed=True)
 
     async def _sleep(self, stop: asyncio.Event, timeout: float) -> None:
         self.wake.clear()
@@ -216,5 +231,5 @@ async def serve(
     if ready is not None:
         ready.set()
     await service.run(stop)
-    await nc.drain()
+    await close(nc)
     shutdown_tracing()

@@ -1,0 +1,181 @@
+"""`llmbus serve` itself under faults, as a user runs it: replicas SIGKILLed one kind at a
+time under 24 concurrent streams (the real openai client), every stream finishing with
+the text of a fault-free run and the killed replica back; metrics that come back to 0
+after 100 streams are dropped; and a SIGTERM that stops everything cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from llmbus.serve import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+NUM_STREAMS = 24
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    port = free_port()
+    # Every service logs to this stderr: a file, since a pipe nobody reads could fill up.
+    log = (tmp_path_factory.mktemp("serve") / "stderr.log").open("w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
+         "--port", str(port), "--workers", "2", "--tokenizers", "2", "--num-kv-blocks", "256",
+         "--max-model-len", "1024"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )
+    line = proc.stdout.readline()  # printed once /health is green
+    assert f"http://127.0.0.1:{port}/v1" in line, line
+    proc.log = log
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+    log.close()
+
+
+def replicas(proc: subprocess.Popen, kind: str) -> list[psutil.Process]:
+    """The live children of that kind (one that just died is a zombie until reaped)."""
+    found = []
+    for child in psutil.Process(proc.pid).children():
+        try:
+            if f"llmbus {kind}" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def prompts() -> list[str]:
+    return [f"story {i}: once upon a time" for i in range(NUM_STREAMS)]
+
+
+async def stream_all(base_url: str, on_first_chunks) -> list[str]:
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    started = 0
+
+    async def one(prompt: str) -> str:
+        nonlocal started
+        text, first = "", True
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if first:
+                first, started = False, started + 1
+                if started == NUM_STREAMS:
+                    on_first_chunks()
+        return text
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts()))
+    finally:
+        await client.close()
+
+
+def expected_texts(base_url: str) -> list[str]:
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="none") as client:
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts()]
+
+
+def wait_until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("kind", ["worker", "tokenizer", "scheduler"])
+def test_a_killed_replica_loses_no_stream_and_comes_back(served, kind):
+    proc, url = served
+    expected = expected_texts(url)
+    before = replicas(proc, kind)
+    victim = before[0]
+    # A tokenizer serves only the start of a request: it dies as the streams are sent;
+    # the others die once every stream is under way.
+    if kind == "tokenizer":
+        texts = asyncio.run(_kill_then_stream(url, victim))
+    else:
+        texts = asyncio.run(stream_all(url, lambda: victim.kill()))
+    assert texts == expected
+    wait_until(lambda: len(replicas(proc, kind)) == len(before) and victim not in replicas(proc, kind), 60,
+               f"the supervisor did not restart the {kind}")
+    wait_until(lambda: httpx.get(url + "/health", timeout=5).status_code == 200
+               and httpx.get(url + "/health", timeout=5).json()["workers"] == 2, 120, "not 2 workers again")
+    assert proc.poll() is None
+    assert expected_texts(url) == expected  # and it serves the same afterwards
+
+
+async def _kill_then_stream(url: str, victim: psutil.Process) -> list[str]:
+    async def kill_soon():
+        await asyncio.sleep(0.05)
+        victim.kill()
+
+    killer = asyncio.ensure_future(kill_soon())
+    texts = await stream_all(url, lambda: None)
+    await killer
+    return texts
+
+
+def metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert values, f"{name} missing"
+    return sum(values)
+
+
+def test_metrics_come_back_to_zero_after_100_dropped_streams(served):
+    _, url = served
+    rng = random.Random(0)
+
+    async def drop(i: int) -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"model": "tiny", "prompt": f"drop {i}", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+                keep = rng.randint(0, 12)
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        keep -= 1
+                        if keep < 0:
+                            return  # the client goes away mid-stream
+
+    async def main():
+        await asyncio.gather(*(drop(i) for i in range(100)))
+
+    asyncio.run(main())
+    dropped_at = time.monotonic()
+
+    def idle() -> bool:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        return (metric(text, "llmbus:num_requests_running") == 0 and metric(text, "llmbus:num_requests_waiting") == 0
+                and metric(text, "llmbus:kv_cache_usage_perc") == 0)
+
+    wait_until(idle, 5, "metrics did not come back to 0")
+    assert time.monotonic() - dropped_at < 2.0
+    stats = httpx.get(url + "/health", timeout=5).json()["stats"]
+    assert (stats["num_running_reqs"], stats["num_waiting_reqs"], stats["kv_cache_usage"]) == (0, 0, 0)
+    text = httpx.get(url + "/metrics", timeout=5).text
+    assert metric(text, "llmbus:generation_tokens_total") > 0  # counted as sent, though none finished
+
+
+def test_sigterm_stops_everything_in_order_without_tracebacks(served):
+    proc, _ = served
+    children = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    proc.log.seek(0)
+    stderr = proc.log.read()
+    assert "Traceback" not in stderr, stderr[-3000:]
+    wait_until(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], 10,
+               "children left behind")
