@@ -113,7 +113,6 @@ def _kill_run(url: str, serve: subprocess.Popen, kind: str, args) -> dict:
 
     results = asyncio.run(_stream_all(url, args.streams, args.max_tokens, on_event,
                                       on_start=kill if kind == "tokenizer" else None))
-    back_from = time.monotonic()
     _wait(lambda: victim not in _replicas(serve, kind) and len(_replicas(serve, kind)) == (1 if kind == "scheduler"
                                                                                              else 2)
           and _healthy(url, 2), 180, f"the {kind} did not come back")
@@ -123,7 +122,9 @@ def _kill_run(url: str, serve: subprocess.Popen, kind: str, args) -> dict:
         "longest_pause_s": round(max(pause for _, pause in results), 3),
         "failed": sum(text is None for text, _ in results),
         "altered": sum(text is not None and text != want for (text, _), (want, _) in zip(results, expected)),
-        "replica_back_after_s": round(time.monotonic() - back_from, 1),
+        # From the kill to the replica up again and /health green (2 workers): at least the
+        # streams' run, which it waits out.
+        "replica_back_after_s": round(time.monotonic() - killed_at[0], 1),
     }
 
 
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"streams {args.streams} x {args.max_tokens} tokens, `llmbus serve --workers 2 --tokenizers 2`:")
         for row in rows:
             print(f"  SIGKILL {row['kill']:<9}: longest pause {row['longest_pause_s']:.2f} s, "
-                  f"failed {row['failed']}, altered {row['altered']}, back after {row['replica_back_after_s']} s")
+                  f"failed {row['failed']}, altered {row['altered']}, back within {row['replica_back_after_s']} s")
         print(json.dumps(rows))
         return 0 if all(r["failed"] == 0 and r["altered"] == 0 for r in rows) else 1
     finally:

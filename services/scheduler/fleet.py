@@ -124,7 +124,7 @@ class Fleet:
             tokens = item.all_token_ids
         handle = max(
             self.workers.values(),
-            key=lambda h: (h.core.kv_cache_manager.num_cached_prefix_blocks(tokens), -h.core.load()),
+            key=lambda h: (h.core.num_cached_prefix_blocks(tokens), -h.core.load()),
         )
         try:
             if isinstance(item, EngineCoreRequest):

@@ -116,6 +116,10 @@ class Scheduler:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
+    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+        """How many leading full blocks of these tokens this core's prefix cache holds."""
+        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             request = self.requests.get(request_id)

@@ -43,7 +43,7 @@ class FusedDecode:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if heads % kv_heads or heads // kv_heads > 64:  # what the attention kernel splits
             return None
-        if model.model.layers[0].self_attn.backend.name != "torch":
+        if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:

@@ -116,6 +116,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, max_position: int):
         super().__init__()
         self.config = config
+        self.attention_backend = backend  # every layer's
         self.model = LlamaModel(config, backend, max_position)
         # Decode-only steps in one C call per layer (on CPU, with the kernels), set by the loader.
         self.fused_decode = None
