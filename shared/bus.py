@@ -68,7 +68,7 @@ async def connect(url: str, name: str, on_reconnect=None) -> Client:
         log.debug("NATS error: %s", exc)
 
     nc = await nats.connect(
-        servers=[url],
+        servers=[u.strip() for u in url.split(",") if u.strip()],  # a cluster: every node
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.25,

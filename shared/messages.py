@@ -40,10 +40,14 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     arrival_time: float = 0.0
     reply_subject: str = ""  # which gateway gets the outputs
     trace_headers: dict[str, str] = {}
-    # A resumed request (its scheduler died): the tokens its client has already received.
-    # Kept apart from the prompt, so the seed stream (seed, output position), min/max
-    # tokens and the penalties carry on where they were.
+    # A resumed request: the tokens its client has already received. Kept apart from the
+    # prompt, so the seed stream (seed, output position), min/max tokens and the
+    # penalties carry on where they were.
     output_token_ids: list[int] = []
+    # "Carry on from output_token_ids": sent again after a scheduler restart, a bus
+    # reconnect or a gap in the outputs. A scheduler that still runs the request sends
+    # what came after those tokens again; one that does not know it takes it as new.
+    resume: bool = False
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):
@@ -105,6 +109,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # Seconds between the scheduler queueing it and first scheduling it; on the first
     # output only (for the request_queue_time metric).
     queue_time_s: float | None = None
+    # The output position of new_token_ids[0]: a gateway drops what it already has and
+    # notices a gap (outputs lost on the bus), for which it asks to resume.
+    index: int = 0
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):
@@ -177,11 +184,17 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     vocab_size: int
     eos_token_id: int | None = None
     draining: bool = False  # leaving: take no new requests, move the running ones away
+    # Counts the worker's reconnections to NATS: a step or its answer may have been lost
+    # in the gap, so the scheduler takes it back as a new worker (a reset, recompute).
+    incarnation: int = 0
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):
     scheduler_id: str
     num_workers: int
+    # Counts the scheduler's reconnections to NATS: outputs it sent across a gap may be
+    # lost, so a gateway that sees it change resumes its open requests.
+    epoch: int = 0
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):

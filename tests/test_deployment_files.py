@@ -34,7 +34,7 @@ def compose() -> dict:
 
 def test_compose_has_every_part_of_a_deployment(compose):
     services = compose["services"]
-    assert {"nats", "jaeger"} | SERVICE_COMMANDS <= set(services)
+    assert {"nats-1", "nats-2", "nats-3", "jaeger"} | SERVICE_COMMANDS <= set(services)
     assert services["tokenizer"]["deploy"]["replicas"] == 2
     gpu = services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
@@ -77,8 +77,15 @@ def test_gateway_port_and_health_check_match_the_code(compose):
     assert f"127.0.0.1:{env['LLMBUS_PORT']}/health" in check
     app = (ROOT / "services" / "gateway" / "app.py").read_text()
     assert '@app.get("/health")' in app and '@app.get("/metrics")' in app
+    nodes = ["nats-1", "nats-2", "nats-3"]
     for name in SERVICE_COMMANDS:
-        assert compose["services"][name]["environment"]["LLMBUS_NATS_URL"] == "nats://nats:4222"
+        urls = compose["services"][name]["environment"]["LLMBUS_NATS_URL"].split(",")
+        assert urls == [f"nats://{node}:4222" for node in nodes]
+    for node in nodes:  # a full mesh: each node routes to the other two
+        command = compose["services"][node]["command"]
+        routes = command[command.index("--routes") + 1].split(",")
+        assert routes == [f"nats://{other}:6222" for other in nodes if other != node]
+        assert command[command.index("--cluster_name") + 1] == "llmbus"
 
 
 def test_jaeger_receives_otlp_where_services_send_it(compose):

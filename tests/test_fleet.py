@@ -3,6 +3,8 @@ bound, with exact request ids and clocks instead of processes and timeouts."""
 
 from __future__ import annotations
 
+import msgspec
+
 from services.scheduler.fleet import Fleet
 from shared.config import SchedulerConfig
 from shared.messages import EngineCoreRequest, FinishReason, WorkerInfo
@@ -148,3 +150,45 @@ def test_stats_add_up_over_workers():
     per_worker = [h.core.make_stats() for h in fleet.workers.values()]
     assert stats.kv_cache_usage == sum(s.kv_cache_usage for s in per_worker) / 2
     assert stats.prefix_cache_queries == sum(s.prefix_cache_queries for s in per_worker) > 0
+
+
+def test_a_request_sent_twice_is_placed_once():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    assert fleet.submit(request("a"), now=0.0) == []
+    assert fleet.submit(request("a"), now=0.1) == []  # a retry: nothing new, no error
+    assert list(fleet.workers["w1"].core.requests) == ["a"]
+
+
+def test_a_resume_of_a_running_request_sends_again_what_its_gateway_lacks():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.submit(request("a", max_tokens=10), now=0.0)
+    running = fleet.workers["w1"].core.requests["a"]
+    for token in (40, 41, 42):
+        running.append_output_token(token)
+    resume = msgspec.structs.replace(request("a", max_tokens=10), output_token_ids=[40], resume=True)
+    [(subject, output)] = fleet.submit(resume, now=1.0)
+    assert (subject, output.new_token_ids, output.index) == ("out.a", [41, 42], 1)
+    assert fleet.workers["w1"].core.requests["a"] is running  # it goes on, not recomputed
+
+
+def test_a_resume_this_scheduler_does_not_know_is_placed_with_its_tokens():
+    fleet = make_fleet(max_waiting_requests=1)
+    fleet.submit(request("queued"), now=0.0)  # the queue is full for new requests
+    resume = msgspec.structs.replace(request("a", max_tokens=10), output_token_ids=[40, 41], resume=True)
+    assert fleet.submit(resume, now=0.0) == []  # admitted before: not refused for the queue
+    fleet.heard_from(worker("w1"), now=0.0)
+    placed = fleet.workers["w1"].core.requests["a"]
+    assert placed.output_token_ids == [40, 41] and placed.all_token_ids[-2:] == [40, 41]
+
+
+def test_a_worker_that_reconnected_to_nats_starts_afresh():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    before = fleet.workers["w1"]
+    again = msgspec.structs.replace(worker("w1"), incarnation=1)
+    assert fleet.heard_from(again, now=0.5) == []
+    assert fleet.workers["w1"] is not before  # a new core: its first step resets the worker
+    assert owner_of(fleet, "a") == "w1" and fleet.workers["w1"].core.requests["a"].num_computed_tokens == 0

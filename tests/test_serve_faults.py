@@ -1,7 +1,9 @@
-"""`llmbus serve` itself under faults, as a user runs it: replicas SIGKILLed one kind at a
-time under 24 concurrent streams (the real openai client), every stream finishing with
-the text of a fault-free run and the killed replica back; metrics that come back to 0
-after 100 streams are dropped; and a SIGTERM that stops everything cleanly."""
+"""`llmbus serve --workers 2 --tokenizers 2 --nats-cluster 3` itself under faults, as a
+user runs it: replicas SIGKILLed one kind at a time under 24 concurrent streams (the real
+openai client) — a worker, a tokenizer, the scheduler, the NATS node the scheduler is
+connected to — every stream finishing with the text of a fault-free run and the killed
+replica back; metrics that come back to 0 after 100 streams are dropped; and a SIGTERM
+that stops everything cleanly."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import openai
 import psutil
 import pytest
 
+from llmbus.nats_server import node_with_client
 from llmbus.serve import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -32,8 +35,8 @@ def served(tiny_llama, tmp_path_factory):
     log = (tmp_path_factory.mktemp("serve") / "stderr.log").open("w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
-         "--port", str(port), "--workers", "2", "--tokenizers", "2", "--num-kv-blocks", "256",
-         "--max-model-len", "1024"],
+         "--port", str(port), "--workers", "2", "--tokenizers", "2", "--nats-cluster", "3",
+         "--num-kv-blocks", "256", "--max-model-len", "1024"],
         stdout=subprocess.PIPE, stderr=log, text=True,
     )
     line = proc.stdout.readline()  # printed once /health is green
@@ -50,7 +53,7 @@ def replicas(proc: subprocess.Popen, kind: str) -> list[psutil.Process]:
     found = []
     for child in psutil.Process(proc.pid).children():
         try:
-            if f"llmbus {kind}" in " ".join(child.cmdline()):
+            if (kind == "nats" and "nats-server" in child.name()) or f"llmbus {kind}" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:
             pass
@@ -97,12 +100,13 @@ def wait_until(check, timeout_s: float, what: str) -> None:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("kind", ["worker", "tokenizer", "scheduler"])
+@pytest.mark.parametrize("kind", ["worker", "tokenizer", "scheduler", "nats"])
 def test_a_killed_replica_loses_no_stream_and_comes_back(served, kind):
     proc, url = served
     expected = expected_texts(url)
     before = replicas(proc, kind)
-    victim = before[0]
+    # The NATS node that bites: the scheduler's (its steps, and every output, go through it).
+    victim = node_with_client(proc.pid, "scheduler") if kind == "nats" else before[0]
     # A tokenizer serves only the start of a request: it dies as the streams are sent;
     # the others die once every stream is under way.
     if kind == "tokenizer":

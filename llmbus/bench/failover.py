@@ -1,10 +1,11 @@
 """`llmbus bench failover`: what a replica's death costs the clients streaming through it.
 
-Starts `llmbus serve --workers 2 --tokenizers 2` (the command users run, with its own
-nats-server), and for each kind of replica asked for (worker, tokenizer, scheduler): N
-greedy streams without a fault, then the same N streams with one replica of that kind
-SIGKILLed (a tokenizer as the requests arrive, the others once every stream has tokens).
-Reports the longest pause any client saw in the faulty run (the longest gap between two
+Starts `llmbus serve --workers 2 --tokenizers 2 --nats-cluster 3` (the command users run,
+with its own three nats-servers), and for each kind of replica asked for (worker,
+tokenizer, scheduler, the NATS node the scheduler is connected to): N greedy streams
+without a fault, then the same N streams with one replica of that kind SIGKILLed (a
+tokenizer as the requests arrive, the others once every stream has tokens). Reports the
+longest pause any client saw in the faulty run (the longest gap between two
 of its events, the first token counted from its request), how many streams failed, and
 how many came back with a text other than the fault-free one (both must be 0), then
 waits for the supervisor to bring the replica back.
@@ -25,9 +26,10 @@ import httpx
 import psutil
 
 from llmbus.model_fetch import resolve_model
+from llmbus.nats_server import node_with_client
 from llmbus.serve import free_port
 
-KINDS = ("worker", "tokenizer", "scheduler")
+KINDS = ("worker", "tokenizer", "scheduler", "nats")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +75,7 @@ def _replicas(serve: subprocess.Popen, kind: str) -> list[psutil.Process]:
     found = []
     for child in psutil.Process(serve.pid).children():
         try:
-            if f"llmbus {kind}" in " ".join(child.cmdline()):
+            if (kind == "nats" and "nats-server" in child.name()) or f"llmbus {kind}" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:
             pass
@@ -98,7 +100,8 @@ def _healthy(url: str, workers: int) -> bool:
 
 def _kill_run(url: str, serve: subprocess.Popen, kind: str, args) -> dict:
     expected = asyncio.run(_stream_all(url, args.streams, args.max_tokens, lambda i: None))
-    victim = _replicas(serve, kind)[0]
+    # The NATS node that bites: the scheduler's (its steps and every output go through it).
+    victim = node_with_client(serve.pid, "scheduler") if kind == "nats" else _replicas(serve, kind)[0]
     seen: set[int] = set()
     killed_at: list[float] = []
 
@@ -113,9 +116,9 @@ def _kill_run(url: str, serve: subprocess.Popen, kind: str, args) -> dict:
 
     results = asyncio.run(_stream_all(url, args.streams, args.max_tokens, on_event,
                                       on_start=kill if kind == "tokenizer" else None))
-    _wait(lambda: victim not in _replicas(serve, kind) and len(_replicas(serve, kind)) == (1 if kind == "scheduler"
-                                                                                             else 2)
-          and _healthy(url, 2), 180, f"the {kind} did not come back")
+    count = {"scheduler": 1, "nats": 3}.get(kind, 2)
+    _wait(lambda: victim not in _replicas(serve, kind) and len(_replicas(serve, kind)) == count and _healthy(url, 2),
+          180, f"the {kind} did not come back")
     return {
         "kill": kind,
         "streams": args.streams,
@@ -134,13 +137,14 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{port}"
     serve = subprocess.Popen(
         [sys.executable, "-m", "llmbus", "serve", "--model", model, "--served-model-name", "bench",
-         "--port", str(port), "--workers", "2", "--tokenizers", "2"],
+         "--port", str(port), "--workers", "2", "--tokenizers", "2", "--nats-cluster", "3"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ),
     )
     try:
         _wait(lambda: _healthy(url, 2), 300, "the deployment did not become healthy")
         rows = [_kill_run(url, serve, kind, args) for kind in (args.kill or KINDS)]
-        print(f"streams {args.streams} x {args.max_tokens} tokens, `llmbus serve --workers 2 --tokenizers 2`:")
+        print(f"streams {args.streams} x {args.max_tokens} tokens, "
+              "`llmbus serve --workers 2 --tokenizers 2 --nats-cluster 3`:")
         for row in rows:
             print(f"  SIGKILL {row['kill']:<9}: longest pause {row['longest_pause_s']:.2f} s, "
                   f"failed {row['failed']}, altered {row['altered']}, back within {row['replica_back_after_s']} s")

@@ -57,6 +57,7 @@ class EngineClient:
         self.resume_timeout_s = resume_timeout_s
         self.ledger = StreamLedger()
         self.scheduler_id: str | None = None
+        self.scheduler_epoch = 0
         self._last_heartbeat: float | None = None
         self._watchdog: asyncio.Task | None = None
 
@@ -76,17 +77,15 @@ class EngineClient:
             beat = self._heartbeat_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        changed = self.scheduler_id is not None and beat.scheduler_id != self.scheduler_id
-        self.scheduler_id = beat.scheduler_id
+        before = (self.scheduler_id, self.scheduler_epoch)
+        self.scheduler_id, self.scheduler_epoch = beat.scheduler_id, beat.epoch
         self._last_heartbeat = time.monotonic()
-        if changed:
-            # A new scheduler knows nothing of what the old one was running: it gets every
-            # unfinished request again, resumed from the tokens already streamed.
-            resumed = self.ledger.resumed_requests()
-            if resumed:
-                log.warning("scheduler %s took over; resuming %d request(s)", beat.scheduler_id, len(resumed))
-            for request in resumed:
-                await self.nc.publish(self.subjects.requests, encode(request))
+        if before[0] is not None and before != (beat.scheduler_id, beat.epoch):
+            # A new scheduler knows nothing of what the old one was running, and one that
+            # reconnected to NATS may have lost outputs in the gap: every unfinished
+            # request is sent again, resumed from the tokens already streamed.
+            why = "took over" if before[0] != beat.scheduler_id else "reconnected to NATS"
+            await self._resume(None, f"scheduler {beat.scheduler_id} {why}")
 
     def scheduler_silent(self) -> bool:
         """True when no scheduler has been heard for too long (or at all since start)."""
@@ -103,11 +102,16 @@ class EngineClient:
                 self._fail_open_requests(f"no scheduler has been heard from for {silent_for:.1f} s")
 
     async def on_reconnect(self) -> None:
-        """Outputs published while the bus was down are lost: a stream would have a gap or
-        never end. Requests in flight end with an error now (and are aborted)."""
-        open_ids = list(self._queues)
-        self._fail_open_requests("the message bus restarted while this request was in flight")
-        self.abort_soon(open_ids)
+        """Outputs (and submits) sent while this gateway was away from the bus are lost:
+        every open request resumes, and the scheduler sends again what it lacks."""
+        await self._resume(None, "this gateway reconnected to NATS")
+
+    async def _resume(self, request_ids: list[str] | None, why: str) -> None:
+        resumed = self.ledger.resumed(request_ids)
+        if resumed and request_ids is None:
+            log.warning("%s; resuming %d request(s)", why, len(resumed))
+        for request in resumed:
+            await self.nc.publish(self.subjects.requests, encode(request))
 
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
@@ -130,11 +134,18 @@ class EngineClient:
         if outputs.scheduler_stats is not None:
             if self._on_stats is not None:
                 self._on_stats(outputs.scheduler_stats)
+        gaps = []
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)
-            if queue is not None:
-                self.ledger.received(output)
-                queue.put_nowait(output)
+            if queue is None:
+                continue
+            fresh, gap = self.ledger.received(output)
+            if gap:
+                gaps.append(output.request_id)
+            if fresh is not None:
+                queue.put_nowait(fresh)
+        if gaps:
+            await self._resume(gaps, "outputs were lost")
 
     # ---- calls ------------------------------------------------------------------------
 

@@ -61,6 +61,10 @@ class Fleet:
         handle = self.workers.get(info.worker_id)
         if info.draining:
             return self.remove(info.worker_id, "draining") if handle is not None else []
+        if handle is not None and info.incarnation != handle.info.incarnation:
+            # It reconnected to NATS: a step or its answer may have been lost in the gap, so
+            # it starts afresh (its requests recompute) rather than wait out a step deadline.
+            return self.remove(info.worker_id, "it reconnected to NATS") + self.heard_from(info, now)
         # A worker declared dead that speaks again rejoins as new: a fresh core, and a
         # reset of whatever it still holds with its first step.
         if handle is not None:
@@ -104,12 +108,33 @@ class Fleet:
     # ---- requests --------------------------------------------------------------------
 
     def submit(self, request: EngineCoreRequest, now: float) -> list[Rejection]:
-        """Place a new request; returns a rejection when it is invalid or the queue is full."""
+        """Place a new request; returns a rejection when it is invalid or the queue is full.
+
+        A request already here was sent twice (nothing to do) or is asked to resume: then
+        the outputs its gateway lacks go out again. A resumed one not here (this
+        scheduler is new, or it finished and its last output was lost) is placed anew."""
+        known = self._known(request.request_id)
+        if known is not None:
+            return self._replay(known, request) if request.resume else []
         limit = self.max_waiting_requests
-        if limit and self.num_waiting() >= limit:
+        if limit and not request.resume and self.num_waiting() >= limit:
             return [_error(request, f"the engine has {limit} requests waiting; try again later",
                            FinishReason.OVERLOADED)]
         return self._place(request, now)
+
+    def _known(self, request_id: str) -> Request | EngineCoreRequest | None:
+        handle = self.owner.get(request_id)
+        if handle is not None:
+            return handle.core.requests.get(request_id)
+        return next((item for item, _ in self.unplaced if item.request_id == request_id), None)
+
+    @staticmethod
+    def _replay(known: Request | EngineCoreRequest, request: EngineCoreRequest) -> list[Rejection]:
+        have = len(request.output_token_ids)
+        missing = known.output_token_ids[have:]
+        if not missing:
+            return []
+        return [(request.reply_subject, EngineCoreOutput(request.request_id, list(missing), index=have))]
 
     def num_waiting(self) -> int:
         return len(self.unplaced) + sum(len(h.core.waiting) for h in self.workers.values())

@@ -306,9 +306,9 @@ class Scheduler:
                 if request is None:
                     continue
                 self._finish(request, FinishReason.ERROR)
-                outputs[request.reply_subject].append(
-                    EngineCoreOutput(req_id, [], FinishReason.ERROR, error=runner_output.error)
-                )
+                outputs[request.reply_subject].append(EngineCoreOutput(
+                    req_id, [], FinishReason.ERROR, error=runner_output.error, index=request.num_output_tokens,
+                ))
             return self._pack(outputs)
 
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
@@ -319,6 +319,7 @@ class Scheduler:
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            index = request.num_output_tokens
             new_tokens = []
             self.num_generation_tokens += len(sampled)
             for token_id in sampled:
@@ -332,6 +333,7 @@ class Scheduler:
                 new_token_ids=new_tokens,
                 new_logprobs=[lp] if lp is not None else [],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                index=index,
             )
             if not request.queue_time_reported:
                 output.queue_time_s = request.queue_time_s

