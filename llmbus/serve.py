@@ -29,6 +29,22 @@ def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def live_children(serve_pid: int, kind: str) -> list:
+    """The live replicas of one kind (`worker`, `tokenizer`, …, or `nats`) among the
+    children of an `llmbus serve` process, as psutil processes; one that just died is a
+    zombie until the supervisor reaps it, and is left out."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(serve_pid).children():
+        try:
+            if (kind == "nats" and "nats-server" in child.name()) or f"llmbus {kind}" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

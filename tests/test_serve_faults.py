@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from llmbus.nats_server import node_with_client
-from llmbus.serve import free_port
+from llmbus.serve import free_port, live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,15 +49,7 @@ def served(tiny_llama, tmp_path_factory):
 
 
 def replicas(proc: subprocess.Popen, kind: str) -> list[psutil.Process]:
-    """The live children of that kind (one that just died is a zombie until reaped)."""
-    found = []
-    for child in psutil.Process(proc.pid).children():
-        try:
-            if (kind == "nats" and "nats-server" in child.name()) or f"llmbus {kind}" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
+    return live_children(proc.pid, kind)
 
 
 def prompts() -> list[str]:

@@ -23,11 +23,10 @@ import sys
 import time
 
 import httpx
-import psutil
 
 from llmbus.model_fetch import resolve_model
 from llmbus.nats_server import node_with_client
-from llmbus.serve import free_port
+from llmbus.serve import free_port, live_children
 
 KINDS = ("worker", "tokenizer", "scheduler", "nats")
 
@@ -70,16 +69,8 @@ async def _stream_all(url: str, n: int, max_tokens: int, on_event, on_start=None
         return await asyncio.gather(*tasks)
 
 
-def _replicas(serve: subprocess.Popen, kind: str) -> list[psutil.Process]:
-    """The live children of that kind (one that just died is a zombie until reaped)."""
-    found = []
-    for child in psutil.Process(serve.pid).children():
-        try:
-            if (kind == "nats" and "nats-server" in child.name()) or f"llmbus {kind}" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            pass
-    return found
+def _replicas(serve: subprocess.Popen, kind: str) -> list:
+    return live_children(serve.pid, kind)
 
 
 def _wait(check, timeout_s: float, what: str) -> None:
