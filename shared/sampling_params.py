@@ -30,6 +30,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
+    # Added to the logits of these token ids before sampling (greedy too): -100 bans a
+    # token, +100 all but forces it (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +69,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+            raise ValueError("logit_bias maps non-negative token ids to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

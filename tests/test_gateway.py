@@ -89,7 +89,8 @@ def test_a_completion_is_the_engine_s_tokens_as_text(tokenizer):
     assert body["choices"][0]["text"] == SCRIPT
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("hi")), "completion_tokens": len(ids),
-                             "total_tokens": len(tokenizer.encode("hi")) + len(ids)}
+                             "total_tokens": len(tokenizer.encode("hi")) + len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # always there: clients read it
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert engine.aborted == []
 
@@ -156,6 +157,33 @@ def test_bad_input_is_refused_before_the_engine(tokenizer):
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
     assert not_json.status_code == 400 and not_json.json()["error"]["type"] == "invalid_request_error"
     assert engine.submitted == []
+
+
+@pytest.mark.parametrize("field", ["response_format", "tools", "tool_choice", "suffix", "no_such_field"])
+def test_a_field_llmbus_does_not_implement_is_a_400_naming_it(tokenizer, field):
+    client, engine = gateway(tokenizer)
+    with client:
+        resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", field: {"type": "json_object"}})
+        bookkeeping = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                           "user": "u1", "metadata": {"k": "v"}, "store": False,
+                                                           "service_tier": "auto"})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]
+    assert bookkeeping.status_code == 200  # OpenAI's bookkeeping changes no output: accepted
+    assert len(engine.submitted) == 1
+
+
+def test_logit_bias_reaches_the_engine_as_token_ids(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                  "logit_bias": {"17": -100, "5": 2.5}})
+        bad_key = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}})
+        bad_value = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "logit_bias": {"1": 101}})
+    assert ok.status_code == 200
+    assert engine.submitted[0].sampling_params.logit_bias == {17: -100.0, 5: 2.5}
+    assert bad_key.status_code == 400 and bad_key.json()["error"]["param"] == "logit_bias"
+    assert bad_value.status_code == 400 and bad_value.json()["error"]["param"] == "logit_bias"
 
 
 def test_health_renders_the_scheduler_s_stats(tokenizer):

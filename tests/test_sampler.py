@@ -362,3 +362,26 @@ def test_valid_edge_values_are_accepted():
     assert params.top_k == 0  # -1 means off, stored as 0
     assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
     assert SamplingParams(stop="END").stop == ["END"]
+
+
+# ---- logit_bias, end to end against transformers' sequence_bias ----------------------------
+
+
+def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
+    from llmbus import LLM, SamplingParams
+    from tiny_models import hf_greedy
+
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    free = hf_greedy(tiny_llama, prompts, 12)
+    banned, boosted = free[0][0], free[1][3]
+    bias = {banned: -100.0, boosted: 3.0}
+    expected = hf_greedy(tiny_llama, prompts, 12, sequence_bias={(t,): b for t, b in bias.items()})
+    llm = LLM(str(tiny_llama))
+    got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=bias))
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert banned not in got[0].outputs[0].token_ids
+    forced = llm.generate(prompts, SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True,
+                                                  logit_bias={boosted: 100.0}))
+    assert all(o.outputs[0].token_ids == [boosted] * 6 for o in forced)
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        llm.generate(prompts, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))

@@ -109,8 +109,10 @@ def random_prompts(lengths, vocab_size: int = 384, seed: int = 0) -> list[list[i
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu") -> list[list[int]]:
-    """The oracle: transformers' own generate, one prompt at a time (no padding), EOS off."""
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",
+              **generate_kwargs) -> list[list[int]]:
+    """The oracle: transformers' own generate, one prompt at a time (no padding), EOS off;
+    `generate_kwargs` go to generate as they are (e.g. `sequence_bias`)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
@@ -126,6 +128,7 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, devic
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
+                **generate_kwargs,
             )
             results.append(out[0, len(prompt) :].tolist())
     return results

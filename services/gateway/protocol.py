@@ -20,7 +20,10 @@ class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A field llmbus does not implement is refused (a 400 naming it), never ignored: a
+    client that asks for JSON, tools or a penalty it does not get must hear so."""
+
     model: str
     n: Int = 1
     temperature: float | None = None
@@ -38,7 +41,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
+    # OpenAI's bookkeeping, accepted as it changes no output.
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -61,8 +69,12 @@ def parse_body(body: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`"
+        # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`", or
+        # "Object contains unknown field `tools`"
         message = str(exc)
+        unknown = re.match(r"Object contains unknown field `([^`]+)`$", message)
+        if unknown:
+            raise BadRequest(f"`{unknown.group(1)}` is not supported by llmbus", unknown.group(1)) from exc
         where = re.search(r"\$\.([A-Za-z_]+)", message)
         raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:
@@ -105,6 +117,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
+        logit_bias=_logit_bias(request.logit_bias),
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(request, name)
@@ -115,6 +128,15 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split()[0]) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.isdigit():
+            raise BadRequest(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def validate_messages(messages: list[dict[str, Any]]) -> None:

@@ -18,16 +18,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class UsageInfo(msgspec.Struct, omit_defaults=True):
+class UsageInfo(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails  # always: benchmark clients read cached_tokens
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "UsageInfo":
-        details = PromptTokensDetails(cached_tokens) if cached_tokens else None
-        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+        return cls(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                   PromptTokensDetails(cached_tokens))
 
 
 class ChatMessage(msgspec.Struct):

@@ -87,7 +87,8 @@ class Sampler:
         return sampled_ids, self._logprobs(raw, sampled, params)
 
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
-        """Penalties and min_tokens, which change the distribution greedy picks from too."""
+        """Penalties, logit bias and min_tokens, which change the distribution greedy picks
+        from too."""
         copied = False
         for i, state in enumerate(states):
             params = state.sampling_params
@@ -98,12 +99,16 @@ class Sampler:
                     banned.append(state.eos_token_id)
                 # A stop id past the vocabulary can never be sampled: nothing to ban.
                 banned = [t for t in banned if t < logits.shape[-1]]
-            if not (banned or params.needs_penalties):
+            if not (banned or params.needs_penalties or params.logit_bias):
                 continue
             if not copied:
                 logits, copied = logits.clone(), True
             if params.needs_penalties:
                 apply_penalties(logits[i], state)
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+                logits[i].index_add_(0, ids, bias)
             if banned:
                 logits[i, banned] = _MASK
         return logits
