@@ -55,6 +55,7 @@ class ParentRequest:
         arrival_time: float = 0.0,
         reply_subject: str = "",
         trace_headers: dict[str, str] | None = None,
+        first_index: int = 0,  # of its first choice in the response (a batch of prompts)
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -74,7 +75,7 @@ class ParentRequest:
                 trace_headers=trace_headers or {},
             ))
             self._choices[child_id] = _Choice(
-                index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop),
+                first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop),
             )
 
     @property

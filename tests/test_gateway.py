@@ -192,3 +192,36 @@ def test_health_renders_the_scheduler_s_stats(tokenizer):
         health = client.get("/health").json()
     assert health["status"] == "ok" and health["workers"] == 1 and health["max_model_len"] == 256
     assert health["stats"]["num_running_reqs"] == 0 and "kv_cache_usage" in health["stats"]
+
+
+def test_a_batch_of_prompts_is_n_choices_for_each_in_order_with_usage_summed(tokenizer):
+    client, engine = gateway(tokenizer)
+    prompts = ["hi", [5, 6, 7], "hello there"]
+    with client:
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 3, "n": 2,
+                                                    "echo": True}).json()
+        with client.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 3,
+                                                            "n": 2, "stream": True}) as resp:
+            events = sse_events(resp)
+    script = tokenizer.decode(tokenizer.encode(SCRIPT, add_special_tokens=False)[:3])
+    assert [c["index"] for c in body["choices"]] == list(range(6))
+    echoes = ["hi", tokenizer.decode([5, 6, 7], skip_special_tokens=False), "hello there"]
+    assert [c["text"] for c in body["choices"]] == [e + script for e in echoes for _ in range(2)]
+    num_prompt = len(tokenizer.encode("hi")) + 3 + len(tokenizer.encode("hello there"))
+    assert body["usage"]["prompt_tokens"] == num_prompt and body["usage"]["completion_tokens"] == 6 * 3
+    assert len({r.request_id for r in engine.submitted}) == len(engine.submitted) == 2 * 6  # both requests
+    streamed = {}
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {i: script for i in range(6)}
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        resp = client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi", ""], "max_tokens": 3})
+        nested = client.post("/v1/completions", json={"model": "tiny", "prompt": [[1, [2]]], "max_tokens": 3})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+    assert nested.status_code == 400
+    assert engine.submitted == []

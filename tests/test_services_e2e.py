@@ -61,6 +61,24 @@ def test_greedy_completions_equal_the_offline_engine(client, offline):
         assert out.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
 
 
+def test_a_batch_of_prompts_and_logit_bias_served_as_offline(client, offline):
+    """What LangChain's completions client sends: one request, a list of prompts."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0] for o in offline.generate(PROMPTS, params)]
+    out = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [e.text for e in expected]
+    assert out.usage.completion_tokens == 3 * 8
+    assert out.usage.prompt_tokens_details.cached_tokens >= 0
+    banned = expected[0].token_ids[0]
+    biased = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                       logit_bias={str(banned): -100}, extra_body={"ignore_eos": True})
+    offline_biased = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                 logit_bias={banned: -100.0}))
+    assert biased.choices[0].text == offline_biased[0].outputs[0].text != expected[0].text
+
+
 def test_streamed_completion_equals_the_non_streamed_one(client):
     kwargs = dict(model="tiny", prompt="naïve café", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0].text
@@ -199,6 +217,8 @@ def test_cancelled_stream_frees_its_blocks(deployment):
         ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
         ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
+        ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(deployment, body, status, param):

@@ -61,24 +61,32 @@ async def generate(
     client: EngineClient,
     tokenizer_backend,
     base_id: str,
-    prompt_token_ids: list[int],
+    prompts: list[list[int]],
     params: SamplingParams,
     eos_token_id: int | None,
     usage: Usage,
     idle_timeout_s: float = 300.0,
     trace_headers: dict[str, str] | None = None,
 ) -> AsyncIterator[list[ChoiceDelta]]:
+    """One ParentRequest per prompt (a completions batch has several), their choices
+    numbered prompt by prompt."""
     queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
-    parent = ParentRequest(
-        base_id, prompt_token_ids, params, tokenizer_backend, eos_token_id, time.time(), client.reply_subject,
-        trace_headers,
-    )
-    client.open(parent.child_ids, queue)
-    usage.prompt_tokens = len(prompt_token_ids)
+    now = time.time()
+    parents = [
+        ParentRequest(
+            base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
+            now, client.reply_subject, trace_headers, first_index=p * params.n,
+        )
+        for p, token_ids in enumerate(prompts)
+    ]
+    of_child = {rid: parent for parent in parents for rid in parent.child_ids}
+    client.open(list(of_child), queue)
+    usage.prompt_tokens = sum(len(token_ids) for token_ids in prompts)
     try:
-        for request in parent.engine_requests:
-            await client.submit(request)
-        while not parent.finished:
+        for parent in parents:
+            for request in parent.engine_requests:
+                await client.submit(request)
+        while not all(parent.finished for parent in parents):
             if not queue.empty():  # no timer to arm when the output is already here
                 output = queue.get_nowait()
             else:
@@ -91,7 +99,8 @@ async def generate(
                 batch.append(queue.get_nowait())
             deltas = []
             for out in batch:
-                delta = parent.apply(out)
+                parent = of_child.get(out.request_id)
+                delta = parent.apply(out) if parent is not None else None
                 if delta is None:
                     continue
                 raise_for_engine_error(delta)
@@ -102,8 +111,8 @@ async def generate(
             if deltas:
                 yield _merge_by_choice(deltas)
     finally:
-        client.close(parent.child_ids)
-        client.abort_soon(parent.unfinished_ids())
+        client.close(list(of_child))
+        client.abort_soon([rid for parent in parents for rid in parent.unfinished_ids()])
 
 
 def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:

@@ -83,18 +83,32 @@ def parse_body(body: bytes, kind: type) -> Any:
         raise BadRequest(f"request body is not valid UTF-8: {exc}") from exc
 
 
-def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """A string or a list of token ids; batches of prompts are not supported."""
+MAX_PROMPTS = 64  # one completions request's batch
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request, as OpenAI takes them: a string, a list of token
+    ids, or a batch of either (LangChain's client sends its batches that way)."""
     prompt = request.prompt
+    if isinstance(prompt, str) or (prompt and all(_is_token_id(t) for t in prompt)):
+        return [_one_prompt(prompt)]
+    if not prompt or len(prompt) > MAX_PROMPTS:
+        raise BadRequest(f"prompt must be a string, token ids, or a batch of 1 to {MAX_PROMPTS} of them", "prompt")
+    return [_one_prompt(p) for p in prompt]
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt must not be empty", "prompt")
         return prompt
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         return list(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return completion_prompt(msgspec.structs.replace(request, prompt=prompt[0]))
-    raise BadRequest("prompt must be a string or a non-empty list of token ids", "prompt")
+    raise BadRequest("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
 def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:

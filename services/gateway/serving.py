@@ -25,7 +25,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    completion_prompt,
+    completion_prompts,
     parse_body,
     to_sampling_params,
     validate_messages,
@@ -70,13 +70,13 @@ class OpenAIServing:
         )
         ctx = trace.set_span_in_context(span)
         try:
-            body, params, token_ids = await self._prepare(
+            body, params, prompts = await self._prepare(
                 request, ChatCompletionRequest if chat else CompletionRequest, ctx
             )
         except Exception as exc:
             _end_span(span, status_of(exc), exc)
             raise
-        return await _Generation(self, request, body, params, token_ids, chat, span, ctx).respond()
+        return await _Generation(self, request, body, params, prompts, chat, span, ctx).respond()
 
     # ---- before the engine --------------------------------------------------------------
 
@@ -105,25 +105,27 @@ class OpenAIServing:
         params = to_sampling_params(body)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
-            token_ids = await self._tokenize(
+            prompts = [await self._tokenize(
                 TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt), ctx
-            )
+            )]
         else:
-            prompt = completion_prompt(body)
-            if isinstance(prompt, str):
-                token_ids = await self._tokenize(TokenizeRequest(prompt=prompt), ctx)
-            else:
-                token_ids = prompt
-                vocab = self.tokenizer.backend.get_vocab_size(True)
-                bad = [t for t in token_ids if not 0 <= t < vocab]
+            prompts = []
+            vocab = self.tokenizer.backend.get_vocab_size(True)
+            for prompt in completion_prompts(body):
+                if isinstance(prompt, str):
+                    prompts.append(await self._tokenize(TokenizeRequest(prompt=prompt), ctx))
+                    continue
+                bad = [t for t in prompt if not 0 <= t < vocab]
                 if bad:
                     raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
+                prompts.append(prompt)
         info = await self.client.scheduler_info()
         if info.num_workers >= 1:
             # With no worker yet (still loading) or none left the context is not known here:
             # the scheduler holds the request until one joins and checks its length then.
-            _check_context(info.max_model_len, len(token_ids), params.max_tokens)
-        return body, params, token_ids
+            for token_ids in prompts:
+                _check_context(info.max_model_len, len(token_ids), params.max_tokens)
+        return body, params, prompts
 
 
 def _check_context(context: int, num_prompt: int, max_tokens: int | None) -> None:
@@ -138,9 +140,10 @@ def _check_context(context: int, num_prompt: int, max_tokens: int | None) -> Non
 
 
 class _Generation:
-    """One request's answer: its deltas collected into a body, or framed as SSE."""
+    """One request's answer: its deltas collected into a body, or framed as SSE. A batch of
+    prompts has n choices for each, prompt by prompt (choice p * n + i)."""
 
-    def __init__(self, serving: OpenAIServing, request: Request, body, params, token_ids: list[int],
+    def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]],
                  chat: bool, span, ctx) -> None:
         self.s = serving
         self.request = request
@@ -153,14 +156,19 @@ class _Generation:
         self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
         self.object = "chat.completion" if chat else "text_completion"
         self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
+        self.num_choices = len(prompts) * params.n
         self.stream = generate(
-            serving.client, serving.tokenizer.backend, self.request_id, token_ids, self.params,
+            serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
         )
-        self.echo = ""
+        # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
+        self.echo = [""] * self.num_choices
         if not chat and body.echo:
-            tok = serving.tokenizer
-            self.echo = body.prompt if isinstance(body.prompt, str) else tok.decode(token_ids, skip_special_tokens=False)
+            texts = completion_prompts(body)
+            for p, token_ids in enumerate(prompts):
+                text = texts[p] if isinstance(texts[p], str) else serving.tokenizer.decode(
+                    token_ids, skip_special_tokens=False)
+                self.echo[p * params.n:(p + 1) * params.n] = [text] * params.n
 
     async def respond(self) -> Response:
         if self.body.stream:
@@ -207,8 +215,8 @@ class _Generation:
         return (self.s.logprobs.chat if self.chat else self.s.logprobs.completion)(items)
 
     async def _collect(self) -> Response:
-        n = self.params.n
-        texts = [self.echo] * n
+        n = self.num_choices
+        texts = list(self.echo)
         finish: list[str | None] = [None] * n
         logprobs: list[list] = [[] for _ in range(n)]
         want_logprobs = self.params.logprobs is not None
@@ -262,14 +270,14 @@ class _Generation:
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
         usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
-        n = self.params.n
+        n = self.num_choices
         status, failure = 499, None  # a client that leaves mid-stream never sees the end
         try:
             if self.chat:
                 yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
                                    for i in range(n)], usage)
-            elif self.echo:
-                yield self._chunk([r.CompletionChoice(i, self.echo, None, None) for i in range(n)], usage)
+            elif any(self.echo):
+                yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)], usage)
             async for deltas in _prepend(first, self.stream):
                 # A delta with no text, end or logprobs holds bytes of an incomplete character.
                 out = [self._delta_choice(d) for d in deltas if d.text or d.finish_reason is not None or d.logprobs]
