@@ -202,6 +202,10 @@ class LLM:
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+            if params.structured_outputs is not None:
+                # Compiled here, before anything is queued: a bad spec is the caller's
+                # error, never a failed step that takes the batch beside it down.
+                self.executor.call(self.runner.grammars.check, params.structured_outputs)
             if isinstance(prompt, str):
                 encoded.append((prompt, self.tokenizer.encode(prompt)))
             else:

@@ -7,10 +7,34 @@ message) with a `ValueError` that names the parameter.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # Below this a temperature means greedy; dividing logits by it would overflow.
 GREEDY_EPSILON = 1e-5
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One constraint on the output (vLLM's `structured_outputs`): exactly one field set.
+    The spec travels with the request; the worker compiles it and masks the logits."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (kept as JSON text)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF (GBNF), xgrammar's dialect
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = msgspec.json.encode(self.json).decode()
+        if self.choice is not None and (not self.choice or not all(self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -33,6 +57,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Added to the logits of these token ids before sampling (greedy too): -100 bans a
     # token, +100 all but forces it (OpenAI's logit_bias).
     logit_bias: dict[int, float] = {}
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

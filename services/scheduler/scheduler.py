@@ -359,8 +359,10 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
+            # A grammar allows the stop token only where it is complete: it ends a
+            # constrained request even with ignore_eos.
             if (
-                not params.ignore_eos
+                (not params.ignore_eos or params.structured_outputs is not None)
                 and request.eos_token_id is not None
                 and token_id == request.eos_token_id
             ):

@@ -25,6 +25,7 @@ from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
+from services.worker.structured_output import GrammarBackend
 from shared.config import CacheConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -73,6 +74,8 @@ class ModelRunner:
         ]
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
+        self.model_path = model_path
+        self._grammars: GrammarBackend | None = None  # built with the first constrained request
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
@@ -103,6 +106,12 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.model_path, self.vocab_size)
+        return self._grammars
 
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -138,8 +147,16 @@ class ModelRunner:
             rows = torch.from_numpy(last_token[sample_rows]).to(self.device)
             logits = self.model.compute_logits(hidden[rows])
             sample_states = [states[i] for i in sample_rows]
+            # A terminated matcher (it took the stop token) belongs to a request the scheduler
+            # has ended: this row was in flight, and its token will be dropped there.
+            constrained = [i for i, s in enumerate(sample_states)
+                           if s.matcher is not None and not s.matcher.is_terminated()]
+            if constrained:
+                self.grammars.mask(logits, constrained, [sample_states[i].matcher for i in constrained])
             token_ids, token_logprobs = self.sampler(logits, sample_states)
             for row, state, token_id, lp in zip(sample_rows, sample_states, token_ids, token_logprobs):
+                if state.matcher is not None and not state.matcher.is_terminated():
+                    state.matcher.accept_token(token_id)
                 state.token_ids.append(token_id)
                 sampled[row] = [token_id]
                 logprobs[row] = lp
@@ -172,6 +189,7 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            spec = new.sampling_params.structured_outputs
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -180,6 +198,9 @@ class ModelRunner:
                 eos_token_id=new.eos_token_id,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
+                # New to this worker (first step, resumed, preempted, migrated): a fresh
+                # matcher, with the tokens already generated replayed into it.
+                matcher=self.grammars.matcher(spec, new.output_token_ids) if spec is not None else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)

@@ -16,6 +16,7 @@ class RequestState:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    matcher: object | None = None  # xgrammar's GrammarMatcher, for a constrained request
 
     @property
     def num_output_tokens(self) -> int:

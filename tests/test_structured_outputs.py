@@ -1,0 +1,147 @@
+"""Structured outputs in the engine (xgrammar, a matcher per request in the worker): greedy
+constrained output equals transformers' generate under xgrammar's own logits processor
+token for token, the text satisfies its spec and ends with `stop` where the grammar
+ends, and a constraint survives preemption (the matcher is rebuilt by replaying)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from llmbus import LLM, SamplingParams
+from shared.sampling_params import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+SPECS = {
+    "regex": StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+    "choice": StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "grammar": StructuredOutputsParams(grammar='root ::= "(" ("a" | "b")+ ")"'),
+}
+# Text prompts: random token ids can end in half a UTF-8 character, which the detokenizer
+# then completes with the first output token (true to the tokens, but no longer the spec).
+TEXTS = ["The answer is", "Give me JSON:", "Paged attention keeps"]
+MAX_TOKENS = 40
+
+
+def satisfies(kind: str, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) is not None
+    if kind == "choice":
+        return text in ("yes", "no", "maybe so")
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    return re.fullmatch(r"\((a|b)+\)", text) is not None
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama))
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [llm.tokenizer.encode(text) for text in TEXTS]
+
+
+def hf_constrained(folder, spec: StructuredOutputsParams, prompts) -> list[list[int]]:
+    """The oracle: transformers' greedy generate masked by xgrammar's logits processor."""
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from services.worker.structured_output import GrammarBackend
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    backend = GrammarBackend(folder, model.config.vocab_size)
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
+                logits_processor=[xgr.contrib.hf.LogitsProcessor(backend.compile(spec))],
+            )
+            tokens = out[0, len(prompt):].tolist()
+            if tokens and tokens[-1] == tokenizer.eos_token_id:
+                tokens = tokens[:-1]  # we report the text, the stop token ends it
+            results.append(tokens)
+    return results
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_constrained_greedy_output_equals_transformers_with_xgrammar(llm, prompts, tiny_llama, kind):
+    spec = SPECS[kind]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+    outs = llm.generate(prompts, params)
+    expected = hf_constrained(tiny_llama, spec, prompts)
+    got = [[t for t in o.outputs[0].token_ids if t != llm.eos_token_id] for o in outs]
+    assert got == expected
+    for out in outs:
+        assert satisfies(kind, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_stays_inside_the_grammar(llm, prompts):
+    params = SamplingParams(temperature=1.0, seed=5, n=3, max_tokens=MAX_TOKENS, structured_outputs=SPECS["json"])
+    for out in llm.generate(prompts, params):
+        for choice in out.outputs:
+            assert satisfies("json", choice.text) and choice.finish_reason == "stop"
+
+
+def test_a_preempted_request_keeps_its_constraint(tiny_llama, llm):
+    """Preempted requests come back as new to the worker: the matcher is rebuilt from
+    their tokens, and the output is the one of a run without preemption."""
+    spec = SPECS["json"]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+    prompts = [llm.tokenizer.encode(f"{text} " * 4) for text in TEXTS + ["Once upon a time"]]
+    free = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tight = LLM(str(tiny_llama), num_kv_blocks=12, block_size=16, enable_prefix_caching=False)
+    outs = tight.generate(prompts, params)
+    assert tight.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == free
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_untouched(llm, prompts):
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [alone] = llm.generate([prompts[0]], plain)
+    both = llm.generate([prompts[0], prompts[1]], [plain, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                         structured_outputs=SPECS["regex"])])
+    assert both[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert satisfies("regex", both[1].outputs[0].text)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutputsParams(regex="[0-9"),
+    StructuredOutputsParams(json='{"type": "no-such-type"}'),
+    StructuredOutputsParams(grammar="root ::= undefined_rule"),
+])
+def test_a_spec_xgrammar_refuses_is_a_value_error_before_anything_runs(llm, prompts, spec):
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [expected] = llm.generate([prompts[0]], plain)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        llm.generate([prompts[0], prompts[1]], [plain, SamplingParams(max_tokens=6, structured_outputs=spec)])
+    assert not llm.scheduler.has_unfinished_requests()
+    [again] = llm.generate([prompts[0]], plain)
+    assert again.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(), "exactly one"),
+    (dict(regex="a", choice=["b"]), "exactly one"),
+    (dict(choice=[]), "choice"),
+])
+def test_a_spec_must_name_exactly_one_constraint(spec, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**spec)
