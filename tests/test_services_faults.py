@@ -185,28 +185,31 @@ def test_a_scheduler_that_does_not_come_back_ends_the_streams_in_bounded_time(ti
         d.close()
 
 
-def test_nats_restart_under_load_recovers_and_no_request_hangs(tiny_llama):
+def test_a_lone_nats_restart_under_load_loses_no_request(tiny_llama):
+    """Every service reconnects; the gateway and the scheduler resume what was in flight
+    (outputs and submits the gap swallowed), so each request completes as without it."""
     d = Deployment(str(tiny_llama), worker_args=["--max-model-len", "512", "--num-kv-blocks", "256"])
     try:
         d.wait_healthy()
-        body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 100, "ignore_eos": True, "temperature": 0}
+        expected = httpx.post(d.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
 
         def one(_):
             start = time.monotonic()
             try:
                 r = httpx.post(d.base_url + "/v1/completions", json=body, timeout=60)
-                return r.status_code, time.monotonic() - start
+                text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+                return r.status_code, text, time.monotonic() - start
             except httpx.HTTPError as exc:
-                return type(exc).__name__, time.monotonic() - start
+                return type(exc).__name__, "", time.monotonic() - start
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(one, i) for i in range(8)]
             time.sleep(0.3)
             d.nats.restart()
             results = [f.result(timeout=90) for f in futures]
-        # Each request either completed or ended with a clear error; none hung.
-        assert all(code in (200, 500, 503) for code, _ in results), results
-        assert all(took < 45 for _, took in results), results
+        assert [(code, text) for code, text, _ in results] == [(200, expected)] * 8, results
+        assert all(took < 45 for _, _, took in results), results
         restarted = time.monotonic()
         d.wait_healthy(timeout_s=30)
         ok = httpx.post(d.base_url + "/v1/completions", json={**body, "max_tokens": 4}, timeout=30)
