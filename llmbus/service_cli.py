@@ -42,6 +42,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
 
 
+def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--structured-outputs-compile-timeout", type=float,
+                        default=env("--structured-outputs-compile-timeout", 5.0),
+                        help="seconds a structured-output spec may take to compile before the request is a 400")
+
+
 def served_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -60,7 +66,7 @@ def cmd_tokenizer(args) -> int:
     from services.tokenizer.service import serve
 
     path, name = _setup(args)
-    asyncio.run(serve(path, args.nats_url, name))
+    asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout))
     return 0
 
 
@@ -116,6 +122,7 @@ def add_service_commands(sub) -> None:
     p = sub.add_parser("tokenizer", help="run a tokenizer replica")
     add_bus_args(p)
     add_model_args(p)
+    add_tokenizer_args(p)
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("worker", help="run a worker (model runner + KV cache)")
@@ -152,6 +159,7 @@ def add_service_commands(sub) -> None:
     add_worker_args(p)
     add_scheduler_args(p)
     add_gateway_args(p)
+    add_tokenizer_args(p)
     p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),
                    help="start this many clustered nats-servers (3 survives the loss of one); every service "
                         "gets all their URLs")

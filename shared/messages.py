@@ -14,7 +14,7 @@ import enum
 
 import msgspec
 
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
 
@@ -156,12 +156,14 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
 
 
 class TokenizeRequest(msgspec.Struct, **_WIRE):
-    """Exactly one of `prompt` and `messages` is set."""
+    """At most one of `prompt` and `messages` is set; with neither, only the
+    structured-output spec is checked."""
 
     prompt: str | None = None
     messages: list[dict] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # compiled as a check
 
 
 class TokenizeResponse(msgspec.Struct, **_WIRE):

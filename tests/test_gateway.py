@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
@@ -159,7 +160,7 @@ def test_bad_input_is_refused_before_the_engine(tokenizer):
     assert engine.submitted == []
 
 
-@pytest.mark.parametrize("field", ["response_format", "tools", "tool_choice", "suffix", "no_such_field"])
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "suffix", "no_such_field"])
 def test_a_field_llmbus_does_not_implement_is_a_400_naming_it(tokenizer, field):
     client, engine = gateway(tokenizer)
     with client:
@@ -184,6 +185,42 @@ def test_logit_bias_reaches_the_engine_as_token_ids(tokenizer):
     assert engine.submitted[0].sampling_params.logit_bias == {17: -100.0, 5: 2.5}
     assert bad_key.status_code == 400 and bad_key.json()["error"]["param"] == "logit_bias"
     assert bad_value.status_code == 400 and bad_value.json()["error"]["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}},
+     {"json": '{"type":"object"}'}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, {"regex": "[a-z]+"}),
+    ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"guided_json": {"type": "object"}}, {"json": '{"type":"object"}'}),
+])
+def test_each_way_to_ask_for_structured_output_reaches_the_engine(tokenizer, extra, expected):
+    client, engine = gateway(tokenizer)
+    with client:
+        resp = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user",
+                                                         "content": "hi"}], "max_tokens": 2, **extra})
+    assert resp.status_code == 200, resp.text
+    spec = engine.submitted[0].sampling_params.structured_outputs
+    assert (msgspec.structs.asdict(spec) if spec else None) == (
+        None if expected is None else {**{"json": None, "json_object": False, "regex": None, "choice": None,
+                                          "grammar": None}, **expected})
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"nope": 1}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+])
+def test_a_malformed_constraint_is_a_400_naming_its_field(tokenizer, extra, param):
+    client, engine = gateway(tokenizer)
+    with client:
+        resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **extra})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert engine.submitted == []
 
 
 def test_health_renders_the_scheduler_s_stats(tokenizer):

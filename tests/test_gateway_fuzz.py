@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import encode
+from shared.messages import EngineCoreRequest
 from test_gateway import FakeEngine, gateway
 
 json_scalars = st.one_of(
@@ -41,6 +42,11 @@ PLAUSIBLE = {
     "n": st.integers(-1, 20),
     "temperature": st.floats(-1, 3),
     "stream": st.booleans(),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"regex": json_values}), st.fixed_dictionaries({"choice": json_values}),
+        st.fixed_dictionaries({"json": json_values}), st.dictionaries(st.text(max_size=8), json_values, max_size=3)),
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "x"])},
+                                             optional={"json_schema": json_values}),
 }
 
 
@@ -75,7 +81,8 @@ class EncodingEngine(FakeEngine):
         return await super().tokenize(request, headers)
 
     async def submit(self, request) -> None:
-        encode(request)  # what would go on the bus must go on it
+        # What would go on the bus must go on it, and come off it as the scheduler decodes it.
+        msgspec.msgpack.decode(encode(request), type=EngineCoreRequest)
         await super().submit(request)
 
 

@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -77,6 +78,42 @@ def test_a_batch_of_prompts_and_logit_bias_served_as_offline(client, offline):
     offline_biased = offline.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                                  logit_bias={banned: -100.0}))
     assert biased.choices[0].text == offline_biased[0].outputs[0].text != expected[0].text
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_served_as_offline(client, offline):
+    """response_format json_schema through the openai client, and vLLM's structured_outputs
+    regex: each output satisfies its spec, ends with stop, and is the offline engine's."""
+    import jsonschema
+
+    from shared.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": "A color as JSON"}]
+    out = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+    )
+    text = out.choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert out.choices[0].finish_reason == "stop"
+    [want] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40,
+                                                   structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    assert text == want.outputs[0].text
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=40, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+    regex = client.completions.create(model="tiny", prompt="Code:", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}})
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
 
 
 def test_streamed_completion_equals_the_non_streamed_one(client):
@@ -217,7 +254,8 @@ def test_cancelled_stream_frees_its_blocks(deployment):
         ({"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
         ({"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
-        ({"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": "tiny", "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
+        ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "[0-9"}}, 400, "structured_outputs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
     ],
 )

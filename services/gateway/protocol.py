@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 
 from services.gateway.errors import BadRequest
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 # Every integer field fits the wire's 64-bit integers (msgpack): a seed of 2**80 is the
@@ -18,6 +18,18 @@ Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 class StreamOptions(msgspec.Struct, omit_defaults=True):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str = ""
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -42,6 +54,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
+    # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
+    # and its older guided_* fields): at most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI's bookkeeping, accepted as it changes no output.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -132,6 +152,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
+        structured_outputs=structured_outputs_of(request)[0],
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(request, name)
@@ -142,6 +163,37 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split()[0]) from exc
+
+
+def structured_outputs_of(request) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's constraint and the field it came from (for a 400 that names it)."""
+    given = {}
+    fmt = request.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given["response_format"] = dict(json_object=True)
+        elif fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema is None:
+                raise BadRequest("response_format json_schema needs json_schema.schema", "response_format")
+            given["response_format"] = dict(json=fmt.json_schema.schema)
+        else:
+            raise BadRequest(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
+                             "response_format")
+    if request.structured_outputs is not None:
+        given["structured_outputs"] = request.structured_outputs
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(request, field) is not None:
+            given[field] = {key: getattr(request, field)}
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise BadRequest(f"give one constraint, not {' and '.join(given)}", list(given)[1])
+    (field, spec), = given.items()
+    try:  # convert, not construct: the types are checked as the wire's decoder will
+        return msgspec.convert(spec, StructuredOutputsParams), field
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        raise BadRequest(f"{field}: {exc}", field) from exc
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -27,6 +27,7 @@ from services.gateway.protocol import (
     CompletionRequest,
     completion_prompts,
     parse_body,
+    structured_outputs_of,
     to_sampling_params,
     validate_messages,
 )
@@ -119,6 +120,15 @@ class OpenAIServing:
                 if bad:
                     raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
                 prompts.append(prompt)
+        spec = params.structured_outputs
+        if spec is not None:
+            field = structured_outputs_of(body)[1]
+            # Compiled by a tokenizer replica under a timeout: a bad or runaway spec is a
+            # 400 here, before any header, and never reaches a worker.
+            try:
+                await self._tokenize(TokenizeRequest(structured_outputs=spec), ctx)
+            except BadRequest as exc:
+                raise BadRequest(str(exc), field) from exc
         info = await self.client.scheduler_info()
         if info.num_workers >= 1:
             # With no worker yet (still loading) or none left the context is not known here:

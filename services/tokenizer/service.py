@@ -12,9 +12,11 @@ import logging
 
 import msgspec
 
+from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import Subjects, close, connect, encode, stop_on_signals
 from shared.messages import TokenizeRequest, TokenizeResponse
+from shared.sampling_params import StructuredOutputsParams
 from shared.tracing import SpanKind, extract, setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.tokenizer")
@@ -22,7 +24,11 @@ QUEUE_GROUP = "tokenizers"
 
 
 def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse:
-    if (request.prompt is None) == (request.messages is None):
+    if request.prompt is None and request.messages is None:
+        if request.structured_outputs is not None:
+            return TokenizeResponse()  # a check of the spec alone
+        return TokenizeResponse(error="give exactly one of prompt and messages")
+    if request.prompt is not None and request.messages is not None:
         return TokenizeResponse(error="give exactly one of prompt and messages")
     try:
         if request.messages is not None:
@@ -34,8 +40,12 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
     return TokenizeResponse(token_ids=ids)
 
 
-async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None) -> None:
+async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
+                compile_timeout_s: float = 5.0) -> None:
     tokenizer = Tokenizer(model_path)
+    # Started at the first spec (a child process with the vocabulary), not by every replica.
+    grammars = GrammarChecker(model_path, compile_timeout_s)
+    loop = asyncio.get_running_loop()
     tracer = setup_tracing("tokenizer")
     subjects = Subjects(model_name)
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
@@ -43,20 +53,24 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
 
     async def handle(msg) -> None:
         with tracer.start_as_current_span("tokenizer.encode", context=extract(msg.headers), kind=SpanKind.SERVER) as span:
-            response = _handle(msg.data)
+            response, spec = _handle(msg.data)
+            if spec is not None and response.error is None:
+                # Off the event loop: other requests are tokenized while it compiles.
+                response.error = await loop.run_in_executor(None, grammars.check, spec)
             span.set_attribute("llmbus.num_tokens", len(response.token_ids))
             if response.error:
                 span.set_attribute("llmbus.error", response.error)
         await msg.respond(encode(response))
 
-    def _handle(data: bytes) -> TokenizeResponse:
+    def _handle(data: bytes) -> tuple[TokenizeResponse, StructuredOutputsParams | None]:
         try:
-            return tokenize(tokenizer, decoder.decode(data))
+            request = decoder.decode(data)
+            return tokenize(tokenizer, request), request.structured_outputs
         except msgspec.DecodeError as exc:
-            return TokenizeResponse(error=f"malformed tokenize request: {exc}")
+            return TokenizeResponse(error=f"malformed tokenize request: {exc}"), None
         except Exception as exc:  # noqa: BLE001 - a handler must never kill the subscription
             log.exception("tokenize failed")
-            return TokenizeResponse(error=f"tokenizer failed: {type(exc).__name__}: {exc}")
+            return TokenizeResponse(error=f"tokenizer failed: {type(exc).__name__}: {exc}"), None
 
     await nc.subscribe(subjects.tokenize, queue=QUEUE_GROUP, cb=handle)
     await nc.flush()
@@ -66,4 +80,5 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
         ready.set()
     await stop.wait()
     await close(nc)
+    grammars.close()
     shutdown_tracing()

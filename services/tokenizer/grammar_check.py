@@ -1,0 +1,80 @@
+"""Structured-output specs checked on the request path, before the engine sees them.
+
+The gateway asks a tokenizer replica (it has the tokenizer xgrammar needs) to compile a
+request's spec, so a bad or runaway one is a 400 before any response header goes out.
+Compiles run in a child process: one that outlives its timeout is killed with its
+process (a thread could not be), and the next check starts a fresh one. Good specs are
+remembered; the worker compiles again from its own cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+
+import msgspec
+
+from shared.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger("llmbus.tokenizer")
+
+_backend = None  # the child's GrammarBackend
+
+
+def _init_child(model_path: str) -> None:
+    global _backend
+    from services.worker.structured_output import GrammarBackend
+    from transformers import AutoTokenizer
+
+    _backend = GrammarBackend(model_path, len(AutoTokenizer.from_pretrained(model_path)))
+
+
+def _compile_in_child(spec_json: bytes) -> str | None:
+    try:
+        _backend.check(msgspec.json.decode(spec_json, type=StructuredOutputsParams))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+class GrammarChecker:
+    def __init__(self, model_path: str, timeout_s: float = 5.0) -> None:
+        self.model_path = model_path
+        self.timeout_s = timeout_s
+        self._known_good: set[bytes] = set()
+        self._lock = threading.Lock()  # one compile at a time: the child has one core's worth
+        self._pool = None
+
+    def _start(self):
+        """The child, started (its vocabulary loaded) outside any compile's timeout."""
+        if self._pool is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._pool = ctx.Pool(1, initializer=_init_child, initargs=(self.model_path,))
+            self._pool.apply(_compile_in_child, (msgspec.json.encode(StructuredOutputsParams(regex="x")),))
+        return self._pool
+
+    def check(self, spec: StructuredOutputsParams) -> str | None:
+        """None if the spec compiles, else why not (blocking: call it off the event loop)."""
+        key = msgspec.json.encode(spec)
+        if key in self._known_good:
+            return None
+        with self._lock:
+            pool = self._start()
+            pending = pool.apply_async(_compile_in_child, (key,))
+            try:
+                error = pending.get(self.timeout_s)
+            except multiprocessing.TimeoutError:
+                log.warning("a structured-output spec did not compile within %.1f s; its compile was killed",
+                            self.timeout_s)
+                pool.terminate()
+                self._pool = None
+                return f"structured_outputs: the spec did not compile within {self.timeout_s:g} s"
+        if error is None:
+            self._known_good.add(key)
+        return error
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
