@@ -31,7 +31,7 @@ class FakeEngine:
         self.submitted = []
         self.aborted = []
 
-    async def tokenize(self, request, headers=None) -> list[int]:
+    async def tokenize(self, request, headers=None, attempts=3, timeout_s=None) -> list[int]:
         return tokenize(self.tokenizer, request).token_ids
 
     async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:

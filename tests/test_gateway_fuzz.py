@@ -76,9 +76,9 @@ raw_bodies = st.one_of(
 
 
 class EncodingEngine(FakeEngine):
-    async def tokenize(self, request, headers=None) -> list[int]:
+    async def tokenize(self, request, headers=None, **options) -> list[int]:
         encode(request)
-        return await super().tokenize(request, headers)
+        return await super().tokenize(request, headers, **options)
 
     async def submit(self, request) -> None:
         # What would go on the bus must go on it, and come off it as the scheduler decodes it.

@@ -150,15 +150,18 @@ class EngineClient:
     # ---- calls ------------------------------------------------------------------------
 
     async def tokenize(
-        self, request: TokenizeRequest, headers: dict[str, str] | None = None, attempts: int = 3
+        self, request: TokenizeRequest, headers: dict[str, str] | None = None, attempts: int = 3,
+        timeout_s: float | None = None,
     ) -> list[int]:
         """Ask a tokenizer replica; if it does not answer (it died holding the request),
-        ask again: the queue group routes the retry to a live replica."""
+        ask again: the queue group routes the retry to a live replica. `timeout_s`: the
+        whole wait (default the client's), shared by the attempts."""
         payload = encode(request)
+        timeout_s = timeout_s or self.timeout_s
         for attempt in range(attempts):
             try:
                 reply = await self.nc.request(
-                    self.subjects.tokenize, payload, timeout=self.timeout_s / attempts, headers=headers or None
+                    self.subjects.tokenize, payload, timeout=timeout_s / attempts, headers=headers or None
                 )
                 break
             except NoRespondersError as exc:  # none subscribed right now: a short wait may help
@@ -167,7 +170,7 @@ class EngineClient:
                 await asyncio.sleep(0.2)
             except (NatsTimeoutError, asyncio.TimeoutError) as exc:
                 if attempt == attempts - 1:
-                    raise Unavailable(f"no tokenizer answered in {self.timeout_s:.0f} s") from exc
+                    raise Unavailable(f"no tokenizer answered in {timeout_s:.0f} s") from exc
         response = self._tokenize_decoder.decode(reply.data)
         if response.error is not None:
             raise BadRequest(response.error, "messages" if request.messages is not None else "prompt")

@@ -41,6 +41,10 @@ request_log = logging.getLogger("llmbus.requests")
 
 _json = msgspec.json.Encoder()
 
+# The most a spec's check may take: a tokenizer replica's compiling child starting (the
+# vocabulary loaded: ~2 s for SmolLM2 here) plus its compile timeout (5 s by default).
+STRUCTURED_CHECK_TIMEOUT_S = 30.0
+
 
 def _end_span(span, status: int, exc: BaseException | None = None) -> None:
     span.set_attribute("http.response.status_code", status)
@@ -89,9 +93,9 @@ class OpenAIServing:
                 raise TooLarge(f"request body exceeds {self.config.max_body_bytes} bytes")
         return body
 
-    async def _tokenize(self, request: TokenizeRequest, ctx) -> list[int]:
+    async def _tokenize(self, request: TokenizeRequest, ctx, **options) -> list[int]:
         with self.tracer.start_as_current_span("gateway.tokenize", context=ctx, kind=SpanKind.CLIENT) as span:
-            ids = await self.client.tokenize(request, headers=inject())
+            ids = await self.client.tokenize(request, headers=inject(), **options)
             span.set_attribute("llmbus.num_tokens", len(ids))
             return ids
 
@@ -126,7 +130,11 @@ class OpenAIServing:
             # Compiled by a tokenizer replica under a timeout: a bad or runaway spec is a
             # 400 here, before any header, and never reaches a worker.
             try:
-                await self._tokenize(TokenizeRequest(structured_outputs=spec), ctx)
+                # One attempt, waited for long enough for the replica's first spec (it starts
+                # its compiling child) and its own compile timeout: asking again would only
+                # compile the same spec twice.
+                await self._tokenize(TokenizeRequest(structured_outputs=spec), ctx, attempts=1,
+                                     timeout_s=STRUCTURED_CHECK_TIMEOUT_S)
             except BadRequest as exc:
                 raise BadRequest(str(exc), field) from exc
         info = await self.client.scheduler_info()

@@ -1,0 +1,40 @@
+"""The tokenizer's spec check: compiles in a child process, remembers good specs, says why
+a bad one is bad, and kills a compile that outlives its timeout (the next starts afresh)."""
+
+import pytest
+
+from services.tokenizer.grammar_check import GrammarChecker
+from shared.sampling_params import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def checker(tiny_llama):
+    checker = GrammarChecker(str(tiny_llama), timeout_s=30.0)
+    yield checker
+    checker.close()
+
+
+def test_a_good_spec_passes_and_is_remembered(checker):
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert checker.check(spec) is None
+    assert len(checker._known_good) >= 1
+    assert checker.check(spec) is None
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(regex="[0-9"),
+                                  StructuredOutputsParams(grammar="root ::= missing")])
+def test_a_bad_spec_says_why(checker, spec):
+    assert checker.check(spec).startswith("structured_outputs: ")
+
+
+def test_a_compile_past_its_timeout_is_killed_and_the_next_starts_afresh(checker):
+    checker.check(StructuredOutputsParams(regex="warm"))  # the child is up
+    first = checker._pool
+    checker.timeout_s = 1e-6
+    try:
+        message = checker.check(StructuredOutputsParams(regex="[a-z]{1,40}@[a-z]{1,40}"))
+    finally:
+        checker.timeout_s = 30.0
+    assert "did not compile within" in message
+    assert checker._pool is None and first is not None
+    assert checker.check(StructuredOutputsParams(choice=["after", "the kill"])) is None  # a new child
