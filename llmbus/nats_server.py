@@ -98,25 +98,13 @@ class NatsServer:
                 self.proc.wait()
 
 
-class NatsCluster:
-    """`size` clustered nodes on local ports; `url` lists every node's client URL."""
-
-    def __init__(self, size: int = 3) -> None:
-        cluster_ports = [free_port() for _ in range(size)]
-        self.nodes = [
-            NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port])
-            for i, port in enumerate(cluster_ports)
-        ]
-        self.url = ",".join(node.url for node in self.nodes)
-
-    def start(self) -> "NatsCluster":
-        for node in self.nodes:
-            node.start()
-        return self
-
-    def stop(self) -> None:
-        for node in self.nodes:
-            node.stop()
+def cluster_nodes(size: int = 3) -> list[NatsServer]:
+    """`size` nodes (not started) that route to each other in a full mesh on local ports."""
+    cluster_ports = [free_port() for _ in range(size)]
+    return [
+        NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port])
+        for i, port in enumerate(cluster_ports)
+    ]
 
 
 def node_with_client(parent_pid: int, client_name: str):

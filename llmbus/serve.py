@@ -18,7 +18,7 @@ import sys
 import time
 import urllib.request
 
-from llmbus.nats_server import NatsCluster, NatsServer, free_port  # noqa: F401 - free_port for the tests' harness
+from llmbus.nats_server import NatsServer, cluster_nodes, free_port  # noqa: F401 - free_port for the tests' harness
 from llmbus.processes import child_setup
 from llmbus.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
 
@@ -78,7 +78,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         nats_url = args.nats_url
         if not nats_url:
             # Supervised like the services: a node that dies comes back on its own ports.
-            nats = NatsCluster(args.nats_cluster).nodes if args.nats_cluster > 1 else [NatsServer()]
+            nats = cluster_nodes(args.nats_cluster) if args.nats_cluster > 1 else [NatsServer()]
             for node in nats:
                 node.start()
                 supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())

@@ -131,7 +131,11 @@ def _one_prompt(prompt: Any) -> str | list[int]:
     raise BadRequest("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
 
 
-def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def to_sampling_params(
+    request: CompletionRequest | ChatCompletionRequest, structured_outputs: StructuredOutputsParams | None = None,
+) -> SamplingParams:
+    """`structured_outputs`: the request's, from `structured_outputs_of` (the caller also
+    needs the field it came from)."""
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -152,7 +156,7 @@ def to_sampling_params(request: CompletionRequest | ChatCompletionRequest) -> Sa
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
-        structured_outputs=structured_outputs_of(request)[0],
+        structured_outputs=structured_outputs,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(request, name)

@@ -107,7 +107,8 @@ class OpenAIServing:
         if body.model != name:
             raise NotFound(f"the model `{body.model}` does not exist; this server serves `{name}`",
                            "model", "model_not_found")
-        params = to_sampling_params(body)
+        spec, spec_field = structured_outputs_of(body)
+        params = to_sampling_params(body, spec)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
             prompts = [await self._tokenize(
@@ -124,9 +125,7 @@ class OpenAIServing:
                 if bad:
                     raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
                 prompts.append(prompt)
-        spec = params.structured_outputs
         if spec is not None:
-            field = structured_outputs_of(body)[1]
             # Compiled by a tokenizer replica under a timeout: a bad or runaway spec is a
             # 400 here, before any header, and never reaches a worker.
             try:
@@ -136,7 +135,7 @@ class OpenAIServing:
                 await self._tokenize(TokenizeRequest(structured_outputs=spec), ctx, attempts=1,
                                      timeout_s=STRUCTURED_CHECK_TIMEOUT_S)
             except BadRequest as exc:
-                raise BadRequest(str(exc), field) from exc
+                raise BadRequest(str(exc), spec_field) from exc
         info = await self.client.scheduler_info()
         if info.num_workers >= 1:
             # With no worker yet (still loading) or none left the context is not known here:

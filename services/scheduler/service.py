@@ -179,10 +179,13 @@ class SchedulerService:
                 await self._publish_rejections(self.fleet.remove(handle.worker_id, str(exc)))
             self._wake_all()
 
-    async def _publish_stats(self, only_if_changed: bool = False) -> None:
+    def _fleet_stats(self):
+        return msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id)
+
+    async def _publish_stats(self, only_if_changed: bool = False, stats=None) -> None:
         """The fleet's stats on their own subject: every gateway renders the latest, so
         /metrics is right between requests too, not only when an output passes by."""
-        stats = msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id)
+        stats = stats or self._fleet_stats()
         key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
         if only_if_changed and key == self._stats_sent:
             return
@@ -190,18 +193,16 @@ class SchedulerService:
         await self.nc.publish(self.subjects.scheduler_stats, encode(stats))
 
     async def _publish(self, handle: WorkerHandle, landed: LandedStep) -> None:
-        stats = msgspec.structs.replace(
-            self.fleet.stats(), scheduler_id=self.scheduler_id, worker_id=handle.worker_id,
-            step_time_s=landed.step_time_s,
-        )
+        fleet_stats = self._fleet_stats()  # once a step, for the outputs and the stats subject
+        step_stats = msgspec.structs.replace(fleet_stats, worker_id=handle.worker_id, step_time_s=landed.step_time_s)
         for subject, outputs in landed.outputs.items():
-            outputs.scheduler_stats = stats
+            outputs.scheduler_stats = step_stats
             for output in outputs.outputs:
                 if output.finish_reason is not None:
                     self.fleet.finished(output.request_id)
             if subject:
                 await self.nc.publish(subject, encode(outputs))
-        await self._publish_stats(only_if_changed=True)
+        await self._publish_stats(only_if_changed=True, stats=fleet_stats)
 
     async def _sleep(self, stop: asyncio.Event, timeout: float) -> None:
         self.wake.clear()
