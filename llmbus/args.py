@@ -118,7 +118,8 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
 
 def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
     return GatewayConfig(model_name, args.api_key, args.max_body_bytes,
-                         scheduler_resume_timeout_s=args.scheduler_resume_timeout)
+                         scheduler_resume_timeout_s=args.scheduler_resume_timeout,
+                         tool_call_parser=args.tool_call_parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -40,12 +40,20 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
+    from services.gateway.tool_parsers import TOOL_CALL_PARSERS
+
+    parser.add_argument("--tool-call-parser", default=env("--tool-call-parser", "hermes"),
+                        choices=sorted(TOOL_CALL_PARSERS),
+                        help="how tool_choice auto reads the calls the model writes")
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-compile-timeout", type=float,
                         default=env("--structured-outputs-compile-timeout", 5.0),
                         help="seconds a structured-output spec may take to compile before the request is a 400")
+    parser.add_argument("--tool-chat-template", default=env("--tool-chat-template", None),
+                        help="a Jinja chat template for conversations with tools (default: the model's own when "
+                             "it renders tools, else Hermes-style tool messages through the model's template)")
 
 
 def served_name(args: argparse.Namespace) -> str:
@@ -66,7 +74,8 @@ def cmd_tokenizer(args) -> int:
     from services.tokenizer.service import serve
 
     path, name = _setup(args)
-    asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout))
+    asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout,
+                      tool_chat_template=args.tool_chat_template))
     return 0
 
 

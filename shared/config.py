@@ -61,6 +61,7 @@ class GatewayConfig:
     idle_timeout_s: float = 300.0  # a request whose engine stays silent this long fails
     # How long requests in flight wait for a scheduler to come back and resume them.
     scheduler_resume_timeout_s: float = 30.0
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads the model's calls (tool_parsers.py)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

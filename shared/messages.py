@@ -164,6 +164,7 @@ class TokenizeRequest(msgspec.Struct, **_WIRE):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # compiled as a check
+    tools: list[dict] | None = None  # OpenAI's tools, rendered into the chat prompt
 
 
 class TokenizeResponse(msgspec.Struct, **_WIRE):

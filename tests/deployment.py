@@ -1,10 +1,13 @@
-"""A real deployment for end-to-end tests: nats-server + service processes, as compose runs them."""
+"""Real deployments for end-to-end tests: `llmbus serve` as a user types it, or
+nats-server + service processes started one by one, as compose runs them."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -61,3 +64,16 @@ class Deployment:
     def close(self) -> None:
         stop_all(list(self.procs.values()))
         self.nats.stop()
+
+
+def llmbus_serve(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """`llmbus serve ARGS` on a free port, and its base URL once it says it is serving.
+    Every service logs to `log` (a file: a pipe nobody reads could fill up); the process
+    has it open as `proc.log`."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+    line = proc.stdout.readline()  # printed once /health is green
+    assert f"http://127.0.0.1:{port}/v1" in line, log.read_text()[-3000:]
+    proc.log = log
+    return proc, f"http://127.0.0.1:{port}"

@@ -11,28 +11,25 @@ import httpx
 import psutil
 import pytest
 
-from llmbus.serve import free_port
+from deployment import llmbus_serve
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def served(tiny_llama):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
-         "--port", str(port), "--tokenizers", "2", "--num-kv-blocks", "64", "--kv-cache-dtype", "fp8_e5m2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def served(tiny_llama, tmp_path_factory):
+    proc, url = llmbus_serve(
+        ["--model", str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
+         "--kv-cache-dtype", "fp8_e5m2"],
+        tmp_path_factory.mktemp("serve") / "stderr.log",
     )
-    line = proc.stdout.readline()  # printed once /health is green
-    assert f"http://127.0.0.1:{port}/v1" in line, proc.stderr.read() if proc.poll() is not None else line
-    yield proc, port, psutil.Process(proc.pid).children(recursive=True)
+    yield proc, url, psutil.Process(proc.pid).children(recursive=True)
     if proc.poll() is None:
         proc.kill()
 
 
 def test_serve_starts_everything_and_answers(served):
-    _, port, children = served
+    _, url, children = served
     names = " ".join(" ".join(c.cmdline()) for c in children)
     assert "nats-server" in names
     for service in ("scheduler", "worker", "gateway"):
@@ -42,16 +39,16 @@ def test_serve_starts_everything_and_answers(served):
     # The worker's flags reach it, as the LLMBUS_* variables its flags default to (a float8
     # cache serves below).
     assert worker.environ()["LLMBUS_KV_CACHE_DTYPE"] == "fp8_e5m2"
-    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+    resp = httpx.post(f"{url}/v1/completions",
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
-    _, port, _ = served
+    _, url, _ = served
     result = subprocess.run(
-        [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+        [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url,
          "--model", "tiny", "--num-requests", "4", "--concurrency", "2", "--input-len", "4", "8",
          "--output-len", "3", "5", "--vocab-size", "300", "--service-cpu",
          "--compare-offline", str(tiny_llama), "--offline-kv-cache-memory-gb", "0.01", "--repeat", "2"],

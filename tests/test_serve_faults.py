@@ -8,19 +8,21 @@ that stops everything cleanly."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
+import jsonschema
 import openai
 import psutil
 import pytest
 
 from llmbus.nats_server import node_with_client
-from llmbus.serve import free_port, live_children
+from deployment import llmbus_serve
+from llmbus.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,22 +32,14 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
-    port = free_port()
-    # Every service logs to this stderr: a file, since a pipe nobody reads could fill up.
-    log = (tmp_path_factory.mktemp("serve") / "stderr.log").open("w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--served-model-name", "tiny",
-         "--port", str(port), "--workers", "2", "--tokenizers", "2", "--nats-cluster", "3",
-         "--num-kv-blocks", "256", "--max-model-len", "1024"],
-        stdout=subprocess.PIPE, stderr=log, text=True,
+    proc, url = llmbus_serve(
+        ["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2", "--tokenizers", "2",
+         "--nats-cluster", "3", "--num-kv-blocks", "256", "--max-model-len", "1024"],
+        tmp_path_factory.mktemp("serve") / "stderr.log",
     )
-    line = proc.stdout.readline()  # printed once /health is green
-    assert f"http://127.0.0.1:{port}/v1" in line, line
-    proc.log = log
-    yield proc, f"http://127.0.0.1:{port}"
+    yield proc, url
     if proc.poll() is None:
         proc.kill()
-    log.close()
 
 
 def replicas(proc: subprocess.Popen, kind: str) -> list[psutil.Process]:
@@ -56,15 +50,22 @@ def prompts() -> list[str]:
     return [f"story {i}: once upon a time" for i in range(NUM_STREAMS)]
 
 
-async def stream_all(base_url: str, on_first_chunks) -> list[str]:
+# Output that is long whatever the random model picks: 24 colours, each one to three tokens.
+COLOURS = {"type": "object", "properties": {"colours": {
+    "type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 24, "maxItems": 24}},
+    "required": ["colours"], "additionalProperties": False}
+JSON_REQUEST = {"max_tokens": 200, "extra_body": {"structured_outputs": {"json": COLOURS}}}
+PLAIN_REQUEST = {"max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+
+
+async def stream_all(base_url: str, on_first_chunks, request: dict = PLAIN_REQUEST) -> list[str]:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
     started = 0
 
     async def one(prompt: str) -> str:
         nonlocal started
         text, first = "", True
-        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True, **request)
         async for chunk in stream:
             text += chunk.choices[0].text
             if first:
@@ -79,10 +80,10 @@ async def stream_all(base_url: str, on_first_chunks) -> list[str]:
         await client.close()
 
 
-def expected_texts(base_url: str) -> list[str]:
+def expected_texts(base_url: str, request: dict = PLAIN_REQUEST) -> list[str]:
     with openai.OpenAI(base_url=base_url + "/v1", api_key="none") as client:
-        return [client.completions.create(model="tiny", prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts()]
+        return [client.completions.create(model="tiny", prompt=p, temperature=0, **request).choices[0].text
+                for p in prompts()]
 
 
 def wait_until(check, timeout_s: float, what: str) -> None:
@@ -112,6 +113,18 @@ def test_a_killed_replica_loses_no_stream_and_comes_back(served, kind):
                and httpx.get(url + "/health", timeout=5).json()["workers"] == 2, 120, "not 2 workers again")
     assert proc.poll() is None
     assert expected_texts(url) == expected  # and it serves the same afterwards
+
+
+def test_a_worker_killed_mid_json_leaves_every_json_valid_and_as_without_the_fault(served):
+    """Each migrated request's matcher is rebuilt on the other worker from its tokens."""
+    proc, url = served
+    expected = expected_texts(url, JSON_REQUEST)
+    for text in expected:
+        jsonschema.validate(json.loads(text), COLOURS)
+    victim = replicas(proc, "worker")[0]
+    texts = asyncio.run(stream_all(url, lambda: victim.kill(), JSON_REQUEST))
+    assert texts == expected
+    wait_until(lambda: httpx.get(url + "/health", timeout=5).json()["workers"] == 2, 120, "not 2 workers again")
 
 
 async def _kill_then_stream(url: str, victim: psutil.Process) -> list[str]:
@@ -170,8 +183,7 @@ def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    proc.log.seek(0)
-    stderr = proc.log.read()
+    stderr = proc.log.read_text()
     assert "Traceback" not in stderr, stderr[-3000:]
     wait_until(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], 10,
                "children left behind")

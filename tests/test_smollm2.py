@@ -2,11 +2,13 @@
 greedy output token-identical to transformers on the same safetensors."""
 
 import json
+import re
 
 import jsonschema
 import pytest
 
 from llmbus import LLM, SamplingParams
+from deployment import llmbus_serve
 from tiny_models import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -38,43 +40,113 @@ def test_greedy_output_matches_transformers_token_for_token(smollm2):
     assert "Paris" in llm.tokenizer.decode(got[0])
 
 
-def test_served_chat_equals_offline_chat_on_the_real_model(smollm2):
+NAME = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def client(smollm2, tmp_path_factory):
+    """`llmbus serve` on the real model, and the real openai client pointed at it."""
     import openai
 
-    from deployment import Deployment
+    proc, url = llmbus_serve(["--model", str(smollm2), "--served-model-name", NAME, "--max-model-len", "1024"],
+                             tmp_path_factory.mktemp("serve") / "stderr.log")
+    with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        yield client
+    proc.terminate()
+    assert proc.wait(60) == 0
 
+
+def test_served_chat_equals_offline_chat_on_the_real_model(smollm2, client):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     offline = LLM(str(smollm2), max_model_len=1024)
     [expected] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=24))
     del offline
-    d = Deployment(str(smollm2), name="SmolLM2-135M-Instruct", worker_args=["--max-model-len", "1024"])
-    try:
-        d.wait_healthy(timeout_s=240)
-        client = openai.OpenAI(base_url=d.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-        out = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0
-        )
-        assert out.choices[0].message.content == expected.outputs[0].text
-        assert "Paris" in out.choices[0].message.content
-        streamed = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=messages, max_tokens=24, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.outputs[0].text
-        # Structured outputs on the real model: JSON that parses and validates, ending with stop.
-        person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-                  "required": ["name", "age"]}
-        ask = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
-        for fmt in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "p", "schema": person}}):
-            out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ask, max_tokens=80,
-                                                 temperature=0, response_format=fmt)
-            value = json.loads(out.choices[0].message.content)
-            assert out.choices[0].finish_reason == "stop"
-            if fmt["type"] == "json_schema":
-                jsonschema.validate(value, person)
-        choice = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
-                                                temperature=0, extra_body={"structured_outputs": {
-                                                    "choice": ["Paris", "Lyon", "Marseille"]}})
-        assert choice.choices[0].message.content in ("Paris", "Lyon", "Marseille")
-        assert choice.choices[0].finish_reason == "stop"
-    finally:
-        d.close()
+    out = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=24, temperature=0
+    )
+    assert out.choices[0].message.content == expected.outputs[0].text
+    assert "Paris" in out.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.outputs[0].text
+
+
+# Bounded, as a schema for a small model should be: unbounded, a sampled name can run on
+# past any max_tokens (the grammar allows it; the model does it).
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+ASKS = ["Describe a person as JSON with a name and an age.", "Who wrote Hamlet? Answer in JSON.",
+        "Make up a character for a story."]
+
+
+def test_structured_outputs_on_the_real_model(client):
+    """JSON that parses and validates, greedy and sampled, streamed and not, each ending with
+    stop well before max_tokens; a choice is one of the choices; a regex matches."""
+    for ask in ASKS:
+        messages = [{"role": "user", "content": ask}]
+        fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+        greedy = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=0,
+                                                response_format=fmt)
+        sampled = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=1.0,
+                                                 seed=7, n=2, response_format=fmt)
+        for choice in [*greedy.choices, *sampled.choices]:
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+            assert choice.finish_reason == "stop"
+        assert greedy.usage.completion_tokens < 60
+        stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=0,
+                                                response_format=fmt, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == greedy.choices[0].message.content
+        anything = client.chat.completions.create(model=NAME, messages=messages, max_tokens=120, temperature=0,
+                                                  response_format={"type": "json_object"})
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    capital = [{"role": "user", "content": "What is the capital of France?"}]
+    choice = client.chat.completions.create(model=NAME, messages=capital, max_tokens=8, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert choice.choices[0].message.content in ("Paris", "Lyon") and choice.choices[0].finish_reason == "stop"
+    date = client.completions.create(model=NAME, prompt="The date today, as YYYY-MM-DD:", max_tokens=20,
+                                     temperature=0, extra_body={"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}})
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.choices[0].text)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string"}}, "required": ["timezone"]}}}
+
+
+def test_tool_calls_on_the_real_model(client):
+    """required and named are forced, so they parse; none is the answer without tools; a
+    streamed call assembles into the whole one; a round trip with the tool's answer is served."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    ask = dict(model=NAME, messages=messages, tools=[WEATHER, TIME], temperature=0, max_tokens=80)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = client.chat.completions.create(**ask, tool_choice=tool_choice, parallel_tool_calls=False)
+        [call] = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        streamed: dict[int, list[str]] = {}
+        for chunk in client.chat.completions.create(**ask, tool_choice=tool_choice, parallel_tool_calls=False,
+                                                    stream=True):
+            for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                entry = streamed.setdefault(delta.index, [delta.function.name, ""])
+                entry[1] += delta.function.arguments or ""
+        assert streamed == {0: [call.function.name, call.function.arguments]}
+    named = out.choices[0].message.tool_calls[0]
+    assert named.function.name == "get_weather" and "Paris" in named.function.arguments
+    none = client.chat.completions.create(**ask, tool_choice="none")
+    plain = client.chat.completions.create(model=NAME, messages=messages, temperature=0, max_tokens=80)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert not none.choices[0].message.tool_calls
+    round_trip = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": named.id, "type": "function", "function": {"name": "get_weather", "arguments": named.function.arguments}}]},
+        {"role": "tool", "tool_call_id": named.id, "content": '{"sky": "sunny", "celsius": 21}'},
+    ]
+    answer = client.chat.completions.create(model=NAME, messages=round_trip, tools=[WEATHER, TIME], temperature=0,
+                                            max_tokens=40, tool_choice="none")
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")

@@ -32,6 +32,27 @@ class ResponseFormat(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDefinition(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str  # "function"
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str  # "function"
+    function: FunctionName
+
+
 class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """A field llmbus does not implement is refused (a 400 naming it), never ignored: a
     client that asks for JSON, tools or a penalty it does not get must hear so."""
@@ -83,6 +104,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
+    parallel_tool_calls: bool | None = None
 
 
 def parse_body(body: bytes, kind: type) -> Any:
@@ -92,9 +116,10 @@ def parse_body(body: bytes, kind: type) -> Any:
         # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`", or
         # "Object contains unknown field `tools`"
         message = str(exc)
-        unknown = re.match(r"Object contains unknown field `([^`]+)`$", message)
-        if unknown:
-            raise BadRequest(f"`{unknown.group(1)}` is not supported by llmbus", unknown.group(1)) from exc
+        unknown = re.match(r"Object contains unknown field `([^`]+)`(?: - at `\$\.(.+)`)?$", message)
+        if unknown:  # the param as OpenAI writes it: `tools[0].function.strictly`
+            field = f"{unknown.group(2)}.{unknown.group(1)}" if unknown.group(2) else unknown.group(1)
+            raise BadRequest(f"`{field}` is not supported by llmbus", field) from exc
         where = re.search(r"\$\.([A-Za-z_]+)", message)
         raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:
@@ -233,3 +258,17 @@ def validate_messages(messages: list[dict[str, Any]]) -> None:
             message["content"] = ""
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}] has no content", "messages")
+        if "tool_calls" in message:
+            _check_tool_calls(i, role, message["tool_calls"])
+
+
+def _check_tool_calls(i: int, role: str, calls: Any) -> None:
+    """An assistant turn's calls, as OpenAI sends them back: arguments a JSON string."""
+    if role != "assistant" or not isinstance(calls, list):
+        raise BadRequest(f"messages[{i}].tool_calls must be a list on an assistant message", "messages")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                function.get("arguments", ""), str):
+            raise BadRequest(f"messages[{i}].tool_calls: each call needs function.name and function.arguments "
+                             "(a JSON string)", "messages")

@@ -30,14 +30,41 @@ class UsageInfo(msgspec.Struct):
                    PromptTokensDetails(cached_tokens))
 
 
-class ChatMessage(msgspec.Struct):
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    type: str
+    function: FunctionCall
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # null beside tool calls with no text before them
+    tool_calls: list[ToolCall] = []  # absent when there are none
+
+
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """One call's piece of a chunk: index, id, type and name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class CompletionChoice(msgspec.Struct):

@@ -32,6 +32,8 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from services.gateway import responses as r
+from services.gateway.tool_parsers import parse_whole
+from services.gateway.tools import ToolChoice, tool_choice_of
 from shared.config import GatewayConfig
 from shared.messages import TokenizeRequest
 from shared.output_processor import ChoiceDelta
@@ -75,13 +77,13 @@ class OpenAIServing:
         )
         ctx = trace.set_span_in_context(span)
         try:
-            body, params, prompts = await self._prepare(
+            body, params, prompts, tools = await self._prepare(
                 request, ChatCompletionRequest if chat else CompletionRequest, ctx
             )
         except Exception as exc:
             _end_span(span, status_of(exc), exc)
             raise
-        return await _Generation(self, request, body, params, prompts, chat, span, ctx).respond()
+        return await _Generation(self, request, body, params, prompts, tools, span, ctx).respond()
 
     # ---- before the engine --------------------------------------------------------------
 
@@ -108,12 +110,19 @@ class OpenAIServing:
             raise NotFound(f"the model `{body.model}` does not exist; this server serves `{name}`",
                            "model", "model_not_found")
         spec, spec_field = structured_outputs_of(body)
+        tools = tool_choice_of(body) if isinstance(body, ChatCompletionRequest) else None
+        if tools is not None and tools.constraint() is not None:
+            if spec is not None:
+                raise BadRequest(f"tool_choice {tools.kind} and {spec_field} both constrain the output: give one",
+                                 spec_field)
+            spec, spec_field = tools.constraint(), "tools"
         params = to_sampling_params(body, spec)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
-            prompts = [await self._tokenize(
-                TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt), ctx
-            )]
+            prompts = [await self._tokenize(TokenizeRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                tools=tools.tools if tools is not None else None,
+            ), ctx)]
         else:
             prompts = []
             vocab = self.tokenizer.backend.get_vocab_size(True)
@@ -142,7 +151,7 @@ class OpenAIServing:
             # the scheduler holds the request until one joins and checks its length then.
             for token_ids in prompts:
                 _check_context(info.max_model_len, len(token_ids), params.max_tokens)
-        return body, params, prompts
+        return body, params, prompts, tools
 
 
 def _check_context(context: int, num_prompt: int, max_tokens: int | None) -> None:
@@ -161,11 +170,11 @@ class _Generation:
     prompts has n choices for each, prompt by prompt (choice p * n + i)."""
 
     def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]],
-                 chat: bool, span, ctx) -> None:
+                 tools: ToolChoice | None, span, ctx) -> None:
         self.s = serving
         self.request = request
         self.body = body
-        self.chat = chat
+        self.chat = chat = isinstance(body, ChatCompletionRequest)
         self.span = span
         self.params = params
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -174,6 +183,9 @@ class _Generation:
         self.object = "chat.completion" if chat else "text_completion"
         self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
         self.num_choices = len(prompts) * params.n
+        # One tool-call parser per choice, when the request lets the model call tools.
+        self.tool_parsers = [tools.parser(serving.config.tool_call_parser) for _ in range(self.num_choices)] \
+            if tools is not None else None
         self.stream = generate(
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
@@ -263,7 +275,12 @@ class _Generation:
         for i in range(n):
             lp = self._logprobs(logprobs[i]) if want_logprobs else None
             if self.chat:
-                choices.append(r.ChatChoice(i, r.ChatMessage("assistant", texts[i]), lp, finish[i]))
+                message = r.ChatMessage("assistant", texts[i])
+                if self.tool_parsers is not None:
+                    content, calls = parse_whole(self.tool_parsers[i], texts[i])
+                    message = r.ChatMessage("assistant", content or (None if calls else ""), [
+                        r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls])
+                choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
             else:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
         body = r.Response(self.request_id, self.object, self.created, self.s.config.model_name, choices,
@@ -277,12 +294,35 @@ class _Generation:
         # its cost per chunk (one chunk per token per stream at 128 streams).
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """OpenAI's `tool_calls` for a choice that ended by calling tools."""
+        if reason == "stop" and self.tool_parsers is not None and self.tool_parsers[index].num_calls:
+            return "tool_calls"
+        return reason
+
     def _delta_choice(self, d: ChoiceDelta):
+        """The chunk's entry for one choice; None when it has nothing to send yet (bytes of
+        an incomplete character, or text a tool-call parser holds back)."""
         lp = self._logprobs(d.logprobs) if d.logprobs else None
         reason = None if d.finish_reason is None else str(d.finish_reason)
-        if self.chat:
-            return r.ChatChunkChoice(d.index, r.DeltaMessage(content=d.text or None), lp, reason)
-        return r.CompletionChoice(d.index, d.text, lp, reason)
+        if not self.chat:
+            if d.text or reason is not None or lp:
+                return r.CompletionChoice(d.index, d.text, lp, reason)
+            return None
+        content, tool_calls = d.text, None
+        if self.tool_parsers is not None:
+            parser = self.tool_parsers[d.index]
+            parsed = parser.feed(d.text)
+            if reason is not None:
+                parsed.add(parser.finish())
+            content = parsed.content
+            tool_calls = [r.DeltaToolCall(c.index, c.id, "function" if c.id else None,
+                                          r.DeltaFunctionCall(c.name, c.arguments)) for c in parsed.tool_calls] or None
+            reason = self._finish_reason(d.index, reason)
+        if content or tool_calls or reason is not None or lp:
+            return r.ChatChunkChoice(d.index, r.DeltaMessage(content=content or None, tool_calls=tool_calls), lp,
+                                     reason)
+        return None
 
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
         include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
@@ -296,8 +336,7 @@ class _Generation:
             elif any(self.echo):
                 yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)], usage)
             async for deltas in _prepend(first, self.stream):
-                # A delta with no text, end or logprobs holds bytes of an incomplete character.
-                out = [self._delta_choice(d) for d in deltas if d.text or d.finish_reason is not None or d.logprobs]
+                out = [c for c in map(self._delta_choice, deltas) if c is not None]
                 if out:
                     yield self._chunk(out, usage)
             if include_usage:

@@ -32,7 +32,7 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
         return TokenizeResponse(error="give exactly one of prompt and messages")
     try:
         if request.messages is not None:
-            ids = tokenizer.apply_chat_template(request.messages, request.add_generation_prompt)
+            ids = tokenizer.apply_chat_template(request.messages, request.add_generation_prompt, request.tools)
         else:
             ids = tokenizer.encode(request.prompt, request.add_special_tokens)
     except ValueError as exc:
@@ -41,8 +41,8 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
 
 
 async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
-                compile_timeout_s: float = 5.0) -> None:
-    tokenizer = Tokenizer(model_path)
+                compile_timeout_s: float = 5.0, tool_chat_template: str | None = None) -> None:
+    tokenizer = Tokenizer(model_path, tool_chat_template)
     # Started at the first spec (a child process with the vocabulary), not by every replica.
     grammars = GrammarChecker(model_path, compile_timeout_s)
     loop = asyncio.get_running_loop()

@@ -1,23 +1,31 @@
 """The tokenizer core: prompt text and chat messages to token ids.
 
 transformers' fast tokenizer for encoding and chat templates; its `tokenizers`
-backend is what the gateway's incremental detokenizer steps through.
+backend is what the gateway's incremental detokenizer steps through. A conversation with
+tools goes through the model's template when that template renders tools (it reads a
+`tools` variable), through `--tool-chat-template` when one is given, and otherwise as
+Hermes-style messages through the model's own template (`tool_prompt.py`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from services.tokenizer.tool_prompt import has_tool_turns, hermes_messages, with_arguments_as_objects
+
 
 class Tokenizer:
-    def __init__(self, model_path: str | Path) -> None:
+    def __init__(self, model_path: str | Path, tool_chat_template: str | Path | None = None) -> None:
         from transformers import AutoTokenizer  # heavy; only where a tokenizer is needed
 
         self.hf = AutoTokenizer.from_pretrained(str(model_path))
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.eos_token_id: int | None = self.hf.eos_token_id
+        self.tool_template = Path(tool_chat_template).read_text() if tool_chat_template else None
+        self.template_renders_tools = self.tool_template is not None or _reads_tools(self.hf.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -25,16 +33,35 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if not self.hf.chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        if not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template")
+        template = None
+        if tools or has_tool_turns(messages):
+            if self.template_renders_tools:
+                messages, template = with_arguments_as_objects(messages), self.tool_template
+            else:
+                messages, tools = hermes_messages(messages, tools), None
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
             )
         except Exception as exc:  # jinja errors: bad roles, missing fields, ...
             raise ValueError(f"chat template failed: {exc}") from exc
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered template already holds the special tokens it wants.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+
+def _reads_tools(template: str | dict | None) -> bool:
+    """Whether a chat template renders tools itself (it reads the `tools` variable)."""
+    if not isinstance(template, str):
+        return False
+    import jinja2
+    import jinja2.meta
+
+    return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))

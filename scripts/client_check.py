@@ -1,0 +1,74 @@
+"""The clients people point at an OpenAI-compatible server, against a running llmbus:
+LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
+json_mode; bind_tools with a named tool and with "any"; a tool round trip) and instructor
+(JSON_SCHEMA and TOOLS modes). Each line says what came back or why it failed.
+
+They pin an openai client of their own, so they live in their own environment:
+
+    python -m venv /tmp/clients && /tmp/clients/bin/pip install langchain-openai instructor
+    llmbus serve &                          # the default model, SmolLM2-135M-Instruct
+    /tmp/clients/bin/python scripts/client_check.py http://127.0.0.1:8000/v1 smollm2
+"""
+
+from __future__ import annotations
+
+import sys
+
+import instructor
+import openai
+from langchain_core.messages import HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Get the weather in a city."""
+    return "sunny"
+
+
+def check(what: str, run) -> bool:
+    try:
+        print(f"ok      {what}: {run()}")
+        return True
+    except Exception as exc:  # noqa: BLE001 - each failure is reported, the rest still run
+        print(f"FAILED  {what}: {type(exc).__name__}: {str(exc)[:300]}")
+        return False
+
+
+def main(url: str, model: str) -> int:
+    llm = ChatOpenAI(base_url=url, api_key="none", model=model, temperature=0, max_tokens=80, max_retries=0)
+    ask = "Describe a person named Ada who is 36 years old."
+    results = []
+    for method in ("json_schema", "function_calling", "json_mode"):
+        prompt = ask + (" Answer in JSON." if method == "json_mode" else "")
+        results.append(check(f"langchain with_structured_output {method}",
+                             lambda: llm.with_structured_output(Person, method=method).invoke(prompt)))
+    weather = "What is the weather in Paris?"
+    for choice in ("get_weather", "any"):
+        results.append(check(f"langchain bind_tools tool_choice={choice}",
+                             lambda: llm.bind_tools([get_weather], tool_choice=choice).invoke(weather).tool_calls))
+
+    def round_trip():
+        call = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(weather)
+        history = [HumanMessage(weather), call, ToolMessage("sunny", tool_call_id=call.tool_calls[0]["id"])]
+        return llm.bind_tools([get_weather]).invoke(history).content[:80]
+
+    results.append(check("langchain tool round trip", round_trip))
+    for mode in (instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS):
+        client = instructor.from_openai(openai.OpenAI(base_url=url, api_key="none"), mode=mode)
+        results.append(check(f"instructor {mode.name}", lambda: client.chat.completions.create(
+            model=model, response_model=Person, max_retries=0, temperature=0, max_tokens=80,
+            messages=[{"role": "user", "content": ask}])))
+    print(f"{sum(results)} of {len(results)} passed")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(*(sys.argv[1:3] if len(sys.argv) >= 3 else ("http://127.0.0.1:8000/v1", "smollm2"))))

@@ -1,0 +1,252 @@
+"""Tool calling: the parsers read calls out of text however it is split into deltas, the
+tokenizer renders tools and tool turns into the prompt, and the gateway answers in
+OpenAI's shape (message.tool_calls, delta.tool_calls, finish_reason tool_calls), forcing
+`required` and named choices with a JSON constraint and refusing what it cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.tool_parsers import (
+    HermesToolParser,
+    NamedToolParser,
+    ParsedDelta,
+    RequiredToolParser,
+    parse_whole,
+)
+from services.tokenizer.tokenizer import Tokenizer
+from services.tokenizer.tool_prompt import hermes_messages
+from shared.messages import EngineCoreOutput, FinishReason, SchedulerInfo
+from test_gateway import FakeEngine, gateway, sse_events, tokenizer  # noqa: F401 - a fixture
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+HERMES_TEXT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+REQUIRED_TEXT = '[{"name": "get_weather", "arguments": {"city": "a}\\"[{b", "days": 3}}, {"name": "get_time", "arguments": {}}]'
+
+
+def streamed(parser, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """Content, (name, arguments) per call, and the order calls were announced in."""
+    out = ParsedDelta()
+    for piece in pieces:
+        out.add(parser.feed(piece))
+    out.add(parser.finish())
+    calls, announced = [], []
+    for d in out.tool_calls:
+        if d.id is not None:
+            assert d.id.startswith("call_") and d.arguments == "" and d.index == len(calls)
+            calls.append([d.name, ""])
+            announced.append(d.index)
+        else:
+            calls[d.index][1] += d.arguments
+    return out.content, [tuple(c) for c in calls], announced
+
+
+def splits(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+# ---- parsers ----------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_hermes_calls_read_the_same_however_the_text_is_split(cuts):
+    content, calls, _ = streamed(HermesToolParser(), splits(HERMES_TEXT, cuts))
+    assert content == "Let me look."
+    assert calls == [("get_weather", '{"city": "Paris", "days": 2}'), ("get_time", "{}")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet="<>/_toolcaも \n{}\"", max_size=40), st.lists(st.integers(0, 100), max_size=6))
+def test_text_without_a_call_is_content_exactly(text, cuts):
+    parser = HermesToolParser()
+    content, calls, _ = streamed(parser, splits(text, cuts))
+    if "<tool_call>" not in text:
+        assert (content, calls) == (text, [])
+
+
+def test_a_block_that_is_not_a_call_stays_content_and_an_unclosed_call_still_counts():
+    assert parse_whole(HermesToolParser(), "a <tool_call>not json</tool_call>") == (
+        "a <tool_call>not json</tool_call>", [])
+    content, calls = parse_whole(HermesToolParser(), '<tool_call>\n{"name": "get_time", "arguments": {}}\n')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+def test_required_calls_stream_their_arguments_as_written(cuts):
+    content, calls, announced = streamed(RequiredToolParser(), splits(REQUIRED_TEXT, cuts))
+    assert content == "" and announced == [0, 1]
+    assert calls == [("get_weather", '{"city": "a}\\"[{b", "days": 3}'), ("get_time", "{}")]
+    assert [json.loads(args) for _, args in calls] == [item["arguments"] for item in json.loads(REQUIRED_TEXT)]
+
+
+def test_a_named_call_is_announced_before_any_text_and_its_arguments_are_the_text():
+    parser = NamedToolParser("get_weather")
+    first = parser.feed("")
+    assert [(d.name, d.arguments) for d in first.tool_calls] == [("get_weather", "")]
+    assert streamed(NamedToolParser("get_weather"), ['{"ci', 'ty": "Oslo"}']) == (
+        "", [("get_weather", '{"city": "Oslo"}')], [0])
+
+
+# ---- the prompt ---------------------------------------------------------------------------
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "12:00"},
+]
+
+
+def test_tools_and_tool_turns_become_hermes_messages_for_a_template_without_tools():
+    messages = hermes_messages(CONVERSATION, [WEATHER])
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert json.dumps(WEATHER) in messages[0]["content"] and "<tools>" in messages[0]["content"]
+    assert messages[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                                      "</tool_call>")
+    assert messages[3]["content"] == "<tool_response>\nsunny\n</tool_response>\n<tool_response>\n12:00\n</tool_response>"
+    # A system message of the client's comes first, the tools after it.
+    with_system = hermes_messages([{"role": "system", "content": "Be brief."}, *CONVERSATION[:1]], [WEATHER])
+    assert with_system[0]["content"].startswith("Be brief.\n\n") and len(with_system) == 2
+
+
+def test_a_template_that_renders_tools_gets_them_with_arguments_as_objects(tiny_llama, tmp_path):
+    template = tmp_path / "tools.jinja"
+    template.write_text(
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    )
+    tokenizer = Tokenizer(tiny_llama, tool_chat_template=template)
+    assert tokenizer.render_chat(CONVERSATION, False, [WEATHER]) == (
+        "[get_weather]<user>Weather in Paris?<assistant>Paris<tool>sunny<tool>12:00")
+    plain = Tokenizer(tiny_llama)
+    assert not plain.template_renders_tools
+    rendered = plain.render_chat(CONVERSATION, True, [WEATHER])
+    assert '"name": "get_weather"' in rendered and "<tool_response>\nsunny" in rendered
+
+
+# ---- served ------------------------------------------------------------------------------
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers every request with `text`, ending with stop."""
+
+    text = HERMES_TEXT
+
+    async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
+        return SchedulerInfo("s1", "tiny", 1, 8192)  # the tiny tokenizer spends many tokens on tools
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+        ids = self.tokenizer.encode(self.text, add_special_tokens=False)
+        queue = self.queues[request.request_id]
+        for i, token_id in enumerate(ids):
+            queue.put_nowait(EngineCoreOutput(request.request_id, [token_id],
+                                              FinishReason.STOP if i == len(ids) - 1 else None))
+
+
+def chat(**fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
+
+
+def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer):
+    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+    with client:
+        whole = client.post("/v1/chat/completions", json=chat(tools=[WEATHER, TIME])).json()
+        with client.stream("POST", "/v1/chat/completions", json=chat(tools=[WEATHER, TIME], stream=True)) as resp:
+            events = sse_events(resp)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Let me look."
+    calls = [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
+    assert calls == [("function", "get_weather", '{"city": "Paris", "days": 2}'), ("function", "get_time", "{}")]
+    # The stream: the same content and calls, each call's id and name before its arguments.
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    streamed_calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for c in d["delta"].get("tool_calls", []):
+            if "id" in c:
+                assert c["type"] == "function" and c["index"] not in streamed_calls
+                streamed_calls[c["index"]] = [c["function"]["name"], ""]
+            streamed_calls[c["index"]][1] += c["function"].get("arguments", "")
+    assert content == "Let me look."
+    assert [tuple(v) for v in streamed_calls.values()] == [(name, args) for _, name, args in calls]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    # The tools reached the prompt; auto is not constrained.
+    assert engine.submitted[0].sampling_params.structured_outputs is None
+    assert "get_weather" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
+
+
+def test_required_and_named_choices_are_forced_by_a_json_constraint(tokenizer):
+    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+    with client:
+        client.post("/v1/chat/completions", json=chat(tools=[WEATHER, TIME], tool_choice="required",
+                                                      parallel_tool_calls=False))
+        client.post("/v1/chat/completions", json=chat(tools=[WEATHER, TIME], tool_choice={
+            "type": "function", "function": {"name": "get_weather"}}))
+    required = json.loads(engine.submitted[0].sampling_params.structured_outputs.json)
+    jsonschema.validate([{"name": "get_time", "arguments": {}}], required)
+    for bad in ([], [{"name": "get_weather", "arguments": {}}], [{"name": "nope", "arguments": {}}],
+                [{"name": "get_time", "arguments": {}}] * 2):  # city is required; one call at most
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, required)
+    named = json.loads(engine.submitted[1].sampling_params.structured_outputs.json)
+    assert named == WEATHER["function"]["parameters"]
+
+
+def test_tool_choice_none_leaves_the_tools_out(tokenizer):
+    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+    with client:
+        out = client.post("/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none")).json()
+        client.post("/v1/chat/completions", json=chat())
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": HERMES_TEXT}
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert engine.submitted[0].prompt_token_ids == engine.submitted[1].prompt_token_ids
+
+
+def test_a_tool_round_trip_is_accepted_and_rendered(tokenizer):
+    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+    with client:
+        resp = client.post("/v1/chat/completions", json={"model": "tiny", "messages": CONVERSATION, "tools": [WEATHER]})
+    assert resp.status_code == 200, resp.text
+    assert "<tool_response>\nsunny" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice", "sometimes"),
+    (dict(tools=[{"type": "function", "function": {"name": "has space"}}]), "tools", "has space"),
+    (dict(tools=[WEATHER, WEATHER]), "tools", "twice"),
+    (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "retrieval"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "strictly": True}}]),
+     "tools[0].function.strictly", "not supported"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format",
+     "both"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                       "arguments": {}}}]}]),
+     "messages", "JSON string"),
+])
+def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(tokenizer, fields, param, words):
+    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+    with client:
+        resp = client.post("/v1/chat/completions", json=chat(**fields))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and words in error["message"]
+    assert engine.submitted == []
