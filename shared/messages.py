@@ -96,6 +96,13 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None] = []  # per request, when asked for
     error: str | None = None  # the step failed; the scheduler ends these requests
+    # Requests that reached their sampling point before their grammar was compiled: no
+    # token this step; the scheduler computes their last token again next step (the
+    # request waits for its grammar, the batch does not).
+    resample_req_ids: list[str] = []
+    # Requests that failed alone (their grammar did not compile here): request id ->
+    # why. The scheduler ends just these; the rest of the step stands.
+    request_errors: dict[str, str] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, **_WIRE):

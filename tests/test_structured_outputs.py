@@ -145,3 +145,91 @@ def test_a_spec_xgrammar_refuses_is_a_value_error_before_anything_runs(llm, prom
 def test_a_spec_must_name_exactly_one_constraint(spec, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**spec)
+
+
+# ---- who waits for a compile ------------------------------------------------------------
+
+
+def test_a_slow_compile_holds_up_its_own_request_and_no_other(tiny_llama, monkeypatch):
+    """The worker builds matchers on a thread of their own: while one is held back, the
+    request beside it runs to its end; released, the constrained request's output is the
+    one a fast compile gives (its last prompt token computed again, then sampled)."""
+    import threading
+
+    from services.worker.structured_output import GrammarBackend
+
+    llm = LLM(str(tiny_llama))
+    prompts = [llm.tokenizer.encode(text) for text in TEXTS[:2]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=SPECS["json"])]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    release = threading.Event()
+    build = GrammarBackend.matcher
+
+    def held(self, spec, output_token_ids):  # the compile thread's job, until the test lets it go
+        assert release.wait(60)
+        return build(self, spec, output_token_ids)
+
+    monkeypatch.setattr(GrammarBackend, "matcher", held)
+    plain, constrained = llm.add_requests(prompts, params)
+    steps = 0
+    while not plain.finished:
+        llm.step()
+        steps += 1
+    assert plain.outputs[0].token_ids == expected[0] and steps >= 24
+    assert constrained.outputs[0].token_ids == []  # still waiting for its grammar
+    release.set()
+    while not constrained.finished:
+        llm.step()
+    assert constrained.outputs[0].token_ids == expected[1]
+    assert satisfies("json", constrained.outputs[0].text)
+
+
+def test_a_grammar_that_fails_on_the_worker_fails_its_request_alone():
+    """The scheduler's side: a request error ends that request with its reason; a request
+    sent back unsampled computes its last token again, and is not pipelined meanwhile."""
+    from test_scheduler import make_request, make_scheduler
+
+    from shared.messages import FinishReason, ModelRunnerOutput
+
+    scheduler = make_scheduler()
+    spec = StructuredOutputsParams(regex="a+")
+    scheduler.add_request(make_request("plain", [1, 2, 3], max_tokens=5))
+    scheduler.add_request(make_request("json", [4, 5, 6], max_tokens=5, structured_outputs=spec))
+    scheduler.add_request(make_request("bad", [7, 8, 9], max_tokens=5, structured_outputs=spec))
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"plain": 3, "json": 3, "bad": 3}
+    # Built while the first is in flight (async scheduling): the constrained ones wait.
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"plain": 1}
+    outs = scheduler.update_from_output(first, ModelRunnerOutput(
+        first.step_id, ["plain", "json", "bad"], [[11], [], []], resample_req_ids=["json"],
+        request_errors={"bad": "structured_outputs: no such rule"}))
+    by_id = {o.request_id: o for o in outs[""].outputs}
+    assert set(by_id) == {"plain", "bad"} and by_id["plain"].new_token_ids == [11]
+    assert (by_id["bad"].finish_reason, by_id["bad"].error) == (FinishReason.ERROR, "structured_outputs: no such rule")
+    scheduler.update_from_output(second, ModelRunnerOutput(second.step_id, ["plain"], [[12]]))
+    third = scheduler.schedule()
+    # The constrained request's last prompt token again (at position 2), the plain one's decode.
+    assert third.num_scheduled_tokens == {"plain": 1, "json": 1}
+    assert [c.num_computed_tokens for c in third.scheduled_cached_reqs] == [4, 2]
+    outs = scheduler.update_from_output(third, ModelRunnerOutput(third.step_id, ["plain", "json"], [[13], [14]]))
+    assert {o.request_id: o.new_token_ids for o in outs[""].outputs} == {"plain": [13], "json": [14]}
+    assert "bad" not in scheduler.requests
+
+
+def test_a_compile_that_fails_on_the_worker_ends_that_request_and_the_engine_goes_on(tiny_llama, monkeypatch):
+    from services.worker.structured_output import GrammarBackend
+
+    llm = LLM(str(tiny_llama))
+    prompts = [llm.tokenizer.encode(text) for text in TEXTS[:2]]
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [expected] = llm.generate(prompts[:1], plain)
+
+    def fails(self, spec, output_token_ids):
+        raise ValueError("structured_outputs: this worker cannot")
+
+    monkeypatch.setattr(GrammarBackend, "matcher", fails)
+    with pytest.raises(RuntimeError, match="this worker cannot"):
+        llm.generate(prompts, [plain, SamplingParams(temperature=0, structured_outputs=SPECS["regex"])])
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], plain)] == [expected.outputs[0].token_ids]

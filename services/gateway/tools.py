@@ -60,6 +60,8 @@ class ToolChoice:
 def tool_choice_of(request) -> ToolChoice | None:
     """None when no tool may be called (no tools, or `tool_choice: none`)."""
     choice = request.tool_choice
+    if request.tools is not None and not request.tools:
+        raise BadRequest("tools must not be empty (leave it out for none)", "tools")
     if not request.tools:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools", "tool_choice")

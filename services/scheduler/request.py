@@ -40,6 +40,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks so far
     # True while a worker holds this request's state: it then gets deltas, not full data.
     in_worker: bool = False
+    # Constrained and sent to a worker that has not sampled for it yet: its matcher may
+    # still be compiling there (the token may come back unsampled), so its next step is
+    # not built until this one lands.
+    awaiting_grammar: bool = False
     num_preemptions: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
     queued_at: float = 0.0  # this scheduler's clock

@@ -179,8 +179,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._will_finish(request):
-                index += 1  # its last token is in flight: a further step would be discarded
+            if self._will_finish(request) or (request.awaiting_grammar and request.num_output_placeholders):
+                # Its last token is in flight (a further step would be discarded), or its
+                # first token there may come back unsampled.
+                index += 1
                 continue
             num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             if threshold:
@@ -276,6 +278,7 @@ class Scheduler:
                 )
             else:
                 request.in_worker = True
+                request.awaiting_grammar = request.sampling_params.structured_outputs is not None
                 new_reqs.append(
                     NewRequestData(
                         req_id=request.request_id,
@@ -314,6 +317,20 @@ class Scheduler:
                 ))
             return self._pack(outputs)
 
+        for req_id, why in runner_output.request_errors.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.in_worker = False  # the worker has dropped it
+                self._finish(request, FinishReason.ERROR)
+                outputs[request.reply_subject].append(EngineCoreOutput(
+                    req_id, [], FinishReason.ERROR, error=why, index=request.num_output_tokens))
+        for req_id in runner_output.resample_req_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            if request.status == RequestStatus.RUNNING:  # (not preempted meanwhile)
+                request.num_computed_tokens -= 1  # its last token again, to sample from
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         for req_id, sampled, lp in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs
@@ -322,6 +339,7 @@ class Scheduler:
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            request.awaiting_grammar = False
             index = request.num_output_tokens
             new_tokens = []
             self.num_generation_tokens += len(sampled)

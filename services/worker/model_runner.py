@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +26,12 @@ from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
-from services.worker.structured_output import GrammarBackend
+from services.worker.structured_output import GrammarBackend, split_ready
 from shared.config import CacheConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
+
+# How long a step with only grammar-waiting requests waits for a compile (see split_ready).
+GRAMMAR_WAIT_S = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
         self.model_path = model_path
-        self._grammars: GrammarBackend | None = None  # built with the first constrained request
+        self.grammars = GrammarBackend(model_path, self.vocab_size)
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
@@ -107,12 +111,6 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    @property
-    def grammars(self) -> GrammarBackend:
-        if self._grammars is None:
-            self._grammars = GrammarBackend(self.model_path, self.vocab_size)
-        return self._grammars
-
     def drop_requests(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self.requests.pop(req_id, None)
@@ -142,6 +140,16 @@ class ModelRunner:
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs = [None] * len(order)
+        resample, request_errors = [], {}
+        if any(isinstance(states[i].matcher, Future) for i in sample_rows):
+            # A step of nothing but requests waiting for their grammars may wait for one a
+            # little, rather than come straight back to compute the same token again.
+            only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
+            wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
+            sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
+            resample = [order[i] for i in pending]
+            request_errors = {order[i]: why for i, why in failed.items()}
+            self.drop_requests(list(request_errors))
         if sample_rows:
             last_token = metadata.query_start_loc_cpu[1:] - 1
             rows = torch.from_numpy(last_token[sample_rows]).to(self.device)
@@ -171,6 +179,8 @@ class ModelRunner:
             req_ids=order,
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+            resample_req_ids=resample,
+            request_errors=request_errors,
         )
 
     def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int) -> None:
@@ -200,7 +210,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 # New to this worker (first step, resumed, preempted, migrated): a fresh
                 # matcher, with the tokens already generated replayed into it.
-                matcher=self.grammars.matcher(spec, new.output_token_ids) if spec is not None else None,
+                matcher=self.grammars.start_matcher(spec, new.output_token_ids) if spec is not None else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)

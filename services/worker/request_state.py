@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from shared.sampling_params import SamplingParams
@@ -16,7 +17,8 @@ class RequestState:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
-    matcher: object | None = None  # xgrammar's GrammarMatcher, for a constrained request
+    # A constrained request's xgrammar GrammarMatcher, or its compile still under way.
+    matcher: object | Future | None = None
 
     @property
     def num_output_tokens(self) -> int:

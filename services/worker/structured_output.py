@@ -9,13 +9,19 @@ after the previous step's tokens were accepted (steps run in order on one thread
 step in flight never samples a token the grammar forbids), masks the logits, and the
 sampled token advances the matcher.
 
-Grammars compile here through xgrammar's compiler cache, on the step thread: a new
-spec's first compile holds up that step (the gateway checks and compiles specs before
-they reach the engine, so this one is a cache hit or a known-good spec).
+Who waits for a compile: only its request. Matchers are built on a thread of their own
+(xgrammar releases the GIL while it compiles), started when the request reaches the
+worker, so a compile overlaps the request's prefill and everyone else's steps. A request
+that reaches its sampling point before its matcher is ready samples nothing that step
+and is sent back to be computed again (`ModelRunnerOutput.resample_req_ids`); a spec
+that fails to compile here fails that request alone (`request_errors`). The tokenizer's
+view xgrammar needs is built on that thread too, with the first constrained request.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -34,15 +40,26 @@ class GrammarBackend:
     """The tokenizer's view for xgrammar, a compiler with its cache, and matchers."""
 
     def __init__(self, model_path: str | Path, vocab_size: int) -> None:
+        self.model_path = model_path
+        # The model's logits may be wider than the tokenizer's vocabulary (padding rows).
+        self.vocab_size = vocab_size
+        self._compiler = None  # built with the first matcher, on the compile thread
+        self._building = threading.Lock()  # (or by a check on the step thread: once)
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def compiler(self):
+        with self._building:
+            return self._compiler or self._build_compiler()
+
+    def _build_compiler(self):
         import xgrammar as xgr
         from transformers import AutoTokenizer
 
-        self._xgr = xgr
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        # The model's logits may be wider than the tokenizer's vocabulary (padding rows).
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        return self._compiler
 
     def compile(self, spec: StructuredOutputsParams):
         c = self.compiler
@@ -55,28 +72,59 @@ class GrammarBackend:
             return c.compile_regex("|".join(_regex_literal(choice) for choice in spec.choice))
         return c.compile_grammar(spec.grammar)
 
-    def check(self, spec: StructuredOutputsParams) -> None:
-        """Compile (into the cache); a spec xgrammar refuses is a ValueError saying why."""
+    def check(self, spec: StructuredOutputsParams):
+        """Compiled (and cached); a spec xgrammar refuses is a ValueError saying why."""
         try:
-            self.compile(spec)
+            return self.compile(spec)
         except (RuntimeError, ValueError) as exc:
             raise ValueError(f"structured_outputs: {exc}") from exc
 
     def matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]):
         """A matcher at the end of the tokens the request already has."""
-        matcher = self._xgr.GrammarMatcher(self.compile(spec))
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.check(spec))
         for token_id in output_token_ids:
             if not matcher.accept_token(token_id):
                 raise ValueError(f"token {token_id} already generated does not fit the request's grammar")
         return matcher
 
+    def start_matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Future:
+        """`matcher(...)` on the compile thread; one thread, so compiles queue in order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        return self._pool.submit(self.matcher, spec, list(output_token_ids))
+
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         """In place: every token the row's grammar does not allow next gets -inf."""
-        xgr = self._xgr
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         for row, matcher in zip(rows, matchers):
             matcher.fill_next_token_bitmask(bitmask, row)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+def split_ready(states: list, rows: list[int], wait_s: float = 0.0) -> tuple[list[int], list[int], dict[int, str]]:
+    """Rows that may sample now, rows whose matcher is still compiling, and rows whose
+    compile failed (row -> why). A ready matcher replaces its future in the state.
+    `wait_s`: how long to wait for a compile to finish first (when nothing else would)."""
+    compiling = [states[i].matcher for i in rows if isinstance(states[i].matcher, Future)]
+    if wait_s and compiling and not any(f.done() for f in compiling):
+        wait(compiling, wait_s, FIRST_COMPLETED)
+    ready, pending, failed = [], [], {}
+    for i in rows:
+        state = states[i]
+        if isinstance(state.matcher, Future):
+            if not state.matcher.done():
+                pending.append(i)
+                continue
+            if state.matcher.exception() is not None:
+                failed[i] = str(state.matcher.exception())
+                continue
+            state.matcher = state.matcher.result()
+        ready.append(i)
+    return ready, pending, failed
 
 
 def _regex_literal(text: str) -> str:
