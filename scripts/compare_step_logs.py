@@ -27,6 +27,10 @@ def summarize(pid: int, steps: list[dict]) -> None:
           f"{sum(s['sampled'] for s in steps)} sampled; busy {busy:.1f} s of {wall:.1f} s "
           f"({busy / wall:.1%}); median decode-only forward "
           f"{statistics.median(decode_only) if decode_only else 0:.1f} ms")
+    masked = [s["mask_ms"] for s in steps if s.get("mask_ms")]
+    if masked:  # structured outputs: filling and applying the grammars' bitmask
+        print(f"  bitmask in {len(masked)} steps: median {statistics.median(masked):.2f} ms per step, "
+              f"{sum(masked) / 1e3 / busy:.1%} of busy time")
 
 
 def compare(a: list[dict], b: list[dict]) -> None:

@@ -66,6 +66,26 @@ def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
     assert lines[-1].startswith("over 2 pairs") and "served/offline" in lines[-1]
 
 
+def test_bench_serve_compares_structured_and_plain_on_the_same_lengths(served):
+    _, url, _ = served
+    result = subprocess.run(
+        [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url, "--model", "tiny",
+         "--num-requests", "4", "--concurrency", "2", "--input-len", "4", "8", "--output-len", "6", "9",
+         "--vocab-size", "300", "--compare-structured", "--repeat", "2"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    pairs = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(pairs) == 2 and list(pairs[0])[:2] == ["plain", "structured"] and list(pairs[1])[:2] == [
+        "structured", "plain"]
+    for pair in pairs:
+        # The schema cannot end early: both sides generate every max_tokens.
+        assert pair["plain"]["output_tokens"] == pair["structured"]["output_tokens"] >= 4 * 6
+        assert pair["structured"]["failed"] == 0
+    assert lines[-1].startswith("over 2 pairs") and "structured/plain" in lines[-1]
+
+
 def test_sigterm_stops_everything(served):
     proc, _, children = served
     proc.send_signal(signal.SIGTERM)

@@ -233,3 +233,4 @@ def test_a_compile_that_fails_on_the_worker_ends_that_request_and_the_engine_goe
     with pytest.raises(RuntimeError, match="this worker cannot"):
         llm.generate(prompts, [plain, SamplingParams(temperature=0, structured_outputs=SPECS["regex"])])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], plain)] == [expected.outputs[0].token_ids]
+

@@ -4,6 +4,13 @@ the figures `vllm bench serve` gives (TTFT, ITL, TPOT, E2E percentiles, throughp
 Prompts go as token ids (or text from a JSONL file), `ignore_eos` asks for exactly
 `max_tokens`; output tokens are counted from the server's usage report when it sends
 one, else one per streamed chunk.
+
+`--compare-structured` runs a workload twice in each pair, once unconstrained and once
+with every request held to a JSON schema (vLLM's `structured_outputs`), in the order
+plain-structured, structured-plain, ...: the ratio is what constraining all traffic
+costs. Both sides have the same prompt lengths (the second other tokens, which the
+prefix cache has not seen), and the schema cannot end before `max_tokens`, so both
+generate the same number of tokens.
 """
 
 from __future__ import annotations
@@ -72,6 +79,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline-kv-cache-memory-gb", type=float, default=1.0,
                         help="offline KV cache budget: the server's, for a fair ratio")
     parser.add_argument(
+        "--compare-structured", action="store_true",
+        help="each pair: the prompts unconstrained and all held to a JSON schema; prints the throughput ratio",
+    )
+    parser.add_argument(
         "--repeat", type=int, default=1,
         help="with --compare-offline: this many served/offline pairs, each on new prompts (seed, "
              "seed + 1, ...), in the order served-offline, offline-served, ...; the ratio is over "
@@ -97,19 +108,31 @@ def load_requests(args) -> list[tuple[str | list[int], int]]:
     return [(r.prompt_token_ids, r.max_tokens) for r in workload]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int) -> Result:
-    result = await _one_request(client, url, model, prompt, max_tokens)
+# People as JSON, more of them than any max_tokens can hold: a realistic grammar (strings,
+# bounded integers, fixed keys) that never lets a request stop early.
+STRUCTURED_SCHEMA = {
+    "type": "array", "minItems": 100_000, "items": {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+        "properties": {"name": {"type": "string", "maxLength": 24},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "city": {"type": "string", "maxLength": 24}}}}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int,
+                      extra: dict | None = None) -> Result:
+    result = await _one_request(client, url, model, prompt, max_tokens, extra)
     if result.error.startswith(("RemoteProtocolError", "ConnectError")) and not result.ttft:
         # A kept-alive connection the server closed as it was reused (llama-server does
         # this): the request never started, so sending it again is fair.
-        result = await _one_request(client, url, model, prompt, max_tokens)
+        result = await _one_request(client, url, model, prompt, max_tokens, extra)
     return result
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int) -> Result:
+async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int,
+                       extra: dict | None = None) -> Result:
     result = Result()
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = last = time.perf_counter()
     chunks = 0
     try:
@@ -143,7 +166,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, 
     return result
 
 
-async def stream_workload(args, requests) -> dict:
+async def stream_workload(args, requests, extra: dict | None = None) -> dict:
     url = args.base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -153,7 +176,7 @@ async def stream_workload(args, requests) -> dict:
 
         async def limited(prompt, max_tokens):
             async with semaphore:
-                return await one_request(client, url, args.model, prompt, max_tokens)
+                return await one_request(client, url, args.model, prompt, max_tokens, extra)
 
         start = time.perf_counter()
         tasks = []
@@ -271,8 +294,10 @@ def cpu_report(before: dict, after: dict, wall_s: float) -> dict[str, float]:
 
 
 def run(args) -> int:
+    if args.compare_structured:
+        return run_structured(args)
     if args.repeat > 1 and not args.compare_offline:
-        raise SystemExit("--repeat needs --compare-offline")
+        raise SystemExit("--repeat needs --compare-offline or --compare-structured")
     llm = offline_engine(args) if args.compare_offline else None
     pairs, first_seed = [], args.seed
     for i in range(args.repeat):
@@ -301,6 +326,38 @@ def run(args) -> int:
     return 0 if all(p["failed"] == 0 for p in pairs) else 1
 
 
+def run_structured(args) -> int:
+    """Pairs of (unconstrained, all constrained) runs on the same prompts, order alternating."""
+    constrained = {"structured_outputs": {"json": STRUCTURED_SCHEMA}}
+    pairs, first_seed = [], args.seed
+    for i in range(args.repeat):
+        args.seed = first_seed + i
+        requests = load_requests(args)
+        order = ["plain", "structured"] if i % 2 == 0 else ["structured", "plain"]
+        # The side that runs second gets the same lengths with other tokens: the same
+        # prompts would be prefix-cache hits for it.
+        pair = {side: serve_once(args, requests if k == 0 else _uncached(requests, args.vocab_size),
+                                 constrained if side == "structured" else None)
+                for k, side in enumerate(order)}
+        pair["structured_over_plain"] = round(pair["structured"]["output_tok_s"] / pair["plain"]["output_tok_s"], 3)
+        print(f"structured/plain output throughput: {pair['structured_over_plain']:.3f}")
+        print(json.dumps(pair))
+        pairs.append(pair)
+    if len(pairs) > 1:
+        def rate(side):
+            return sum(p[side]["output_tokens"] for p in pairs) / sum(p[side]["duration_s"] for p in pairs)
+
+        ratios = ", ".join(f"{p['structured_over_plain']:.3f}" for p in pairs)
+        print(f"over {len(pairs)} pairs (each: {ratios}): plain {rate('plain'):.1f}, structured "
+              f"{rate('structured'):.1f} output tok/s -> structured/plain {rate('structured') / rate('plain'):.3f}")
+    return 0 if all(p[side]["failed"] == 0 for p in pairs for side in ("plain", "structured")) else 1
+
+
+def _uncached(requests, vocab_size: int):
+    return [([(t + 1) % vocab_size for t in prompt] if isinstance(prompt, list) else "~ " + prompt, max_tokens)
+            for prompt, max_tokens in requests]
+
+
 def _run(coroutine):
     """The client shares the machine with the server it measures: on uvloop where it is
     installed (a pinned dependency on Linux), its event loop costs less CPU per chunk."""
@@ -311,10 +368,10 @@ def _run(coroutine):
     return uvloop.run(coroutine)
 
 
-def serve_once(args, requests) -> dict:
+def serve_once(args, requests, extra: dict | None = None) -> dict:
     cpu_before = service_cpu_times() if args.service_cpu else {}
     started = time.perf_counter()
-    summary = _run(stream_workload(args, requests))
+    summary = _run(stream_workload(args, requests, extra))
     print_summary(summary)
     if args.service_cpu:
         summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)

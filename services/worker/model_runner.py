@@ -141,6 +141,7 @@ class ModelRunner:
         sampled: list[list[int]] = [[] for _ in order]
         logprobs = [None] * len(order)
         resample, request_errors = [], {}
+        mask_ns = 0  # the grammars' share of sampling (the step log reports it)
         if any(isinstance(states[i].matcher, Future) for i in sample_rows):
             # A step of nothing but requests waiting for their grammars may wait for one a
             # little, rather than come straight back to compute the same token again.
@@ -160,7 +161,9 @@ class ModelRunner:
             constrained = [i for i, s in enumerate(sample_states)
                            if s.matcher is not None and not s.matcher.is_terminated()]
             if constrained:
+                t_mask = time.perf_counter_ns()
                 self.grammars.mask(logits, constrained, [sample_states[i].matcher for i in constrained])
+                mask_ns = time.perf_counter_ns() - t_mask
             token_ids, token_logprobs = self.sampler(logits, sample_states)
             for row, state, token_id, lp in zip(sample_rows, sample_states, token_ids, token_logprobs):
                 if state.matcher is not None and not state.matcher.is_terminated():
@@ -172,7 +175,7 @@ class ModelRunner:
             state.num_computed_tokens += num_scheduled[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
-            self._write_step_log(metadata, len(sample_rows))
+            self._write_step_log(metadata, len(sample_rows), mask_ns)
 
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
@@ -183,11 +186,11 @@ class ModelRunner:
             request_errors=request_errors,
         )
 
-    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int) -> None:
+    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int, mask_ns: int) -> None:
         start, forward, sample, end = self.last_step_ns
         self._step_log.write(json.dumps({
             "pid": os.getpid(), "start_ns": start, "prepare_ms": (forward - start) / 1e6,
-            "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6,
+            "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6, "mask_ms": mask_ns / 1e6,
             "tokens": metadata.num_actual_tokens, "reqs": metadata.num_reqs,
             "decodes": metadata.num_decodes, "sampled": num_sampled,
             "context": int(metadata.seq_lens_cpu.sum()),
