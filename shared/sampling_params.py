@@ -94,6 +94,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.min_tokens and self.structured_outputs is not None:
+            # Banning the stop token past the grammar's end would force tokens it forbids.
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "
+                             "the output ends")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps non-negative token ids to biases in [-100, 100]")
 

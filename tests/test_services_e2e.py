@@ -181,7 +181,9 @@ def test_n_2_gives_two_choices(client):
     assert out.choices[0].text != out.choices[1].text
 
 
-def test_logprobs_in_completions_and_chat(client):
+def test_logprobs_in_completions_and_chat(client, tiny_llama):
+    from tokenizers import Tokenizer
+
     out = client.completions.create(model="tiny", prompt="The", max_tokens=4, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
@@ -194,6 +196,14 @@ def test_logprobs_in_completions_and_chat(client):
     assert len(content) == 3
     # Greedy: the chosen token is the most likely one.
     assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob) for c in content)
+    # vLLM's return_tokens_as_token_ids: the same logprobs, tokens named by id.
+    by_id = client.completions.create(model="tiny", prompt="The", max_tokens=4, temperature=0, logprobs=2,
+                                      extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = by_id.choices[0].logprobs
+    assert ids.token_logprobs == lp.token_logprobs
+    token_ids = [int(t.removeprefix("token_id:")) for t in ids.tokens]
+    tokenizer = Tokenizer.from_file(str(tiny_llama / "tokenizer.json"))
+    assert [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids] == lp.tokens
 
 
 def test_32_concurrent_streams_all_complete(deployment):

@@ -234,3 +234,8 @@ def test_a_compile_that_fails_on_the_worker_ends_that_request_and_the_engine_goe
         llm.generate(prompts, [plain, SamplingParams(temperature=0, structured_outputs=SPECS["regex"])])
     assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], plain)] == [expected.outputs[0].token_ids]
 
+
+
+def test_min_tokens_with_a_grammar_is_refused_rather_than_forcing_tokens_past_its_end():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
+        SamplingParams(min_tokens=10, structured_outputs=SPECS["choice"])

@@ -74,6 +74,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    # vLLM's extra: logprobs name tokens as "token_id:{id}", for tokens that are not text.
+    return_tokens_as_token_ids: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.

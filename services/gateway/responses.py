@@ -113,10 +113,13 @@ class Chunk(msgspec.Struct):
 class LogprobsFormatter:
     """Token ids as text, in each endpoint's logprobs shape."""
 
-    def __init__(self, tokenizer) -> None:  # a `tokenizers.Tokenizer`
+    def __init__(self, tokenizer, as_token_ids: bool = False) -> None:  # a `tokenizers.Tokenizer`
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids  # vLLM's return_tokens_as_token_ids
 
     def _text(self, token_id: int) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(self, items: list[Logprobs]) -> dict[str, Any]:

@@ -66,6 +66,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.tracer = tracer
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
+        self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
 
     async def handle(self, request: Request, chat: bool) -> Response:
         """FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
@@ -241,7 +242,8 @@ class _Generation:
         return r.UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
     def _logprobs(self, items) -> dict | None:
-        return (self.s.logprobs.chat if self.chat else self.s.logprobs.completion)(items)
+        formatter = self.s.logprobs_as_ids if self.body.return_tokens_as_token_ids else self.s.logprobs
+        return (formatter.chat if self.chat else formatter.completion)(items)
 
     async def _collect(self) -> Response:
         n = self.num_choices
