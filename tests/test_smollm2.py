@@ -108,6 +108,18 @@ def test_structured_outputs_on_the_real_model(client):
     date = client.completions.create(model=NAME, prompt="The date today, as YYYY-MM-DD:", max_tokens=20,
                                      temperature=0, extra_body={"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}})
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date.choices[0].text)
+    # logit_bias: -100 bans the greedy first token, +100 forces one.
+    greedy = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                       logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    first = int(greedy.choices[0].logprobs.tokens[0].removeprefix("token_id:"))
+    banned = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=1, temperature=0,
+                                       logprobs=0, logit_bias={str(first): -100},
+                                       extra_body={"return_tokens_as_token_ids": True})
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{first}"
+    forced = client.completions.create(model=NAME, prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       logprobs=0, logit_bias={"28": 100}, extra_body={
+                                           "return_tokens_as_token_ids": True, "ignore_eos": True})
+    assert forced.choices[0].logprobs.tokens == ["token_id:28"] * 3
 
 
 WEATHER = {"type": "function", "function": {

@@ -76,6 +76,11 @@ def test_text_without_a_call_is_content_exactly(text, cuts):
         assert (content, calls) == (text, [])
 
 
+def test_without_parallel_calls_only_the_first_is_read():
+    content, calls = parse_whole(HermesToolParser(max_calls=1), HERMES_TEXT)
+    assert content == "Let me look." and [c.name for c in calls] == ["get_weather"]
+
+
 def test_a_block_that_is_not_a_call_stays_content_and_an_unclosed_call_still_counts():
     assert parse_whole(HermesToolParser(), "a <tool_call>not json</tool_call>") == (
         "a <tool_call>not json</tool_call>", [])

@@ -76,7 +76,8 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class HermesToolParser:
-    def __init__(self) -> None:
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls  # 1 when the client asked for no parallel calls
         self.buffer = ""
         self.in_call = False
         self.space = ""  # the whitespace before the open block: dropped if it is a call
@@ -128,6 +129,8 @@ class HermesToolParser:
         if call is None:
             self._content(space + raw, out)
             return
+        if self.max_calls is not None and self.num_calls >= self.max_calls:
+            return  # a call beyond those asked for is neither a call nor content
         name, arguments = call
         out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), name), ToolCallDelta(self.num_calls, None,
                                                                                              None, arguments)]

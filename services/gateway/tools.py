@@ -54,7 +54,7 @@ class ToolChoice:
             return NamedToolParser(self.name)
         if self.kind == "required":
             return RequiredToolParser()
-        return TOOL_CALL_PARSERS[auto_parser]()
+        return TOOL_CALL_PARSERS[auto_parser](max_calls=None if self.parallel else 1)
 
 
 def tool_choice_of(request) -> ToolChoice | None:
