@@ -54,6 +54,12 @@ class GrammarChecker:
             self._pool.apply(_compile_in_child, (msgspec.json.encode(StructuredOutputsParams(regex="x")),))
         return self._pool
 
+    def warm_up(self) -> None:
+        """Start the child now (blocking: ~2 s for SmolLM2's vocabulary), so the first
+        request with a spec does not wait for it."""
+        with self._lock:
+            self._start()
+
     def check(self, spec: StructuredOutputsParams) -> str | None:
         """None if the spec compiles, else why not (blocking: call it off the event loop)."""
         key = msgspec.json.encode(spec)
@@ -69,6 +75,7 @@ class GrammarChecker:
                             self.timeout_s)
                 pool.terminate()
                 self._pool = None
+                threading.Thread(target=self.warm_up, daemon=True).start()  # the next spec's child
                 return f"structured_outputs: the spec did not compile within {self.timeout_s:g} s"
         if error is None:
             self._known_good.add(key)

@@ -72,6 +72,9 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
             log.exception("tokenize failed")
             return TokenizeResponse(error=f"tokenizer failed: {type(exc).__name__}: {exc}"), None
 
+    # The compiling child starts beside serving: the first request with a spec would
+    # otherwise wait for its vocabulary to load.
+    warming = loop.run_in_executor(None, grammars.warm_up)
     await nc.subscribe(subjects.tokenize, queue=QUEUE_GROUP, cb=handle)
     await nc.flush()
     stop = stop_on_signals()
@@ -80,5 +83,6 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
         ready.set()
     await stop.wait()
     await close(nc)
+    await warming
     grammars.close()
     shutdown_tracing()

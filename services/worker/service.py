@@ -73,6 +73,7 @@ async def serve(
         threads,
     )
     runner = executor.runner
+    runner.grammars.warm_up()  # a server's first constrained request should not build it
     subjects = Subjects(model_name)
     info = WorkerInfo(
         worker_id=worker_id,

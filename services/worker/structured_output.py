@@ -15,7 +15,7 @@ worker, so a compile overlaps the request's prefill and everyone else's steps. A
 that reaches its sampling point before its matcher is ready samples nothing that step
 and is sent back to be computed again (`ModelRunnerOutput.resample_req_ids`); a spec
 that fails to compile here fails that request alone (`request_errors`). The tokenizer's
-view xgrammar needs is built on that thread too, with the first constrained request.
+view xgrammar needs is built on that thread too, as the worker starts (`warm_up`).
 """
 
 from __future__ import annotations
@@ -89,11 +89,19 @@ class GrammarBackend:
                 raise ValueError(f"token {token_id} already generated does not fit the request's grammar")
         return matcher
 
-    def start_matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Future:
-        """`matcher(...)` on the compile thread; one thread, so compiles queue in order."""
+    def warm_up(self) -> None:
+        """Build the tokenizer's view on the compile thread now, not with the first
+        constrained request."""
+        self._compile_thread().submit(lambda: self.compiler)
+
+    def _compile_thread(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._pool.submit(self.matcher, spec, list(output_token_ids))
+        return self._pool
+
+    def start_matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Future:
+        """`matcher(...)` on the compile thread; one thread, so compiles queue in order."""
+        return self._compile_thread().submit(self.matcher, spec, list(output_token_ids))
 
     def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
         """In place: every token the row's grammar does not allow next gets -inf."""
