@@ -8,10 +8,12 @@ variables, and `llmbus serve` hands its children their flags the same way (`as_e
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
-from shared.config import KV_CACHE_DTYPES, CacheConfig, GatewayConfig, SchedulerConfig
+from shared.config import KV_CACHE_DTYPES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
 
 ENV_PREFIX = "LLMBUS_"
 
@@ -36,6 +38,8 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
         value = getattr(args, name)
         if value is None or value is False:
             continue
+        if dataclasses.is_dataclass(value):  # a config parsed from JSON (--speculative-config)
+            value = json.dumps(dataclasses.asdict(value))
         out[env_name(name)] = "1" if value is True else str(value)
     return out
 
@@ -81,11 +85,28 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler reserves the drafts' slots and the worker proposes them: both take it."""
+    parser.add_argument(
+        "--speculative-config", type=speculative_config, default=env("--speculative-config"),
+        help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
+    )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    try:
+        return SpeculativeConfig.of(text)
+    except (ValueError, TypeError) as exc:  # JSON errors are ValueErrors
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Everything the in-process engine takes (`generate`, `bench throughput`)."""
     add_model_args(parser)
     add_worker_args(parser)
     add_scheduler_args(parser)
+    add_speculative_args(parser)
 
 
 # ---- configs from flags ---------------------------------------------------------------------
@@ -113,6 +134,7 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
+        num_speculative_tokens=args.speculative_config.num_speculative_tokens if args.speculative_config else 0,
     )
 
 
@@ -140,4 +162,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         threads=args.threads,
         async_scheduling=not args.no_async_scheduling,
+        speculative_config=args.speculative_config,
     )

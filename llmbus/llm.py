@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 from llmbus.model_fetch import resolve_model
 from llmbus.outputs import CompletionOutput, RequestOutput
-from services.scheduler.engine_core import EngineCore
+from services.scheduler.engine_core import EngineCore, pipeline_depth
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
-from shared.config import CacheConfig, SchedulerConfig
+from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.sampling_params import SamplingParams
@@ -54,8 +54,10 @@ class LLM:
         attention_backend: str | None = None,
         threads: int | None = None,
         async_scheduling: bool = True,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
         path = resolve_model(model)
+        speculative = SpeculativeConfig.of(speculative_config)
         cache_config = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -66,7 +68,7 @@ class LLM:
         self.executor = InProcessExecutor(
             lambda: ModelRunner(
                 path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
-                max_model_len=max_model_len,
+                max_model_len=max_model_len, speculative_config=speculative,
             ),
             threads,
         )
@@ -80,12 +82,13 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_chunked_prefill=enable_chunked_prefill,
                 enable_prefix_caching=enable_prefix_caching,
+                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
             ),
             num_kv_blocks=self.runner.num_blocks,
             block_size=block_size,
             vocab_size=self.runner.vocab_size,
         )
-        self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
+        self.engine = EngineCore(self.scheduler, self.executor, pipeline_depth(async_scheduling, speculative))
         self.eos_token_id = self.tokenizer.eos_token_id
         self._ids = itertools.count()
         # engine request id -> (its client request, what `generate` returns for it)

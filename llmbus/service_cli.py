@@ -14,6 +14,7 @@ import os
 from llmbus.args import (
     add_model_args,
     add_scheduler_args,
+    add_speculative_args,
     add_worker_args,
     as_env,
     cache_config,
@@ -85,7 +86,7 @@ def cmd_worker(args) -> int:
     path, name = _setup(args)
     asyncio.run(serve(path, args.nats_url, name, cache_config(args), args.dtype, args.attention_backend,
                       args.max_model_len, args.worker_id, threads=args.threads,
-                      quantization=args.quantization))
+                      quantization=args.quantization, speculative_config=args.speculative_config))
     return 0
 
 
@@ -138,6 +139,7 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_worker_args(p)
+    add_speculative_args(p)
     p.add_argument("--worker-id", default=env("--worker-id", None))
     p.set_defaults(func=cmd_worker)
 
@@ -145,6 +147,7 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_scheduler_args(p)
+    add_speculative_args(p)
     p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)),
                    help="seconds a worker may take for one step before it is declared dead")
     p.add_argument("--heartbeat-timeout", type=float, default=env("--heartbeat-timeout", 2.0),
@@ -167,6 +170,7 @@ def add_service_commands(sub) -> None:
     add_model_args(p)
     add_worker_args(p)
     add_scheduler_args(p)
+    add_speculative_args(p)
     add_gateway_args(p)
     add_tokenizer_args(p)
     p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),

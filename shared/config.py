@@ -16,6 +16,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # The scheduler owns every block pool, so the prefix cache is its to turn off.
     enable_prefix_caching: bool = True
+    # Speculative decoding: draft slots reserved per decoding request and step (0 = off).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -68,3 +70,40 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be positive")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`; n-gram (prompt lookup) only: the worker proposes up
+    to `num_speculative_tokens` drafts from the tokens that followed the latest earlier
+    occurrence of the context's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min`."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method must be ngram, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From `LLM(speculative_config=...)` or `--speculative-config '<json>'`; a key
+        llmbus does not know is a ValueError naming it."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            value = json.loads(value)
+        unknown = set(value) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config does not take {', '.join(sorted(unknown))}")
+        return cls(**value)

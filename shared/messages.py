@@ -79,6 +79,9 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Requests the worker must drop before this step: finished, aborted or preempted.
     finished_req_ids: list[str] = []
     reset: bool = False  # drop every request held before applying this step
+    # Speculative decoding: request id -> how many draft tokens the worker may propose
+    # and verify for it this step (their slots are counted in num_scheduled_tokens).
+    num_draft_slots: dict[str, int] = {}
 
 
 class Logprobs(msgspec.Struct, **_WIRE):
@@ -92,9 +95,10 @@ class Logprobs(msgspec.Struct, **_WIRE):
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     step_id: int
     req_ids: list[str]
-    # Per request: [] while a prompt is still being prefilled in chunks, else [token].
+    # Per request: [] while a prompt is still being prefilled in chunks, else [token], or
+    # with speculation the accepted drafts and the token sampled after them.
     sampled_token_ids: list[list[int]]
-    logprobs: list[Logprobs | None] = []  # per request, when asked for
+    logprobs: list[list[Logprobs]] = []  # per request, one per sampled token, when asked for
     error: str | None = None  # the step failed; the scheduler ends these requests
     # Requests that reached their sampling point before their grammar was compiled: no
     # token this step; the scheduler computes their last token again next step (the
@@ -103,6 +107,7 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # Requests that failed alone (their grammar did not compile here): request id ->
     # why. The scheduler ends just these; the rest of the step stands.
     request_errors: dict[str, str] = {}
+    num_draft_tokens: list[int] = []  # per request, the drafts proposed (speculation)
 
 
 class EngineCoreOutput(msgspec.Struct, **_WIRE):
@@ -135,6 +140,12 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     scheduler_id: str = ""
     worker_id: str = ""  # the worker of the step these outputs came from
     step_time_s: float = 0.0  # that step's duration as the scheduler saw it
+    # Speculative decoding, cumulative: steps with drafts, drafts, accepted drafts, and
+    # accepted drafts by position (vLLM's spec_decode_* counters).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
@@ -144,6 +155,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             setattr(total, name, getattr(total, name) + sum(getattr(p, name) for p in parts))
         if parts:
             total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
+        per_pos = [p.spec_decode_num_accepted_tokens_per_pos for p in parts]
+        total.spec_decode_num_accepted_tokens_per_pos = [sum(c) for c in zip(*per_pos)] if per_pos else []
         return total
 
 

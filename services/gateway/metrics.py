@@ -31,7 +31,11 @@ _COUNTERS = {
     "prefix_cache_queries": ("llmbus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
     "num_preemptions": ("llmbus:num_preemptions", "Preemptions"),
+    "spec_decode_num_drafts": ("llmbus:spec_decode_num_drafts", "Steps in which a request had drafts"),
+    "spec_decode_num_draft_tokens": ("llmbus:spec_decode_num_draft_tokens", "Draft tokens proposed"),
+    "spec_decode_num_accepted_tokens": ("llmbus:spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 
 
 # vLLM's finished_reason values, and ours for a request the engine failed.
@@ -46,6 +50,8 @@ class GatewayMetrics:
         self._model = model_name
         self._gauges = {f: Gauge(name, doc, labels, registry=r) for f, (name, doc) in _GAUGES.items()}
         self._counters = {f: Counter(name, doc, labels, registry=r) for f, (name, doc) in _COUNTERS.items()}
+        self._per_pos = Counter("llmbus:" + _PER_POS, "Draft tokens accepted, by position", [*labels, "position"],
+                                registry=r)
         self.worker_step = Histogram("llmbus:worker_step_seconds", "Duration of one engine step, per worker",
                                      ["model_name", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("llmbus:prompt_tokens", "Prefill tokens processed", ["model_name"], registry=r)
@@ -79,12 +85,15 @@ class GatewayMetrics:
         for field, gauge in self._gauges.items():
             gauge.labels(*labels).set(getattr(stats, field))
         now = {field: getattr(stats, field) for field in self._counters}
+        now.update({(_PER_POS, pos): n for pos, n in enumerate(getattr(stats, _PER_POS))})
         before = self._last_counts.get(labels[1], {})
         if any(now[f] < before.get(f, 0) for f in now):
             before = {}  # that scheduler restarted: its counts began again
-        for field, counter in self._counters.items():
-            if now[field] > before.get(field, 0):
-                counter.labels(*labels).inc(now[field] - before.get(field, 0))
+        for key, value in now.items():
+            if value > before.get(key, 0):
+                counter = self._counters[key].labels(*labels) if isinstance(key, str) else self._per_pos.labels(
+                    *labels, str(key[1]))
+                counter.inc(value - before.get(key, 0))
         self._last_counts[labels[1]] = now
         if stats.worker_id and stats.step_time_s > 0:
             self.worker_step.labels(self._model, stats.worker_id).observe(stats.step_time_s)

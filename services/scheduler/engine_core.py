@@ -57,6 +57,13 @@ class _InFlight:
     reply: asyncio.Future  # -> ModelRunnerOutput | None
 
 
+def pipeline_depth(async_scheduling: bool, speculating: bool = False) -> int:
+    """Steps in flight: two with async scheduling; one when speculating, since a step built
+    before the previous one lands could not know how many of that step's drafts were
+    accepted, so where each request's next tokens begin."""
+    return 2 if async_scheduling and not speculating else 1
+
+
 class EngineCore:
     def __init__(
         self,

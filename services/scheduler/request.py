@@ -44,6 +44,11 @@ class Request:
     # still be compiling there (the token may come back unsampled), so its next step is
     # not built until this one lands.
     awaiting_grammar: bool = False
+    # Speculative decoding: drafts the worker proposed for it and how many were accepted;
+    # it stops speculating once they say drafts do not pay (scheduler.SPEC_*).
+    speculate: bool = True
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     num_preemptions: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
     queued_at: float = 0.0  # this scheduler's clock

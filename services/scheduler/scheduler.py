@@ -15,6 +15,11 @@ from collections import defaultdict, deque
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from shared.config import SchedulerConfig
+
+# A speculating request whose drafts are accepted less than this often, once it has had
+# this many, stops speculating: a rejected draft costs a row of the forward for nothing.
+SPEC_PROBATION_TOKENS = 32
+SPEC_MIN_ACCEPTANCE = 0.2
 from shared.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -49,6 +54,10 @@ class Scheduler:
         self._step_id = 0
         self.num_preemptions = 0
         self.num_generation_tokens = 0
+        # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+        k = config.num_speculative_tokens
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * k
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -169,6 +178,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
+        num_draft_slots: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         scheduled: list[Request] = []
         preempted_now = False
@@ -191,6 +201,8 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            slots = self._draft_slots(request, num_new, budget)
+            num_new += slots
             while True:
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if blocks is not None:
@@ -204,6 +216,8 @@ class Scheduler:
                 break
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
+            if slots:
+                num_draft_slots[request.request_id] = slots
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= num_new
             index += 1
@@ -245,12 +259,26 @@ class Scheduler:
             budget -= num_new
 
         output = self._make_output(scheduled, num_scheduled, new_blocks)
+        output.num_draft_slots = num_draft_slots
         for request in scheduled:
-            # Counted as computed now, when the step is decided, not when it lands.
+            # Counted as computed now, when the step is decided, not when it lands (draft
+            # slots too: what is rejected is given back when it lands).
             request.num_computed_tokens += num_scheduled[request.request_id]
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            slots = num_draft_slots.get(request.request_id, 0)
+            if request.num_computed_tokens - slots == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
         return output
+
+    def _draft_slots(self, request: Request, num_new: int, budget: int) -> int:
+        """Draft tokens the worker may verify for a decoding request this step: never past
+        max_tokens or the context, and none for a constrained one (its grammar would have
+        to check every draft) or one whose drafts stopped paying."""
+        k = self.config.num_speculative_tokens
+        if (not k or num_new != 1 or request.num_output_placeholders or not request.speculate
+                or request.sampling_params.structured_outputs is not None):
+            return 0
+        return max(0, min(k, request.max_tokens - request.num_output_tokens - 1,
+                          self.max_model_len - request.num_tokens - 1, budget - 1))
 
     def _will_finish(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""
@@ -331,15 +359,19 @@ class Scheduler:
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             if request.status == RequestStatus.RUNNING:  # (not preempted meanwhile)
                 request.num_computed_tokens -= 1  # its last token again, to sample from
-        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
-        for req_id, sampled, lp in zip(
-            runner_output.req_ids, runner_output.sampled_token_ids, logprobs
+        logprobs = runner_output.logprobs or [[]] * len(runner_output.req_ids)
+        num_drafts = runner_output.num_draft_tokens or [0] * len(runner_output.req_ids)
+        for req_id, sampled, lps, drafted in zip(
+            runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
             request.awaiting_grammar = False
+            slots = scheduler_output.num_draft_slots.get(req_id, 0)
+            if slots:
+                self._land_drafts(request, slots, drafted, len(sampled) - 1)
             index = request.num_output_tokens
             new_tokens = []
             self.num_generation_tokens += len(sampled)
@@ -352,7 +384,7 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_tokens,
-                new_logprobs=[lp] if lp is not None else [],
+                new_logprobs=lps[:len(new_tokens)],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 index=index,
             )
@@ -365,6 +397,26 @@ class Scheduler:
                 output.stop_reason = stop_reason
             outputs[request.reply_subject].append(output)
         return self._pack(outputs)
+
+    def _land_drafts(self, request: Request, slots: int, num_drafted: int, num_accepted: int) -> None:
+        """The slots not filled by accepted drafts were counted as computed: give them back
+        (their K/V is overwritten later; blocks are hashed from known tokens only, so no
+        draft enters the prefix cache). Count, and stop speculating for a request whose
+        drafts keep being rejected."""
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= slots - num_accepted
+        if not num_drafted:
+            return
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafted
+        self.spec_num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        request.num_draft_tokens += num_drafted
+        request.num_accepted_tokens += num_accepted
+        if request.num_draft_tokens >= SPEC_PROBATION_TOKENS and (
+                request.num_accepted_tokens < SPEC_MIN_ACCEPTANCE * request.num_draft_tokens):
+            request.speculate = False
 
     def _pack(self, outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, EngineCoreOutputs]:
         stats = self.make_stats()
@@ -403,5 +455,9 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_generation_tokens=self.num_generation_tokens,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
         )
 

@@ -26,8 +26,9 @@ from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
+from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
 from services.worker.structured_output import GrammarBackend, split_ready
-from shared.config import CacheConfig
+from shared.config import CacheConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
 # How long a step with only grammar-waiting requests waits for a compile (see split_ready).
@@ -46,6 +47,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         device: str | None = None,
         quantization: str | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if quantization not in (None, *QUANTIZATIONS):
@@ -80,6 +82,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model_path = model_path
         self.grammars = GrammarBackend(model_path, self.vocab_size)
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
@@ -124,22 +127,26 @@ class ModelRunner:
         num_scheduled = scheduler_output.num_scheduled_tokens
         if not num_scheduled:
             return ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[])
+        # Speculation: drafts for the requests given slots; each computes its scheduled
+        # tokens less the slots its drafts leave unused.
+        drafts = self._propose(scheduler_output.num_draft_slots)
+        num_tokens = {
+            rid: n - scheduler_output.num_draft_slots.get(rid, 0) + len(drafts.get(rid, ()))
+            for rid, n in num_scheduled.items()
+        }
 
         # Decodes (one new token) first, shortest context first, so attention can batch
         # them in groups of similar length.
         requests = self.requests
-        order = sorted(
-            num_scheduled,
-            key=lambda rid: (num_scheduled[rid] != 1, requests[rid].num_computed_tokens),
-        )
+        order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1, requests[rid].num_computed_tokens))
         states = [self.requests[rid] for rid in order]
-        input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_scheduled)
+        input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_tokens, drafts)
 
         t_forward = time.time_ns()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
-        logprobs = [None] * len(order)
+        logprobs: list[list] = [[] for _ in order]
         resample, request_errors = [], {}
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)
         if any(isinstance(states[i].matcher, Future) for i in sample_rows):
@@ -152,48 +159,74 @@ class ModelRunner:
             request_errors = {order[i]: why for i, why in failed.items()}
             self.drop_requests(list(request_errors))
         if sample_rows:
+            # One logits row per sampled position: a request's last token, and before it
+            # one per draft, each seen by the sampler with the drafts before it.
             last_token = metadata.query_start_loc_cpu[1:] - 1
-            rows = torch.from_numpy(last_token[sample_rows]).to(self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            sample_states = [states[i] for i in sample_rows]
+            rows, row_states, first_row = [], [], []
+            for i in sample_rows:
+                state, d = states[i], drafts.get(order[i], [])
+                first_row.append(len(rows))
+                rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
+                row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d))] + [state] if d else [state])
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             # A terminated matcher (it took the stop token) belongs to a request the scheduler
             # has ended: this row was in flight, and its token will be dropped there.
-            constrained = [i for i, s in enumerate(sample_states)
-                           if s.matcher is not None and not s.matcher.is_terminated()]
+            constrained = [r for r, s in enumerate(row_states) if s.matcher is not None and not s.matcher.is_terminated()]
             if constrained:
                 t_mask = time.perf_counter_ns()
-                self.grammars.mask(logits, constrained, [sample_states[i].matcher for i in constrained])
+                self.grammars.mask(logits, constrained, [row_states[r].matcher for r in constrained])
                 mask_ns = time.perf_counter_ns() - t_mask
-            token_ids, token_logprobs = self.sampler(logits, sample_states)
-            for row, state, token_id, lp in zip(sample_rows, sample_states, token_ids, token_logprobs):
+            token_ids, token_logprobs = self.sampler(logits, row_states)
+            for i, first in zip(sample_rows, first_row):
+                state, d = states[i], drafts.get(order[i], [])
+                accepted = num_accepted(d, token_ids[first:first + len(d)])
+                out = token_ids[first:first + accepted + 1]
                 if state.matcher is not None and not state.matcher.is_terminated():
-                    state.matcher.accept_token(token_id)
-                state.token_ids.append(token_id)
-                sampled[row] = [token_id]
-                logprobs[row] = lp
+                    state.matcher.accept_token(out[0])
+                state.token_ids.extend(out)
+                state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
+                sampled[i] = out
+                logprobs[i] = [lp for lp in token_logprobs[first:first + accepted + 1] if lp is not None]
         for state in states:
-            state.num_computed_tokens += num_scheduled[state.req_id]
+            state.num_computed_tokens += num_tokens[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
-            self._write_step_log(metadata, len(sample_rows), mask_ns)
+            self._write_step_log(metadata, len(sample_rows), mask_ns, drafts, sampled, order)
 
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
             req_ids=order,
             sampled_token_ids=sampled,
-            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+            logprobs=logprobs if any(logprobs) else [],
+            num_draft_tokens=[len(drafts.get(rid, ())) for rid in order] if drafts else [],
             resample_req_ids=resample,
             request_errors=request_errors,
         )
 
-    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int, mask_ns: int) -> None:
+    def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
+        if self.proposer is None or not num_draft_slots:
+            return {}
+        drafts = {}
+        for rid, slots in num_draft_slots.items():
+            state = self.requests.get(rid)
+            if state is not None and state.matcher is None:
+                proposed = self.proposer.propose(state.token_ids, slots)
+                if proposed:
+                    drafts[rid] = proposed
+        return drafts
+
+    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int, mask_ns: int,
+                        drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str]) -> None:
         start, forward, sample, end = self.last_step_ns
+        num_drafts = sum(len(d) for d in drafts.values())
+        accepted = sum(len(out) - 1 for rid, out in zip(order, sampled) if rid in drafts and out)
         self._step_log.write(json.dumps({
             "pid": os.getpid(), "start_ns": start, "prepare_ms": (forward - start) / 1e6,
             "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6, "mask_ms": mask_ns / 1e6,
             "tokens": metadata.num_actual_tokens, "reqs": metadata.num_reqs,
             "decodes": metadata.num_decodes, "sampled": num_sampled,
             "context": int(metadata.seq_lens_cpu.sum()),
+            "draft_tokens": num_drafts, "accepted_tokens": accepted,
         }) + "\n")
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -226,7 +259,7 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(
-        self, states: list[RequestState], num_scheduled: dict[str, int]
+        self, states: list[RequestState], num_scheduled: dict[str, int], drafts: dict[str, list[int]],
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         block_size = self.block_size
         num_reqs = len(states)
@@ -247,9 +280,12 @@ class ModelRunner:
         sample_rows = []
         for i, state in enumerate(states):
             start, end = int(starts[i]), int(seq_lens[i])
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[start:end]
+            d = drafts.get(state.req_id)
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = (
+                state.token_ids[start:end] if d is None else state.token_ids[start:] + d
+            )
             block_table[i, : len(state.block_ids)] = state.block_ids
-            if end == len(state.token_ids):  # caught up: this step yields the next token
+            if end == len(state.token_ids) + (len(d) if d else 0):  # caught up: this step samples
                 sample_rows.append(i)
         slot_mapping = (
             block_table[req_of_token, positions // block_size].astype(np.int64) * block_size

@@ -19,7 +19,7 @@ import msgspec
 from services.worker.executor import InProcessExecutor, execute_step
 from services.worker.model_runner import ModelRunner
 from shared.bus import Subjects, close, connect, encode, stop_on_signals
-from shared.config import CacheConfig
+from shared.config import CacheConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from shared.tracing import extract, setup_tracing, shutdown_tracing
 
@@ -64,12 +64,14 @@ async def serve(
     threads: int | None = None,
     ready: asyncio.Event | None = None,
     quantization: str | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
     executor = InProcessExecutor(
-        lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization),
+        lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
+                            speculative_config),
         threads,
     )
     runner = executor.runner

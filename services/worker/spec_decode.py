@@ -1,0 +1,83 @@
+"""N-gram speculative decoding on the worker: drafts proposed from a request's own tokens
+(prompt lookup), verified in the step's one forward, accepted exactly.
+
+The worker proposes because it holds every request's tokens at the moment that matters,
+just before the forward. Each draft position is sampled exactly as the position would be
+without speculation — the same penalties, bias, min_tokens and seeded draw, with the
+history up to it (`DraftPosition`) — and drafts are accepted while the sample equals
+them. For a one-hot draft that is exact rejection sampling, so greedy and seeded outputs
+are token-identical with and without speculation, and unseeded ones have the same
+distribution. The token sampled after the last accepted draft (the bonus, or the
+correction) always comes with them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from services.worker.request_state import RequestState
+from shared.config import SpeculativeConfig
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+        """Up to `max_drafts` tokens: those that followed the latest earlier occurrence
+        of the longest suffix of `token_ids` (prompt_lookup_max down to _min tokens)."""
+        c = self.config
+        num = min(c.num_speculative_tokens, max_drafts)
+        tokens = np.asarray(token_ids)
+        length = len(tokens)
+        if num <= 0:
+            return []
+        for n in range(min(c.prompt_lookup_max, length - 1), c.prompt_lookup_min - 1, -1):
+            # Every earlier window of n tokens (the suffix itself excluded).
+            windows = sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return tokens[start : start + num].tolist()
+        return []
+
+
+class DraftPosition:
+    """A request as the sampler sees it at one draft position: its tokens so far plus the
+    drafts before this position."""
+
+    __slots__ = ("state", "drafts")
+    matcher = None  # constrained requests do not speculate
+
+    def __init__(self, state: RequestState, drafts: list[int]) -> None:
+        self.state = state
+        self.drafts = drafts
+
+    @property
+    def sampling_params(self):
+        return self.state.sampling_params
+
+    @property
+    def eos_token_id(self):
+        return self.state.eos_token_id
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.state.num_output_tokens + len(self.drafts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.state.token_ids + self.drafts
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.state.output_token_ids + self.drafts
+
+
+def num_accepted(drafts: list[int], samples: list[int]) -> int:
+    """Drafts accepted: while each position's sample equals its draft."""
+    accepted = 0
+    while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted

@@ -1,0 +1,182 @@
+"""N-gram speculative decoding: greedy output with speculation equals transformers token for
+token (plain, chunked prefill, prefix hits, preemption), seeded sampling is identical
+with and without it whatever shares the batch, max_tokens and stop strings are exact, no
+block leaks and no draft ever reaches the prefix cache, and drafts are in fact accepted
+(each test checks the counters, so a speculation that quietly never ran fails it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmbus import LLM, SamplingParams
+from services.scheduler.block_pool import hash_block_tokens
+from services.worker.spec_decode import NgramProposer, num_accepted
+from shared.config import SpeculativeConfig
+from tiny_models import hf_greedy
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Repetitive prompts: a random model's greedy output also falls into cycles soon, which is
+# where prompt lookup finds its drafts.
+TEXTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "1 2 3 4 5 1 2 3 4 5 1 2 3",
+         "abc abc abc abc", "Paged attention keeps"]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_llama):
+    return LLM(str(tiny_llama), speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def prompts(spec_llm):
+    return [spec_llm.tokenizer.encode(text) for text in TEXTS]
+
+
+def accepted_since(llm: LLM, before) -> int:
+    return llm.stats().spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+
+
+def test_the_proposer_copies_what_followed_the_latest_earlier_match():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1))
+    #            0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 5, 6, 7, 1, 5, 6]
+    assert proposer.propose(tokens, 3) == [7, 1, 5]  # "5 6" last seen at 5..6, then 7 1 5
+    assert proposer.propose(tokens, 2) == [7, 1]  # no more than the slots
+    assert proposer.propose([1, 2, 3, 4], 3) == []  # no earlier match
+    assert proposer.propose([4, 4], 3) == [4]  # a 1-gram: all that followed it
+    assert num_accepted([3, 4, 5], [3, 4, 9, 0]) == 2 and num_accepted([3], [2, 0]) == 0
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 16},  # chunked prefill
+    {"num_kv_blocks": 14, "enable_prefix_caching": False},  # preemption
+], ids=["plain", "chunked", "preempted"])
+def test_greedy_with_speculation_equals_transformers(tiny_llama, prompts, options):
+    llm = LLM(str(tiny_llama), speculative_config=SPEC, **options)
+    before = llm.stats()
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    assert got == hf_greedy(tiny_llama, prompts, MAX_TOKENS)
+    assert accepted_since(llm, before) > 0
+    if "num_kv_blocks" in options:
+        assert llm.stats().num_preemptions > 0
+    assert llm.stats().kv_cache_usage == 0  # every block back
+
+
+def test_prefix_hits_after_speculation_are_still_exact(tiny_llama, spec_llm, prompts):
+    """What the first run cached (prompt and verified output blocks) serves the second."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+    longer = [p + out[:40] for p, out in zip(prompts, first)]
+    hits_before = spec_llm.stats().prefix_cache_hits
+    got = [o.outputs[0].token_ids for o in spec_llm.generate(longer, SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True))]
+    assert spec_llm.stats().prefix_cache_hits - hits_before >= 16 * len(prompts)
+    assert got == hf_greedy(tiny_llama, longer, 16)
+
+
+def test_no_draft_is_ever_in_the_prefix_cache(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), speculative_config=SPEC)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert llm.stats().spec_decode_num_draft_tokens > llm.stats().spec_decode_num_accepted_tokens > 0
+    manager = llm.scheduler.kv_cache_manager
+    size = manager.block_size
+    verified = set()
+    for prompt, out in zip(prompts, outs):
+        tokens, parent = prompt + out.outputs[0].token_ids, None
+        for i in range(len(tokens) // size):
+            parent = hash_block_tokens(parent, tokens[i * size:(i + 1) * size])
+            verified.add(parent)
+    cached = set(manager.block_pool._cached)
+    assert cached and cached <= verified
+
+
+def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_llama, spec_llm, prompts):
+    plain = LLM(str(tiny_llama))
+    # Peaked (a random model is nearly flat), so that some drafts are accepted.
+    params = [SamplingParams(temperature=0.05, top_p=0.9, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             presence_penalty=0.3 * (i % 2), logprobs=1) for i in range(len(prompts))]
+    expected = plain.generate(prompts, params)
+    before = spec_llm.stats()
+    # Whatever shares the batch: the same requests, then with others beside them.
+    got = spec_llm.generate(prompts, params)
+    crowd = spec_llm.generate(prompts + prompts[::-1], params + [SamplingParams(temperature=1.0, max_tokens=20)] * 4)
+    for e, g, c in zip(expected, got, crowd):
+        assert e.outputs[0].token_ids == g.outputs[0].token_ids == c.outputs[0].token_ids
+        assert [lp.token_ids[0] for lp in g.outputs[0].logprobs] == g.outputs[0].token_ids
+        assert [lp.logprobs[0] for lp in g.outputs[0].logprobs] == pytest.approx(
+            [lp.logprobs[0] for lp in e.outputs[0].logprobs], abs=1e-4)
+    assert accepted_since(spec_llm, before) > 0
+
+
+def test_max_tokens_and_stop_strings_are_exact(tiny_llama, spec_llm, prompts):
+    plain = LLM(str(tiny_llama))
+    for max_tokens in (1, 2, 5, 17):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, params)]
+        assert [len(t) for t in got] == [max_tokens] * len(prompts)
+        assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    long = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    stops = [o.outputs[0].text[20:24] for o in long]
+    for prompt, stop, full in zip(prompts, stops, long):
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+        [out] = spec_llm.generate([prompt], params)
+        assert out.outputs[0].text == full.outputs[0].text[:full.outputs[0].text.index(stop)]
+    assert spec_llm.stats().kv_cache_usage == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_served_with_speculation_equals_offline_without_it_across_a_worker_kill(tiny_llama, tmp_path):
+    """`llmbus serve --workers 2 --speculative-config ...`, greedy streams, one worker
+    killed once every stream has tokens: each text is the offline one without speculation."""
+    import asyncio
+    import json
+
+    import httpx
+    import openai
+
+    from deployment import llmbus_serve
+    from llmbus.serve import live_children
+
+    texts = [f"{t} {i}" for i in range(3) for t in TEXTS]
+    plain = LLM(str(tiny_llama))
+    expected = [o.outputs[0].text for o in plain.generate(
+        texts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    proc, url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2",
+                              "--num-kv-blocks", "256", "--speculative-config", json.dumps(SPEC)],
+                             tmp_path / "stderr.log")
+    try:
+        victim = live_children(proc.pid, "worker")[0]
+
+        async def stream_all() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            started = set()
+
+            async def one(i: int, prompt: str) -> str:
+                text = ""
+                stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
+                                                         temperature=0, stream=True, extra_body={"ignore_eos": True})
+                async for chunk in stream:
+                    text += chunk.choices[0].text
+                    started.add(i)
+                    if len(started) == len(texts) and victim.is_running():
+                        victim.kill()
+                return text
+
+            try:
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(texts)))
+            finally:
+                await client.close()
+
+        assert asyncio.run(stream_all()) == expected
+        assert not victim.is_running()
+        metrics = httpx.get(url + "/metrics", timeout=5).text
+        accepted = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                    if line.startswith("llmbus:spec_decode_num_accepted_tokens_total{")]
+        assert accepted and sum(accepted) > 0
+        assert 'llmbus:spec_decode_num_accepted_tokens_per_pos_total{' in metrics
+    finally:
+        proc.terminate()
+        proc.wait(60)
