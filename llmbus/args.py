@@ -135,6 +135,8 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.speculative_config.num_speculative_tokens if args.speculative_config else 0,
+        speculative_disable_by_batch_size=(args.speculative_config.disable_by_batch_size
+                                           if args.speculative_config else None),
     )
 
 

@@ -44,6 +44,7 @@ BENCHES = [
     ("serve", "stream a workload at an OpenAI-compatible server", "llmbus.bench.serve", False),
     ("failover", "time from a worker's SIGKILL to its streams' next token", "llmbus.bench.failover", False),
     ("agreement", "greedy agreement of a lower precision with float32", "llmbus.bench.agreement", False),
+    ("speculative", "the same workloads with and without speculative decoding", "llmbus.bench.speculative", True),
 ]
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from llmbus.model_fetch import resolve_model
 from llmbus.outputs import CompletionOutput, RequestOutput
-from services.scheduler.engine_core import EngineCore, pipeline_depth
+from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
@@ -83,12 +83,13 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
                 enable_prefix_caching=enable_prefix_caching,
                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
             ),
             num_kv_blocks=self.runner.num_blocks,
             block_size=block_size,
             vocab_size=self.runner.vocab_size,
         )
-        self.engine = EngineCore(self.scheduler, self.executor, pipeline_depth(async_scheduling, speculative))
+        self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._ids = itertools.count()
         # engine request id -> (its client request, what `generate` returns for it)

@@ -16,8 +16,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # The scheduler owns every block pool, so the prefix cache is its to turn off.
     enable_prefix_caching: bool = True
-    # Speculative decoding: draft slots reserved per decoding request and step (0 = off).
+    # Speculative decoding: draft slots reserved per decoding request and step (0 = off),
+    # and the running batch beyond which no request speculates (None: never off).
     num_speculative_tokens: int = 0
+    speculative_disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -72,6 +74,12 @@ class GatewayConfig:
             raise ValueError("idle_timeout_s must be positive")
 
 
+# Between the two ends measured on the 2-core CPU in bfloat16 (docs/performance.md): one
+# stream copying a paragraph runs 1.80x faster speculating, W1's 128 at once 0.69x; the
+# batch size where it stops paying is not measured yet.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`; n-gram (prompt lookup) only: the worker proposes up
@@ -83,6 +91,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # With more requests running than this, none speculates (vLLM's V0 name): a big
+    # batch's step is bound by compute, not by reading the weights, and a draft costs
+    # what it saves.
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method != "ngram":

@@ -57,13 +57,6 @@ class _InFlight:
     reply: asyncio.Future  # -> ModelRunnerOutput | None
 
 
-def pipeline_depth(async_scheduling: bool, speculating: bool = False) -> int:
-    """Steps in flight: two with async scheduling; one when speculating, since a step built
-    before the previous one lands could not know how many of that step's drafts were
-    accepted, so where each request's next tokens begin."""
-    return 2 if async_scheduling and not speculating else 1
-
-
 class EngineCore:
     def __init__(
         self,
@@ -106,6 +99,8 @@ class EngineCore:
         """Fill the pipeline up to its depth, then land the oldest step. None when nothing
         is in flight because nothing could be scheduled. Raises WorkerLost."""
         while len(self._in_flight) < self.max_steps_in_flight and self.scheduler.has_work():
+            if self._in_flight and not self.scheduler.may_build_ahead():
+                break  # speculating: the next step is built once this one's drafts are known
             step = self.scheduler.schedule()
             if not (step.num_scheduled_tokens or step.finished_req_ids):
                 break  # nothing fits right now

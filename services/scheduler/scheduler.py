@@ -269,12 +269,24 @@ class Scheduler:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
         return output
 
+    def _speculating(self) -> bool:
+        limit = self.config.speculative_disable_by_batch_size
+        return bool(self.config.num_speculative_tokens) and (limit is None or len(self.running) <= limit)
+
+    def may_build_ahead(self) -> bool:
+        """Whether the next step may be built before the one in flight lands (async
+        scheduling). Not while requests speculate: it could not know how many of the
+        in-flight step's drafts will be accepted, so where their next tokens begin; the
+        engine waits for the landing, and the step after it carries drafts again."""
+        return not (self._speculating() and any(
+            r.speculate and r.sampling_params.structured_outputs is None for r in self.running))
+
     def _draft_slots(self, request: Request, num_new: int, budget: int) -> int:
         """Draft tokens the worker may verify for a decoding request this step: never past
         max_tokens or the context, and none for a constrained one (its grammar would have
         to check every draft) or one whose drafts stopped paying."""
         k = self.config.num_speculative_tokens
-        if (not k or num_new != 1 or request.num_output_placeholders or not request.speculate
+        if (not self._speculating() or num_new != 1 or request.num_output_placeholders or not request.speculate
                 or request.sampling_params.structured_outputs is not None):
             return 0
         return max(0, min(k, request.max_tokens - request.num_output_tokens - 1,

@@ -18,7 +18,7 @@ import uuid
 
 import msgspec
 
-from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost, pipeline_depth
+from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
@@ -167,10 +167,8 @@ class SchedulerService:
 
     async def _drive(self, handle: WorkerHandle) -> None:
         executor = NatsExecutor(self.nc, self.subjects.step(handle.worker_id), handle.worker_id, self.step_timeout_s)
-        speculating = self.fleet.config.num_speculative_tokens > 0
         engine = EngineCore(
-            handle.core, executor, pipeline_depth(self.async_scheduling, speculating), self.step_tracer,
-            handle.worker_id,
+            handle.core, executor, 2 if self.async_scheduling else 1, self.step_tracer, handle.worker_id,
             needs_reset=True,  # a new core: the worker may still hold state from before
         )
         self.engines[handle.worker_id] = engine
