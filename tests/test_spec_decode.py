@@ -180,3 +180,30 @@ def test_served_with_speculation_equals_offline_without_it_across_a_worker_kill(
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_no_drafts_beyond_disable_by_batch_size_and_the_pipeline_fills_again():
+    from test_scheduler import make_request, make_scheduler
+
+    from shared.messages import ModelRunnerOutput
+
+    def decoding(num_requests: int):
+        scheduler = make_scheduler(num_speculative_tokens=3, speculative_disable_by_batch_size=2)
+        for i in range(num_requests):
+            scheduler.add_request(make_request(f"r{i}", [1, 2, 3], max_tokens=20))
+        prefill = scheduler.schedule()
+        scheduler.update_from_output(prefill, ModelRunnerOutput(
+            prefill.step_id, list(prefill.num_scheduled_tokens), [[7]] * num_requests))
+        return scheduler
+
+    few, many = decoding(2), decoding(3)
+    assert not few.may_build_ahead() and many.may_build_ahead()
+    step = few.schedule()
+    assert step.num_draft_slots == {"r0": 3, "r1": 3} and step.num_scheduled_tokens == {"r0": 4, "r1": 4}
+    # Two of r0's three drafts accepted, none of r1's: the rest of the slots are given back.
+    few.update_from_output(step, ModelRunnerOutput(step.step_id, ["r0", "r1"], [[8, 9, 10], [5]],
+                                                   num_draft_tokens=[3, 1]))
+    assert [few.requests[r].num_computed_tokens for r in ("r0", "r1")] == [3 + 1 + 2, 3 + 1]
+    assert [few.requests[r].num_tokens for r in ("r0", "r1")] == [3 + 1 + 3, 3 + 1 + 1]
+    assert few.make_stats().spec_decode_num_accepted_tokens_per_pos == [1, 1, 0]
+    assert many.schedule().num_draft_slots == {}
