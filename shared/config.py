@@ -74,9 +74,9 @@ class GatewayConfig:
             raise ValueError("idle_timeout_s must be positive")
 
 
-# Between the two ends measured on the 2-core CPU in bfloat16 (docs/performance.md): one
-# stream copying a paragraph runs 1.80x faster speculating, W1's 128 at once 0.69x; the
-# batch size where it stops paying is not measured yet.
+# A big batch is compute-bound: drafts pay there only at high acceptance (W1, 128 at once,
+# 0.96 accepted: 1.064x; at middling acceptance not measured yet), so by default only
+# batches of up to 8 speculate (docs/performance.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

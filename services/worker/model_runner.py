@@ -138,9 +138,11 @@ class ModelRunner:
         # Decodes (one new token) first, shortest context first, so attention can batch
         # them in groups of similar length.
         requests = self.requests
-        order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1, requests[rid].num_computed_tokens))
+        # (A request verifying drafts is decodes too: one row per token, see _prepare_inputs.)
+        order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1 and rid not in drafts,
+                                                    requests[rid].num_computed_tokens))
         states = [self.requests[rid] for rid in order]
-        input_ids, positions, metadata, sample_rows = self._prepare_inputs(states, num_tokens, drafts)
+        input_ids, positions, metadata, sample_rows, last_token = self._prepare_inputs(states, num_tokens, drafts)
 
         t_forward = time.time_ns()
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
@@ -161,7 +163,6 @@ class ModelRunner:
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
-            last_token = metadata.query_start_loc_cpu[1:] - 1
             rows, row_states, first_row = [], [], []
             for i in sample_rows:
                 state, d = states[i], drafts.get(order[i], [])
@@ -259,36 +260,53 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare_inputs(
-        self, states: list[RequestState], num_scheduled: dict[str, int], drafts: dict[str, list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        self, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]],
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], np.ndarray]:
+        """The step's flattened inputs. Rows are what attention sees: one per request, or,
+        for a request verifying drafts, one per token it computes, each a one-token decode
+        at its own position over the cache up to it. So a step of decodes and verifies is
+        still decode-only (the fused decode path), and each draft position is computed as a
+        decode of it would be. Also returns the requests that sample this step and the
+        flat index of each request's last token."""
         block_size = self.block_size
-        num_reqs = len(states)
-        query_lens = np.fromiter((num_scheduled[s.req_id] for s in states), np.int64, num_reqs)
-        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        num_states = len(states)
+        rows_of = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else 1 for s in states),
+                              np.int64, num_states)
+        first_row = np.zeros(num_states + 1, np.int64)
+        np.cumsum(rows_of, out=first_row[1:])
+        num_rows = int(first_row[-1])
+        req_of_row = np.repeat(np.arange(num_states), rows_of)
+        req_starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_states)
+        req_lens = np.fromiter((num_tokens[s.req_id] for s in states), np.int64, num_states)
+        split = rows_of[req_of_row] > 1  # a row of a request verifying drafts
+        query_lens = np.where(split, 1, req_lens[req_of_row])
+        starts = req_starts[req_of_row] + np.where(split, np.arange(num_rows) - first_row[req_of_row], 0)
+        query_start_loc = np.zeros(num_rows + 1, np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
+        total = int(query_start_loc[-1])
         seq_lens = starts + query_lens
 
-        # positions: each request's run start..start+len, laid end to end
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        positions = np.arange(num_tokens) - query_start_loc[req_of_token] + starts[req_of_token]
+        # positions: each row's run start..start+len, laid end to end
+        row_of_token = np.repeat(np.arange(num_rows), query_lens)
+        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
 
-        input_ids = np.empty(num_tokens, np.int64)
+        input_ids = np.empty(total, np.int64)
         max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), np.int32)
+        req_blocks = np.zeros((num_states, max_blocks), np.int32)
         sample_rows = []
+        token_at = query_start_loc[first_row]  # each request's first token in the flat batch
         for i, state in enumerate(states):
-            start, end = int(starts[i]), int(seq_lens[i])
+            start, end = int(req_starts[i]), int(req_starts[i] + req_lens[i])
             d = drafts.get(state.req_id)
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = (
+            input_ids[token_at[i] : token_at[i + 1]] = (
                 state.token_ids[start:end] if d is None else state.token_ids[start:] + d
             )
-            block_table[i, : len(state.block_ids)] = state.block_ids
+            req_blocks[i, : len(state.block_ids)] = state.block_ids
             if end == len(state.token_ids) + (len(d) if d else 0):  # caught up: this step samples
                 sample_rows.append(i)
+        block_table = req_blocks[req_of_row]  # [num_rows, max_blocks]
         slot_mapping = (
-            block_table[req_of_token, positions // block_size].astype(np.int64) * block_size
+            block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
             + positions % block_size
         )
         num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
@@ -297,7 +315,7 @@ class ModelRunner:
 
         metadata = AttentionMetadata(
             num_decodes=num_decodes,
-            num_actual_tokens=num_tokens,
+            num_actual_tokens=total,
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             query_start_loc=to_device(query_start_loc.astype(np.int32)),
@@ -307,4 +325,5 @@ class ModelRunner:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
         )
-        return to_device(input_ids), to_device(positions), metadata, sample_rows
+        last_token = token_at[1:] - 1
+        return to_device(input_ids), to_device(positions), metadata, sample_rows, last_token
