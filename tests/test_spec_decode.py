@@ -207,3 +207,48 @@ def test_no_drafts_beyond_disable_by_batch_size_and_the_pipeline_fills_again():
     assert [few.requests[r].num_tokens for r in ("r0", "r1")] == [3 + 1 + 3, 3 + 1 + 1]
     assert few.make_stats().spec_decode_num_accepted_tokens_per_pos == [1, 1, 0]
     assert many.schedule().num_draft_slots == {}
+
+
+def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
+    """Drafts accepted while the sample equals them is exact rejection sampling for a
+    one-hot draft: the tokens after a verify have the distribution they have without
+    speculation (a two-sample chi-square over the first two output tokens)."""
+    from scipy.stats import chi2_contingency
+
+    spec = LLM(str(tiny_llama), speculative_config={**SPEC, "prompt_lookup_min": 2, "disable_by_batch_size": None})
+    plain = LLM(str(tiny_llama))
+    prompt = spec.tokenizer.encode("abc abc abc abc abc abc")  # a cycle of three tokens
+    assert len(set(prompt[-3:])) == 3
+    # The mass on two of the cycle's tokens, the prompt's last and the one that follows it
+    # in the cycle: when that one is sampled first, the prompt's 2-grams propose the
+    # third, which the model seldom samples, so accepting a draft it should not would show.
+    a, b = prompt[-3], prompt[-1]
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, logit_bias={a: 6.0, b: 6.0})
+    before = spec.stats()
+    counts = {}
+    for side, llm in (("spec", spec), ("plain", plain)):
+        outs = llm.generate([prompt] * 800, params)
+        counts[side] = [tuple(o.outputs[0].token_ids[:2]) for o in outs]  # the draft decides the second
+    drafted = spec.stats().spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    assert drafted > 50 and accepted_since(spec, before) < drafted  # verifies decided some of it
+    seen = sorted(set(counts["spec"]) | set(counts["plain"]), key=lambda t: -(counts["spec"] + counts["plain"]).count(t))
+    # Categories with enough expected counts; the rest pooled.
+    common = [t for t in seen if (counts["spec"] + counts["plain"]).count(t) >= 20]
+    table = [[c.count(t) for t in common] + [sum(1 for x in c if x not in common)] for c in counts.values()]
+    assert len(common) >= 3
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_seeded_draws_at_every_draft_position_are_the_ones_without_speculation(tiny_llama):
+    """At temperature 1 the seeded draw of each position decides the token: the bonus
+    position must draw as the position it is, not as the one the step started at."""
+    spec = LLM(str(tiny_llama), speculative_config={**SPEC, "disable_by_batch_size": None})
+    plain = LLM(str(tiny_llama))
+    prompt = spec.tokenizer.encode("abc abc abc abc abc abc")
+    bias = {t: 6.0 for t in set(prompt[-3:])}  # on the cycle's tokens: drafts get accepted
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True, logit_bias=bias)
+              for s in range(64)]
+    before = spec.stats()
+    got = [o.outputs[0].token_ids for o in spec.generate([prompt] * 64, params)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate([prompt] * 64, params)]
+    assert accepted_since(spec, before) > 64

@@ -168,7 +168,7 @@ class ModelRunner:
                 state, d = states[i], drafts.get(order[i], [])
                 first_row.append(len(rows))
                 rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
-                row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d))] + [state] if d else [state])
+                row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             # A terminated matcher (it took the stop token) belongs to a request the scheduler
             # has ended: this row was in flight, and its token will be dropped there.
