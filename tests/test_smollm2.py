@@ -40,6 +40,20 @@ def test_greedy_output_matches_transformers_token_for_token(smollm2):
     assert "Paris" in llm.tokenizer.decode(got[0])
 
 
+def test_speculative_greedy_matches_transformers_on_the_real_model(smollm2):
+    """Float32, the copy workload where drafts are accepted: token for token as transformers."""
+    from llmbus.bench.speculative import PARAGRAPHS
+
+    llm = LLM(str(smollm2), speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = [llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPHS[0]}"}]),
+        llm.tokenizer.encode("def fibonacci(n):")]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == hf_greedy(smollm2, prompts, 48)
+    assert llm.stats().spec_decode_num_accepted_tokens > 24
+
+
 NAME = "SmolLM2-135M-Instruct"
 
 

@@ -252,3 +252,20 @@ def test_seeded_draws_at_every_draft_position_are_the_ones_without_speculation(t
     got = [o.outputs[0].token_ids for o in spec.generate([prompt] * 64, params)]
     assert got == [o.outputs[0].token_ids for o in plain.generate([prompt] * 64, params)]
     assert accepted_since(spec, before) > 64
+
+
+def test_the_step_span_says_how_many_drafts_were_accepted():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from services.scheduler.step_tracer import StepTracer
+    from shared.messages import ModelRunnerOutput
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    span = provider.get_tracer("test").start_span("scheduler.step")
+    StepTracer.end(span, None, ModelRunnerOutput(1, ["a", "b", "c"], [[5, 6, 7], [8], []], num_draft_tokens=[3, 2, 0]))
+    [finished] = exporter.get_finished_spans()
+    assert (finished.attributes["llmbus.num_draft_tokens"], finished.attributes["llmbus.num_accepted_tokens"]) == (5, 2)

@@ -165,5 +165,5 @@ class EngineCore:
             StepTracer.end(sent.span, "worker did not answer")
             raise WorkerLost(f"no answer to step {sent.step.step_id}")
         outputs = self.scheduler.update_from_output(sent.step, runner_output)
-        StepTracer.end(sent.span, runner_output.error)
+        StepTracer.end(sent.span, runner_output.error, runner_output)
         return LandedStep(outputs, step_time)

@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
-from shared.messages import SchedulerOutput
+from shared.messages import ModelRunnerOutput, SchedulerOutput
 from shared.tracing import Link, Tracer, extract, span_context_of
 
 _NO_LINK = object()  # parsed, and the request carried no trace context
@@ -68,7 +68,13 @@ class StepTracer:
         )
 
     @staticmethod
-    def end(span: trace.Span, error: str | None = None) -> None:
+    def end(span: trace.Span, error: str | None = None, answer: ModelRunnerOutput | None = None) -> None:
+        if answer is not None and answer.num_draft_tokens and span.is_recording():
+            # Speculation: the drafts verified in this step and how many were accepted.
+            span.set_attribute("llmbus.num_draft_tokens", sum(answer.num_draft_tokens))
+            span.set_attribute("llmbus.num_accepted_tokens", sum(
+                len(sampled) - 1 for sampled, drafted in zip(answer.sampled_token_ids, answer.num_draft_tokens)
+                if drafted and sampled))
         if error is not None:
             span.set_status(trace.Status(trace.StatusCode.ERROR, error))
         span.end()
