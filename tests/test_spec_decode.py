@@ -269,3 +269,27 @@ def test_the_step_span_says_how_many_drafts_were_accepted():
     StepTracer.end(span, None, ModelRunnerOutput(1, ["a", "b", "c"], [[5, 6, 7], [8], []], num_draft_tokens=[3, 2, 0]))
     [finished] = exporter.get_finished_spans()
     assert (finished.attributes["llmbus.num_draft_tokens"], finished.attributes["llmbus.num_accepted_tokens"]) == (5, 2)
+
+
+def test_constrained_requests_speculate_within_their_grammar(tiny_llama):
+    """Drafts of a constrained request are masked position by position: the output is the
+    one without speculation (itself held to transformers + xgrammar elsewhere), valid."""
+    import json
+
+    from shared.sampling_params import StructuredOutputsParams
+    from test_structured_outputs import SCHEMA, satisfies
+
+    spec = LLM(str(tiny_llama), speculative_config=SPEC)
+    plain = LLM(str(tiny_llama))
+    example = json.dumps({"color": "green", "ok": True}, separators=(", ", ": "))
+    prompts = [spec.tokenizer.encode(f"{example} {example} {example}"),
+               spec.tokenizer.encode("123-ab 123-ab 123-ab 123-"), spec.tokenizer.encode("yes no maybe so yes no")]
+    specs = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"),
+             StructuredOutputsParams(choice=["yes", "no", "maybe so"])]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in specs]
+    before = spec.stats()
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [satisfies(kind, o.outputs[0].text) for kind, o in zip(["json", "regex", "choice"], got)] == [True] * 3
+    assert [o.outputs[0].finish_reason for o in got] == ["stop"] * 3
+    assert accepted_since(spec, before) > 0

@@ -278,16 +278,15 @@ class Scheduler:
         scheduling). Not while requests speculate: it could not know how many of the
         in-flight step's drafts will be accepted, so where their next tokens begin; the
         engine waits for the landing, and the step after it carries drafts again."""
-        return not (self._speculating() and any(
-            r.speculate and r.sampling_params.structured_outputs is None for r in self.running))
+        return not (self._speculating() and any(r.speculate and not r.awaiting_grammar for r in self.running))
 
     def _draft_slots(self, request: Request, num_new: int, budget: int) -> int:
         """Draft tokens the worker may verify for a decoding request this step: never past
-        max_tokens or the context, and none for a constrained one (its grammar would have
-        to check every draft) or one whose drafts stopped paying."""
+        max_tokens or the context, none while its worker may still be compiling its grammar
+        (its token may come back unsampled), none once its drafts stopped paying."""
         k = self.config.num_speculative_tokens
         if (not self._speculating() or num_new != 1 or request.num_output_placeholders or not request.speculate
-                or request.sampling_params.structured_outputs is not None):
+                or request.awaiting_grammar):
             return 0
         return max(0, min(k, request.max_tokens - request.num_output_tokens - 1,
                           self.max_model_len - request.num_tokens - 1, budget - 1))

@@ -170,20 +170,25 @@ class ModelRunner:
                 rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
                 row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            # A terminated matcher (it took the stop token) belongs to a request the scheduler
-            # has ended: this row was in flight, and its token will be dropped there.
-            constrained = [r for r, s in enumerate(row_states) if s.matcher is not None and not s.matcher.is_terminated()]
-            if constrained:
+            # The grammar at every sampled position, drafts included. A terminated matcher
+            # (it took the stop token) belongs to a request the scheduler has ended: this row
+            # was in flight, and its token will be dropped there.
+            jobs = [(first, states[i].matcher, drafts.get(order[i], [])) for i, first in zip(sample_rows, first_row)
+                    if states[i].matcher is not None and not states[i].matcher.is_terminated()]
+            valid = {}
+            if jobs:
                 t_mask = time.perf_counter_ns()
-                self.grammars.mask(logits, constrained, [row_states[r].matcher for r in constrained])
+                valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs)))
                 mask_ns = time.perf_counter_ns() - t_mask
             token_ids, token_logprobs = self.sampler(logits, row_states)
             for i, first in zip(sample_rows, first_row):
                 state, d = states[i], drafts.get(order[i], [])
-                accepted = num_accepted(d, token_ids[first:first + len(d)])
+                accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
                 out = token_ids[first:first + accepted + 1]
-                if state.matcher is not None and not state.matcher.is_terminated():
-                    state.matcher.accept_token(out[0])
+                for token_id in out if state.matcher is not None else ():
+                    if state.matcher.is_terminated():
+                        break
+                    state.matcher.accept_token(token_id)
                 state.token_ids.extend(out)
                 state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
                 sampled[i] = out
@@ -210,7 +215,7 @@ class ModelRunner:
         drafts = {}
         for rid, slots in num_draft_slots.items():
             state = self.requests.get(rid)
-            if state is not None and state.matcher is None:
+            if state is not None and not isinstance(state.matcher, Future):  # a grammar still compiling: none
                 proposed = self.proposer.propose(state.token_ids, slots)
                 if proposed:
                     drafts[rid] = proposed

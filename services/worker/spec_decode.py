@@ -48,7 +48,7 @@ class DraftPosition:
     drafts before this position."""
 
     __slots__ = ("state", "drafts")
-    matcher = None  # constrained requests do not speculate
+    matcher = None  # the request's grammar masks this position's row (GrammarBackend.mask)
 
     def __init__(self, state: RequestState, drafts: list[int]) -> None:
         self.state = state

@@ -7,7 +7,9 @@ a fresh matcher with the tokens it already has replayed into it, so a constraint
 survives every way a request moves. Each step fills the bitmask of the constrained rows
 after the previous step's tokens were accepted (steps run in order on one thread, so a
 step in flight never samples a token the grammar forbids), masks the logits, and the
-sampled token advances the matcher.
+sampled token advances the matcher. With speculation, each draft position's row is
+masked by the grammar after the drafts before it (the matcher steps through the drafts
+and is rolled back), and a draft the grammar refuses ends what may be accepted.
 
 Who waits for a compile: only its request. Matchers are built on a thread of their own
 (xgrammar releases the GIL while it compiles), started when the request reaches the
@@ -103,14 +105,30 @@ class GrammarBackend:
         """`matcher(...)` on the compile thread; one thread, so compiles queue in order."""
         return self._compile_thread().submit(self.matcher, spec, list(output_token_ids))
 
-    def mask(self, logits: torch.Tensor, rows: list[int], matchers: list) -> None:
-        """In place: every token the row's grammar does not allow next gets -inf."""
+    def mask(self, logits: torch.Tensor, jobs: list[tuple[int, object, list[int]]]) -> list[int]:
+        """In place, for each (first row, matcher, drafts): row first + j gets -inf on every
+        token the grammar does not allow after the drafts before it. Returns, per job, how
+        many drafts the grammar accepts: rows past the first one it refuses are not masked
+        and must not be accepted. Each matcher is rolled back to where it was."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
-        for row, matcher in zip(rows, matchers):
-            matcher.fill_next_token_bitmask(bitmask, row)
+        rows, valid = [], []
+        for first, matcher, drafts in jobs:
+            num_valid = 0
+            for j in range(len(drafts) + 1):
+                if matcher.is_terminated():  # a draft was the stop token: nothing follows
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + j)
+                rows.append(first + j)
+                if j == len(drafts) or not matcher.accept_token(drafts[j]):
+                    break
+                num_valid += 1
+            if num_valid:
+                matcher.rollback(num_valid)
+            valid.append(num_valid)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+        return valid
 
 
 def split_ready(states: list, rows: list[int], wait_s: float = 0.0) -> tuple[list[int], list[int], dict[int, str]]:
