@@ -40,6 +40,10 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
             continue
         if dataclasses.is_dataclass(value):  # a config parsed from JSON (--speculative-config)
             value = json.dumps(dataclasses.asdict(value))
+        if isinstance(value, list):  # a repeated flag (--api-key): one value per line
+            if not value:
+                continue
+            value = "\n".join(map(str, value))
         out[env_name(name)] = "1" if value is True else str(value)
     return out
 
@@ -141,7 +145,8 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
 
 
 def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
-    return GatewayConfig(model_name, args.api_key, args.max_body_bytes,
+    return GatewayConfig(model_name, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
+                         args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
                          tool_call_parser=args.tool_call_parser)
 

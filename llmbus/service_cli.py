@@ -19,6 +19,7 @@ from llmbus.args import (
     as_env,
     cache_config,
     env,
+    env_flag,
     gateway_config,
     scheduler_config,
 )
@@ -37,7 +38,12 @@ def add_bus_args(parser: argparse.ArgumentParser) -> None:
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=env("--host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("--port", 8000)))
-    parser.add_argument("--api-key", default=env("--api-key", None), help="require `Authorization: Bearer KEY` on /v1")
+    parser.add_argument("--api-key", action="append", default=[k for k in env("--api-key", "").split("\n") if k],
+                        help="require `Authorization: Bearer KEY` on /v1 (repeat for more keys)")
+    parser.add_argument("--api-key-file", default=env("--api-key-file", None),
+                        help="more API keys, one per line; read again on SIGHUP")
+    parser.add_argument("--metrics-require-key", action="store_true", default=env_flag("--metrics-require-key"),
+                        help="/metrics needs an API key too (/health stays open)")
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")

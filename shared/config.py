@@ -60,7 +60,9 @@ class CacheConfig:
 @dataclass(slots=True)
 class GatewayConfig:
     model_name: str
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1 (`Authorization: Bearer KEY`)
+    api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    metrics_require_key: bool = False  # /metrics behind the key too (/health stays open)
     max_body_bytes: int = 4 << 20
     idle_timeout_s: float = 300.0  # a request whose engine stays silent this long fails
     # How long requests in flight wait for a scheduler to come back and resume them.

@@ -262,3 +262,41 @@ def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(tokenizer):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     assert nested.status_code == 400
     assert engine.submitted == []
+
+
+def test_any_of_several_api_keys_opens_v1_and_metrics_can_be_guarded_too(tokenizer):
+    engine = FakeEngine(tokenizer)
+
+    async def factory(on_stats):
+        return engine
+
+    config = GatewayConfig("tiny", api_keys=("k-one", "k-two"), metrics_require_key=True)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with TestClient(create_app(factory, tokenizer, config)) as client:
+        def status(path="/v1/completions", key=None, scheme="Bearer"):
+            headers = {"Authorization": f"{scheme} {key}"} if key is not None else {}
+            if path == "/v1/completions":
+                return client.post(path, json=body, headers=headers).status_code
+            return client.get(path, headers=headers).status_code
+
+        assert [status(key=k) for k in (None, "", "k-on", "k-one-", "k-one", "k-two")] == [401] * 4 + [200] * 2
+        assert status(key="k-one", scheme="bearer") == 200 and status(key="k-one", scheme="Basic") == 401
+        assert (status("/metrics"), status("/metrics", "k-two")) == (401, 200)
+        assert status("/health") == 200  # stays open for probes
+        assert client.post("/v1/completions", json=body).json()["error"]["type"] == "authentication_error"
+
+
+def test_the_key_file_is_read_again_and_a_bad_reload_keeps_the_keys(tmp_path):
+    from services.gateway.api_keys import ApiKeys
+
+    path = tmp_path / "keys"
+    path.write_text("# one per line\nfirst\n\n  second  \n")
+    keys = ApiKeys(("flag-key",), str(path))
+    assert [keys.accepts(f"Bearer {k}") for k in ("first", "second", "flag-key", "third", "# one per line")] == [
+        True, True, True, False, False]
+    path.write_text("third\n")
+    keys.reload()
+    assert [keys.accepts(f"Bearer {k}") for k in ("first", "third", "flag-key")] == [False, True, True]
+    path.unlink()
+    keys.reload()  # unreadable: the keys before stay
+    assert keys.accepts("Bearer third")

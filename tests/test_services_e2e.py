@@ -296,15 +296,36 @@ def test_malformed_json_and_oversized_body(deployment):
     assert resp.status_code == 413
 
 
-def test_api_key_is_required_when_set(deployment):
-    url = deployment.start_gateway("gateway-with-key", "--api-key", "s3cret")
+def test_api_key_is_required_when_set(deployment, tmp_path):
+    import signal
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("from-file\n")
+    url = deployment.start_gateway("gateway-with-key", "--api-key", "s3cret", "--api-key-file", str(key_file),
+                                   "--metrics-require-key")
     deployment.wait_healthy(url)  # /health stays open
     body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
     assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 401
-    keyed = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
-    assert keyed.completions.create(**body).choices[0].text is not None
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 401
+    for key in ("s3cret", "from-file"):
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        assert keyed.completions.create(**body).choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(**body)
+    # SIGHUP reads the file again: its new key works, the one it no longer has does not.
+    key_file.write_text("rotated\n")
+    deployment.procs["gateway-with-key"].send_signal(signal.SIGHUP)
+
+    def status(key: str) -> int:
+        return httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                          timeout=30).status_code
+
+    deadline = time.monotonic() + 10
+    while status("rotated") != 200:
+        assert time.monotonic() < deadline, "the rotated key was not taken"
+        time.sleep(0.1)
+    assert (status("from-file"), status("s3cret")) == (401, 200)
+    assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer rotated"}, timeout=30).status_code == 200
 
 
 def test_tokenizer_answers_bad_messages_with_errors_not_timeouts(deployment):

@@ -105,3 +105,23 @@ def test_stop_goes_group_by_group():
     sup.stop(["gateway", "worker", "scheduler", "tokenizer"], timeout_s=1)
     assert [name for name, _ in log] == ["gateway", "worker-1", "worker-2", "scheduler", "tokenizer-1"]
     assert {sig for _, sig in log} == {signal.SIGTERM}
+
+
+def test_serve_hands_its_children_repeated_and_json_flags_as_they_parse_back(monkeypatch):
+    """`llmbus serve` passes flags as LLMBUS_* variables: a repeated one (--api-key) and a
+    JSON one (--speculative-config) must come back the same in the child's parser."""
+    from llmbus.args import as_env
+    from llmbus.cli import build_parser
+
+    argv = ["serve", "--api-key", "k1", "--api-key", "k2", "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2}']
+    args = build_parser().parse_args(argv)
+    env = as_env(args, ["api_key", "speculative_config", "metrics_require_key"])
+    assert "LLMBUS_METRICS_REQUIRE_KEY" not in env
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    child = build_parser().parse_args(["gateway"])
+    assert child.api_key == ["k1", "k2"]
+    scheduler = build_parser().parse_args(["scheduler"])
+    assert scheduler.speculative_config == args.speculative_config
+    assert scheduler.speculative_config.num_speculative_tokens == 2

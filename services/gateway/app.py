@@ -6,6 +6,8 @@ Routes are thin: requests go to `serving.py`, every error through the one mappin
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -13,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
+from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import GatewayError, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
@@ -23,9 +26,15 @@ from shared.config import GatewayConfig
 def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
     """`client_factory(on_stats)` is awaited at startup and returns a started EngineClient."""
     metrics = GatewayMetrics(config.model_name)
+    keys = ApiKeys(config.api_keys, config.api_key_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        if keys.key_file is not None:
+            try:  # SIGHUP reads the key file again; only the main thread's loop can take it
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, keys.reload)
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass  # an app run in a test's thread
         client = await client_factory(metrics.observe_stats)
         tracer_ = tracer or trace.get_tracer("llmbus.gateway")
         app.state.serving = OpenAIServing(client, tokenizer, config, metrics, tracer_)
@@ -35,7 +44,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             await close()
 
     app = FastAPI(title="llmbus", lifespan=lifespan)
-    app.add_middleware(Limits, config=config)
+    app.add_middleware(Limits, config=config, keys=keys)
 
     async def on_error(_request: Request, exc: Exception) -> Response:
         return error_response(exc)

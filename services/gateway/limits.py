@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from starlette.datastructures import Headers
 
+from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import GatewayError, TooLarge, Unauthorized, error_response
 from shared.config import GatewayConfig
 
 
 class Limits:
-    def __init__(self, app, config: GatewayConfig) -> None:
+    def __init__(self, app, config: GatewayConfig, keys: ApiKeys) -> None:
         self.app = app
         self.config = config
+        self.keys = keys
+        self._guarded = ("/v1/", "/metrics") if config.metrics_require_key else ("/v1/",)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(self._guarded):
             error = self._check(Headers(scope=scope))
             if error is not None:
                 await error_response(error)(scope, receive, send)
@@ -29,8 +32,7 @@ class Limits:
         await self.app(scope, receive, send)
 
     def _check(self, headers: Headers) -> GatewayError | None:
-        key = self.config.api_key
-        if key and headers.get("authorization", "") != f"Bearer {key}":
+        if self.keys.required and not self.keys.accepts(headers.get("authorization", "")):
             return Unauthorized("invalid or missing API key")
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
