@@ -103,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
         accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
         steps = after.spec_decode_num_drafts - before.spec_decode_num_drafts
         per_pos = [a - b for a, b in zip(after.spec_decode_num_accepted_tokens_per_pos,
-                                         before.spec_decode_num_accepted_tokens_per_pos or
-                                         [0] * len(after.spec_decode_num_accepted_tokens_per_pos))]
+                                         before.spec_decode_num_accepted_tokens_per_pos)]
         rate = {side: tokens[side] / time_s[side] for side in time_s}
         print(f"{name} ({'one at a time' if single else 'all at once'}, {len(prompts)} requests, "
               f"{args.repeat} pairs): off {rate['off']:.1f}, on {rate['on']:.1f} output tok/s -> "

@@ -112,11 +112,12 @@ class OpenAIServing:
                            "model", "model_not_found")
         spec, spec_field = structured_outputs_of(body)
         tools = tool_choice_of(body) if isinstance(body, ChatCompletionRequest) else None
-        if tools is not None and tools.constraint() is not None:
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
             if spec is not None:
                 raise BadRequest(f"tool_choice {tools.kind} and {spec_field} both constrain the output: give one",
                                  spec_field)
-            spec, spec_field = tools.constraint(), "tools"
+            spec, spec_field = forced, "tools"
         params = to_sampling_params(body, spec)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)

@@ -15,11 +15,6 @@ from collections import defaultdict, deque
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from shared.config import SchedulerConfig
-
-# A speculating request whose drafts are accepted less than this often, once it has had
-# this many, stops speculating: a rejected draft costs a row of the forward for nothing.
-SPEC_PROBATION_TOKENS = 32
-SPEC_MIN_ACCEPTANCE = 0.2
 from shared.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -31,6 +26,11 @@ from shared.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+# A speculating request whose drafts are accepted less than this often, once it has had
+# this many, stops speculating: a rejected draft costs a row of the forward for nothing.
+SPEC_PROBATION_TOKENS = 32
+SPEC_MIN_ACCEPTANCE = 0.2
 
 
 class Scheduler:

@@ -80,7 +80,6 @@ class ModelRunner:
         ]
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
-        self.model_path = model_path
         self.grammars = GrammarBackend(model_path, self.vocab_size)
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
@@ -185,10 +184,11 @@ class ModelRunner:
                 state, d = states[i], drafts.get(order[i], [])
                 accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
                 out = token_ids[first:first + accepted + 1]
-                for token_id in out if state.matcher is not None else ():
-                    if state.matcher.is_terminated():
-                        break
-                    state.matcher.accept_token(token_id)
+                if state.matcher is not None:
+                    for token_id in out:
+                        if state.matcher.is_terminated():
+                            break
+                        state.matcher.accept_token(token_id)
                 state.token_ids.extend(out)
                 state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
                 sampled[i] = out
