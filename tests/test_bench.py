@@ -101,3 +101,12 @@ def test_bench_agreement_of_float32_with_itself_and_with_transformers_is_total(t
     assert result["matching_prefix_tokens"] == result["tokens"]
     # transformers' float32 on the same chat prompts is the oracle: identical too.
     assert result["transformers"] == {"identical": 16, "matching_prefix_tokens": result["tokens"]}
+
+
+def test_bench_speculative_compares_both_sides_on_the_same_tokens(tiny_llama, capsys):
+    # Float32: the exit status says whether speculation changed any token.
+    assert main(["bench", "speculative", "--model", str(tiny_llama), "--workload", "copy", "--workload", "w1",
+                 "--num-requests", "3", "--max-tokens", "24", "--repeat", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "on/off" in line]
+    assert [line.split(" ")[0] for line in lines] == ["copy", "w1"]
+    assert all("outputs identical" in line and "2 pairs" in line for line in lines)
