@@ -6,6 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler, apply_penalties
@@ -132,6 +136,83 @@ def test_a_seeded_request_draws_new_noise_at_each_output_position():
     row = _noisy_logits(4, 1)
     tokens = {sample(row, [state(seed=11, eos=None, output=[9] * n)])[0] for n in range(30)}
     assert len(tokens) > 5
+
+
+# ---- the random-number contract (random_draws.py) ---------------------------------------
+
+
+def _reference_uniform(seed: int, position: int) -> float:
+    """The contract written again with Python integers: what every device must compute."""
+    def mix(x):
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    seed &= (1 << 64) - 1
+    h = mix((seed & 0xFFFFFFFF) ^ 0x9E3779B9)
+    h = mix(h ^ (seed >> 32))
+    h = mix(h ^ (position & 0xFFFFFFFF))
+    a = mix(h ^ (position >> 32))
+    b = mix(a ^ 0x85EBCA6B)
+    return ((a >> 5) * (1 << 26) + (b >> 6)) / (1 << 53)
+
+
+@given(st.lists(st.tuples(st.integers(-(1 << 63), (1 << 64) - 1), st.integers(0, (1 << 40))), min_size=1, max_size=20))
+def test_the_draws_are_the_contracts_for_any_seed_and_position(keys):
+    seeds = torch.tensor([as_int64(seed) for seed, _ in keys], dtype=torch.int64)
+    positions = torch.tensor([pos for _, pos in keys], dtype=torch.int64)
+    assert uniform(seeds, positions).tolist() == [_reference_uniform(seed, pos) for seed, pos in keys]
+
+
+def test_the_draws_are_uniform_and_independent_across_positions():
+    from scipy.stats import chisquare
+
+    positions = torch.arange(20000, dtype=torch.int64)
+    for seed in (0, 1, -1, 12345678901234):
+        u = uniform(torch.full_like(positions, seed), positions)
+        assert 0 <= float(u.min()) and float(u.max()) < 1
+        assert chisquare(torch.histc(u.float(), bins=20, min=0, max=1).tolist()).pvalue > 1e-4
+        # consecutive positions are not correlated: pairs fall evenly in a 5 x 5 grid
+        cells = (u[:-1] * 5).long() * 5 + (u[1:] * 5).long()
+        assert chisquare(torch.bincount(cells, minlength=25).tolist()).pvalue > 1e-4
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_never_picks_a_zero():
+    from scipy.stats import chisquare
+
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    n = 30000
+    u = uniform(torch.full((n,), 99, dtype=torch.int64), torch.arange(n))
+    picked = sample_inverse_cdf(probs.repeat(n, 1), u)
+    counts = torch.bincount(picked, minlength=6)
+    assert counts[[0, 2, 5]].tolist() == [0, 0, 0]
+    assert chisquare(counts[[1, 3, 4]].tolist(), [0.1 * n, 0.6 * n, 0.3 * n]).pvalue > 1e-4
+    # the extremes of u land on the first and last tokens with probability
+    assert sample_inverse_cdf(probs[None], torch.tensor([0.0])).item() == 1
+    assert sample_inverse_cdf(probs[None], torch.tensor([1 - 2**-53])).item() == 4
+
+
+def test_a_seeded_row_takes_the_token_its_draw_names():
+    logits = _noisy_logits(8, 1)
+    for seed, output in [(3, 0), (3, 5), (-7, 2), (1 << 70, 1)]:
+        st_ = state(seed=seed, eos=None, output=[1] * output, temperature=0.8)
+        u = torch.tensor([_reference_uniform(seed, output)], dtype=torch.float64)
+        expected = sample_inverse_cdf((logits / 0.8).softmax(-1), u).item()
+        assert sample(logits, [st_]) == [expected]
+
+
+def test_sampled_frequencies_match_temperature_and_top_k_chi_square():
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, -2.0]])
+    rows = 20000
+    sampled = sample(logits.repeat(rows, 1), [state(eos=None, temperature=0.7, top_k=4)] * rows)
+    expected = (logits[0, :4].double() / 0.7).softmax(-1) * rows
+    counts = torch.bincount(torch.tensor(sampled), minlength=6)
+    assert counts[4:].tolist() == [0, 0]
+    assert chisquare(counts[:4].tolist(), expected.tolist()).pvalue > 1e-4
 
 
 # ---- top-k, top-p, min-p ------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Batched sampling: one pass over the logits of every request that samples this step.
 
-Greedy rows take the argmax; random rows use the exponential race
-(argmax of probs / Exp(1) noise), which samples the categorical exactly and lets each
-seeded request draw its noise from its own generator. That generator is seeded from
-(seed, number of tokens generated so far), so a seeded request gets the same tokens
-whatever else shares the batch, and after preemption too.
+Greedy rows take the argmax; random rows draw one uniform number each and take the token
+where it falls in the filtered distribution (inverse CDF, random_draws.py). A seeded
+request's number is u(seed, output position), so it gets the same tokens whatever else
+shares the batch, after preemption and migration, and on CPU and GPU alike; an unseeded
+row gets a fresh seed from torch's global generator each step. Everything is tensor ops
+on the logits' device: the caller's `.tolist()` of the sampled ids is the one sync.
 """
 
 from __future__ import annotations
@@ -13,15 +14,11 @@ from collections.abc import Sequence
 
 import torch
 
+from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 from services.worker.request_state import RequestState
 from shared.messages import Logprobs
 
 _MASK = float("-inf")
-
-
-def _generator_for(seed: int, num_output_tokens: int, device: torch.device) -> torch.Generator:
-    mixed = (seed * 6364136223846793005 + num_output_tokens * 1442695040888963407 + 1) % (1 << 63)
-    return torch.Generator(device=device).manual_seed(mixed)
 
 
 def apply_penalties(logits: torch.Tensor, state: RequestState) -> None:
@@ -132,12 +129,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
         probs = scaled.softmax(-1)
-        noise = torch.empty_like(probs).exponential_()
-        for i, state in enumerate(states):
-            seed = state.sampling_params.seed
-            if seed is not None and not greedy[i]:
-                noise[i].exponential_(generator=_generator_for(seed, state.num_output_tokens, device))
-        random_ids = (probs / noise).argmax(-1)
+        random_ids = sample_inverse_cdf(probs, uniform(*draw_keys(states)).to(device))
         return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), random_ids)
 
     def _logprobs(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> list[Logprobs | None]:
@@ -159,3 +151,16 @@ class Sampler:
             lps = [float(chosen_lp[j, 0])] + (top_lp[j, :k].tolist() if k else [])
             result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(ranks[j]))
         return result
+
+
+def draw_keys(states: Sequence[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seeds, positions) of each row's draw, int64 on the host: a seeded request's own
+    seed at its output position, a fresh seed from the global generator otherwise."""
+    seeded = [s.sampling_params.seed is not None for s in states]
+    seeds = torch.tensor([as_int64(s.sampling_params.seed) if k else 0 for s, k in zip(states, seeded)],
+                         dtype=torch.int64)
+    positions = torch.tensor([s.num_output_tokens if k else 0 for s, k in zip(states, seeded)], dtype=torch.int64)
+    if not all(seeded):
+        fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(states),), dtype=torch.int64)
+        seeds = torch.where(torch.tensor(seeded), seeds, fresh)
+    return seeds, positions
