@@ -73,6 +73,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="default: triton on a GPU, torch on CPU")
     parser.add_argument("--threads", type=int, default=env("--threads"),
                         help="torch threads for the model (default: torch's, one per core)")
+    parser.add_argument("--enforce-eager", action="store_true", default=env_flag("--enforce-eager"),
+                        help="no CUDA graphs for decode steps (a GPU's default)")
+    parser.add_argument("--max-cudagraph-capture-size", type=int, default=env("--max-cudagraph-capture-size", 256),
+                        help="the largest decode batch (rows: requests and their drafts) run as a CUDA graph")
+    parser.add_argument("--load-format", default=env("--load-format", "auto"), choices=["auto", "dummy"],
+                        help="dummy: random weights of the config's shape (timing without a checkpoint)")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -170,4 +176,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         threads=args.threads,
         async_scheduling=not args.no_async_scheduling,
         speculative_config=args.speculative_config,
+        enforce_eager=args.enforce_eager,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        load_format=args.load_format,
     )

@@ -55,6 +55,9 @@ class LLM:
         threads: int | None = None,
         async_scheduling: bool = True,
         speculative_config: SpeculativeConfig | dict | None = None,
+        enforce_eager: bool = False,
+        max_cudagraph_capture_size: int | None = None,
+        load_format: str = "auto",
     ) -> None:
         path = resolve_model(model)
         speculative = SpeculativeConfig.of(speculative_config)
@@ -68,7 +71,10 @@ class LLM:
         self.executor = InProcessExecutor(
             lambda: ModelRunner(
                 path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
-                max_model_len=max_model_len, speculative_config=speculative,
+                max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
+                # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
+                max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
+                load_format=load_format,
             ),
             threads,
         )

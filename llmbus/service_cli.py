@@ -92,7 +92,9 @@ def cmd_worker(args) -> int:
     path, name = _setup(args)
     asyncio.run(serve(path, args.nats_url, name, cache_config(args), args.dtype, args.attention_backend,
                       args.max_model_len, args.worker_id, threads=args.threads,
-                      quantization=args.quantization, speculative_config=args.speculative_config))
+                      quantization=args.quantization, speculative_config=args.speculative_config,
+                      enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+                      load_format=args.load_format))
     return 0
 
 

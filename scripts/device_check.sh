@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU machine (no network there; its image has torch,
-# triton and transformers; msgspec travels as a wheel in .whl/, SmolLM2's config and
-# tokenizer in .gpu_assets/smollm2/ — the weights are too big to carry, so the speed runs
-# use random weights of SmolLM2's shape). In order of what matters most:
-#   1. scripts/gpu_check.py: the engine on CUDA, greedy output vs transformers on the GPU
-#   2. python -m llmbus.bench.kernels: Triton paged attention at real sizes, splits, vs SDPA
-#   3. scripts/gpu_step_profile.py: a decode step's host time against its GPU time
-#   4. llmbus bench throughput (W1) and latency (W0) on the GPU, bf16, then W1 in f32
+# triton and transformers; msgspec and opentelemetry-api travel as wheels in .whl/, SmolLM2's config and
+# tokenizer in .gpu_assets/smollm2/ — docs/kernels.md says how to make both; weights are
+# random, of real shapes: `load_format="dummy"`). Carry: [".whl", ".gpu_assets"].
+# Budget: about 7 minutes of a 15-minute lease, start-up included. In order of what
+# matters most:
+#   1. scripts/gpu_check.py: greedy output vs transformers on the GPU, decode steps as CUDA
+#      graphs (the default) and eager (--enforce-eager), every scheduling mode
+#   2. scripts/gpu_figures.py: the figures of docs/gpu/latest.json — W0 ITL, W1 with graphs
+#      against eager, GPU busy share of a batch-128 decode step, the 8B shape's batch-1 HBM
+#      share, seeded draws equal to the CPU's
+#   3. python -m llmbus.bench.kernels: Triton paged attention at real sizes, splits, vs SDPA
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
-# $OUT: device_check.log (all output), gpu_check.json, kernels_bench.json/.md,
-# gpu_step_profile.json.
+# $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
+# docs/gpu/latest.json), kernels_bench.json/.md.
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
@@ -33,14 +37,18 @@ step() {  # step NAME SECONDS COMMAND...
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
     nproc
+    # What the engine imports beyond torch: a missing one is named here, not found by each step.
+    python3 -c "
+import importlib
+for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokenizers', 'safetensors', 'numpy', 'tqdm'):
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:
+        print('MISSING', name, exc)
+"
 } >>"$LOG" 2>&1
 
-step gpu_check 90 python3 scripts/gpu_check.py --out "$OUT"
-step kernels_bench 200 python3 -m llmbus.bench.kernels --out "$OUT"
-MODEL=/tmp/smollm2-random
-step random_model 45 python3 scripts/gpu_check.py --random-smollm2 .gpu_assets/smollm2 "$MODEL"
-step step_profile 60 python3 scripts/gpu_step_profile.py --model "$MODEL" --batch 1 16 128 --out "$OUT"
-step w1_bf16 90 python3 -m llmbus bench throughput --model "$MODEL" --dtype bfloat16
-step w0_bf16 75 python3 -m llmbus bench latency --model "$MODEL" --dtype bfloat16
-step w1_f32 90 python3 -m llmbus bench throughput --model "$MODEL" --dtype float32
-grep -E "^== |ratio|tok/s|latency|checks passed|roofline|\| " "$LOG" | tail -n 60
+step gpu_check 100 python3 scripts/gpu_check.py --out "$OUT"
+step gpu_figures 240 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
+step kernels_bench 60 python3 -m llmbus.bench.kernels --out "$OUT"
+grep -E "^== |^\{\"figure|checks passed|roofline|\| " "$LOG" | tail -n 60

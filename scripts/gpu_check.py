@@ -43,6 +43,10 @@ CASES = {
     "preemption": {"num_kv_blocks": 12, "block_size": 16, "enable_prefix_caching": False},
     "preemption_chunked_prefix": {"num_kv_blocks": 12, "block_size": 16, "max_num_batched_tokens": 24},
     "block_size_32": {"block_size": 32, "max_num_batched_tokens": 40},
+    # Every case above runs its decode steps as CUDA graphs (the default on a GPU); this
+    # one runs them eager, so a graph bug and an eager bug show apart.
+    "enforce_eager": {"enforce_eager": True},
+    "sync_scheduling": {"async_scheduling": False},
 }
 
 MODELS = {
@@ -71,8 +75,10 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
         try:
             llm = LLM(str(folder), **kwargs)
             out = greedy(llm, PROMPTS)
+            graphs = llm.runner.decode_graphs
             row = {"model": name, "case": case, "dtype": "float32", "device": str(llm.runner.device),
-                   "identical": out == reference, "preemptions": llm.stats().num_preemptions}
+                   "identical": out == reference, "preemptions": llm.stats().num_preemptions,
+                   "graph_steps": graphs.steps if graphs is not None else 0}
         except Exception as exc:  # one broken case must not hide the others' results
             row = {"model": name, "case": case, "dtype": "float32", "identical": False, "error": repr(exc)}
         row["seconds"] = round(time.perf_counter() - start, 2)

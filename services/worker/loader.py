@@ -16,6 +16,7 @@ from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import LlamaForCausalLM
 
+LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -54,11 +55,22 @@ def load_model(
     max_position: int,
     quantization: str | None = None,
     device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
+    """`load_format` "auto" reads the folder's safetensors; "dummy" (vLLM's name) gives
+    random weights of the config's shape, for timing a shape no checkpoint is at hand for."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}: {', '.join(LOAD_FORMATS)}")
     folder = Path(folder)
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config, backend, max_position)
-    model.load_weights(iter_weights(folder))
+    if load_format == "dummy":
+        # Built where it runs: an 8B-shaped model's initialization takes a GPU milliseconds.
+        with torch.device(device):
+            model = LlamaForCausalLM(config, backend, max_position)
+        dummy_weights(model)
+    else:
+        with torch.device("cpu"):
+            model = LlamaForCausalLM(config, backend, max_position)
+        model.load_weights(iter_weights(folder))
     if quantization is not None:
         # From the checkpoint's own precision, every matmul weight of the decoder layers.
         # The LM head (a fifth of SmolLM2's weights) in int8 either way, whose per-channel
@@ -84,3 +96,15 @@ def load_model(
         move_to_huge_pages(model)
     model.fused_decode = FusedDecode.build(model)
     return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Weights as transformers initializes a Llama: products and embeddings from
+    N(0, 0.02), norms 1, biases 0; the same every time for a seed."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.normal_(0.0, 0.02, generator=generator)
+        else:
+            param.fill_(1.0 if "norm" in name else 0.0)

@@ -20,13 +20,14 @@ import torch
 
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
-from services.worker.attention.metadata import AttentionMetadata
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
 from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
+from services.worker.step_inputs import StepInputs
 from services.worker.structured_output import GrammarBackend, split_ready
 from shared.config import CacheConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
@@ -48,6 +49,10 @@ class ModelRunner:
         device: str | None = None,
         quantization: str | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        *,
+        enforce_eager: bool = False,
+        max_cudagraph_capture_size: int = 256,
+        load_format: str = "auto",
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if quantization not in (None, *QUANTIZATIONS):
@@ -68,16 +73,27 @@ class ModelRunner:
         self.kv_cache_dtype = cache_dtype(self.cache_config.cache_dtype, self.dtype)
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
-        self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization, self.device)
+        self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
+                                self.device, load_format)
         self.num_blocks = self._num_kv_blocks()
         cfg = self.model_config
+        # One block more than the scheduler is told of: the pad block, where the padded
+        # rows of a decode graph write (decode_graphs.py), never a request's.
+        self.pad_block = self.num_blocks
         self.kv_caches = [
             backend.new_kv_cache(
-                self.num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
+                self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
                 self.device,
-            )  # [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+            )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.max_cudagraph_capture_size = max_cudagraph_capture_size
+        # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
+        # a step's launches cost little beside its products (and the fused decode layer
+        # already makes one call a layer).
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not enforce_eager:
+            self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
         self.grammars = GrammarBackend(model_path, self.vocab_size)
@@ -108,6 +124,21 @@ class ModelRunner:
         # More blocks than the longest request could use at max_num_seqs are wasted memory,
         # but we cannot know max_num_seqs here; the budget is the user's to set.
         return int(num_blocks)
+
+    def set_decode_graphs(self, mode: str | None) -> None:
+        """Decode steps from persistent buffers: "capture" (CUDA graphs), "replay" (the same
+        buffers run eagerly, on any device: what tests use on CPU), or None (eager)."""
+        self.decode_graphs = None
+        if mode is None:
+            return
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.kv_caches, mode=mode, max_size=self.max_cudagraph_capture_size,
+            max_model_len=self.max_model_len, block_size=self.block_size, pad_block=self.pad_block,
+            hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device,
+        )
+        if mode == "capture":
+            with torch.inference_mode():
+                self.decode_graphs.capture_all()
 
     @property
     def vocab_size(self) -> int:
@@ -141,10 +172,16 @@ class ModelRunner:
         order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1 and rid not in drafts,
                                                     requests[rid].num_computed_tokens))
         states = [self.requests[rid] for rid in order]
-        input_ids, positions, metadata, sample_rows, last_token = self._prepare_inputs(states, num_tokens, drafts)
+        inputs, sample_rows, last_token = self._prepare_inputs(states, num_tokens, drafts)
 
         t_forward = time.time_ns()
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        graphs = self.decode_graphs
+        on_graph = graphs is not None and graphs.takes(inputs)
+        if on_graph:
+            hidden = graphs.run(inputs)
+        else:
+            input_ids, positions, metadata = inputs.to_device(self.device)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[list] = [[] for _ in order]
@@ -197,7 +234,7 @@ class ModelRunner:
             state.num_computed_tokens += num_tokens[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
-            self._write_step_log(metadata, len(sample_rows), mask_ns, drafts, sampled, order)
+            self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order)
 
         return ModelRunnerOutput(
             step_id=scheduler_output.step_id,
@@ -221,7 +258,7 @@ class ModelRunner:
                     drafts[rid] = proposed
         return drafts
 
-    def _write_step_log(self, metadata: AttentionMetadata, num_sampled: int, mask_ns: int,
+    def _write_step_log(self, inputs: StepInputs, on_graph: bool, num_sampled: int, mask_ns: int,
                         drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str]) -> None:
         start, forward, sample, end = self.last_step_ns
         num_drafts = sum(len(d) for d in drafts.values())
@@ -229,9 +266,9 @@ class ModelRunner:
         self._step_log.write(json.dumps({
             "pid": os.getpid(), "start_ns": start, "prepare_ms": (forward - start) / 1e6,
             "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6, "mask_ms": mask_ns / 1e6,
-            "tokens": metadata.num_actual_tokens, "reqs": metadata.num_reqs,
-            "decodes": metadata.num_decodes, "sampled": num_sampled,
-            "context": int(metadata.seq_lens_cpu.sum()),
+            "tokens": inputs.num_tokens, "reqs": inputs.num_rows,
+            "decodes": inputs.num_decodes, "sampled": num_sampled,
+            "context": int(inputs.seq_lens.sum()), "graph": on_graph,
             "draft_tokens": num_drafts, "accepted_tokens": accepted,
         }) + "\n")
 
@@ -266,7 +303,7 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], np.ndarray]:
+    ) -> tuple[StepInputs, list[int], np.ndarray]:
         """The step's flattened inputs. Rows are what attention sees: one per request, or,
         for a request verifying drafts, one per token it computes, each a one-token decode
         at its own position over the cache up to it. So a step of decodes and verifies is
@@ -315,20 +352,8 @@ class ModelRunner:
             + positions % block_size
         )
         num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            num_decodes=num_decodes,
-            num_actual_tokens=total,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_device(query_start_loc.astype(np.int32)),
-            seq_lens=to_device(seq_lens.astype(np.int32)),
-            slot_mapping=to_device(slot_mapping),
-            block_table=to_device(block_table),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+        inputs = StepInputs(
+            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            slot_mapping=slot_mapping, block_table=block_table, num_decodes=num_decodes,
         )
-        last_token = token_at[1:] - 1
-        return to_device(input_ids), to_device(positions), metadata, sample_rows, last_token
+        return inputs, sample_rows, token_at[1:] - 1

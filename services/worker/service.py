@@ -65,13 +65,17 @@ async def serve(
     ready: asyncio.Event | None = None,
     quantization: str | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    enforce_eager: bool = False,
+    max_cudagraph_capture_size: int = 256,
+    load_format: str = "auto",
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
     executor = InProcessExecutor(
         lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
-                            speculative_config),
+                            speculative_config, enforce_eager=enforce_eager,
+                            max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format),
         threads,
     )
     runner = executor.runner

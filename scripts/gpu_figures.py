@@ -1,0 +1,241 @@
+"""The GPU worker's figures, measured in one run (issue: CUDA graphs, device sampling).
+
+Random weights of real shapes (`load_format="dummy"`, nothing carried but configs and
+SmolLM2's tokenizer): a SmolLM2-shaped model, and a Llama-3-8B-shaped one (SmolLM2's
+vocabulary of 49152 so its tokenizer serves; the LM head is then 0.4 GB of the 15 GB).
+Each figure with CUDA graphs (the default) and, where it is a ratio, against
+`enforce_eager=True` in the same run:
+
+- w0_itl_ms_smollm2_bf16: one request, the median decode step (offline W0's inter-token latency)
+- w1_output_tok_s, w1_speedup_vs_eager: W1 (128 requests, 64-512 in, 32-256 out) through `LLM.generate`
+- gpu_busy_fraction_decode_b128: the GPU's kernel time in a batch-128 decode step (profiler)
+  over the step's wall time (timed without the profiler)
+- decode_b1_hbm_fraction_8b: the 8B shape's weight bytes a batch-1 decode step reads,
+  over its step time, over the copy bandwidth measured here (bytes read + written a second)
+- seeded_draws_same_as_cpu: the sampling contract's draws, bit for bit, on both devices
+
+    python scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out $OUT [--gpu-check $OUT/gpu_check.json]
+
+writes $OUT/latest.json (docs/gpu/latest.json's shape) and prints each figure as it lands.
+`--cpu` runs it on tiny shapes on CPU (tests/test_gpu_figures.py), eager against replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def log(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def shaped_folder(assets: Path, dest: Path, overrides: dict) -> Path:
+    """SmolLM2's tokenizer and config, with the config's shape overridden."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in assets.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, dest / f.name)
+    config = json.loads((assets / "config.json").read_text())
+    config.update(overrides)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def decode_step_times(llm, batch: int, prompt_len: int, steps: int) -> list[float]:
+    """Wall seconds of `steps` decode steps at `batch` requests (prefilled and warmed first)."""
+    from llmbus import SamplingParams
+
+    prompts = [[(7 * i + 13 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
+    llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)] * batch)
+    while any(r.num_computed_tokens < prompt_len for r in llm.scheduler.requests.values()):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    times = []
+    for _ in range(steps):
+        sync()
+        start = time.perf_counter()
+        llm.step()
+        times.append(time.perf_counter() - start)
+    while llm.scheduler.has_unfinished_requests():
+        llm.step()
+    llm.step()
+    return times
+
+
+def gpu_busy_ms(llm, batch: int, prompt_len: int, steps: int) -> float:
+    """The GPU's kernel time per decode step at `batch`, under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmbus import SamplingParams
+
+    prompts = [[(11 * i + 5 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
+    llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)] * batch)
+    while any(r.num_computed_tokens < prompt_len for r in llm.scheduler.requests.values()):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        sync()
+    while llm.scheduler.has_unfinished_requests():
+        llm.step()
+    llm.step()
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return gpu_us / 1e3 / steps
+
+
+def w1_rate(llm, vocab_size: int, num_requests: int) -> float:
+    from llmbus import SamplingParams
+    from llmbus.bench.workload import W1, random_workload
+
+    requests = random_workload(num_requests, W1["input_len"], W1["output_len"], vocab_size, seed=0)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def copy_bandwidth(device: str, num_bytes: int) -> float:
+    """Bytes read + written a second by a device-to-device copy, best of five."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def weight_bytes_per_decode_step(model) -> int:
+    """Every parameter is read once a step, but the embedding: one row a token."""
+    embed = model.model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or model.lm_head is None)
+
+
+def seeded_draws_same_as_cpu(device: str) -> bool:
+    from services.worker.random_draws import uniform
+
+    gen = torch.Generator().manual_seed(0)
+    seeds = torch.randint(-(1 << 62), 1 << 62, (4096,), generator=gen)
+    positions = torch.randint(0, 1 << 20, (4096,), generator=gen)
+    return torch.equal(uniform(seeds, positions), uniform(seeds.to(device), positions.to(device)).cpu())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--assets", required=True, help="SmolLM2's config.json and tokenizer files")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--gpu-check", help="gpu_check.json, for the greedy cases")
+    parser.add_argument("--cpu", action="store_true", help="tiny shapes on CPU, replay for graphs (tests this script)")
+    args = parser.parse_args()
+
+    from llmbus import LLM
+
+    device = "cpu" if args.cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("no GPU: nothing to measure (--cpu tests the script)")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / "models"
+    tiny = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 49152}
+    smol = shaped_folder(Path(args.assets), work / "smollm2", tiny if args.cpu else {})
+    big = shaped_folder(Path(args.assets), work / "llama3-8b", tiny if args.cpu else {**LLAMA3_8B, "vocab_size": 49152})
+    scale = 8 if args.cpu else 1  # fewer requests and steps on CPU
+
+    def engine(folder: Path, eager: bool, **kwargs) -> LLM:
+        llm = LLM(str(folder), dtype="bfloat16", load_format="dummy", enforce_eager=eager, **kwargs)
+        if args.cpu and not eager:
+            llm.runner.set_decode_graphs("replay")
+        return llm
+
+    report = {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "command": "bash scripts/device_check.sh (python scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out $OUT)",
+        "torch": torch.__version__,
+        "seeded_draws_same_as_cpu": seeded_draws_same_as_cpu(device),
+    }
+    log(seeded_draws_same_as_cpu=report["seeded_draws_same_as_cpu"])
+    if args.gpu_check and Path(args.gpu_check).is_file():
+        rows = [r for r in json.loads(Path(args.gpu_check).read_text())["rows"] if "identical" in r]
+        report["greedy_cases"] = len(rows)
+        report["greedy_identical"] = sum(bool(r["identical"]) for r in rows)
+
+    start = time.perf_counter()
+    graphs, eager = engine(smol, False, max_num_seqs=128), engine(smol, True, max_num_seqs=128)
+    log(figure="engines_built", seconds=round(time.perf_counter() - start, 1))
+    for name, llm in (("graphs", graphs), ("eager", eager)):
+        itl = statistics.median(decode_step_times(llm, 1, 128, 64 // scale)) * 1e3
+        report[f"w0_itl_ms_smollm2_bf16{'' if name == 'graphs' else '_eager'}"] = round(itl, 3)
+        log(figure="w0_itl_ms", mode=name, value=round(itl, 3))
+    for name, llm in (("graphs", graphs), ("eager", eager)):
+        step = statistics.median(decode_step_times(llm, 128 // scale, 128, 20 // scale + 2))
+        busy = gpu_busy_ms(llm, 128 // scale, 128, 10 // scale + 1) if device == "cuda" else 0.0
+        suffix = "" if name == "graphs" else "_eager"
+        report[f"decode_b128_step_ms{suffix}"] = round(step * 1e3, 3)
+        report[f"gpu_busy_fraction_decode_b128{suffix}"] = round(busy / (step * 1e3), 3)
+        log(figure="decode_b128", mode=name, step_ms=round(step * 1e3, 3), gpu_busy_ms=round(busy, 3))
+    rates = {}
+    for _ in range(2):  # alternated, twice: graphs, eager, graphs, eager
+        for name, llm in (("graphs", graphs), ("eager", eager)):
+            rate = w1_rate(llm, 49152, 128 // scale)
+            rates.setdefault(name, []).append(rate)
+            log(figure="w1_output_tok_s", mode=name, value=round(rate, 1))
+    report["w1_output_tok_s"] = round(max(rates["graphs"]), 1)
+    report["w1_output_tok_s_eager"] = round(max(rates["eager"]), 1)
+    report["w1_speedup_vs_eager"] = round(max(rates["graphs"]) / max(rates["eager"]), 3)
+    del graphs, eager
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    llm = engine(big, False, max_num_seqs=4, max_cudagraph_capture_size=4)
+    step = statistics.median(decode_step_times(llm, 1, 128, 40 // scale))
+    weights = weight_bytes_per_decode_step(llm.runner.model)
+    bandwidth = copy_bandwidth(device, (2 << 30) if device == "cuda" else (64 << 20))
+    report["decode_b1_step_ms_8b"] = round(step * 1e3, 3)
+    report["weight_gb_8b"] = round(weights / 1e9, 2)
+    report["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    report["decode_b1_hbm_fraction_8b"] = round(weights / step / bandwidth, 3)
+    log(figure="decode_b1_8b", step_ms=report["decode_b1_step_ms_8b"], weight_gb=report["weight_gb_8b"],
+        copy_gb_s=report["copy_bandwidth_gb_s"], hbm_fraction=report["decode_b1_hbm_fraction_8b"])
+    shutil.rmtree(work, ignore_errors=True)
+    (out / "latest.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,39 @@
+"""The scripts a lent GPU runs (scripts/device_check.sh) work before a GPU is at hand: a
+broken one would waste a 15-minute lease. Here on CPU, on tiny shapes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What docs/gpu/latest.json must carry (the GPU worker issue names them).
+FIGURES = ["date", "device", "command", "w0_itl_ms_smollm2_bf16", "w1_output_tok_s", "w1_speedup_vs_eager",
+           "gpu_busy_fraction_decode_b128", "decode_b1_hbm_fraction_8b", "seeded_draws_same_as_cpu"]
+
+
+def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/gpu_figures.py", "--cpu", "--assets", str(smollm2), "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    assert [key for key in FIGURES if key not in report] == []
+    assert report["seeded_draws_same_as_cpu"] is True
+    assert report["w1_output_tok_s"] > 0 and report["w0_itl_ms_smollm2_bf16"] > 0
+    assert not (tmp_path / "models").exists()  # the shaped configs are cleaned away
+
+
+def test_device_check_calls_only_scripts_that_exist():
+    text = (ROOT / "scripts/device_check.sh").read_text()
+    assert subprocess.run(["bash", "-n", "scripts/device_check.sh"], cwd=ROOT).returncode == 0
+    for line in text.splitlines():
+        if line.startswith("step "):
+            target = line.split()[4]  # step NAME SECONDS python3 TARGET ...
+            if target == "-m":
+                module = line.split()[5]
+                assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), line
+            else:
+                assert (ROOT / target).is_file(), line
