@@ -9,6 +9,7 @@ import sys
 from llmbus.args import add_engine_args, engine_kwargs
 from llmbus.model_fetch import DEFAULT_MODEL, ModelFetchError
 from llmbus.service_cli import add_service_commands
+from shared.bus import BusRefused
 from shared.logs import setup_logging
 
 
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     try:
         return args.func(args)
-    except (ModelFetchError, ValueError) as exc:
+    except (ModelFetchError, ValueError, BusRefused) as exc:
         print(f"llmbus: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

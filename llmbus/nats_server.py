@@ -3,10 +3,14 @@
 A cluster's nodes route to each other on local ports; every service is given all their
 client URLs and fails over among them (`shared.bus.connect`). Each node also serves its
 monitoring endpoint (`/connz`), so a test can tell which node a service is connected to.
+With `authorization` (llmbus/nats_auth.py) clients must log in, and with a route
+password the nodes of a cluster must too; the config holds secrets, so it is written
+0600 in a folder only its owner can enter.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -37,13 +41,16 @@ class NatsServer:
     with `cluster_port` and `routes`, one node of a cluster."""
 
     def __init__(self, port: int | None = None, name: str = "llmbus", cluster_port: int | None = None,
-                 routes: list[int] | None = None) -> None:
+                 routes: list[int] | None = None, authorization: str | None = None,
+                 route_password: str | None = None) -> None:
         self.port = port or free_port()
         self.url = f"nats://127.0.0.1:{self.port}"
         self.name = name
         self.monitor_port = free_port()
         self.cluster_port = cluster_port
         self.routes = list(routes or [])
+        self.authorization = authorization
+        self.route_password = route_password
         self._dir = tempfile.TemporaryDirectory(prefix="llmbus-nats-")
         self.proc: subprocess.Popen | None = None
 
@@ -51,15 +58,23 @@ class NatsServer:
         lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB",
                  f"http: 127.0.0.1:{self.monitor_port}"]
         if self.cluster_port is not None:
-            routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.routes)
+            login = f"route:{self.route_password}@" if self.route_password else ""
+            routes = ", ".join(f"nats-route://{login}127.0.0.1:{p}" for p in self.routes)
             lines += ["cluster {", "  name: llmbus", f"  listen: 127.0.0.1:{self.cluster_port}",
-                      f"  routes: [{routes}]", "}"]
+                      f"  routes: [{routes}]"]
+            if self.route_password:
+                lines.append(f'  authorization {{ user: route, password: "{self.route_password}" }}')
+            lines.append("}")
+        if self.authorization:
+            lines.append(self.authorization)
         return "\n".join(lines) + "\n"
 
     def spawn(self) -> subprocess.Popen:
         """Start the process and return at once (a supervisor's restart)."""
         conf = Path(self._dir.name) / "nats.conf"
-        conf.write_text(self._config())
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self._config())
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=child_setup,
@@ -98,11 +113,12 @@ class NatsServer:
                 self.proc.wait()
 
 
-def cluster_nodes(size: int = 3) -> list[NatsServer]:
+def cluster_nodes(size: int = 3, authorization: str | None = None, route_password: str | None = None) -> list[NatsServer]:
     """`size` nodes (not started) that route to each other in a full mesh on local ports."""
     cluster_ports = [free_port() for _ in range(size)]
     return [
-        NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port])
+        NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port],
+                   authorization=authorization, route_password=route_password)
         for i, port in enumerate(cluster_ports)
     ]
 

@@ -6,21 +6,31 @@ replica that exits is restarted with backoff, a crash loop ends the deployment w
 error. It waits until the gateway's /health says the scheduler and a worker are up,
 prints the URL, and on Ctrl-C / SIGTERM stops the children front to back, then the
 nats-server. Children are tied to this process (PR_SET_PDEATHSIG), so not even a
-SIGKILL of `llmbus serve` leaves orphans.
+SIGKILL of `llmbus serve` leaves orphans. The NATS it starts takes only the
+deployment's own identities, each with its role's subjects (llmbus/nats_auth.py).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 
+from llmbus.nats_auth import Identity, authorization_config, new_identity
 from llmbus.nats_server import NatsServer, cluster_nodes, free_port  # noqa: F401 - free_port for the tests' harness
 from llmbus.processes import child_setup
 from llmbus.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
+from shared.bus import Subjects
+
+
+# The variables of the --nats-* credential flags (llmbus/service_cli.py add_bus_auth_args).
+NATS_AUTH_ENV = ("LLMBUS_NATS_USER", "LLMBUS_NATS_PASSWORD", "LLMBUS_NATS_TOKEN", "LLMBUS_NATS_CREDS",
+                 "LLMBUS_NATS_INBOX_PREFIX")
 
 
 def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -75,10 +85,23 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
+        # Instance ids fixed for the deployment's life, so a replica the supervisor restarts
+        # comes back as the same identity, with the same grants (a worker with a new
+        # incarnation, which the scheduler treats as a fresh one).
+        gateway_id = uuid.uuid4().hex[:8]
+        worker_ids = [uuid.uuid4().hex[:8] for _ in range(args.workers)]
+        identities = {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
+                      "gateway": new_identity("gateway", gateway_id),
+                      **{f"worker-{i + 1}": new_identity("worker", w) for i, w in enumerate(worker_ids)}}
         nats_url = args.nats_url
         if not nats_url:
             # Supervised like the services: a node that dies comes back on its own ports.
-            nats = cluster_nodes(args.nats_cluster) if args.nats_cluster > 1 else [NatsServer()]
+            # Nothing listens unauthenticated: one user per identity, routes with a password.
+            authorization = authorization_config(list(identities.values()), Subjects(args.served_model_name))
+            if args.nats_cluster > 1:
+                nats = cluster_nodes(args.nats_cluster, authorization, secrets.token_urlsafe(24))
+            else:
+                nats = [NatsServer(authorization=authorization)]
             for node in nats:
                 node.start()
                 supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())
@@ -86,15 +109,19 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
 
-        def add(name: str, service: str) -> None:
-            supervisor.add(name, lambda: spawn_service([service, *common], env), time.monotonic())
+        def add(name: str, service: str, identity: Identity, **ids: str) -> None:
+            # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
+            # stand; against ours, the identity's credentials and nothing else.
+            own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **identity.env()}
+            child_env = dict(env, **own, **{f"LLMBUS_{k.upper()}": v for k, v in ids.items()})
+            supervisor.add(name, lambda: spawn_service([service, *common], child_env), time.monotonic())
 
-        add("scheduler", "scheduler")
+        add("scheduler", "scheduler", identities["scheduler"])
         for i in range(args.tokenizers):
-            add(f"tokenizer-{i + 1}", "tokenizer")
-        for i in range(args.workers):
-            add(f"worker-{i + 1}", "worker")
-        add("gateway", "gateway")
+            add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
+        for i, worker_id in enumerate(worker_ids):
+            add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"], worker_id=worker_id)
+        add("gateway", "gateway", identities["gateway"], gateway_id=gateway_id)
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, supervisor.processes(), args.startup_timeout)
         print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)

@@ -24,6 +24,7 @@ from llmbus.args import (
     scheduler_config,
 )
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+from shared.bus import BusAuth
 
 
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +34,27 @@ def add_bus_args(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=env("--served-model-name", None),
         help="the name clients ask for and subjects carry (default: the model's name)",
     )
+    add_bus_auth_args(parser)
+
+
+def add_bus_auth_args(parser: argparse.ArgumentParser) -> None:
+    """How a service authenticates to NATS; secrets are best given as LLMBUS_* variables
+    (a flag shows in `ps`)."""
+    parser.add_argument("--nats-user", default=env("--nats-user"))
+    parser.add_argument("--nats-password", default=env("--nats-password"))
+    parser.add_argument("--nats-token", default=env("--nats-token"))
+    parser.add_argument("--nats-creds", default=env("--nats-creds"), help="a JWT/nkey .creds file")
+    parser.add_argument("--nats-tls-ca", default=env("--nats-tls-ca"), help="CA that signed the NATS server's cert")
+    parser.add_argument("--nats-tls-cert", default=env("--nats-tls-cert"), help="client certificate, if NATS asks")
+    parser.add_argument("--nats-tls-key", default=env("--nats-tls-key"))
+    parser.add_argument("--nats-inbox-prefix", default=env("--nats-inbox-prefix"),
+                        help="where request replies come back (default _INBOX.<user>, or _INBOX without one)")
+
+
+def bus_auth(args) -> BusAuth:
+    return BusAuth(user=args.nats_user, password=args.nats_password, token=args.nats_token,
+                   creds_file=args.nats_creds, tls_ca=args.nats_tls_ca, tls_cert=args.nats_tls_cert,
+                   tls_key=args.nats_tls_key, inbox=args.nats_inbox_prefix)
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +104,7 @@ def cmd_tokenizer(args) -> int:
 
     path, name = _setup(args)
     asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout,
-                      tool_chat_template=args.tool_chat_template))
+                      tool_chat_template=args.tool_chat_template, auth=bus_auth(args)))
     return 0
 
 
@@ -94,7 +116,7 @@ def cmd_worker(args) -> int:
                       args.max_model_len, args.worker_id, threads=args.threads,
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-                      load_format=args.load_format))
+                      load_format=args.load_format, auth=bus_auth(args)))
     return 0
 
 
@@ -109,6 +131,7 @@ def cmd_scheduler(args) -> int:
         no_worker_timeout_s=args.no_worker_timeout,
         max_waiting_requests=args.max_waiting_requests,
         async_scheduling=not args.no_async_scheduling,
+        auth=bus_auth(args),
     ))
     return 0
 
@@ -117,7 +140,7 @@ def cmd_gateway(args) -> int:
     from services.gateway.service import serve
 
     path, name = _setup(args)
-    serve(path, args.nats_url, gateway_config(args, name), args.host, args.port)
+    serve(path, args.nats_url, gateway_config(args, name), args.host, args.port, bus_auth(args), args.gateway_id)
     return 0
 
 
@@ -170,10 +193,13 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_gateway_args(p)
+    p.add_argument("--gateway-id", default=env("--gateway-id", None),
+                   help="this gateway's outputs subject (default: random; `llmbus serve` keeps one across restarts)")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")
     p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
+    add_bus_auth_args(p)  # for a NATS of yours: handed to every service
     p.add_argument("--served-model-name", default=env("--served-model-name", None))
     add_model_args(p)
     add_worker_args(p)

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import re
 import signal
+import ssl
+from dataclasses import dataclass
 
 import msgspec
 import nats
@@ -48,12 +50,59 @@ def subject_token(name: str) -> str:
     return token or "model"
 
 
-async def connect(url: str, name: str, on_reconnect=None) -> Client:
+class BusRefused(RuntimeError):
+    """NATS refused a service's credentials when it first connected."""
+
+
+@dataclass(frozen=True, slots=True)
+class BusAuth:
+    """How a service proves who it is to NATS (a user and password, a token, or a JWT/nkey
+    creds file) and how it checks the server (TLS with a CA, and a client certificate if
+    the server asks for one). `inbox_prefix` is where its requests' replies come back:
+    `_INBOX.<user>` for a user, so a permission can grant it that and no one else's."""
+
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    inbox: str | None = None
+
+    @property
+    def inbox_prefix(self) -> str:
+        return self.inbox or (f"_INBOX.{self.user}" if self.user else "_INBOX")
+
+    def connect_options(self) -> dict:
+        options: dict = {"inbox_prefix": self.inbox_prefix}
+        if self.user:
+            options.update(user=self.user, password=self.password)
+        if self.token:
+            options["token"] = self.token
+        if self.creds_file:
+            options["user_credentials"] = self.creds_file
+        if self.tls_ca or self.tls_cert:
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            options["tls"] = context
+        return options
+
+    def __repr__(self) -> str:  # never a secret in a log line or a traceback
+        return f"BusAuth(user={self.user!r}, tls={bool(self.tls_ca or self.tls_cert)})"
+
+
+async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None = None) -> Client:
     """Connect with reconnection forever: a NATS restart is an outage, not a crash.
 
     `on_reconnect` (async) runs after each reconnection: messages in flight across the gap
-    may be lost, and the caller decides what that means for its work.
+    may be lost, and the caller decides what that means for its work. Credentials NATS
+    refuses at the first connection raise BusRefused (nats-py would retry them forever);
+    a permission a service lacks is logged as a warning: the deployment is misconfigured.
     """
+    auth = auth or BusAuth()
+    refused: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def on_disconnect():
         if not (nc.is_closed or nc.is_draining):  # a drain on shutdown is not news
@@ -65,9 +114,17 @@ async def connect(url: str, name: str, on_reconnect=None) -> Client:
             await on_reconnect()
 
     async def on_error(exc):
-        log.debug("NATS error: %s", exc)
+        text = str(exc).lower()
+        if "authorization violation" in text or "authentication" in text:
+            if not refused.done():
+                refused.set_result(exc)
+            log.warning("NATS refused the credentials of %s: %s", name, exc)
+        elif "permissions violation" in text:
+            log.warning("%s: %s", name, exc)
+        else:
+            log.debug("NATS error: %s", exc)
 
-    nc = await nats.connect(
+    connecting = asyncio.ensure_future(nats.connect(
         servers=[u.strip() for u in url.split(",") if u.strip()],  # a cluster: every node
         name=name,
         max_reconnect_attempts=-1,
@@ -77,7 +134,13 @@ async def connect(url: str, name: str, on_reconnect=None) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnected,
         error_cb=on_error,
-    )
+        **auth.connect_options(),
+    ))
+    await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():
+        connecting.cancel()
+        raise BusRefused(f"NATS at {url} refused the credentials of {name} ({refused.result()})")
+    nc = connecting.result()
     log.info("%s connected to NATS at %s", name, url)
     return nc
 

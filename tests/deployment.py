@@ -76,4 +76,5 @@ def llmbus_serve(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     line = proc.stdout.readline()  # printed once /health is green
     assert f"http://127.0.0.1:{port}/v1" in line, log.read_text()[-3000:]
     proc.log = log
+    proc.banner = line  # "llmbus is serving NAME at URL/v1 (NATS URLS)"
     return proc, f"http://127.0.0.1:{port}"

@@ -10,16 +10,17 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import Subjects, close, connect
+from shared.bus import BusAuth, Subjects, close, connect
 from shared.config import GatewayConfig
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.gateway")
 
 
-def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0):
+def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0,
+              auth: BusAuth | None = None, gateway_id: str | None = None):
     tokenizer = Tokenizer(model_path)  # for detokenizing outputs; encoding is the tokenizers' job
-    gateway_id = uuid.uuid4().hex[:8]
+    gateway_id = gateway_id or uuid.uuid4().hex[:8]
 
     async def client_factory(on_stats) -> EngineClient:
         holder: list[EngineClient] = []
@@ -28,7 +29,7 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
             if holder:
                 await holder[0].on_reconnect()
 
-        nc = await connect(nats_url, f"gateway-{gateway_id}", on_reconnect)
+        nc = await connect(nats_url, f"gateway-{gateway_id}", on_reconnect, auth)
         client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats,
                               resume_timeout_s=config.scheduler_resume_timeout_s)
         holder.append(client)
@@ -43,8 +44,9 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
     return create_app(client_factory, tokenizer, config, setup_tracing("gateway"))
 
 
-def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int) -> None:
-    app = build_app(model_path, nats_url, config)
+def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
+          auth: BusAuth | None = None, gateway_id: str | None = None) -> None:
+    app = build_app(model_path, nats_url, config, auth=auth, gateway_id=gateway_id)
     log.info("gateway on http://%s:%d", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

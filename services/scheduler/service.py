@@ -22,7 +22,7 @@ from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
-from shared.bus import Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
     AbortRequests,
@@ -218,6 +218,7 @@ async def serve(
     model_name: str,
     config: SchedulerConfig,
     ready: asyncio.Event | None = None,
+    auth: BusAuth | None = None,
     **options,
 ) -> None:
     """`options` are SchedulerService's keyword arguments (timeouts, limits, caching)."""
@@ -227,7 +228,7 @@ async def serve(
         if holder:
             await holder[0].on_reconnect()
 
-    nc = await connect(nats_url, "scheduler", on_reconnect)
+    nc = await connect(nats_url, "scheduler", on_reconnect, auth)
     service = SchedulerService(nc, Subjects(model_name), config, **options)
     holder.append(service)
     await service.start()

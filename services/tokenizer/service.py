@@ -14,7 +14,7 @@ import msgspec
 
 from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
 from shared.messages import TokenizeRequest, TokenizeResponse
 from shared.sampling_params import StructuredOutputsParams
 from shared.tracing import SpanKind, extract, setup_tracing, shutdown_tracing
@@ -41,7 +41,8 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
 
 
 async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
-                compile_timeout_s: float = 5.0, tool_chat_template: str | None = None) -> None:
+                compile_timeout_s: float = 5.0, tool_chat_template: str | None = None,
+                auth: BusAuth | None = None) -> None:
     tokenizer = Tokenizer(model_path, tool_chat_template)
     # Started at the first spec (a child process with the vocabulary), not by every replica.
     grammars = GrammarChecker(model_path, compile_timeout_s)
@@ -49,7 +50,7 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     tracer = setup_tracing("tokenizer")
     subjects = Subjects(model_name)
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
-    nc = await connect(nats_url, "tokenizer")
+    nc = await connect(nats_url, "tokenizer", auth=auth)
 
     async def handle(msg) -> None:
         with tracer.start_as_current_span("tokenizer.encode", context=extract(msg.headers), kind=SpanKind.SERVER) as span:

@@ -18,7 +18,7 @@ import msgspec
 
 from services.worker.executor import InProcessExecutor, execute_step
 from services.worker.model_runner import ModelRunner
-from shared.bus import Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
 from shared.config import CacheConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 from shared.tracing import extract, setup_tracing, shutdown_tracing
@@ -68,6 +68,7 @@ async def serve(
     enforce_eager: bool = False,
     max_cudagraph_capture_size: int = 256,
     load_format: str = "auto",
+    auth: BusAuth | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
@@ -98,7 +99,7 @@ async def serve(
         info.incarnation += 1
         await announce()
 
-    nc = await connect(nats_url, f"worker-{worker_id}", on_reconnect)
+    nc = await connect(nats_url, f"worker-{worker_id}", on_reconnect, auth)
 
     last_step_at = [time.monotonic()]
 

@@ -1,0 +1,97 @@
+"""Who may do what on a deployment's bus: one NATS user per service identity, each allowed
+only the subjects its role needs, and the nats-server `authorization` config for them.
+
+`PERMISSIONS` is the table (docs/security.md renders it; a test keeps the two equal).
+Each row is a role; `{id}` is the instance (a gateway reads only its own outputs, a
+worker takes only its own steps), `{user}` the identity's user name. Replies to a
+request go to the requester's inbox, `_INBOX.<user>.…` (shared.bus.BusAuth): a
+requester may subscribe to its own inbox and nobody else's, and a responder needs no
+publish grant for it — `allow_responses` lets it answer the requests it received, once.
+A blanket `_INBOX.>` would let a gateway read every worker's step answers.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from shared.bus import Subjects
+
+# role -> (publish, subscribe, answers requests): subjects after `llmbus.<model>.`, or
+# absolute ones (the inbox).
+PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
+    "gateway": (
+        ("requests", "abort", "tokenize", "scheduler.info"),
+        ("outputs.{id}", "scheduler.heartbeat", "scheduler.stats", "_INBOX.{user}.>"),
+        False,
+    ),
+    "tokenizer": ((), ("tokenize",), True),
+    "scheduler": (
+        ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*", "workers.*.step"),
+        ("requests", "abort", "workers.announce", "scheduler.info", "_INBOX.{user}.>"),
+        True,
+    ),
+    "worker": (("workers.announce",), ("workers.{id}.step", "scheduler.hello"), True),
+}
+ROLES = tuple(PERMISSIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    role: str
+    instance: str  # "" for roles whose replicas are interchangeable (tokenizers, the scheduler)
+    password: str
+
+    @property
+    def user(self) -> str:
+        return f"{self.role}-{self.instance}" if self.instance else self.role
+
+    def env(self) -> dict[str, str]:
+        """What the service is started with: its flags' LLMBUS_* variables (not argv, which `ps` shows)."""
+        return {"LLMBUS_NATS_USER": self.user, "LLMBUS_NATS_PASSWORD": self.password}
+
+
+def new_identity(role: str, instance: str = "") -> Identity:
+    if role not in PERMISSIONS:
+        raise ValueError(f"unknown role {role!r}: {', '.join(ROLES)}")
+    return Identity(role, instance, secrets.token_urlsafe(24))
+
+
+def subjects_of(role: str, subjects: Subjects, instance: str = "", user: str | None = None) -> dict:
+    """The role's grants for one identity: {"publish": [...], "subscribe": [...], "allow_responses": bool}."""
+    publish, subscribe, responds = PERMISSIONS[role]
+    user = user or (f"{role}-{instance}" if instance else role)
+
+    def expand(pattern: str) -> str:
+        subject = pattern.format(id=instance, user=user)
+        return subject if subject.startswith("_INBOX") else f"{subjects.prefix}.{subject}"
+
+    return {"publish": [expand(p) for p in publish], "subscribe": [expand(p) for p in subscribe],
+            "allow_responses": responds}
+
+
+def _user_entry(identity: Identity, subjects: Subjects) -> dict:
+    grants = subjects_of(identity.role, subjects, identity.instance, identity.user)
+    # An empty allow list means "anything" to nats-server: a role that publishes nothing
+    # of its own is denied everything, and answers through allow_responses alone.
+    publish = {"allow": grants["publish"]} if grants["publish"] else {"deny": [">"]}
+    permissions = {"publish": publish, "subscribe": {"allow": grants["subscribe"]}}
+    if grants["allow_responses"]:
+        permissions["allow_responses"] = True
+    return {"user": identity.user, "password": identity.password, "permissions": permissions}
+
+
+def authorization_config(identities: list[Identity], subjects: Subjects) -> str:
+    """nats-server's `authorization` block (its config takes JSON values) for these users."""
+    users = [_user_entry(identity, subjects) for identity in identities]
+    return "authorization: " + json.dumps({"users": users}, indent=1) + "\n"
+
+
+def permission_table() -> str:
+    """The table as markdown, for docs/security.md."""
+    rows = ["| role | publishes | subscribes | answers requests |", "|---|---|---|---|"]
+    for role, (publish, subscribe, responds) in PERMISSIONS.items():
+        rows.append(f"| {role} | {', '.join(f'`{p}`' for p in publish) or '—'} | "
+                    f"{', '.join(f'`{s}`' for s in subscribe)} | {'yes' if responds else 'no'} |")
+    return "\n".join(rows) + "\n"

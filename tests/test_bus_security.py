@@ -1,0 +1,256 @@
+"""A closed bus: the NATS that `llmbus serve` starts takes only the deployment's own
+identities, and each may use only its role's subjects (llmbus/nats_auth.py). Checked on
+real nats-servers; a refusal is seen as NATS's own error, not as a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nats
+import openai
+import pytest
+
+from deployment import llmbus_serve
+from llmbus.nats_auth import authorization_config, new_identity, permission_table
+from llmbus.nats_server import NatsServer, cluster_nodes
+from llmbus.supervisor import stop_all
+from shared.bus import BusAuth, Subjects
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBJECTS = Subjects("tiny")
+P = SUBJECTS.prefix
+
+
+async def login(url: str, user: str | None = None, password: str | None = None, **options):
+    """A connection that reports its errors instead of retrying: (client or None, errors)."""
+    errors: list[str] = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+
+    try:
+        nc = await nats.connect(url, user=user, password=password, allow_reconnect=False, connect_timeout=3,
+                                error_cb=on_error, **options)
+    except Exception as exc:  # noqa: BLE001 - nats-py raises its own kinds
+        errors.append(str(exc))
+        return None, errors
+    return nc, errors
+
+
+async def violations(nc, errors: list[str], subscribe=(), publish=()) -> list[str]:
+    """Try each subscription and publish; the permission errors NATS sent back."""
+    for subject in subscribe:
+        await nc.subscribe(subject)
+    for subject in publish:
+        await nc.publish(subject, b"x")
+    await nc.flush()
+    await asyncio.sleep(0.3)  # the server's -ERR arrives after its PONG
+    found = [e.lower() for e in errors if "permissions violation" in e.lower()]  # nats-py lowercases some
+    errors.clear()
+    return found
+
+
+def test_the_permission_table_in_the_docs_is_the_one_enforced():
+    assert permission_table() in (ROOT / "docs/security.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def closed_bus():
+    """A nats-server with the users of a deployment: one scheduler, tokenizers, two
+    gateways, two workers."""
+    identities = {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
+                  "g1": new_identity("gateway", "g1"), "g2": new_identity("gateway", "g2"),
+                  "w1": new_identity("worker", "w1"), "w2": new_identity("worker", "w2")}
+    server = NatsServer(authorization=authorization_config(list(identities.values()), SUBJECTS)).start()
+    yield server, identities
+    server.stop()
+
+
+def test_anonymous_and_wrong_passwords_are_refused(closed_bus):
+    server, ids = closed_bus
+
+    async def run():
+        for user, password in [(None, None), ("gateway-g1", "wrong"), ("gateway-g1", ids["g2"].password),
+                               ("nobody", ids["g1"].password)]:
+            nc, errors = await login(server.url, user, password)
+            assert nc is None and any("authorization violation" in e.lower() for e in errors), (user, errors)
+
+    asyncio.run(run())
+
+
+# role identity -> (allowed subscriptions, allowed publishes, forbidden subscriptions, forbidden publishes)
+GRANTS = {
+    "g1": ([f"{P}.outputs.g1", f"{P}.scheduler.heartbeat", f"{P}.scheduler.stats", "_INBOX.gateway-g1.x"],
+           [f"{P}.requests", f"{P}.abort", f"{P}.tokenize", f"{P}.scheduler.info"],
+           [f"{P}.outputs.g2", f"{P}.outputs.*", ">", "_INBOX.>", "_INBOX.scheduler.x", f"{P}.workers.w1.step",
+            f"{P}.requests", f"{P}.tokenize"],
+           [f"{P}.workers.w1.step", f"{P}.outputs.g2", f"{P}.scheduler.heartbeat", f"{P}.workers.announce"]),
+    "w1": ([f"{P}.workers.w1.step", f"{P}.scheduler.hello"], [f"{P}.workers.announce"],
+           [f"{P}.workers.w2.step", f"{P}.workers.*.step", f"{P}.outputs.g1", f"{P}.requests", "_INBOX.>"],
+           [f"{P}.workers.w2.step", f"{P}.outputs.g1", f"{P}.requests", f"{P}.scheduler.heartbeat"]),
+    "tokenizer": ([f"{P}.tokenize"], [],
+                  [f"{P}.requests", f"{P}.outputs.g1", ">"],
+                  [f"{P}.tokenize", f"{P}.outputs.g1", f"{P}.requests"]),
+    "scheduler": ([f"{P}.requests", f"{P}.abort", f"{P}.workers.announce", f"{P}.scheduler.info",
+                   "_INBOX.scheduler.x"],
+                  [f"{P}.outputs.g1", f"{P}.outputs.g2", f"{P}.workers.w1.step", f"{P}.scheduler.hello",
+                   f"{P}.scheduler.heartbeat", f"{P}.scheduler.stats"],
+                  [f"{P}.outputs.g1", f"{P}.workers.w1.step", f"{P}.tokenize", "_INBOX.gateway-g1.x", ">"],
+                  [f"{P}.requests", f"{P}.tokenize", f"{P}.workers.announce"]),
+}
+
+
+@pytest.mark.parametrize("who", GRANTS)
+def test_each_identity_gets_its_roles_subjects_and_no_others(closed_bus, who):
+    server, ids = closed_bus
+    identity = ids[who]
+    allowed_sub, allowed_pub, forbidden_sub, forbidden_pub = GRANTS[who]
+
+    async def run():
+        nc, errors = await login(server.url, identity.user, identity.password)
+        assert nc is not None, errors
+        assert await violations(nc, errors, allowed_sub, allowed_pub) == []
+        for subject in forbidden_sub:
+            assert await violations(nc, errors, subscribe=[subject]) == [
+                f'nats: permissions violation for subscription to "{subject.lower()}"'], (who, subject)
+        for subject in forbidden_pub:
+            assert await violations(nc, errors, publish=[subject]) == [
+                f'nats: permissions violation for publish to "{subject.lower()}"'], (who, subject)
+        await nc.close()
+
+    asyncio.run(run())
+
+
+def test_requests_are_answered_through_the_requesters_own_inbox(closed_bus):
+    """Gateway -> tokenizer and scheduler -> worker round trips work, and a gateway cannot
+    drive a worker even by request."""
+    server, ids = closed_bus
+
+    async def run():
+        def options(identity):
+            return BusAuth(user=identity.user, password=identity.password).connect_options()
+
+        tokenizer, _ = await login(server.url, ids["tokenizer"].user, ids["tokenizer"].password)
+        worker, _ = await login(server.url, ids["w1"].user, ids["w1"].password)
+        gateway, gateway_errors = await login(server.url, **options(ids["g1"]))
+        scheduler, _ = await login(server.url, **options(ids["scheduler"]))
+
+        async def echo(msg):
+            await msg.respond(b"answer:" + msg.data)
+
+        await tokenizer.subscribe(f"{P}.tokenize", cb=echo)
+        await worker.subscribe(f"{P}.workers.w1.step", cb=echo)
+        await tokenizer.flush()
+        await worker.flush()
+        assert (await gateway.request(f"{P}.tokenize", b"hi", timeout=5)).data == b"answer:hi"
+        assert (await scheduler.request(f"{P}.workers.w1.step", b"s", timeout=5)).data == b"answer:s"
+        with pytest.raises(Exception):
+            await gateway.request(f"{P}.workers.w1.step", b"s", timeout=1)
+        assert any("permissions violation for publish" in e for e in gateway_errors)
+        for nc in (tokenizer, worker, gateway, scheduler):
+            await nc.close()
+
+    asyncio.run(run())
+
+
+def _creds(identity) -> dict:
+    return {"user": identity.user, "password": identity.password}
+
+
+def test_cluster_routes_need_the_route_password():
+    identities = [new_identity("scheduler"), new_identity("worker", "w1")]
+    nodes = cluster_nodes(2, authorization_config(identities, SUBJECTS), "route-secret")
+    rogue = NatsServer(name="rogue", cluster_port=_free(), routes=[nodes[0].cluster_port])  # no password
+    try:
+        for node in nodes:
+            node.start()
+        rogue.start()
+
+        async def run():
+            scheduler, _ = await login(nodes[0].url, **_creds(identities[0]))
+            worker, _ = await login(nodes[1].url, **_creds(identities[1]))
+            got = asyncio.get_running_loop().create_future()
+
+            async def on_hello(msg):
+                if not got.done():
+                    got.set_result(msg.data)
+
+            await worker.subscribe(f"{P}.scheduler.hello", cb=on_hello)
+            await worker.flush()
+            deadline = time.monotonic() + 10
+            while not got.done() and time.monotonic() < deadline:  # until the route carries interest
+                await scheduler.publish(f"{P}.scheduler.hello", b"hello")
+                await asyncio.sleep(0.2)
+            assert got.done() and got.result() == b"hello"  # the authenticated route works
+            await scheduler.close()
+            await worker.close()
+
+        asyncio.run(run())
+        assert _routes(nodes[0]) == {"nats-2"}  # its peer (in a pool of routes); the rogue's was refused
+        assert _routes(rogue) == set()
+    finally:
+        for node in (*nodes, rogue):
+            node.stop()
+
+
+def _free() -> int:
+    from llmbus.nats_server import free_port
+
+    return free_port()
+
+
+def _routes(node: NatsServer) -> set[str]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.monitor_port}/routez", timeout=5) as resp:
+        return {route.get("remote_name") for route in json.load(resp)["routes"]}
+
+
+def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
+    """The served path works with auth on; an anonymous client and a service without
+    credentials are refused (the service says so and exits); the config is 0600; no
+    password reaches the logs."""
+    proc, base_url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny",
+                                   "--max-model-len", "256", "--num-kv-blocks", "64"], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        assert out.choices[0].text is not None and out.usage.completion_tokens == 4
+        nats_url = re.search(r"\(NATS (\S+)\)", proc.banner).group(1)
+
+        async def anonymous():
+            return await login(nats_url)
+
+        nc, errors = asyncio.run(anonymous())
+        assert nc is None and any("authorization violation" in e.lower() for e in errors), errors
+
+        # A service started by hand without credentials is refused, says so, and exits.
+        rogue = subprocess.run([sys.executable, "-m", "llmbus", "worker", "--nats-url", nats_url,
+                                "--model", str(tiny_llama), "--served-model-name", "tiny"],
+                               capture_output=True, text=True, timeout=120,
+                               env={k: v for k, v in os.environ.items() if not k.startswith("LLMBUS_")})
+        assert rogue.returncode == 2, rogue.stderr[-2000:]
+        assert "refused the credentials of worker-" in rogue.stderr and "Traceback" not in rogue.stderr
+
+        import psutil
+
+        nats_proc = next(c for c in psutil.Process(proc.pid).children() if "nats-server" in c.name())
+        conf = Path(nats_proc.cmdline()[nats_proc.cmdline().index("-c") + 1])
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+        assert stat.S_IMODE(conf.parent.stat().st_mode) == 0o700
+        passwords = re.findall(r'"password": "([^"]+)"', conf.read_text())
+        assert len(passwords) == 4  # scheduler, tokenizer, the gateway, the worker
+    finally:
+        stop_all([proc])
+    log = (tmp_path / "serve.log").read_text()
+    assert not [p for p in passwords if p in log]
