@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from llmbus.nats_tls import TlsFiles, server_tls_block
 from llmbus.processes import child_setup
 
 
@@ -42,9 +43,10 @@ class NatsServer:
 
     def __init__(self, port: int | None = None, name: str = "llmbus", cluster_port: int | None = None,
                  routes: list[int] | None = None, authorization: str | None = None,
-                 route_password: str | None = None) -> None:
+                 route_password: str | None = None, tls: TlsFiles | None = None) -> None:
         self.port = port or free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
+        self.tls = tls  # clients and routes both: nothing crosses in the clear
+        self.url = f"{'tls' if tls else 'nats'}://127.0.0.1:{self.port}"
         self.name = name
         self.monitor_port = free_port()
         self.cluster_port = cluster_port
@@ -64,7 +66,11 @@ class NatsServer:
                       f"  routes: [{routes}]"]
             if self.route_password:
                 lines.append(f'  authorization {{ user: route, password: "{self.route_password}" }}')
+            if self.tls:
+                lines.append(server_tls_block(self.tls, "  "))
             lines.append("}")
+        if self.tls:
+            lines.append(server_tls_block(self.tls))
         if self.authorization:
             lines.append(self.authorization)
         return "\n".join(lines) + "\n"
@@ -113,12 +119,13 @@ class NatsServer:
                 self.proc.wait()
 
 
-def cluster_nodes(size: int = 3, authorization: str | None = None, route_password: str | None = None) -> list[NatsServer]:
+def cluster_nodes(size: int = 3, authorization: str | None = None, route_password: str | None = None,
+                  tls: TlsFiles | None = None) -> list[NatsServer]:
     """`size` nodes (not started) that route to each other in a full mesh on local ports."""
     cluster_ports = [free_port() for _ in range(size)]
     return [
         NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port],
-                   authorization=authorization, route_password=route_password)
+                   authorization=authorization, route_password=route_password, tls=tls)
         for i, port in enumerate(cluster_ports)
     ]
 

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
 from llmbus.nats_auth import Identity, authorization_config, new_identity
 from llmbus.nats_server import NatsServer, cluster_nodes, free_port  # noqa: F401 - free_port for the tests' harness
+from llmbus.nats_tls import make_tls_files
 from llmbus.processes import child_setup
 from llmbus.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
 from shared.bus import Subjects
@@ -30,7 +34,7 @@ from shared.bus import Subjects
 
 # The variables of the --nats-* credential flags (llmbus/service_cli.py add_bus_auth_args).
 NATS_AUTH_ENV = ("LLMBUS_NATS_USER", "LLMBUS_NATS_PASSWORD", "LLMBUS_NATS_TOKEN", "LLMBUS_NATS_CREDS",
-                 "LLMBUS_NATS_INBOX_PREFIX")
+                 "LLMBUS_NATS_INBOX_PREFIX", "LLMBUS_NATS_TLS_CA", "LLMBUS_NATS_TLS_CERT", "LLMBUS_NATS_TLS_KEY")
 
 
 def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
@@ -76,6 +80,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     flags default to (each takes the ones it has)."""
     nats: list[NatsServer] = []
     supervisor = Supervisor()
+    run_dir = Path(tempfile.mkdtemp(prefix="llmbus-serve-"))  # 0700: the deployment's secrets
     stop_requested = False
 
     def on_signal(signum, _frame):
@@ -94,14 +99,18 @@ def run_serve(args, service_env: dict[str, str]) -> int:
                       "gateway": new_identity("gateway", gateway_id),
                       **{f"worker-{i + 1}": new_identity("worker", w) for i, w in enumerate(worker_ids)}}
         nats_url = args.nats_url
+        bus_env: dict[str, str] = {}  # what every service needs of our NATS besides its identity
         if not nats_url:
             # Supervised like the services: a node that dies comes back on its own ports.
             # Nothing listens unauthenticated: one user per identity, routes with a password.
             authorization = authorization_config(list(identities.values()), Subjects(args.served_model_name))
+            tls = make_tls_files(run_dir / "tls", ["127.0.0.1", "localhost"]) if args.nats_tls else None
+            if tls:
+                bus_env["LLMBUS_NATS_TLS_CA"] = str(tls.ca)
             if args.nats_cluster > 1:
-                nats = cluster_nodes(args.nats_cluster, authorization, secrets.token_urlsafe(24))
+                nats = cluster_nodes(args.nats_cluster, authorization, secrets.token_urlsafe(24), tls)
             else:
-                nats = [NatsServer(authorization=authorization)]
+                nats = [NatsServer(authorization=authorization, tls=tls)]
             for node in nats:
                 node.start()
                 supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())
@@ -112,7 +121,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         def add(name: str, service: str, identity: Identity, **ids: str) -> None:
             # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
             # stand; against ours, the identity's credentials and nothing else.
-            own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **identity.env()}
+            own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **bus_env, **identity.env()}
             child_env = dict(env, **own, **{f"LLMBUS_{k.upper()}": v for k, v in ids.items()})
             supervisor.add(name, lambda: spawn_service([service, *common], child_env), time.monotonic())
 
@@ -138,3 +147,4 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         supervisor.stop(["gateway", "worker", "scheduler", "tokenizer"])  # then NATS, last
         for node in nats:
             node.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -145,7 +145,8 @@ def cmd_gateway(args) -> int:
 
 
 # Flags of `serve` itself, not of any service it starts.
-_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "tokenizers", "workers", "startup_timeout"}
+_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "tokenizers", "workers",
+               "startup_timeout"}
 
 
 def cmd_serve(args) -> int:
@@ -210,6 +211,9 @@ def add_service_commands(sub) -> None:
     p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),
                    help="start this many clustered nats-servers (3 survives the loss of one); every service "
                         "gets all their URLs")
+    p.add_argument("--nats-tls", action="store_true", default=env_flag("--nats-tls"),
+                   help="the NATS it starts speaks only TLS (clients and routes), with a CA and certificate "
+                        "made for the deployment")
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))

@@ -51,7 +51,8 @@ def subject_token(name: str) -> str:
 
 
 class BusRefused(RuntimeError):
-    """NATS refused a service's credentials when it first connected."""
+    """A service could not log in to NATS when it first connected: its credentials were
+    refused, or the server's TLS certificate failed the check."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +99,9 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
 
     `on_reconnect` (async) runs after each reconnection: messages in flight across the gap
     may be lost, and the caller decides what that means for its work. Credentials NATS
-    refuses at the first connection raise BusRefused (nats-py would retry them forever);
-    a permission a service lacks is logged as a warning: the deployment is misconfigured.
+    refuses, or a server certificate that fails the TLS check, at the first connection
+    raise BusRefused (nats-py would retry them forever); a permission a service lacks is
+    logged as a warning: the deployment is misconfigured.
     """
     auth = auth or BusAuth()
     refused: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -115,10 +117,10 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
 
     async def on_error(exc):
         text = str(exc).lower()
-        if "authorization violation" in text or "authentication" in text:
+        if "authorization violation" in text or "authentication" in text or isinstance(exc, ssl.SSLError):
             if not refused.done():
                 refused.set_result(exc)
-            log.warning("NATS refused the credentials of %s: %s", name, exc)
+            log.warning("%s could not log in to NATS: %s", name, exc)
         elif "permissions violation" in text:
             log.warning("%s: %s", name, exc)
         else:
@@ -139,7 +141,7 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
     await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():
         connecting.cancel()
-        raise BusRefused(f"NATS at {url} refused the credentials of {name} ({refused.result()})")
+        raise BusRefused(f"{name} could not log in to NATS at {url}: {refused.result()}")
     nc = connecting.result()
     log.info("%s connected to NATS at %s", name, url)
     return nc

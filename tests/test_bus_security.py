@@ -240,7 +240,8 @@ def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
                                capture_output=True, text=True, timeout=120,
                                env={k: v for k, v in os.environ.items() if not k.startswith("LLMBUS_")})
         assert rogue.returncode == 2, rogue.stderr[-2000:]
-        assert "refused the credentials of worker-" in rogue.stderr and "Traceback" not in rogue.stderr
+        assert "could not log in to NATS" in rogue.stderr and "Authorization Violation" in rogue.stderr
+        assert "Traceback" not in rogue.stderr
 
         import psutil
 
@@ -254,3 +255,60 @@ def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
         stop_all([proc])
     log = (tmp_path / "serve.log").read_text()
     assert not [p for p in passwords if p in log]
+
+
+def test_the_tls_files_are_a_ca_and_a_certificate_it_signed(tmp_path):
+    import ssl as ssl_module
+
+    from llmbus.nats_tls import make_tls_files
+
+    files = make_tls_files(tmp_path / "tls", ["127.0.0.1", "localhost"])
+    assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == ["ca.pem", "server.key", "server.pem"]  # no CA key
+    assert stat.S_IMODE(files.key.stat().st_mode) == 0o600
+    # The server side loads them, and a client trusting the CA verifies the certificate for both names.
+    server = ssl_module.create_default_context(ssl_module.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(files.cert, files.key)
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(files.cert.read_bytes())
+    ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+
+
+def test_llmbus_serve_over_tls_in_a_cluster(tiny_llama, tmp_path):
+    """--nats-tls --nats-cluster 3: clients and routes speak only TLS; the deployment
+    serves; a client that does not trust the deployment's CA cannot even reach the login."""
+    import psutil
+
+    proc, base_url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--nats-tls",
+                                   "--nats-cluster", "3", "--max-model-len", "256", "--num-kv-blocks", "64"],
+                                  tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+        urls = re.search(r"\(NATS (\S+)\)", proc.banner).group(1).split(",")
+        assert len(urls) == 3 and all(u.startswith("tls://127.0.0.1:") for u in urls)
+        configs = [Path(c.cmdline()[c.cmdline().index("-c") + 1]).read_text()
+                   for c in psutil.Process(proc.pid).children() if "nats-server" in c.name()]
+        assert len(configs) == 3 and all(c.count("tls {") == 2 for c in configs)  # clients and routes
+        ca = re.search(r'ca_file: "([^"]+)"', configs[0]).group(1)
+        run_dir = Path(ca).parents[1]
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+
+        async def attempts():
+            untrusting, errors = await login(urls[0])  # the system's CAs only
+            assert untrusting is None and any("certificate verify failed" in e for e in errors), errors
+            import ssl as ssl_module
+
+            trusting = ssl_module.create_default_context(cafile=ca)
+            anonymous, errors = await login(urls[0], tls=trusting)  # TLS fine, but no credentials
+            assert anonymous is None and any("authorization violation" in e.lower() for e in errors), errors
+
+        asyncio.run(attempts())
+    finally:
+        stop_all([proc])
+    assert not run_dir.exists()  # the deployment's secrets go with it
