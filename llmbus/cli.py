@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from llmbus import nats_config
 from llmbus.args import add_engine_args, engine_kwargs
 from llmbus.model_fetch import DEFAULT_MODEL, ModelFetchError
 from llmbus.service_cli import add_service_commands
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=bench_module.run)
 
     add_service_commands(sub)
+    nats_config.add_parser(sub)
     return parser
 
 

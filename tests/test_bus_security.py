@@ -312,3 +312,72 @@ def test_llmbus_serve_over_tls_in_a_cluster(tiny_llama, tmp_path):
     finally:
         stop_all([proc])
     assert not run_dir.exists()  # the deployment's secrets go with it
+
+
+def _compose(name: str) -> dict:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!reset", lambda loader, node: [])
+    return yaml.load((ROOT / name).read_text(), Loader=Loader)
+
+
+def test_compose_secure_overlay_takes_the_files_nats_config_writes(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "llmbus", "nats-config", "--out", str(tmp_path / "bus"),
+                             "--tls", "--workers", "1"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    base, secure = _compose("compose.yaml"), _compose("compose.secure.yaml")
+    assert set(secure["services"]) <= set(base["services"])
+    for name, service in secure["services"].items():
+        for env_file in service.get("env_file", []):
+            assert (tmp_path / env_file).is_file(), (name, env_file)
+        for secret in service.get("secrets", []):
+            assert secret in secure["secrets"], (name, secret)
+    for secret in secure["secrets"].values():
+        assert (tmp_path / secret["file"]).is_file(), secret
+    conf = (tmp_path / "bus/nats.conf").read_text()
+    for node in ("nats-1", "nats-2", "nats-3"):
+        command = secure["services"][node]["command"]
+        assert command[:2] == ["-c", "/run/secrets/nats-conf"] and command[-1] == node
+    assert set(re.findall(r'"(/run/secrets/[^"]+)"', conf)) == {f"/run/secrets/{s}" for s in ("nats-ca", "nats-cert", "nats-key")}
+    for path in (tmp_path / "bus").glob("*.env"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "bus/nats.conf").stat().st_mode) == 0o600
+
+
+def test_compose_services_serve_on_the_closed_bus_nats_config_writes(tiny_llama, tmp_path):
+    """What compose.secure.yaml runs, without Docker: nats-server on the written config, and
+    the four service commands, each with only its env file's identity, over TLS."""
+    from llmbus.nats_config import write_bus_files
+    from llmbus.nats_server import free_port, nats_server_binary
+    from llmbus.serve import spawn_service, wait_healthy
+
+    bus, secrets_dir = tmp_path / "bus", tmp_path / "secrets"  # secrets_dir stands for /run/secrets
+    port, cluster_port = free_port(), free_port()
+    write_bus_files(bus, "tiny", 1, tls=True, secrets_dir=str(secrets_dir), client_port=port,
+                    cluster_port=cluster_port, extra_hosts=("127.0.0.1",))
+    secrets_dir.mkdir()
+    for secret, file in {"nats-ca": "ca.pem", "nats-cert": "server.pem", "nats-key": "server.key"}.items():
+        (secrets_dir / secret).symlink_to(bus / "tls" / file)
+    nats_proc = subprocess.Popen([nats_server_binary(), "-c", str(bus / "nats.conf"), "--name", "nats-1"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [nats_proc]
+    try:
+        http_port = free_port()
+        common = {k: v for k, v in os.environ.items() if not k.startswith("LLMBUS_")}
+        common.update(LLMBUS_NATS_URL=f"nats://127.0.0.1:{port}", LLMBUS_MODEL=str(tiny_llama),
+                      LLMBUS_SERVED_MODEL_NAME="tiny", LLMBUS_MAX_MODEL_LEN="256", LLMBUS_NUM_KV_BLOCKS="64",
+                      LLMBUS_PORT=str(http_port))
+        for service, env_file in [("scheduler", "scheduler.env"), ("tokenizer", "tokenizer.env"),
+                                  ("worker", "worker-1.env"), ("gateway", "gateway.env")]:
+            own = dict(line.split("=", 1) for line in (bus / env_file).read_text().splitlines())
+            procs.append(spawn_service([service], {**common, **own}))
+        base_url = f"http://127.0.0.1:{http_port}"
+        wait_healthy(base_url, procs, 180)
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        stop_all(procs[1:])
+        stop_all(procs[:1])
