@@ -1,5 +1,6 @@
-"""`llmbus serve --workers 2 --tokenizers 2 --nats-cluster 3` itself under faults, as a
-user runs it: replicas SIGKILLed one kind at a time under 24 concurrent streams (the real
+"""`llmbus serve --workers 2 --tokenizers 2 --nats-cluster 3 --nats-tls` itself under
+faults, as a user runs it — a closed bus: every service logged in as its own identity with
+its role's subjects, over TLS, routes included (tests/test_bus_security.py): replicas SIGKILLed one kind at a time under 24 concurrent streams (the real
 openai client) — a worker, a tokenizer, the scheduler, the NATS node the scheduler is
 connected to — every stream finishing with the text of a fault-free run and the killed
 replica back; metrics that come back to 0 after 100 streams are dropped; and a SIGTERM
@@ -34,7 +35,7 @@ MAX_TOKENS = 48
 def served(tiny_llama, tmp_path_factory):
     proc, url = llmbus_serve(
         ["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2", "--tokenizers", "2",
-         "--nats-cluster", "3", "--num-kv-blocks", "256", "--max-model-len", "1024"],
+         "--nats-cluster", "3", "--nats-tls", "--num-kv-blocks", "256", "--max-model-len", "1024"],
         tmp_path_factory.mktemp("serve") / "stderr.log",
     )
     yield proc, url
@@ -185,5 +186,7 @@ def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     assert proc.wait(60) == 0
     stderr = proc.log.read_text()
     assert "Traceback" not in stderr, stderr[-3000:]
+    # Through every fault, no service was refused a subject it needs (it would log it).
+    assert "permissions violation" not in stderr and "could not log in" not in stderr, stderr[-3000:]
     wait_until(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], 10,
                "children left behind")
