@@ -64,25 +64,34 @@ def shaped_folder(assets: Path, dest: Path, overrides: dict) -> Path:
     return dest
 
 
-def decode_step_times(llm, batch: int, prompt_len: int, steps: int) -> list[float]:
-    """Wall seconds of `steps` decode steps at `batch` requests (prefilled and warmed first)."""
+def _decode_batch(llm, batch: int, prompt_len: int, steps: int, salt: int) -> None:
+    """`batch` requests prefilled and three decode steps in: the steps after are steady decodes."""
     from llmbus import SamplingParams
 
-    prompts = [[(7 * i + 13 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
+    prompts = [[(salt * i + 13 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
     llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)] * batch)
     while any(r.num_computed_tokens < prompt_len for r in llm.scheduler.requests.values()):
         llm.step()
     for _ in range(3):
         llm.step()
+
+
+def _finish(llm) -> None:
+    while llm.scheduler.has_unfinished_requests():
+        llm.step()
+    llm.step()
+
+
+def decode_step_times(llm, batch: int, prompt_len: int, steps: int) -> list[float]:
+    """Wall seconds of `steps` decode steps at `batch` requests."""
+    _decode_batch(llm, batch, prompt_len, steps, salt=7)
     times = []
     for _ in range(steps):
         sync()
         start = time.perf_counter()
         llm.step()
         times.append(time.perf_counter() - start)
-    while llm.scheduler.has_unfinished_requests():
-        llm.step()
-    llm.step()
+    _finish(llm)
     return times
 
 
@@ -90,21 +99,12 @@ def gpu_busy_ms(llm, batch: int, prompt_len: int, steps: int) -> float:
     """The GPU's kernel time per decode step at `batch`, under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from llmbus import SamplingParams
-
-    prompts = [[(11 * i + 5 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
-    llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)] * batch)
-    while any(r.num_computed_tokens < prompt_len for r in llm.scheduler.requests.values()):
-        llm.step()
-    for _ in range(3):
-        llm.step()
+    _decode_batch(llm, batch, prompt_len, steps, salt=11)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()
         sync()
-    while llm.scheduler.has_unfinished_requests():
-        llm.step()
-    llm.step()
+    _finish(llm)
     events = prof.key_averages()
     print(events.table(sort_by="self_device_time_total", row_limit=12), flush=True)
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -381,3 +381,39 @@ def test_compose_services_serve_on_the_closed_bus_nats_config_writes(tiny_llama,
     finally:
         stop_all(procs[1:])
         stop_all(procs[:1])
+
+
+def test_a_service_logs_in_with_a_token_and_a_wrong_one_ends_it_cleanly(tiny_llama):
+    """Against a NATS of the user's that takes a token: the tokenizer service logs in with
+    --nats-token (given as its LLMBUS_ variable), and with a wrong one exits with status 2
+    and a message, not a traceback or an endless retry."""
+    from llmbus.serve import spawn_service
+
+    server = NatsServer(authorization='authorization { token: "s3cret-token" }').start()
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("LLMBUS_")}
+        args = ["tokenizer", "--nats-url", server.url, "--model", str(tiny_llama), "--served-model-name", "tiny"]
+        wrong = subprocess.run([sys.executable, "-m", "llmbus", *args], capture_output=True, text=True, timeout=120,
+                               env={**base, "LLMBUS_NATS_TOKEN": "not-it"})
+        assert wrong.returncode == 2 and "could not log in to NATS" in wrong.stderr, wrong.stderr[-2000:]
+        assert "Traceback" not in wrong.stderr and "not-it" not in wrong.stderr
+        right = spawn_service(args, {**base, "LLMBUS_NATS_TOKEN": "s3cret-token"})
+        try:
+            async def ask():
+                nc, errors = await login(server.url, token="s3cret-token")
+                assert nc is not None, errors
+                deadline = time.monotonic() + 60
+                while True:  # until the tokenizer has subscribed
+                    try:
+                        return await nc.request(f"{P}.tokenize", b"\x80", timeout=1)
+                    except Exception:  # noqa: BLE001 - no responders yet
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.3)
+
+            reply = asyncio.run(ask())
+            assert b"malformed tokenize request" in reply.data  # the service answered, logged in by token
+        finally:
+            stop_all([right])
+    finally:
+        server.stop()
+
