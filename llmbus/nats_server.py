@@ -43,12 +43,14 @@ class NatsServer:
 
     def __init__(self, port: int | None = None, name: str = "llmbus", cluster_port: int | None = None,
                  routes: list[int] | None = None, authorization: str | None = None,
-                 route_password: str | None = None, tls: TlsFiles | None = None) -> None:
+                 route_password: str | None = None, tls: TlsFiles | None = None, monitor: bool = True) -> None:
         self.port = port or free_port()
         self.tls = tls  # clients and routes both: nothing crosses in the clear
         self.url = f"{'tls' if tls else 'nats'}://127.0.0.1:{self.port}"
         self.name = name
-        self.monitor_port = free_port()
+        # The monitoring endpoint needs no login (it shows connections and subscriptions, not
+        # messages): on for tests' servers, off under `llmbus serve` unless --nats-monitor.
+        self.monitor_port = free_port() if monitor else None
         self.cluster_port = cluster_port
         self.routes = list(routes or [])
         self.authorization = authorization
@@ -57,8 +59,9 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
 
     def _config(self) -> str:
-        lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB",
-                 f"http: 127.0.0.1:{self.monitor_port}"]
+        lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB"]
+        if self.monitor_port is not None:
+            lines.append(f"http: 127.0.0.1:{self.monitor_port}")
         if self.cluster_port is not None:
             login = f"route:{self.route_password}@" if self.route_password else ""
             routes = ", ".join(f"nats-route://{login}127.0.0.1:{p}" for p in self.routes)
@@ -120,12 +123,12 @@ class NatsServer:
 
 
 def cluster_nodes(size: int = 3, authorization: str | None = None, route_password: str | None = None,
-                  tls: TlsFiles | None = None) -> list[NatsServer]:
+                  tls: TlsFiles | None = None, monitor: bool = True) -> list[NatsServer]:
     """`size` nodes (not started) that route to each other in a full mesh on local ports."""
     cluster_ports = [free_port() for _ in range(size)]
     return [
         NatsServer(name=f"nats-{i + 1}", cluster_port=port, routes=[p for p in cluster_ports if p != port],
-                   authorization=authorization, route_password=route_password, tls=tls)
+                   authorization=authorization, route_password=route_password, tls=tls, monitor=monitor)
         for i, port in enumerate(cluster_ports)
     ]
 
@@ -147,7 +150,10 @@ def node_with_client(parent_pid: int, client_name: str):
             config = Path(argv[argv.index("-c") + 1]).read_text()
         except (psutil.Error, ValueError, OSError):
             continue
-        port = re.search(r"^http: 127\.0\.0\.1:(\d+)$", config, re.M).group(1)
+        monitored = re.search(r"^http: 127\.0\.0\.1:(\d+)$", config, re.M)
+        if monitored is None:
+            continue  # served without --nats-monitor
+        port = monitored.group(1)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/connz", timeout=5) as resp:
             names = [c.get("name") for c in json.load(resp)["connections"]]
         if client_name in names:

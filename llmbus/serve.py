@@ -108,9 +108,10 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             if tls:
                 bus_env["LLMBUS_NATS_TLS_CA"] = str(tls.ca)
             if args.nats_cluster > 1:
-                nats = cluster_nodes(args.nats_cluster, authorization, secrets.token_urlsafe(24), tls)
+                nats = cluster_nodes(args.nats_cluster, authorization, secrets.token_urlsafe(24), tls,
+                                     monitor=args.nats_monitor)
             else:
-                nats = [NatsServer(authorization=authorization, tls=tls)]
+                nats = [NatsServer(authorization=authorization, tls=tls, monitor=args.nats_monitor)]
             for node in nats:
                 node.start()
                 supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())

@@ -145,8 +145,8 @@ def cmd_gateway(args) -> int:
 
 
 # Flags of `serve` itself, not of any service it starts.
-_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "tokenizers", "workers",
-               "startup_timeout"}
+_SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "nats_monitor", "tokenizers",
+               "workers", "startup_timeout"}
 
 
 def cmd_serve(args) -> int:
@@ -214,6 +214,8 @@ def add_service_commands(sub) -> None:
     p.add_argument("--nats-tls", action="store_true", default=env_flag("--nats-tls"),
                    help="the NATS it starts speaks only TLS (clients and routes), with a CA and certificate "
                         "made for the deployment")
+    p.add_argument("--nats-monitor", action="store_true", default=env_flag("--nats-monitor"),
+                   help="serve NATS's monitoring endpoint on 127.0.0.1 (connections, subscriptions; no login)")
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))

@@ -251,6 +251,7 @@ def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
         assert stat.S_IMODE(conf.parent.stat().st_mode) == 0o700
         passwords = re.findall(r'"password": "([^"]+)"', conf.read_text())
         assert len(passwords) == 4  # scheduler, tokenizer, the gateway, the worker
+        assert "\nhttp:" not in conf.read_text()  # no monitoring port either: nothing listens without a login
     finally:
         stop_all([proc])
     log = (tmp_path / "serve.log").read_text()

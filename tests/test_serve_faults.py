@@ -35,7 +35,7 @@ MAX_TOKENS = 48
 def served(tiny_llama, tmp_path_factory):
     proc, url = llmbus_serve(
         ["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2", "--tokenizers", "2",
-         "--nats-cluster", "3", "--nats-tls", "--num-kv-blocks", "256", "--max-model-len", "1024"],
+         "--nats-cluster", "3", "--nats-tls", "--nats-monitor", "--num-kv-blocks", "256", "--max-model-len", "1024"],
         tmp_path_factory.mktemp("serve") / "stderr.log",
     )
     yield proc, url
