@@ -62,6 +62,8 @@ def build_tiny_model(
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     folder = Path(folder)
@@ -92,6 +94,12 @@ def build_tiny_model(
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**{"head_dim": 16, **common}))
+        with torch.no_grad():  # the q/k norm weights start at one; make them count
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:

@@ -6,11 +6,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Architectures whose modules `models/llama.py` reproduces; Qwen2 differs only by qkv bias.
+# Architectures whose modules `models/llama.py` reproduces: Qwen2 differs only by its
+# qkv bias, Qwen3 by a per-head RMSNorm on queries and keys before rotary.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
 }
 
 
@@ -35,6 +37,7 @@ class ModelConfig:
     eos_token_id: int | None = None
     # Sliding-window attention is not implemented, so the context stops at the window.
     sliding_window: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
 
     @property
     def max_model_len(self) -> int:
@@ -86,4 +89,5 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            qk_norm=arch == "Qwen3ForCausalLM",
         )

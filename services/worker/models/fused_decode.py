@@ -45,6 +45,8 @@ class FusedDecode:
             return None
         if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
+        if config.qk_norm:
+            return None  # the C layer has no per-head query/key norm (Qwen3): the module path
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
 and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
@@ -44,6 +44,11 @@ class Attention(nn.Module):
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.rotary = rotary
         self.backend = backend
+        if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -56,6 +61,12 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # Query and key heads are adjacent: rotate them in one pass, then split the result.
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            # Norms as rows of head_dim (their kernels take 2-D rows), then side by side again for rotary.
+            qk = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim),
+                            self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)),
+                           dim=1)
         q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
