@@ -1,6 +1,7 @@
 """Families beyond Llama and Qwen2, each token-identical to transformers on tiny random
 models under every way the scheduler slices the work. Qwen3: a per-head RMSNorm on the
-queries and keys before rotary (q_norm, k_norm)."""
+queries and keys before rotary (q_norm, k_norm). Mixtral and Qwen3-MoE: sparse MLPs of 8
+experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
 
@@ -24,24 +25,26 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    folder = build_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=2)
-    return folder, hf_greedy(folder, PROMPTS, MAX_NEW)
+FAMILIES = ["qwen3", "mixtral", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory):
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=2)
+    return folder, hf_greedy(folder, PROMPTS, MAX_NEW), request.param
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_qwen3_matches_transformers(qwen3, case):
-    folder, reference = qwen3
+def test_matches_transformers(family, case):
+    folder, reference, _ = family
     llm = LLM(str(folder), **CASES[case])
-    assert llm.runner.model_config.qk_norm
     assert generate_ids(llm, PROMPTS) == reference
     if case == "preemption":
         assert llm.stats().num_preemptions > 0
 
 
-def test_qwen3_prefix_hits_match_transformers(qwen3):
-    folder, _ = qwen3
+def test_prefix_hits_match_transformers(family):
+    folder, _, _ = family
     prefix = random_prompts([48], seed=7)[0]
     prompts = [prefix + tail for tail in random_prompts([3, 9, 20, 1], seed=8)]
     llm = LLM(str(folder), block_size=16)
@@ -50,12 +53,49 @@ def test_qwen3_prefix_hits_match_transformers(qwen3):
     assert llm.stats().prefix_cache_hits >= 3 * 48
 
 
-def test_qwen3_on_triton_attention_under_the_interpreter(qwen3):
-    folder, _ = qwen3
+def test_on_triton_attention_under_the_interpreter(family):
+    folder, _, _ = family
     prompts = PROMPTS[:3]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
+
+
+def test_decode_steps_replayed_from_the_graph_buffers(family):
+    folder, reference, _ = family
+    llm = LLM(str(folder))
+    llm.runner.set_decode_graphs("replay")
+    assert generate_ids(llm, PROMPTS) == reference
+    assert llm.runner.decode_graphs.steps > 0
+
+
+def test_what_each_family_reads_from_its_config(family):
+    folder, _, name = family
+    config = LLM(str(folder)).runner.model_config
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
+    assert config.moe_layers == {"qwen3": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    assert (config.num_experts, config.num_experts_per_tok) == ((0, 0) if name == "qwen3" else (8, 2))
+
+
+def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_path):
+    """norm_topk_prob off (the top-k weighed by their share of the whole softmax) and
+    decoder_sparse_step 2 (every second layer sparse, the others dense)."""
+    folder = build_tiny_model(tmp_path / "m", "qwen3_moe", seed=3, num_hidden_layers=4, norm_topk_prob=False,
+                              decoder_sparse_step=2, mlp_only_layers=[])
+    llm = LLM(str(folder))
+    assert llm.runner.model_config.moe_layers == (1, 3) and not llm.runner.model_config.norm_topk_prob
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "mixtral", seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 must be within 1..8"):
+        LLM(str(folder))
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture .*Phi3ForCausalLM"):
+        LLM(str(folder))
 
 
 def test_qwen3_with_head_dim_64_keeps_to_the_module_path_and_matches(tmp_path):
@@ -79,24 +119,31 @@ def _prefix_agreement(outputs, reference) -> float:
     return sum(common(out, ref) for out, ref in zip(outputs, reference)) / len(reference)
 
 
-def test_qwen3_in_bfloat16_int8_and_int4_agrees_with_float32_as_llama_does(tmp_path):
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_bfloat16_int8_and_int4_agree_with_float32_as_llama_does(tmp_path, arch):
     """Lower precision parts from float32's greedy output sooner or later on tiny random
-    models (their logits are close): Qwen3 must stay within the band a Llama of the same
-    shape and seed shows (measured: bf16 ~15-23 of 24 tokens, int8 ~8-15, int4 ~1.5-1.9 for
-    both), not fall to nothing as a norm lost in a quantized path would make it."""
+    models (their logits are close): each family must stay within the band a Llama of the
+    same shape and seed shows (measured for Qwen3: bf16 ~15-23 of 24 tokens, int8 ~8-15,
+    int4 ~1.5-1.9, as Llama's; Qwen3-MoE's int4 0.6, its experts' products being short), not fall to nothing as a norm or a router lost in a
+    quantized path would make it. Experts run on the same kernels as dense layers."""
     shape = dict(seed=6, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                  intermediate_size=256, initializer_range=0.08)
-    agreement = {}
-    for arch in ("llama", "qwen3"):
-        folder = build_tiny_model(tmp_path / arch, arch, **shape)
+    agreement, first_tokens = {}, {}
+    for name in ("llama", arch):
+        extra = {"moe_intermediate_size": 64} if name == "qwen3_moe" else {}
+        folder = build_tiny_model(tmp_path / name, name, **shape, **extra)
         reference = generate_ids(LLM(str(folder)), PROMPTS)
         for quantization in (None, "int8", "int4"):
             out = generate_ids(LLM(str(folder), dtype="bfloat16", quantization=quantization), PROMPTS)
             assert all(len(ids) == MAX_NEW for ids in out)
-            agreement[arch, quantization] = _prefix_agreement(out, reference)
-    for quantization in (None, "int8", "int4"):
-        assert agreement["qwen3", quantization] >= 0.5 * agreement["llama", quantization], agreement
-    assert agreement["qwen3", None] >= 8, agreement
+            agreement[name, quantization] = _prefix_agreement(out, reference)
+            first_tokens[name, quantization] = sum(a[0] == b[0] for a, b in zip(out, reference))
+    for quantization in (None, "int8"):
+        assert agreement[arch, quantization] >= 0.5 * agreement["llama", quantization], agreement
+    assert agreement[arch, None] >= 8, agreement
+    # int4 parts within a token or two here, Llama too: the first token is what it keeps
+    # (a broken path would match 1 in 384 by chance).
+    assert first_tokens[arch, "int4"] >= 2, (first_tokens, agreement)
 
 
 def test_qwen3_sliding_window_that_is_switched_off_does_not_cap_the_context(tmp_path):

@@ -62,8 +62,12 @@ def build_tiny_model(
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     folder = Path(folder)
@@ -100,6 +104,12 @@ def build_tiny_model(
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    elif arch == "mixtral":  # 8 experts, top 2, every layer sparse
+        model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **common}))
+    elif arch == "qwen3_moe":  # 8 experts, top 2; the last layer dense (mlp_only_layers)
+        moe = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "mlp_only_layers": [common["num_hidden_layers"] - 1], "norm_topk_prob": True}
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, **common}))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:

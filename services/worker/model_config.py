@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # Mixture of experts: the same decoder with a sparse MLP (layers/moe.py) where the config says.
+    "MixtralForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
 }
 
 
@@ -38,6 +41,14 @@ class ModelConfig:
     # Sliding-window attention is not implemented, so the context stops at the window.
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
+    # Mixture of experts: `moe_layers` are sparse, each token going to `num_experts_per_tok`
+    # of `num_experts` experts of `moe_intermediate_size`, weighed by the router's softmax
+    # over the chosen ones (norm_topk_prob) or over all experts.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def max_model_len(self) -> int:
@@ -89,5 +100,28 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            **_moe_fields(arch, raw),
         )
+
+
+def _moe_fields(arch: str, raw: dict) -> dict:
+    """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
+    Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
+    moe_intermediate_size, renormalized if norm_topk_prob."""
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    num_experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
+    top_k = raw.get("num_experts_per_tok", 0)
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+    layers = range(raw["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
+                    norm_topk_prob=True, moe_layers=tuple(layers))
+    step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or [])
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step {step} must be at least 1")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))

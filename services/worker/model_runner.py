@@ -92,7 +92,8 @@ class ModelRunner:
         # a step's launches cost little beside its products (and the fused decode layer
         # already makes one call a layer).
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and not cfg.moe_layers:
+            # (A sparse layer sorts its tokens by expert on the host: not capturable yet.)
             self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()

@@ -45,8 +45,8 @@ class FusedDecode:
             return None
         if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
-        if config.qk_norm:
-            return None  # the C layer has no per-head query/key norm (Qwen3): the module path
+        if config.qk_norm or config.moe_layers:
+            return None  # the C layer has no per-head query/key norm (Qwen3), no experts: the module path
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3; Mixtral and Qwen3-MoE
+with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
 and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
@@ -16,6 +17,7 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.model_config import ModelConfig
@@ -28,6 +30,8 @@ PACKED_WEIGHTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Mixtral's names for the parts that Qwen3-MoE and our modules call otherwise.
+ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
 class Attention(nn.Module):
@@ -74,12 +78,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """The dense SwiGLU MLP, and each expert of a sparse one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.shard_sizes = (config.intermediate_size, config.intermediate_size)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.shard_sizes = (intermediate_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)
@@ -90,12 +96,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, rotary, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        if index in config.moe_layers:
+            self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, config.norm_topk_prob, MLP)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
@@ -118,7 +128,7 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
         self.rotary = rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, backend, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -164,6 +174,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if ".experts." in name or ".block_sparse_moe." in name:
+                for theirs, ours in ALIASES.items():
+                    name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
             if name == "lm_head.weight" and self.lm_head is None:
