@@ -10,10 +10,12 @@
 #   2. scripts/gpu_figures.py: the figures of docs/gpu/latest.json — W0 ITL, W1 with graphs
 #      against eager, GPU busy share of a batch-128 decode step, the 8B shape's batch-1 HBM
 #      share, seeded draws equal to the CPU's
-#   3. python -m llmbus.bench.kernels: Triton paged attention at real sizes, splits, vs SDPA
+#      and a Mixtral-shaped MoE layer on the fused kernels against the per-expert loop
+# (python -m llmbus.bench.kernels, Triton paged attention at real sizes, was measured on an
+# H200 on 2026-11-30, docs/kernels.md; run it by hand when the attention kernel changes.)
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
 # $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
-# docs/gpu/latest.json), kernels_bench.json/.md.
+# docs/gpu/latest.json).
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
@@ -48,7 +50,6 @@ for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokeni
 "
 } >>"$LOG" 2>&1
 
-step gpu_check 100 python3 scripts/gpu_check.py --out "$OUT"
-step gpu_figures 240 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
-step kernels_bench 60 python3 -m llmbus.bench.kernels --out "$OUT"
+step gpu_check 130 python3 scripts/gpu_check.py --out "$OUT"
+step gpu_figures 270 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
 grep -E "^== |^\{\"figure|checks passed|roofline|\| " "$LOG" | tail -n 60

@@ -54,6 +54,8 @@ MODELS = {
     "qwen2_bias": ("qwen2", {}),
     "llama_hd64_gqa3": ("llama", {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
                                   "head_dim": 64, "intermediate_size": 256, "initializer_range": 0.08}),
+    # Qwen3's q/k norms and a sparse layer on the grouped-GEMM kernels, a dense one beside it.
+    "qwen3_moe": ("qwen3_moe", {}),
 }
 
 

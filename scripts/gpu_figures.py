@@ -13,6 +13,9 @@ Each figure with CUDA graphs (the default) and, where it is a ratio, against
 - decode_b1_hbm_fraction_8b: the 8B shape's weight bytes a batch-1 decode step reads,
   over its step time, over the copy bandwidth measured here (bytes read + written a second)
 - seeded_draws_same_as_cpu: the sampling contract's draws, bit for bit, on both devices
+- fused_moe_ms_mixtral_layer_b{1,64}: one Mixtral-8x7B-shaped expert layer (8 experts of
+  14336, top 2) as kernels/fused_moe.py's grouped GEMMs, against the per-expert PyTorch
+  loop (`_loop`) on the same inputs, and the b1 run's share of the copy bandwidth
 
     python scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out $OUT [--gpu-check $OUT/gpu_check.json]
 
@@ -143,6 +146,37 @@ def weight_bytes_per_decode_step(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or model.lm_head is None)
 
 
+def moe_layer_times(device: str, tiny: bool) -> dict:
+    """A Mixtral-8x7B-shaped sparse layer (bf16): fused grouped GEMMs against the loop."""
+    from services.worker.layers.moe import SparseMoE
+    from services.worker.models.llama import MLP
+
+    hidden, inter = (64, 128) if tiny else (4096, 14336)
+    with torch.device(device):
+        moe = SparseMoE(hidden, inter, 8, 2, renormalize=True, expert=MLP)
+    moe = moe.to(torch.bfloat16).requires_grad_(False)
+    figures = {}
+    for batch in (1, 64):
+        x = torch.randn(batch, hidden, device=device, dtype=torch.bfloat16)
+        for name in ("loop", "fused"):
+            if name == "fused" and moe.w_gate_up is None:
+                moe.stack_experts()
+            with torch.inference_mode():
+                for _ in range(3):
+                    moe(x)
+                sync()
+                start = time.perf_counter()
+                for _ in range(10):
+                    moe(x)
+                sync()
+            ms = (time.perf_counter() - start) / 10 * 1e3
+            figures[f"fused_moe_ms_mixtral_layer_b{batch}{'' if name == 'fused' else '_loop'}"] = round(ms, 3)
+        moe.w_gate_up = moe.w_down = None  # the next batch's loop reads the experts again
+    expert_bytes = sum(p.numel() * p.element_size() for p in moe.experts[0].parameters())
+    figures["moe_b1_bytes_per_s"] = 2 * expert_bytes / (figures["fused_moe_ms_mixtral_layer_b1"] / 1e3)
+    return figures
+
+
 def seeded_draws_same_as_cpu(device: str) -> bool:
     from services.worker.random_draws import uniform
 
@@ -231,6 +265,13 @@ def main() -> int:
     report["decode_b1_hbm_fraction_8b"] = round(weights / step / bandwidth, 3)
     log(figure="decode_b1_8b", step_ms=report["decode_b1_step_ms_8b"], weight_gb=report["weight_gb_8b"],
         copy_gb_s=report["copy_bandwidth_gb_s"], hbm_fraction=report["decode_b1_hbm_fraction_8b"])
+    if device == "cuda":
+        del llm
+        torch.cuda.empty_cache()
+    moe = moe_layer_times(device, args.cpu)
+    moe["moe_b1_hbm_fraction"] = round(moe.pop("moe_b1_bytes_per_s") / bandwidth, 3)
+    report.update(moe)
+    log(figure="fused_moe", **moe)
     shutil.rmtree(work, ignore_errors=True)
     (out / "latest.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from llmbus import LLM, SamplingParams
+from services.worker.layers.moe import SparseMoE
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 MAX_NEW = 24
@@ -54,10 +55,14 @@ def test_prefix_hits_match_transformers(family):
 
 
 def test_on_triton_attention_under_the_interpreter(family):
-    folder, _, _ = family
+    """The GPU's kernels: attention, and for the MoE families the grouped-GEMM experts."""
+    folder, _, name = family
     prompts = PROMPTS[:3]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
+    sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
+    assert len(sparse) == {"qwen3": 0, "mixtral": 2, "qwen3_moe": 1}[name]
+    assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
 

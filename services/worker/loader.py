@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from services.worker.attention.backend import AttentionBackend
 from services.worker.models.fused_decode import FusedDecode
+from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
@@ -86,6 +87,9 @@ def load_model(
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model = model.to(device)
+    for module in model.modules():
+        if isinstance(module, SparseMoE) and module.fused:
+            module.stack_experts()  # for the Triton grouped GEMMs
     if can_pack(dtype, torch.device(device)):
         pack_linears(model)  # what quantization left unquantized (int4: the LM head)
         if model.lm_head is None:

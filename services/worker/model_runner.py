@@ -92,8 +92,7 @@ class ModelRunner:
         # a step's launches cost little beside its products (and the fused decode layer
         # already makes one call a layer).
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager and not cfg.moe_layers:
-            # (A sparse layer sorts its tokens by expert on the host: not capturable yet.)
+        if self.device.type == "cuda" and not enforce_eager:
             self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
         self.sampler = Sampler()
@@ -138,8 +137,12 @@ class ModelRunner:
             hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device,
         )
         if mode == "capture":
-            with torch.inference_mode():
-                self.decode_graphs.capture_all()
+            try:
+                with torch.inference_mode():
+                    self.decode_graphs.capture_all()
+            except RuntimeError as exc:  # a forward that reads the device on the host: eager it is
+                log.warning("decode steps run eager: CUDA graph capture failed (%s)", exc)
+                self.decode_graphs = None
 
     @property
     def vocab_size(self) -> int:

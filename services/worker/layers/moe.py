@@ -10,6 +10,10 @@ transformers adds them in, so float32 outputs keep its bits as far as the produc
 Each expert is the dense model's MLP (`gate_up_proj`, `down_proj`), so the CPU kernels'
 packed products, int8 and int4 take the experts as they take any layer. The router is a
 plain weight, not an nn.Linear: quantizing it would move which experts a token picks.
+
+With the Triton backend the experts' weights are stacked once at load ([E, N, K], each
+expert's weight then a view of it) and the products run as kernels/fused_moe.py's two
+grouped GEMMs, with no host read: what a CUDA graph can capture.
 """
 
 from __future__ import annotations
@@ -27,12 +31,25 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, expert: type[nn.Module]) -> None:
+                 renormalize: bool, expert: type[nn.Module], fused: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Router(num_experts, hidden_size)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
+        self.w_gate_up: torch.Tensor | None = None  # [E, 2 * intermediate, hidden]
+        self.w_down: torch.Tensor | None = None  # [E, hidden, intermediate]
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """The experts' weights as two stacked tensors, each expert's now a view of them
+        (no second copy). After the weights reached their dtype and device."""
+        gate_up = torch.stack([e.gate_up_proj.weight.data for e in self.experts])
+        down = torch.stack([e.down_proj.weight.data for e in self.experts])
+        for i, e in enumerate(self.experts):
+            e.gate_up_proj.weight.data, e.down_proj.weight.data = gate_up[i], down[i]
+        self.w_gate_up, self.w_down = gate_up, down
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, k] in x's dtype, experts [num_tokens, k]) of each token."""
@@ -44,6 +61,10 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         weights, chosen = self.route(x)
+        if self.w_gate_up is not None:
+            from kernels.fused_moe import fused_moe  # Triton: only where its backend runs
+
+            return fused_moe(x, self.w_gate_up, self.w_down, weights, chosen)
         flat = chosen.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat, stable=True)  # the pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()

@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                 config.num_experts_per_tok, config.norm_topk_prob, MLP)
+                                 config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton")
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
