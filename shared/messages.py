@@ -210,6 +210,8 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # Counts the worker's reconnections to NATS: a step or its answer may have been lost
     # in the gap, so the scheduler takes it back as a new worker (a reset, recompute).
     incarnation: int = 0
+    # The model's longrope threshold (Phi-3), which decides how its prompts' blocks hash.
+    long_rope_threshold: int | None = None
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):

@@ -98,8 +98,8 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
     with pytest.raises(ValueError, match="num_experts_per_tok 9 must be within 1..8"):
         LLM(str(folder))
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Phi3ForCausalLM"]}))
-    with pytest.raises(ValueError, match="unsupported architecture .*Phi3ForCausalLM"):
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture .*DeepseekV3ForCausalLM"):
         LLM(str(folder))
 
 
@@ -157,3 +157,77 @@ def test_qwen3_sliding_window_that_is_switched_off_does_not_cap_the_context(tmp_
     config.update(sliding_window=64, use_sliding_window=False, max_position_embeddings=1024)
     (folder / "config.json").write_text(json.dumps(config))
     assert LLM(str(folder)).max_model_len == 1024
+
+
+# ---- Phi-3: fused qkv/gate_up in the checkpoint, longrope, partial rotary ---------------
+
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.4, 2.9, 3.5],
+            "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 11.0, 15.0]}
+# Around the threshold of 32: prompts under it whose outputs cross it, and prompts past it.
+PHI3_PROMPTS = random_prompts([1, 5, 20, 31, 32, 33, 50], seed=4)
+
+
+def phi3(tmp_path, name="phi3", **overrides):
+    return build_tiny_model(tmp_path / name, "phi3", seed=4, max_position_embeddings=256, **overrides)
+
+
+@pytest.mark.parametrize("variant", ["default_rope", "longrope", "longrope_partial", "partial"])
+@pytest.mark.parametrize("case", CASES)
+def test_phi3_matches_transformers(tmp_path, variant, case):
+    rope = {"default_rope": {}, "partial": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.5}},
+            "longrope": {"rope_parameters": LONGROPE, "original_max_position_embeddings": 32},
+            "longrope_partial": {"rope_parameters": {**LONGROPE, "partial_rotary_factor": 0.5,
+                                                     "short_factor": LONGROPE["short_factor"][:4],
+                                                     "long_factor": LONGROPE["long_factor"][:4]},
+                                 "original_max_position_embeddings": 32}}[variant]
+    folder = phi3(tmp_path, **rope)
+    llm = LLM(str(folder), **CASES[case])
+    config = llm.runner.model_config
+    assert config.long_rope_threshold == (32 if "longrope" in variant else None)
+    assert config.rotary_dim == (8 if "partial" in variant else 0)
+    assert generate_ids(llm, PHI3_PROMPTS) == hf_greedy(folder, PHI3_PROMPTS, MAX_NEW)
+
+
+def test_phi3_longrope_blocks_are_not_shared_across_the_threshold(tmp_path):
+    """Past the threshold a sequence is rotated with the long factors from its first token
+    (transformers' Phi-3 recomputes it there), so a long prompt must not hit the blocks a
+    short one left, must hit those another long one left, and a request that grows past
+    the threshold restarts long and still equals transformers."""
+    folder = phi3(tmp_path, rope_parameters=LONGROPE, original_max_position_embeddings=32)
+    head = random_prompts([16], seed=9)[0]
+    short = head + [7, 8, 9]  # 19 tokens + 5 generated: stays short
+    long_a, long_b = head + random_prompts([30], seed=10)[0], head + random_prompts([40], seed=11)[0]
+    crossing = head + [5, 6]  # 18 + 24 generated: crosses at 33
+    llm = LLM(str(folder), block_size=16)
+    got, expected = [], []
+    for prompt, max_new, hits in [(short, 5, 0), (long_a, MAX_NEW, 0), (long_b, MAX_NEW, 16), (crossing, MAX_NEW, None)]:
+        before = llm.stats().prefix_cache_hits
+        got += generate_ids(llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True))
+        expected += hf_greedy(folder, [prompt], max_new)
+        if hits is not None:
+            assert llm.stats().prefix_cache_hits - before == hits
+    assert got == expected
+    assert llm.stats().num_preemptions == 0  # the restart at the threshold is no preemption
+
+
+@pytest.mark.parametrize("options", [{"async_scheduling": False}, {"speculative_config": {
+    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+    "disable_by_batch_size": None}}], ids=["sync", "speculative"])
+def test_phi3_longrope_crossing_under_other_scheduling(tmp_path, options):
+    folder = phi3(tmp_path, rope_parameters=LONGROPE, original_max_position_embeddings=32)
+    llm = LLM(str(folder), **options)
+    assert generate_ids(llm, PHI3_PROMPTS) == hf_greedy(folder, PHI3_PROMPTS, MAX_NEW)
+
+
+def test_phi3_unsupported_rope_configs_are_refused_by_name(tmp_path):
+    folder = phi3(tmp_path, rope_parameters=LONGROPE, original_max_position_embeddings=32)
+    config = json.loads((folder / "config.json").read_text())
+    bad = {**config, "rope_parameters": {**config["rope_parameters"], "long_factor": [1.0]}}
+    (folder / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="long_factor of 8 values"):
+        LLM(str(folder))
+    bad = {**config, "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}}
+    (folder / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="unsupported rope_type 'yarn'"):
+        LLM(str(folder))

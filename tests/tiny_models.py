@@ -64,6 +64,8 @@ def build_tiny_model(
         Qwen2ForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
@@ -104,6 +106,8 @@ def build_tiny_model(
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    elif arch == "phi3":  # q/k/v and gate/up fused in the checkpoint, as Phi-3's are
+        model = Phi3ForCausalLM(Phi3Config(**common))
     elif arch == "mixtral":  # 8 experts, top 2, every layer sparse
         model = MixtralForCausalLM(MixtralConfig(**{"num_local_experts": 8, "num_experts_per_tok": 2, **common}))
     elif arch == "qwen3_moe":  # 8 experts, top 2; the last layer dense (mlp_only_layers)

@@ -14,8 +14,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 long_rope_threshold: int | None = None) -> None:
         self.block_size = block_size
+        # longrope (Phi-3): a sequence past the threshold is rotated with the long factors from
+        # its first token on, so its blocks hold other keys than the same tokens' in a shorter
+        # one: its hash chain starts from another root (Scheduler restarts a request that
+        # crosses, with its hashes cleared).
+        self.long_rope_threshold = long_rope_threshold
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -29,8 +35,11 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes to every block its tokens fill."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        root = None
+        if self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold:
+            root = b"longrope:long"
         for i in range(len(hashes), len(tokens) // bs):
-            parent = hashes[i - 1] if i else None
+            parent = hashes[i - 1] if i else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:

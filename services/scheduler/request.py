@@ -50,6 +50,11 @@ class Request:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
+    # longrope (Phi-3): whether its K/V is computed with the long factors (it was longer
+    # than the threshold when it started), and sampled tokens still to come from steps
+    # in flight that must be dropped (computed before it restarted long).
+    long_rope: bool = False
+    num_discarded_tokens: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once

@@ -40,10 +40,13 @@ class Scheduler:
         num_kv_blocks: int,
         block_size: int,
         vocab_size: int,
+        long_rope_threshold: int | None = None,
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.long_rope_threshold = long_rope_threshold
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
+                                               long_rope_threshold)
         # A request must fit in the cache on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len, num_kv_blocks * block_size)
         self.requests: dict[str, Request] = {}
@@ -162,15 +165,28 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: give back all blocks and start over from the front of the queue."""
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._restart(request)
+
+    def _restart(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         if request.in_worker:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False
         self.waiting.appendleft(request)
+
+    def _restart_long(self, request: Request) -> None:
+        """longrope: transformers recomputes a sequence with the long factors, from its first
+        token, once it grows past the threshold (Phi-3's generate drops its cache there), so
+        the request starts over, hashed anew (long blocks are other blocks), and the token a
+        step in flight computes for it in the old mode is dropped when it lands."""
+        self.running.remove(request)
+        request.block_hashes.clear()
+        request.num_discarded_tokens = request.num_output_placeholders
+        self._restart(request)
 
     # ---- one step ------------------------------------------------------------------
 
@@ -253,6 +269,7 @@ class Scheduler:
                 request.queue_time_s = time.monotonic() - request.queued_at
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
+            request.long_rope = self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold
             self.running.append(request)
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
@@ -379,6 +396,9 @@ class Scheduler:
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
             request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            if request.num_discarded_tokens:  # computed before a longrope restart
+                request.num_discarded_tokens -= 1
+                continue
             request.awaiting_grammar = False
             slots = scheduler_output.num_draft_slots.get(req_id, 0)
             if slots:
@@ -406,6 +426,9 @@ class Scheduler:
                 self._finish(request, reason, stop_reason)
                 output.finish_reason = reason
                 output.stop_reason = stop_reason
+            elif (self.long_rope_threshold is not None and not request.long_rope
+                  and request.status == RequestStatus.RUNNING and request.num_tokens > self.long_rope_threshold):
+                self._restart_long(request)
             outputs[request.reply_subject].append(output)
         return self._pack(outputs)
 

@@ -13,6 +13,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # Phi-3: q/k/v and gate/up come fused in the checkpoint, as our modules hold them;
+    # longrope scaling and partial rotary.
+    "Phi3ForCausalLM": "llama",
     # Mixture of experts: the same decoder with a sparse MLP (layers/moe.py) where the config says.
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
@@ -41,6 +44,10 @@ class ModelConfig:
     # Sliding-window attention is not implemented, so the context stops at the window.
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
+    rotary_dim: int = 0  # the leading dims of a head that rotate (partial_rotary_factor); 0 = all
+    # longrope: a token uses the long factors when max(prompt length, its position + 1)
+    # passes this (original_max_position_embeddings), as transformers decides per call
+    long_rope_threshold: int | None = None
     # Mixture of experts: `moe_layers` are sparse, each token going to `num_experts_per_tok`
     # of `num_experts` experts of `moe_intermediate_size`, weighed by the router's softmax
     # over the chosen ones (norm_topk_prob) or over all experts.
@@ -75,9 +82,25 @@ class ModelConfig:
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear or llama3")
+        rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+        if rope_type not in ("default", "linear", "llama3", "longrope"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3 or longrope")
         rope["rope_type"] = rope_type
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
+        long_rope_threshold = None
+        if rope_type == "longrope":
+            original = rope.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+            if original is None or len(rope.get("short_factor", ())) != rotary_dim // 2 \
+                    or len(rope.get("long_factor", ())) != rotary_dim // 2:
+                raise ValueError("longrope needs original_max_position_embeddings and short_factor and "
+                                 f"long_factor of {rotary_dim // 2} values each")
+            rope["original_max_position_embeddings"] = long_rope_threshold = original
+            # transformers' attention factor: from `factor`, or the ratio of the two lengths
+            rope.setdefault("factor", raw.get("max_position_embeddings", 2048) / original)
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):  # several EOS ids: the first is the one we stop on
             eos = eos[0] if eos else None
@@ -89,7 +112,7 @@ class ModelConfig:
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -101,6 +124,8 @@ class ModelConfig:
             eos_token_id=eos,
             sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
+            long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
         )
 

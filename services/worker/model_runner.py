@@ -257,6 +257,9 @@ class ModelRunner:
         for rid, slots in num_draft_slots.items():
             state = self.requests.get(rid)
             if state is not None and not isinstance(state.matcher, Future):  # a grammar still compiling: none
+                threshold = self.model_config.long_rope_threshold
+                if threshold is not None and not state.long_rope and len(state.token_ids) + slots > threshold:
+                    continue  # drafts would cross the longrope threshold, where the request restarts
                 proposed = self.proposer.propose(state.token_ids, slots)
                 if proposed:
                     drafts[rid] = proposed
@@ -294,6 +297,8 @@ class ModelRunner:
                 # New to this worker (first step, resumed, preempted, migrated): a fresh
                 # matcher, with the tokens already generated replayed into it.
                 matcher=self.grammars.start_matcher(spec, new.output_token_ids) if spec is not None else None,
+                long_rope=(self.model_config.long_rope_threshold is not None
+                           and len(new.prompt_token_ids) + len(new.output_token_ids) > self.model_config.long_rope_threshold),
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)
@@ -355,6 +360,13 @@ class ModelRunner:
             block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
             + positions % block_size
         )
+        threshold = self.model_config.long_rope_threshold
+        if threshold is not None:
+            # longrope: a request's tokens rotate with the long factors when it was past the
+            # threshold as it came to this worker (RequestState.long_rope); the long rows of
+            # the tables follow the short ones.
+            long = np.fromiter((s.long_rope for s in states), np.bool_, num_states)[req_of_row][row_of_token]
+            positions = positions + long * self.model.model.rotary.long_offset
         num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
         inputs = StepInputs(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,

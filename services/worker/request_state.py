@@ -19,6 +19,9 @@ class RequestState:
     num_computed_tokens: int
     # A constrained request's xgrammar GrammarMatcher, or its compile still under way.
     matcher: object | Future | None = None
+    # longrope (Phi-3): its tokens rotate with the long factors (it was past the threshold
+    # when this worker got it; the scheduler restarts one that crosses it)
+    long_rope: bool = False
 
     @property
     def num_output_tokens(self) -> int:

@@ -90,6 +90,7 @@ async def serve(
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_id=runner.model_config.eos_token_id,
+        long_rope_threshold=runner.model_config.long_rope_threshold,
     )
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 

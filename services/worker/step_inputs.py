@@ -19,7 +19,7 @@ from services.worker.attention.metadata import AttentionMetadata
 @dataclass(slots=True)
 class StepInputs:
     input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64: each token's row of the rotary tables (its position, but longrope)
     query_start_loc: np.ndarray  # [num_rows + 1] int64
     seq_lens: np.ndarray  # [num_rows] int64
     slot_mapping: np.ndarray  # [num_tokens] int64

@@ -15,10 +15,15 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False) -> torch.Tensor:
+    """[head_dim // 2] (head_dim: the rotating dims). longrope: the short factors, or with
+    `long` the long ones, dividing the frequencies as transformers writes it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
     rope_type = scaling.get("rope_type", "default")
+    if rope_type == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
@@ -35,21 +40,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     return inv_freq
 
 
+def longrope_attention_factor(scaling: dict) -> float:
+    """transformers' scale of longrope's cos and sin: given, or from the context's growth."""
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = scaling["factor"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict) -> None:
+    """`rotary_dim` < head_dim: only the leading dims of each head rotate (partial rotary).
+    longrope: the tables hold the short factors' rows for positions 0..max_position-1, then
+    the long factors' (`long_offset` on): the caller picks a token's row (ModelRunner)."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, rotary_dim: int = 0) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        dim = rotary_dim or head_dim
         positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        tables = [rope_inv_freq(dim, theta, scaling)]
+        self.long_offset = None
+        if scaling.get("rope_type") == "longrope":
+            tables.append(rope_inv_freq(dim, theta, scaling, long=True))
+            self.long_offset = max_position
+        # [rows, dim]: positions times each table's frequencies, one table after the other
+        emb = torch.cat([torch.cat((positions[:, None] * f[None, :],) * 2, dim=-1) for f in tables])
+        scale = longrope_attention_factor(scaling) if self.long_offset is not None else 1.0
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos_cache", cos, persistent=False)
         # transformers' rotate_half(x) * sin == swap_halves(x) * sin_signed, with the first half of the
         # sine negated: one flip instead of two slices, a negation and a cat per call, and
         # bit-identical, since (-a) * b == a * (-b) exactly in floating point.
-        sin = emb.sin()
-        self.register_buffer("sin_signed_cache", torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), -1),
+        self.register_buffer("sin_signed_cache", torch.cat((-sin[:, : dim // 2], sin[:, dim // 2 :]), -1),
                              persistent=False)
-        self.head_dim = head_dim
+        self.head_dim = dim  # the dims that rotate
+        self.full_head_dim = head_dim
         # cos/sin of the current step's positions: every layer shares one lookup.
         self._step: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
         # The positions last checked against the table (the kernel path checks once a step).
@@ -69,11 +95,16 @@ class RotaryEmbedding(nn.Module):
         """Rotate every head of `x` by its token's position. Query and key heads go
         through in one call (they are adjacent in the fused qkv output): half the calls.
         On CPU, kernels/cpu rotates `x` in place in one pass (the same bits)."""
+        if self.head_dim < self.full_head_dim:  # partial: rotate the leading dims, keep the rest
+            return torch.cat((self._rotate(positions, x[..., : self.head_dim]), x[..., self.head_dim :]), dim=-1)
         if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
             if self._checked is not positions:  # once per step, not per layer
                 self.check_positions(positions)
                 self._checked = positions
             return cpu_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)
+        return self._rotate(positions, x)
+
+    def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         step = self._step
         if step is None or step[0] is not positions or step[1] != x.dtype:
             cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]

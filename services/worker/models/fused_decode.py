@@ -45,8 +45,10 @@ class FusedDecode:
             return None
         if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
-        if config.qk_norm or config.moe_layers:
-            return None  # the C layer has no per-head query/key norm (Qwen3), no experts: the module path
+        if config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold:
+            # The C layer has no per-head query/key norm (Qwen3), no experts, rotates whole
+            # heads by their position: the module path for these.
+            return None
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3; Mixtral and Qwen3-MoE
-with sparse MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3; Mixtral and
+Qwen3-MoE with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
 and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
@@ -125,7 +125,8 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One table shared by every layer (a plain attribute, not a submodule per layer).
-        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling,
+                                 config.rotary_dim)
         self.rotary = rotary
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, backend, i) for i in range(config.num_hidden_layers)
@@ -198,6 +199,8 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(name)
         missing = []
         for name, param in params.items():
+            if name in loaded:  # a fused weight the checkpoint holds fused too (Phi-3's qkv_proj, gate_up_proj)
+                continue
             leaf = name.rsplit(".", 2)
             module_name = leaf[-2] if len(leaf) > 1 else ""
             if module_name in ("qkv_proj", "gate_up_proj"):
