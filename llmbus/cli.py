@@ -47,6 +47,7 @@ BENCHES = [
     ("failover", "time from a worker's SIGKILL to its streams' next token", "llmbus.bench.failover", False),
     ("agreement", "greedy agreement of a lower precision with float32", "llmbus.bench.agreement", False),
     ("speculative", "the same workloads with and without speculative decoding", "llmbus.bench.speculative", True),
+    ("moe", "a Qwen3-MoE-shaped model: sparse experts vs every expert densely vs transformers", "llmbus.bench.moe", True),
 ]
 
 

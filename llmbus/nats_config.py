@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 from llmbus.nats_auth import Identity, authorization_config, new_identity
-from llmbus.nats_tls import TlsFiles, make_tls_files, server_tls_block
+from llmbus.nats_tls import TlsFiles, make_tls_files, server_tls_block, write_file
 from shared.bus import Subjects
 
 NODES = ("nats-1", "nats-2", "nats-3")  # compose.yaml's cluster
@@ -49,7 +49,7 @@ def write_bus_files(out: Path, model: str, num_workers: int = 1, tls: bool = Fal
     if tls:
         lines.append(server_tls_block(in_container))
     lines.append(authorization_config(list(identities.values()), Subjects(model)))
-    _write_secret(out / "nats.conf", "\n".join(lines) + "\n")
+    write_file(out / "nats.conf", "\n".join(lines) + "\n")
     for stem, identity in identities.items():
         env = identity.env()
         if identity.role == "gateway":
@@ -58,14 +58,8 @@ def write_bus_files(out: Path, model: str, num_workers: int = 1, tls: bool = Fal
             env["LLMBUS_WORKER_ID"] = identity.instance
         if tls:
             env["LLMBUS_NATS_TLS_CA"] = str(in_container.ca)
-        _write_secret(out / f"{stem}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
+        write_file(out / f"{stem}.env", "".join(f"{k}={v}\n" for k, v in env.items()))
     return identities
-
-
-def _write_secret(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
 
 
 def add_parser(sub) -> None:

@@ -10,7 +10,6 @@ password the nodes of a cluster must too; the config holds secrets, so it is wri
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -19,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmbus.nats_tls import TlsFiles, server_tls_block
+from llmbus.nats_tls import TlsFiles, server_tls_block, write_file
 from llmbus.processes import child_setup
 
 
@@ -81,9 +80,7 @@ class NatsServer:
     def spawn(self) -> subprocess.Popen:
         """Start the process and return at once (a supervisor's restart)."""
         conf = Path(self._dir.name) / "nats.conf"
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self._config())
+        write_file(conf, self._config())
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=child_setup,

@@ -57,10 +57,10 @@ def make_tls_files(folder: Path, hosts: list[str], days: int = 365) -> TlsFiles:
         .sign(ca_key, hashes.SHA256())
     )
     files = TlsFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key")
-    _write(files.ca, ca.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
-    _write(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                        serialization.NoEncryption()), 0o600)
+    write_file(files.ca, ca.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(files.cert, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    write_file(files.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()))
     return files
 
 
@@ -77,7 +77,8 @@ def _san(host: str) -> x509.GeneralName:
         return x509.DNSName(host)
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
+def write_file(path: Path, data: bytes | str, mode: int = 0o600) -> None:
+    """Created with `mode` from the start (a secret is never readable by others, even briefly)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
-        f.write(data)
+        f.write(data.encode() if isinstance(data, str) else data)

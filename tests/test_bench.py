@@ -110,3 +110,14 @@ def test_bench_speculative_compares_both_sides_on_the_same_tokens(tiny_llama, ca
     lines = [line for line in capsys.readouterr().out.splitlines() if "on/off" in line]
     assert [line.split(" ")[0] for line in lines] == ["copy", "w1"]
     assert all("outputs identical" in line and "2 pairs" in line for line in lines)
+
+
+def test_bench_moe_compares_sparse_dense_and_transformers_on_the_same_tokens(capsys):
+    from llmbus.cli import main
+
+    assert main(["bench", "moe", "--smoke", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    for side in ("sparse", "dense", "transformers"):
+        assert f"{side}: decode " in out
+    assert "sparse/dense: decode" in out and "sparse/transformers: decode" in out
+    assert "decode tokens: sparse, dense and transformers agree" in out

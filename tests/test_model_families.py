@@ -1,7 +1,8 @@
 """Families beyond Llama and Qwen2, each token-identical to transformers on tiny random
 models under every way the scheduler slices the work. Qwen3: a per-head RMSNorm on the
-queries and keys before rotary (q_norm, k_norm). Mixtral and Qwen3-MoE: sparse MLPs of 8
-experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
+queries and keys before rotary (q_norm, k_norm). Phi-3: q/k/v and gate/up fused in the
+checkpoint, longrope, partial rotary. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
+top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
 
@@ -26,7 +27,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -61,7 +62,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "mixtral": 2, "qwen3_moe": 1}[name]
+    assert len(sparse) == {"qwen3": 0, "phi3": 0, "mixtral": 2, "qwen3_moe": 1}[name]
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -78,8 +79,8 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert config.moe_layers == {"qwen3": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
-    assert (config.num_experts, config.num_experts_per_tok) == ((0, 0) if name == "qwen3" else (8, 2))
+    assert config.moe_layers == {"qwen3": (), "phi3": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 
 def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_path):

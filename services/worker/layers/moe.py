@@ -38,6 +38,9 @@ class SparseMoE(nn.Module):
         self.gate = Router(num_experts, hidden_size)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
+        # Every expert over every token, weighed by the router (zero where not picked): the
+        # same outputs at the cost a sparse path must beat (`llmbus bench moe` only).
+        self.dense = False
         self.w_gate_up: torch.Tensor | None = None  # [E, 2 * intermediate, hidden]
         self.w_down: torch.Tensor | None = None  # [E, hidden, intermediate]
 
@@ -65,6 +68,13 @@ class SparseMoE(nn.Module):
             from kernels.fused_moe import fused_moe  # Triton: only where its backend runs
 
             return fused_moe(x, self.w_gate_up, self.w_down, weights, chosen)
+        if self.dense:
+            combine = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+            combine.scatter_(1, chosen, weights)
+            out = torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                out += expert(x) * combine[:, i : i + 1]
+            return out
         flat = chosen.flatten()  # (token, slot) pairs, token-major
         order = torch.argsort(flat, stable=True)  # the pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
