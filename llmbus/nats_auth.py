@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import uuid
 from dataclasses import dataclass
 
 from shared.bus import Subjects
@@ -48,8 +49,12 @@ class Identity:
         return f"{self.role}-{self.instance}" if self.instance else self.role
 
     def env(self) -> dict[str, str]:
-        """What the service is started with: its flags' LLMBUS_* variables (not argv, which `ps` shows)."""
+        """Its credentials as the service's flags' LLMBUS_* variables (not argv, which `ps` shows)."""
         return {"LLMBUS_NATS_USER": self.user, "LLMBUS_NATS_PASSWORD": self.password}
+
+    def id_env(self) -> dict[str, str]:
+        """Its instance id (--gateway-id, --worker-id), which its subjects are named by."""
+        return {f"LLMBUS_{self.role.upper()}_ID": self.instance} if self.instance else {}
 
 
 def new_identity(role: str, instance: str = "") -> Identity:
@@ -58,13 +63,21 @@ def new_identity(role: str, instance: str = "") -> Identity:
     return Identity(role, instance, secrets.token_urlsafe(24))
 
 
-def subjects_of(role: str, subjects: Subjects, instance: str = "", user: str | None = None) -> dict:
-    """The role's grants for one identity: {"publish": [...], "subscribe": [...], "allow_responses": bool}."""
-    publish, subscribe, responds = PERMISSIONS[role]
-    user = user or (f"{role}-{instance}" if instance else role)
+def deployment_identities(num_workers: int) -> dict[str, Identity]:
+    """A deployment's identities by service name — scheduler, tokenizer (its replicas share
+    one), gateway, worker-1..N — with random instance ids, fixed for the deployment's life
+    so a restarted replica logs in as itself."""
+    return {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
+            "gateway": new_identity("gateway", uuid.uuid4().hex[:8]),
+            **{f"worker-{i + 1}": new_identity("worker", uuid.uuid4().hex[:8]) for i in range(num_workers)}}
+
+
+def subjects_of(identity: Identity, subjects: Subjects) -> dict:
+    """Its role's grants: {"publish": [...], "subscribe": [...], "allow_responses": bool}."""
+    publish, subscribe, responds = PERMISSIONS[identity.role]
 
     def expand(pattern: str) -> str:
-        subject = pattern.format(id=instance, user=user)
+        subject = pattern.format(id=identity.instance, user=identity.user)
         return subject if subject.startswith("_INBOX") else f"{subjects.prefix}.{subject}"
 
     return {"publish": [expand(p) for p in publish], "subscribe": [expand(p) for p in subscribe],
@@ -72,7 +85,7 @@ def subjects_of(role: str, subjects: Subjects, instance: str = "", user: str | N
 
 
 def _user_entry(identity: Identity, subjects: Subjects) -> dict:
-    grants = subjects_of(identity.role, subjects, identity.instance, identity.user)
+    grants = subjects_of(identity, subjects)
     # An empty allow list means "anything" to nats-server: a role that publishes nothing
     # of its own is denied everything, and answers through allow_responses alone.
     publish = {"allow": grants["publish"]} if grants["publish"] else {"deny": [">"]}

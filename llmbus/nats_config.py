@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import uuid
 from pathlib import Path
 
-from llmbus.nats_auth import Identity, authorization_config, new_identity
+from llmbus.nats_auth import Identity, authorization_config, deployment_identities
 from llmbus.nats_tls import TlsFiles, make_tls_files, server_tls_block, write_file
 from shared.bus import Subjects
 
@@ -32,9 +31,7 @@ def write_bus_files(out: Path, model: str, num_workers: int = 1, tls: bool = Fal
     tls/ (ca.pem, server.pem, server.key) when `tls`; returns the identities by file stem."""
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    identities = {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
-                  "gateway": new_identity("gateway", uuid.uuid4().hex[:8]),
-                  **{f"worker-{i + 1}": new_identity("worker", uuid.uuid4().hex[:8]) for i in range(num_workers)}}
+    identities = deployment_identities(num_workers)
     in_container = TlsFiles(Path(secrets_dir) / "nats-ca", Path(secrets_dir) / "nats-cert", Path(secrets_dir) / "nats-key")
     if tls:
         make_tls_files(out / "tls", [*NODES, *extra_hosts, "localhost"])
@@ -51,11 +48,7 @@ def write_bus_files(out: Path, model: str, num_workers: int = 1, tls: bool = Fal
     lines.append(authorization_config(list(identities.values()), Subjects(model)))
     write_file(out / "nats.conf", "\n".join(lines) + "\n")
     for stem, identity in identities.items():
-        env = identity.env()
-        if identity.role == "gateway":
-            env["LLMBUS_GATEWAY_ID"] = identity.instance
-        if identity.role == "worker":
-            env["LLMBUS_WORKER_ID"] = identity.instance
+        env = {**identity.env(), **identity.id_env()}
         if tls:
             env["LLMBUS_NATS_TLS_CA"] = str(in_container.ca)
         write_file(out / f"{stem}.env", "".join(f"{k}={v}\n" for k, v in env.items()))

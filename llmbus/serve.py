@@ -21,10 +21,9 @@ import sys
 import tempfile
 import time
 import urllib.request
-import uuid
 from pathlib import Path
 
-from llmbus.nats_auth import Identity, authorization_config, new_identity
+from llmbus.nats_auth import Identity, authorization_config, deployment_identities
 from llmbus.nats_server import NatsServer, cluster_nodes, free_port  # noqa: F401 - free_port for the tests' harness
 from llmbus.nats_tls import make_tls_files
 from llmbus.processes import child_setup
@@ -93,11 +92,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         # Instance ids fixed for the deployment's life, so a replica the supervisor restarts
         # comes back as the same identity, with the same grants (a worker with a new
         # incarnation, which the scheduler treats as a fresh one).
-        gateway_id = uuid.uuid4().hex[:8]
-        worker_ids = [uuid.uuid4().hex[:8] for _ in range(args.workers)]
-        identities = {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
-                      "gateway": new_identity("gateway", gateway_id),
-                      **{f"worker-{i + 1}": new_identity("worker", w) for i, w in enumerate(worker_ids)}}
+        identities = deployment_identities(args.workers)
         nats_url = args.nats_url
         bus_env: dict[str, str] = {}  # what every service needs of our NATS besides its identity
         if not nats_url:
@@ -119,19 +114,19 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
 
-        def add(name: str, service: str, identity: Identity, **ids: str) -> None:
+        def add(name: str, service: str, identity: Identity) -> None:
             # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
             # stand; against ours, the identity's credentials and nothing else.
             own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **bus_env, **identity.env()}
-            child_env = dict(env, **own, **{f"LLMBUS_{k.upper()}": v for k, v in ids.items()})
+            child_env = dict(env, **own, **identity.id_env())
             supervisor.add(name, lambda: spawn_service([service, *common], child_env), time.monotonic())
 
         add("scheduler", "scheduler", identities["scheduler"])
         for i in range(args.tokenizers):
             add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
-        for i, worker_id in enumerate(worker_ids):
-            add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"], worker_id=worker_id)
-        add("gateway", "gateway", identities["gateway"], gateway_id=gateway_id)
+        for i in range(args.workers):
+            add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
+        add("gateway", "gateway", identities["gateway"])
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, supervisor.processes(), args.startup_timeout)
         print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)

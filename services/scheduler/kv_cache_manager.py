@@ -32,12 +32,14 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    def runs_long(self, request: Request) -> bool:
+        """Whether a request (re)starting now is past the longrope threshold: long factors."""
+        return self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold
+
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes to every block its tokens fill."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        root = None
-        if self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold:
-            root = b"longrope:long"
+        root = b"longrope:long" if self.runs_long(request) else None
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))

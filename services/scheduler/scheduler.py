@@ -44,7 +44,6 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
-        self.long_rope_threshold = long_rope_threshold
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
                                                long_rope_threshold)
         # A request must fit in the cache on its own, or it could never finish.
@@ -269,7 +268,7 @@ class Scheduler:
                 request.queue_time_s = time.monotonic() - request.queued_at
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            request.long_rope = self.long_rope_threshold is not None and request.num_tokens > self.long_rope_threshold
+            request.long_rope = self.kv_cache_manager.runs_long(request)
             self.running.append(request)
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
@@ -426,9 +425,9 @@ class Scheduler:
                 self._finish(request, reason, stop_reason)
                 output.finish_reason = reason
                 output.stop_reason = stop_reason
-            elif (self.long_rope_threshold is not None and not request.long_rope
-                  and request.status == RequestStatus.RUNNING and request.num_tokens > self.long_rope_threshold):
-                self._restart_long(request)
+            elif (not request.long_rope and request.status == RequestStatus.RUNNING
+                  and self.kv_cache_manager.runs_long(request)):
+                self._restart_long(request)  # it just grew past the threshold
             outputs[request.reply_subject].append(output)
         return self._pack(outputs)
 

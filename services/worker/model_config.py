@@ -45,8 +45,8 @@ class ModelConfig:
     sliding_window: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
     rotary_dim: int = 0  # the leading dims of a head that rotate (partial_rotary_factor); 0 = all
-    # longrope: a token uses the long factors when max(prompt length, its position + 1)
-    # passes this (original_max_position_embeddings), as transformers decides per call
+    # longrope: a sequence longer than this (original_max_position_embeddings) rotates with
+    # the long factors from its first token, as transformers' Phi-3 recomputes it there
     long_rope_threshold: int | None = None
     # Mixture of experts: `moe_layers` are sparse, each token going to `num_experts_per_tok`
     # of `num_experts` experts of `moe_intermediate_size`, weighed by the router's softmax
