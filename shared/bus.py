@@ -117,7 +117,9 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
 
     async def on_error(exc):
         text = str(exc).lower()
-        if "authorization violation" in text or "authentication" in text or isinstance(exc, ssl.SSLError):
+        # A certificate that fails the check is a refusal; other TLS errors (a handshake cut
+        # short by a node going down) are a connection's, and reconnecting deals with them.
+        if "authorization violation" in text or "authentication" in text or isinstance(exc, ssl.SSLCertVerificationError):
             if not refused.done():
                 refused.set_result(exc)
             log.warning("%s could not log in to NATS: %s", name, exc)

@@ -418,3 +418,21 @@ def test_a_service_logs_in_with_a_token_and_a_wrong_one_ends_it_cleanly(tiny_lla
     finally:
         server.stop()
 
+
+
+def test_a_server_certificate_the_service_does_not_trust_ends_its_login(tmp_path):
+    """shared.bus.connect against a TLS server signed by another CA: BusRefused at once,
+    not nats-py's endless retry."""
+    from llmbus.nats_tls import make_tls_files
+    from shared.bus import BusRefused, connect
+
+    ours, theirs = make_tls_files(tmp_path / "ours", ["127.0.0.1"]), make_tls_files(tmp_path / "theirs", ["127.0.0.1"])
+    server = NatsServer(tls=theirs).start()
+    try:
+        async def attempt():
+            await asyncio.wait_for(connect(server.url, "worker-x", auth=BusAuth(tls_ca=str(ours.ca))), 20)
+
+        with pytest.raises(BusRefused, match="certificate verify failed"):
+            asyncio.run(attempt())
+    finally:
+        server.stop()
