@@ -209,6 +209,36 @@ def test_no_drafts_beyond_disable_by_batch_size_and_the_pipeline_fills_again():
     assert many.schedule().num_draft_slots == {}
 
 
+def test_a_request_whose_drafts_keep_failing_stops_speculating_and_one_whose_drafts_pay_goes_on():
+    """Non-repetitive traffic loses nothing: once a request has had SPEC_PROBATION_TOKENS
+    drafts and under SPEC_MIN_ACCEPTANCE of them were accepted, it gets no more draft slots
+    (each rejected draft costs a row of the forward); a request beside it whose drafts
+    are accepted keeps its slots."""
+    from test_scheduler import make_request, make_scheduler
+
+    from services.scheduler.scheduler import SPEC_MIN_ACCEPTANCE, SPEC_PROBATION_TOKENS
+    from shared.messages import ModelRunnerOutput
+
+    scheduler = make_scheduler(num_speculative_tokens=4, speculative_disable_by_batch_size=None)
+    for rid in ("fails", "pays"):
+        scheduler.add_request(make_request(rid, [1, 2, 3], max_tokens=400))
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, ModelRunnerOutput(step.step_id, list(step.num_scheduled_tokens), [[7], [7]]))
+    # "fails" gets one draft in eight accepted (under the minimum), "pays" all of its.
+    accepted = {"fails": [1] + [0] * 7, "pays": [4] * 8}
+    assert sum(accepted["fails"]) < SPEC_MIN_ACCEPTANCE * 4 * len(accepted["fails"])
+    assert 4 * len(accepted["fails"]) == SPEC_PROBATION_TOKENS
+    for i in range(len(accepted["fails"])):
+        step = scheduler.schedule()
+        assert step.num_draft_slots == {"fails": 4, "pays": 4}  # still on probation
+        sampled = [[8] * (1 + accepted[rid][i]) for rid in ("fails", "pays")]
+        scheduler.update_from_output(step, ModelRunnerOutput(step.step_id, ["fails", "pays"], sampled,
+                                                             num_draft_tokens=[4, 4]))
+    assert not scheduler.requests["fails"].speculate and scheduler.requests["pays"].speculate
+    step = scheduler.schedule()
+    assert step.num_draft_slots == {"pays": 4} and step.num_scheduled_tokens["fails"] == 1
+
+
 def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
     """Drafts accepted while the sample equals them is exact rejection sampling for a
     one-hot draft: the tokens after a verify have the distribution they have without
