@@ -3,6 +3,7 @@ greedy output token-identical to transformers on the same safetensors."""
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -176,3 +177,45 @@ def test_tool_calls_on_the_real_model(client):
     answer = client.chat.completions.create(model=NAME, messages=round_trip, tools=[WEATHER, TIME], temperature=0,
                                             max_tokens=40, tool_choice="none")
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+
+
+# 160 alternatives of counted repetitions, repeated: ~16 s to compile against SmolLM2's
+# vocabulary on this machine, past the default 5 s compile timeout.
+RUNAWAY = "(" + "|".join(f"[a-z]{{{i},{i + 50}}}x" for i in range(160)) + "){1,5}"
+
+
+def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
+    """One spec that would compile for longer than --structured-outputs-compile-timeout is
+    a 400 once its compile is killed, and while it compiles the tokenizer replica and the
+    engine serve others (a chat answered as it is alone); a schema xgrammar refuses is a
+    400 naming its field and saying why; afterwards a completions request with a schema is
+    served and validates."""
+    import threading
+
+    import httpx
+
+    url = str(client.base_url).rstrip("/")
+    messages = [{"role": "user", "content": "Tell me about the sea."}]
+    alone = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    runaway: list[httpx.Response] = []
+    compiling = threading.Thread(target=lambda: runaway.append(httpx.post(url + "/completions", timeout=60, json={
+        "model": NAME, "prompt": "x", "structured_outputs": {"regex": RUNAWAY}})))
+    compiling.start()
+    time.sleep(0.5)  # its check has reached the tokenizer's compiling child
+    beside = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in beside if c.choices) == alone.choices[0].message.content
+    assert compiling.is_alive()  # answered while the runaway compile still ran (5 s)
+    compiling.join(60)
+    assert runaway[0].status_code == 400, runaway[0].text
+    error = runaway[0].json()["error"]
+    assert error["param"] == "structured_outputs" and "did not compile within 5" in error["message"]
+    bad = httpx.post(url + "/chat/completions", timeout=60, json={
+        "model": NAME, "messages": messages, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}})
+    assert bad.status_code == 400, bad.text
+    error = bad.json()["error"]
+    assert error["param"] == "response_format" and 'Unsupported type "integr"' in error["message"]
+    out = client.completions.create(model=NAME, prompt="A person, as JSON:", max_tokens=120, temperature=0,
+                                    extra_body={"structured_outputs": {"json": PERSON}})
+    jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+    assert out.choices[0].finish_reason == "stop"

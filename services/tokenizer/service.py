@@ -52,12 +52,28 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     decoder = msgspec.msgpack.Decoder(TokenizeRequest)
     nc = await connect(nats_url, "tokenizer", auth=auth)
 
+    checking: set[asyncio.Task] = set()
+
     async def handle(msg) -> None:
-        with tracer.start_as_current_span("tokenizer.encode", context=extract(msg.headers), kind=SpanKind.SERVER) as span:
-            response, spec = _handle(msg.data)
-            if spec is not None and response.error is None:
-                # Off the event loop: other requests are tokenized while it compiles.
-                response.error = await loop.run_in_executor(None, grammars.check, spec)
+        # nats-py awaits a subscription's callbacks one at a time, so a request whose spec
+        # must compile is answered from a task of its own: the requests behind it are
+        # tokenized meanwhile instead of waiting out its compile (up to the timeout).
+        span = tracer.start_span("tokenizer.encode", context=extract(msg.headers), kind=SpanKind.SERVER)
+        response, spec = _handle(msg.data)
+        if spec is not None and response.error is None:
+            task = asyncio.create_task(check_then_answer(msg, span, response, spec))
+            checking.add(task)
+            task.add_done_callback(checking.discard)
+        else:
+            await answer(msg, span, response)
+
+    async def check_then_answer(msg, span, response: TokenizeResponse, spec: StructuredOutputsParams) -> None:
+        # In a thread: the check waits on the compiling child, off the event loop.
+        response.error = await loop.run_in_executor(None, grammars.check, spec)
+        await answer(msg, span, response)
+
+    async def answer(msg, span, response: TokenizeResponse) -> None:
+        with span:
             span.set_attribute("llmbus.num_tokens", len(response.token_ids))
             if response.error:
                 span.set_attribute("llmbus.error", response.error)
@@ -83,6 +99,8 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     if ready is not None:
         ready.set()
     await stop.wait()
+    if checking:  # answer the checks under way (each ends within the compile timeout)
+        await asyncio.wait(checking, timeout=compile_timeout_s + 1)
     await close(nc)
     await warming
     grammars.close()
