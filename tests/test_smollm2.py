@@ -219,3 +219,35 @@ def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
                                     extra_body={"structured_outputs": {"json": PERSON}})
     jsonschema.validate(json.loads(out.choices[0].text), PERSON)
     assert out.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def clients_python():
+    """An environment with LangChain's and instructor's clients (they pin an openai of their
+    own), built once from scripts/client_check.requirements.txt."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    venv, requirements = root / ".venv-clients", root / "scripts" / "client_check.requirements.txt"
+    stamp = venv / ".installed"
+    if not stamp.exists() or stamp.read_text() != requirements.read_text():
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                        "-r", str(requirements)], check=True)
+        stamp.write_text(requirements.read_text())
+    return venv / "bin" / "python"
+
+
+def test_langchain_and_instructor_work_unchanged(client, clients_python):
+    """LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
+    json_mode; bind_tools named and "any"; a tool round trip) and instructor (JSON_SCHEMA,
+    TOOLS) against llmbus serve, as their users call them."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "client_check.py"
+    out = subprocess.run([str(clients_python), str(script), str(client.base_url), NAME],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "8 of 8 passed" in out.stdout, out.stdout + out.stderr
