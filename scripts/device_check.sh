@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU machine (no network there; its image has torch,
-# triton and transformers; msgspec and opentelemetry-api travel as wheels in .whl/, SmolLM2's config and
+# triton and transformers; msgspec, opentelemetry-api and xgrammar (with its imports) travel as wheels in .whl/, SmolLM2's config and
 # tokenizer in .gpu_assets/smollm2/ — docs/kernels.md says how to make both; weights are
 # random, of real shapes: `load_format="dummy"`). Carry: [".whl", ".gpu_assets"].
-# Budget: about 7 minutes of a 15-minute lease, start-up included. In order of what
+# Budget: about 7.5 minutes of a 15-minute lease, start-up included. In order of what
 # matters most:
 #   1. scripts/gpu_check.py: greedy output vs transformers on the GPU, decode steps as CUDA
-#      graphs (the default) and eager (--enforce-eager), every scheduling mode
+#      graphs (the default) and eager (--enforce-eager), every scheduling mode, speculation,
+#      and each kind of structured output (its bitmask applied on the GPU)
 #   2. scripts/gpu_figures.py: the figures of docs/gpu/latest.json — W0 ITL, W1 with graphs
 #      against eager, GPU busy share of a batch-128 decode step, the 8B shape's batch-1 HBM
 #      share, seeded draws equal to the CPU's
@@ -42,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...
     # What the engine imports beyond torch: a missing one is named here, not found by each step.
     python3 -c "
 import importlib
-for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokenizers', 'safetensors', 'numpy', 'tqdm'):
+for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokenizers', 'safetensors', 'numpy', 'tqdm', 'xgrammar'):
     try:
         importlib.import_module(name)
     except ImportError as exc:
@@ -50,6 +51,6 @@ for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokeni
 "
 } >>"$LOG" 2>&1
 
-step gpu_check 130 python3 scripts/gpu_check.py --out "$OUT"
+step gpu_check 160 python3 scripts/gpu_check.py --out "$OUT"
 step gpu_figures 270 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
 grep -E "^== |^\{\"figure|checks passed|roofline|\| " "$LOG" | tail -n 60

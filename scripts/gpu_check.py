@@ -48,6 +48,10 @@ CASES = {
     "enforce_eager": {"enforce_eager": True},
     "sync_scheduling": {"async_scheduling": False},
 }
+# Drafts verified as one-token rows of a decode step (the graphs take them too), on
+# prompts that repeat themselves, so drafts are found and accepted.
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+               "disable_by_batch_size": None}
 
 MODELS = {
     "llama_hd16": ("llama", {}),
@@ -87,6 +91,21 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
         print(json.dumps(row), flush=True)
         rows.append(row)
 
+    try:
+        prompts = [p * 4 for p in random_prompts([5, 7, 3], seed=9)]
+        llm = LLM(str(folder), speculative_config=SPECULATIVE)
+        accepted = llm.stats().spec_decode_num_accepted_tokens
+        out = greedy(llm, prompts, 24)
+        accepted = llm.stats().spec_decode_num_accepted_tokens - accepted
+        row = {"model": name, "case": "speculative", "dtype": "float32",
+               "identical": out == hf_greedy(folder, prompts, 24, device=device), "accepted_tokens": accepted}
+        if not accepted:
+            row["error"] = "no draft was accepted: the case checked nothing"
+    except Exception as exc:
+        row = {"model": name, "case": "speculative", "dtype": "float32", "identical": False, "error": repr(exc)}
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
     # Prefix hits: the first request fills the cache, the rest find its full blocks.
     prefix = random_prompts([48], seed=7)[0]
     prompts = [prefix + tail for tail in random_prompts([3, 9, 20, 1], seed=8)]
@@ -110,6 +129,33 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
                    "identical_prompts": f"{sum(a == b for a, b in zip(out, reference))}/{len(PROMPTS)}"}
         except Exception as exc:
             row = {"model": name, "case": case, **kwargs, "error": repr(exc)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def check_structured(folder: Path, device: str) -> list[dict]:
+    """Each kind of constraint with its token bitmask applied to logits on the GPU: greedy
+    output equals transformers' on the same GPU under xgrammar's own logits processor."""
+    from llmbus import LLM, SamplingParams
+
+    rows = []
+    try:
+        from test_structured_outputs import MAX_TOKENS, SPECS, TEXTS, hf_constrained
+
+        llm = LLM(str(folder))
+        prompts = [llm.tokenizer.encode(text) for text in TEXTS]
+    except Exception as exc:  # xgrammar (or jsonschema) not on the machine
+        return [{"case": "structured", "identical": False, "error": repr(exc)}]
+    for kind, spec in SPECS.items():
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec),
+                                use_tqdm=False)
+            got = [[t for t in o.outputs[0].token_ids if t != llm.eos_token_id] for o in outs]
+            row = {"model": folder.name, "case": f"structured_{kind}", "dtype": "float32",
+                   "identical": got == hf_constrained(folder, spec, prompts, device=device)}
+        except Exception as exc:
+            row = {"model": folder.name, "case": f"structured_{kind}", "identical": False, "error": repr(exc)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -187,6 +233,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, overrides) in MODELS.items():
             report["rows"] += check_model(name, arch, overrides, Path(tmp), device)
+        report["rows"] += check_structured(Path(tmp) / "llama_hd16", device)
     try:
         report["rows"] += check_fp8(device)
     except Exception as exc:

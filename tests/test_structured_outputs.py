@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 
@@ -39,6 +38,8 @@ def satisfies(kind: str, text: str) -> bool:
     if kind == "choice":
         return text in ("yes", "no", "maybe so")
     if kind == "json":
+        import jsonschema  # here, so scripts/gpu_check.py can take this file's cases without it
+
         jsonschema.validate(json.loads(text), SCHEMA)
         return True
     return re.fullmatch(r"\((a|b)+\)", text) is not None
@@ -54,20 +55,21 @@ def prompts(llm):
     return [llm.tokenizer.encode(text) for text in TEXTS]
 
 
-def hf_constrained(folder, spec: StructuredOutputsParams, prompts) -> list[list[int]]:
-    """The oracle: transformers' greedy generate masked by xgrammar's logits processor."""
+def hf_constrained(folder, spec: StructuredOutputsParams, prompts, device: str = "cpu") -> list[list[int]]:
+    """The oracle: transformers' greedy generate masked by xgrammar's logits processor
+    (scripts/gpu_check.py runs it on the GPU)."""
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from services.worker.structured_output import GrammarBackend
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     backend = GrammarBackend(folder, model.config.vocab_size)
     results = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=0,
