@@ -110,6 +110,29 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_llama, s
     assert accepted_since(spec_llm, before) > 0
 
 
+def test_penalties_and_min_tokens_apply_at_every_draft_position(tiny_llama, spec_llm):
+    """Each draft position is penalized with the history up to it, the drafts before it
+    included, and min_tokens counts those drafts: output as without speculation. Two
+    tokens biased far above the rest, the first a little more, and a frequency penalty:
+    greedy alternates between them, so each draft position's choice turns on the counts
+    of the drafts before it; an end-of-sequence biased higher still ends the request
+    exactly at min_tokens, wherever that falls inside a verify."""
+    plain = LLM(str(tiny_llama))
+    a, b, eos = 40, 41, spec_llm.eos_token_id
+    prompt = [a, b] * 6  # prompt lookup proposes the alternation
+    cases = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.0,
+                            logit_bias={a: 30.0, b: 29.5}),
+             SamplingParams(temperature=0, max_tokens=40, min_tokens=13, frequency_penalty=1.0,
+                            logit_bias={a: 30.0, b: 29.5, eos: 60.0})]
+    for params in cases:
+        before = spec_llm.stats()
+        [got] = spec_llm.generate([prompt], params)
+        [expected] = plain.generate([prompt], params)
+        assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert accepted_since(spec_llm, before) > 0
+    assert len(expected.outputs[0].token_ids) == 14 and expected.outputs[0].finish_reason == "stop"
+
+
 def test_max_tokens_and_stop_strings_are_exact(tiny_llama, spec_llm, prompts):
     plain = LLM(str(tiny_llama))
     for max_tokens in (1, 2, 5, 17):
