@@ -268,28 +268,28 @@ def test_min_p_only_picks_tokens_above_min_p_times_the_top_probability():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
     # Seen: 0 and 1 in the prompt, 4 in the output; 2, 3 and 5 are unseen.
-    apply_penalties(logits, state(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0))
+    apply_penalties(logits.unsqueeze(0), [state(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0)])
     assert logits.tolist() == [1.0, -4.0, 1.0, -1.0, 0.25, 3.0]
 
 
 def test_presence_and_frequency_penalties_apply_to_output_tokens_only():
     logits = torch.zeros(5)
     st = state(prompt=[0, 1], output=[2, 2, 3], presence_penalty=1.0, frequency_penalty=0.5)
-    apply_penalties(logits, st)
+    apply_penalties(logits.unsqueeze(0), [st])
     # token 2: 2 * 0.5 + 1.0; token 3: 1 * 0.5 + 1.0; prompt tokens 0 and 1 untouched.
     assert logits.tolist() == [0.0, 0.0, -2.0, -1.5, 0.0]
 
 
 def test_negative_presence_penalty_raises_output_tokens():
     logits = torch.zeros(3)
-    apply_penalties(logits, state(prompt=[0], output=[1], presence_penalty=-0.5))
+    apply_penalties(logits.unsqueeze(0), [state(prompt=[0], output=[1], presence_penalty=-0.5)])
     assert logits.tolist() == [0.0, 0.5, 0.0]
 
 
 def test_penalties_ignore_token_ids_outside_the_logits():
     logits = torch.zeros(3)
     st = state(prompt=[7], output=[1, 9], repetition_penalty=2.0, frequency_penalty=1.0)
-    apply_penalties(logits, st)
+    apply_penalties(logits.unsqueeze(0), [st])
     assert logits.tolist() == [0.0, -1.0, 0.0]
 
 
@@ -466,3 +466,70 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
     assert all(o.outputs[0].token_ids == [boosted] * 6 for o in forced)
     with pytest.raises(ValueError, match="logit_bias token id"):
         llm.generate(prompts, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
+
+
+# ---- the batched logits processing against a row-by-row reference -------------------------
+
+
+def reference_process(logits: torch.Tensor, states) -> torch.Tensor:
+    """Penalties, bias and min_tokens one row at a time, as the sampler did before it
+    batched them: the batched ops must give these bits."""
+    logits = logits.clone()
+    vocab_size = logits.shape[-1]
+    for row, st in zip(logits, states):
+        p = st.sampling_params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(st.token_ids)), dtype=torch.long)
+            seen = seen[seen < vocab_size]
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if p.presence_penalty or p.frequency_penalty:
+            counts = torch.bincount(torch.tensor(st.output_token_ids, dtype=torch.long),
+                                    minlength=vocab_size)[:vocab_size].to(logits.dtype)
+            row -= p.frequency_penalty * counts
+            row -= p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.logit_bias:
+            row.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
+        if st.num_output_tokens < p.min_tokens:
+            banned = [t for t in [*p.stop_token_ids, st.eos_token_id] if t is not None and t < vocab_size]
+            row[banned] = float("-inf")
+    return logits
+
+
+VOCAB = 24
+row_states = st.builds(
+    lambda prompt, output, rep, freq, pres, bias, min_tokens, stops: state(
+        prompt=prompt, output=output, eos=3, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
+        logit_bias=bias, min_tokens=min_tokens, stop_token_ids=stops),
+    st.lists(st.integers(0, VOCAB + 4), min_size=1, max_size=12),  # ids past the logits too
+    st.lists(st.integers(0, VOCAB - 1), max_size=12),
+    st.sampled_from([1.0, 1.0, 0.5, 1.3, 2.0]),
+    st.sampled_from([0.0, 0.0, 0.7, -0.4, 2.0]),
+    st.sampled_from([0.0, 0.0, 1.0, -1.5]),
+    st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100, width=32), max_size=4),
+    st.integers(0, 6),
+    st.lists(st.integers(0, VOCAB + 2), max_size=2),
+)
+
+
+@given(st.lists(row_states, min_size=1, max_size=6), st.integers(0, 2**31))
+def test_batched_penalties_bias_and_min_tokens_give_the_row_by_row_bits(states, seed):
+    logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+    assert torch.equal(Sampler()._process(logits, states), reference_process(logits, states))
+
+
+@given(st.lists(st.sampled_from([None, 0, 1, 5]), min_size=1, max_size=6), st.integers(0, 2**31))
+def test_logprobs_in_one_copy_are_the_ones_read_row_by_row(wanted, seed):
+    logits = torch.randn(len(wanted), VOCAB, generator=torch.Generator().manual_seed(seed))
+    states = [state(temperature=0.0, eos=None, logprobs=k, req_id=str(i)) for i, k in enumerate(wanted)]
+    sampled, logprobs = Sampler()(logits, states)
+    assert sampled == logits.argmax(-1).tolist()
+    for row, k, got in zip(logits, wanted, logprobs):
+        if k is None:
+            assert got is None
+            continue
+        lp = row.log_softmax(-1)
+        top = lp.topk(k)
+        assert got.token_ids == [int(row.argmax())] + top.indices.tolist()
+        assert got.logprobs == [float(lp.max())] + top.values.tolist()
+        assert got.sampled_rank == int((lp > lp.max()).sum()) + 1

@@ -5,13 +5,15 @@ where it falls in the filtered distribution (inverse CDF, random_draws.py). A se
 request's number is u(seed, output position), so it gets the same tokens whatever else
 shares the batch, after preemption and migration, and on CPU and GPU alike; an unseeded
 row gets a fresh seed from torch's global generator each step. Everything is tensor ops
-on the logits' device: the caller's `.tolist()` of the sampled ids is the one sync.
+on the logits' device, each for all the rows that need it (penalties, bias and min_tokens
+included), and the host gets sampled ids and logprobs in one copy: one sync a step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
@@ -21,23 +23,41 @@ from shared.messages import Logprobs
 _MASK = float("-inf")
 
 
-def apply_penalties(logits: torch.Tensor, state: RequestState) -> None:
-    """In place on one row [vocab_size]: repetition over prompt + output (as transformers),
-    presence and frequency over the output (as OpenAI)."""
-    params = state.sampling_params
-    vocab_size = logits.shape[0]
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=logits.device)
-        seen = seen[seen < vocab_size]
-        values = logits[seen]
-        logits[seen] = torch.where(
-            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
-        )
-    if params.presence_penalty or params.frequency_penalty:
-        output = torch.tensor(state.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(output, minlength=vocab_size)[:vocab_size].to(logits.dtype)
-        logits -= params.frequency_penalty * counts
-        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+def _padded(lists: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+    """Token lists as one int64 [rows, longest] tensor, short rows padded with `fill`."""
+    out = np.full((len(lists), max(map(len, lists), default=0)), fill, dtype=np.int64)
+    for i, tokens in enumerate(lists):
+        out[i, : len(tokens)] = tokens
+    return torch.from_numpy(out)
+
+
+def apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> None:
+    """In place on rows [num_rows, vocab_size], one state a row: repetition over prompt +
+    output (as transformers), presence and frequency over the output (as OpenAI). Batched:
+    a few ops for all rows instead of several per row (each a kernel launch on a GPU);
+    a row whose penalty is off gets the identity (x / 1, x - 0 * count)."""
+    params = [s.sampling_params for s in states]
+    vocab_size = logits.shape[-1]
+    device, dtype = logits.device, logits.dtype
+
+    def per_row(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(-1)
+
+    def scattered(token_lists, src_dtype) -> torch.Tensor:
+        # Ids outside the logits (a tokenizer's extras) go to one spare column, cut off.
+        ids = _padded(token_lists, vocab_size).clamp_(max=vocab_size).to(device)
+        ones = torch.ones(ids.shape, dtype=src_dtype, device=device)
+        target = torch.zeros(len(token_lists), vocab_size + 1, dtype=src_dtype, device=device)
+        return target.scatter_add_(1, ids, ones)[:, :vocab_size]
+
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = scattered([s.token_ids for s in states], torch.int32) > 0
+        penalty = per_row([p.repetition_penalty for p in params])
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = scattered([s.output_token_ids for s in states], dtype)
+        logits -= per_row([p.frequency_penalty for p in params]) * counts
+        logits -= per_row([p.presence_penalty for p in params]) * (counts > 0).to(dtype)
 
 
 def apply_top_k_top_p(
@@ -80,34 +100,43 @@ class Sampler:
             sampled = logits.argmax(-1)
         else:
             sampled = self._sample_random(logits, states, greedy)
-        sampled_ids = sampled.tolist()
-        return sampled_ids, self._logprobs(raw, sampled, params)
+        return self._to_host(raw, sampled, params)
 
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
         """Penalties, logit bias and min_tokens, which change the distribution greedy picks
-        from too."""
-        copied = False
+        from too: each for all the rows that ask for it at once, in that order."""
+        penalized = [i for i, s in enumerate(states) if s.sampling_params.needs_penalties]
+        bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
         for i, state in enumerate(states):
             params = state.sampling_params
-            banned = []
+            if params.logit_bias:
+                bias_rows += [i] * len(params.logit_bias)
+                bias_ids += params.logit_bias.keys()
+                bias_values += params.logit_bias.values()
             if state.num_output_tokens < params.min_tokens:
                 banned = list(params.stop_token_ids)
                 if state.eos_token_id is not None and not params.ignore_eos:
                     banned.append(state.eos_token_id)
                 # A stop id past the vocabulary can never be sampled: nothing to ban.
                 banned = [t for t in banned if t < logits.shape[-1]]
-            if not (banned or params.needs_penalties or params.logit_bias):
-                continue
-            if not copied:
-                logits, copied = logits.clone(), True
-            if params.needs_penalties:
-                apply_penalties(logits[i], state)
-            if params.logit_bias:
-                ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
-                bias = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-                logits[i].index_add_(0, ids, bias)
-            if banned:
-                logits[i, banned] = _MASK
+                ban_rows += [i] * len(banned)
+                ban_ids += banned
+        if not (penalized or bias_rows or ban_rows):
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        if len(penalized) == len(states):
+            apply_penalties(logits, states)
+        elif penalized:
+            index = torch.tensor(penalized, device=device)
+            rows = logits[index]
+            apply_penalties(rows, [states[i] for i in penalized])
+            logits.index_copy_(0, index, rows)
+        if bias_rows:
+            logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
+                              torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
+        if ban_rows:
+            logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = _MASK
         return logits
 
     def _sample_random(
@@ -132,25 +161,33 @@ class Sampler:
         random_ids = sample_inverse_cdf(probs, uniform(*draw_keys(states)).to(device))
         return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), random_ids)
 
-    def _logprobs(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> list[Logprobs | None]:
-        """Logprobs of the model's own distribution (before penalties and temperature)."""
+    def _to_host(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> tuple[list[int], list[Logprobs | None]]:
+        """The sampled ids and, for the rows that ask, logprobs of the model's own
+        distribution (before penalties and temperature): chosen token's, its rank and the
+        top k. Everything the host needs in one copy (one sync), not a few per row."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[Logprobs | None] = [None] * len(params)
         if not rows:
-            return result
+            return sampled.tolist(), result
         index = torch.tensor(rows, device=raw.device)
         logprobs = raw[index].log_softmax(-1)  # [num_rows_with_logprobs, vocab_size]
         chosen = sampled[index]
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))  # [n, 1]
-        ranks = (logprobs > chosen_lp).sum(-1) + 1
+        ranks = (logprobs > chosen_lp).sum(-1, keepdim=True) + 1
         max_k = max(params[i].logprobs for i in rows)
-        top_lp, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
+        # float64 holds token ids, ranks and float32 logprobs exactly.
+        table = torch.cat([t.to(torch.float64) for t in (chosen_lp, ranks, top_ids, top_lp)], dim=-1)
+        flat = torch.cat([sampled.to(torch.float64), table.flatten()]).tolist()
+        num, width = len(params), 2 + 2 * max_k
+        sampled_ids = [int(t) for t in flat[:num]]
         for j, i in enumerate(rows):
+            line = flat[num + j * width : num + (j + 1) * width]
             k = params[i].logprobs
-            ids = [int(chosen[j])] + (top_ids[j, :k].tolist() if k else [])
-            lps = [float(chosen_lp[j, 0])] + (top_lp[j, :k].tolist() if k else [])
-            result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(ranks[j]))
-        return result
+            ids = [sampled_ids[i]] + [int(t) for t in line[2 : 2 + k]]
+            lps = [line[0]] + line[2 + max_k : 2 + max_k + k]
+            result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(line[1]))
+        return sampled_ids, result
 
 
 def draw_keys(states: Sequence[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
