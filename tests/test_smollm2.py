@@ -56,6 +56,7 @@ def test_speculative_greedy_matches_transformers_on_the_real_model(smollm2):
 
 
 NAME = "SmolLM2-135M-Instruct"
+COMPILE_TIMEOUT_S = 12
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,10 @@ def client(smollm2, tmp_path_factory):
     """`llmbus serve` on the real model, and the real openai client pointed at it."""
     import openai
 
-    proc, url = llmbus_serve(["--model", str(smollm2), "--served-model-name", NAME, "--max-model-len", "1024"],
+    # A compile timeout long enough that a chat answered while a runaway spec compiles
+    # is answered before the timeout even on a loaded machine (the runaway test).
+    proc, url = llmbus_serve(["--model", str(smollm2), "--served-model-name", NAME, "--max-model-len", "1024",
+                              "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S)],
                              tmp_path_factory.mktemp("serve") / "stderr.log")
     with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         yield client
@@ -179,9 +183,10 @@ def test_tool_calls_on_the_real_model(client):
     assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
 
 
-# 160 alternatives of counted repetitions, repeated: ~16 s to compile against SmolLM2's
-# vocabulary on this machine, past the default 5 s compile timeout.
-RUNAWAY = "(" + "|".join(f"[a-z]{{{i},{i + 50}}}x" for i in range(160)) + "){1,5}"
+# 240 alternatives of counted repetitions, repeated. Against SmolLM2's vocabulary the
+# compile grows with the square of the alternatives (80: 4 s here, 160: 16 s), so this
+# one runs for over half a minute, far past the served compile timeout.
+RUNAWAY = "(" + "|".join(f"[a-z]{{{i},{i + 50}}}x" for i in range(240)) + "){1,5}"
 
 
 def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
@@ -204,11 +209,11 @@ def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
     time.sleep(0.5)  # its check has reached the tokenizer's compiling child
     beside = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in beside if c.choices) == alone.choices[0].message.content
-    assert compiling.is_alive()  # answered while the runaway compile still ran (5 s)
+    assert compiling.is_alive()  # answered while the runaway compile still ran (its timeout)
     compiling.join(60)
     assert runaway[0].status_code == 400, runaway[0].text
     error = runaway[0].json()["error"]
-    assert error["param"] == "structured_outputs" and "did not compile within 5" in error["message"]
+    assert error["param"] == "structured_outputs" and f"did not compile within {COMPILE_TIMEOUT_S:g}" in error["message"]
     bad = httpx.post(url + "/chat/completions", timeout=60, json={
         "model": NAME, "messages": messages, "response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}})
