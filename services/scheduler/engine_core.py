@@ -30,10 +30,17 @@ from shared.messages import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutpu
 from shared.tracing import inject
 
 
+class Launched(Protocol):
+    def finish(self) -> ModelRunnerOutput:
+        """The step's answer, once its tokens are on the host."""
+        ...
+
+
 class Executor(Protocol):
-    async def execute(self, step: SchedulerOutput, headers: dict[str, str]) -> ModelRunnerOutput | None:
-        """The worker's answer to one step; None when it cannot answer (gone, or past its
-        deadline). Steps run in the order they are handed over, each after the one before."""
+    async def execute(self, step: SchedulerOutput, headers: dict[str, str]) -> ModelRunnerOutput | Launched | None:
+        """The worker's answer to one step, or a step launched in this process whose answer
+        `finish()` gives; None when it cannot answer (gone, or past its deadline). Steps
+        run in the order they are handed over, each after the one before."""
         ...
 
 
@@ -155,6 +162,11 @@ class EngineCore:
     async def _land(self) -> LandedStep:
         sent = self._in_flight[0]  # stays in the deque while awaited, so close() still sees it
         runner_output = await sent.reply
+        if runner_output is not None and not isinstance(runner_output, ModelRunnerOutput):
+            # Launched in this process: let the steps handed over after it launch first, so
+            # the device has the next one queued while this one lands.
+            await asyncio.sleep(0)
+            runner_output = runner_output.finish()
         self._in_flight.popleft()
         now = time.monotonic()
         # The worker could start this step when it was sent or when the step before it was

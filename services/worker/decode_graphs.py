@@ -86,17 +86,29 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query a row
         self.hidden = torch.zeros(size, hidden_size, dtype=dtype, device=device)  # what a step reads back
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.device = device
+        self._uploaded = None  # a CUDA event after the last step's uploads
         self.steps = 0  # decode steps served from the buffers (tests and the step log read it)
 
     def takes(self, inputs: StepInputs) -> bool:
         return inputs.decode_only and inputs.num_rows <= self.sizes[-1]
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
+    def run(self, inputs: StepInputs, patch=None) -> torch.Tensor:
         """The step's hidden states [num_rows, hidden_size], after the final norm: a view of
-        the output buffer, valid until the next step."""
+        the output buffer, valid until the next step. `patch(input_ids)` fills in, on the
+        device, the ids of tokens a launched step sampled there."""
         n = inputs.num_rows
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if self._uploaded is not None:
+            # The host buffers are about to be rewritten: the last step's copies out of
+            # them must be done (a launched step's may still wait behind the device's work).
+            self._uploaded.synchronize()
         self._fill(inputs, n, size)
+        if self.device.type == "cuda":
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        if patch is not None:
+            patch(self.input_ids.device[:n])
         if self.mode == "capture":
             self.graphs[size].replay()
         else:

@@ -8,7 +8,8 @@ cores (measured: a decode step went from 187 ms to 223 ms). So the runner is bui
 the executor's own thread and only ever called there.
 
 Offline, the engine core's event loop runs on that thread too and `execute` calls the
-runner inline. Running the forward on the thread while the loop scheduled and
+runner inline: it launches the step and the engine core finishes it when it lands it,
+after launching the next (launched_step.py). Running the forward on the thread while the loop scheduled and
 detokenized beside it was measured and lost: W1 bfloat16 368.6 and 369.8 output tok/s
 against the one-at-a-time loop's 402.3 (ABBA, docs/performance.md). On two cores the
 loop's Python work preempts one of the two OpenMP threads that run in lockstep, and the
@@ -34,15 +35,38 @@ T = TypeVar("T")
 
 
 def execute_step(runner: ModelRunner, step: SchedulerOutput) -> ModelRunnerOutput:
+    """One step start to end; a failure becomes an error answer."""
+    return launch_step(runner, step).finish()
+
+
+def launch_step(runner: ModelRunner, step: SchedulerOutput) -> Launched:
     try:
-        return runner.execute_model(step)
+        return Launched(runner, step, runner.launch(step))
     except Exception as exc:  # noqa: BLE001 - report the failure; the scheduler ends those requests
-        log.exception("step %d failed", step.step_id)
+        return Launched(runner, step, None, exc)
+
+
+class Launched:
+    """A step handed to the runner: `finish()` is its answer, an error answer if it failed."""
+
+    __slots__ = ("runner", "step", "launched", "exc")
+
+    def __init__(self, runner: ModelRunner, step: SchedulerOutput, launched, exc: Exception | None = None) -> None:
+        self.runner, self.step, self.launched, self.exc = runner, step, launched, exc
+
+    def finish(self) -> ModelRunnerOutput:
+        if self.exc is None:
+            try:
+                return self.launched.finish()
+            except Exception as exc:  # noqa: BLE001
+                self.exc = exc
+        step = self.step
+        log.error("step %d failed", step.step_id, exc_info=self.exc)
         # The runner's state for these requests may be half-updated: drop it, the
         # scheduler will not send them again.
-        runner.drop_requests(list(step.num_scheduled_tokens))
+        self.runner.drop_requests(list(step.num_scheduled_tokens))
         return ModelRunnerOutput(
-            step_id=step.step_id, req_ids=[], sampled_token_ids=[], error=f"{type(exc).__name__}: {exc}",
+            step_id=step.step_id, req_ids=[], sampled_token_ids=[], error=f"{type(self.exc).__name__}: {self.exc}",
         )
 
 
@@ -68,11 +92,13 @@ class InProcessExecutor:
         """Await `fn(*args)` on the runner's thread; calls run one at a time, in order."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def execute(self, step: SchedulerOutput, headers: dict[str, str] | None = None) -> ModelRunnerOutput:
-        """Inline: the engine core's loop must be running on the runner's thread (see `call`)."""
+    async def execute(self, step: SchedulerOutput, headers: dict[str, str] | None = None) -> Launched:
+        """Inline: the engine core's loop must be running on the runner's thread (see `call`).
+        The step is launched, not finished: the engine core finishes it when it lands it,
+        after handing the runner the next one (services/worker/launched_step.py)."""
         if threading.get_ident() != self._ident:
             raise RuntimeError("InProcessExecutor.execute runs on the runner's thread: run the loop there")
-        return execute_step(self.runner, step)
+        return launch_step(self.runner, step)
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -3,7 +3,10 @@
 It holds the model, the paged KV cache and the state of every request it serves; the
 scheduler sends full data only for requests new to it and deltas for the rest. It turns
 those requests into flat tensors (token ids, positions, query_start_loc, seq_lens,
-slot_mapping, block_table) and knows nothing of transport.
+slot_mapping, block_table) and knows nothing of transport. A step is launched (forward
+and sampling queued on the device) and finished (its tokens on the host) apart, so the
+next step can be launched in between and read those tokens on the device
+(launched_step.py).
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
@@ -100,6 +104,12 @@ class ModelRunner:
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
+        # Steps launched whose tokens are not on the host yet (see launch), oldest first.
+        # Overlapping pays only where the device runs apart from the host: on a CPU a
+        # step's work is done by the time launch returns (W1 bf16 measured 0.98x of
+        # finishing each step at once, 3 pairs), so there each step is finished as launched.
+        self._launched: deque[LaunchedStep] = deque()
+        self.overlap_steps = self.device.type == "cuda"
         # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
         # compare what the worker does offline and served without a tracing backend.
         step_log = os.environ.get("LLMBUS_STEP_LOG")
@@ -154,13 +164,37 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to end: its sampled tokens on the host when it returns."""
+        return self.launch(scheduler_output).finish()
+
+    def finish_launched(self) -> None:
+        """Land every launched step's tokens on the host (in launch order)."""
+        while self._launched:
+            self._launched[0].finish()
+
+    def _retire(self, step: LaunchedStep) -> None:
+        """A launched step is finishing: those launched before it finish first."""
+        while self._launched and self._launched[0] is not step:
+            self._launched[0].finish()
+        if self._launched:
+            self._launched.popleft()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward and sampling; its tokens reach the host at `finish()`.
+        A step that reads tokens the device still holds (penalties, grammars and drafts
+        read a request's history on the host) first finishes the steps launched before
+        it; so does one with a request whose grammar is live, or that verifies drafts,
+        whose acceptance runs on the host at once."""
         t_start = time.time_ns()
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if not num_scheduled:
-            return ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[])
+            return LaunchedStep.done(ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[],
+                                                       sampled_token_ids=[]))
+        if self._launched and not reads_device_tokens_only(self.requests, scheduler_output):
+            self.finish_launched()
         # Speculation: drafts for the requests given slots; each computes its scheduled
         # tokens less the slots its drafts leave unused.
         drafts = self._propose(scheduler_output.num_draft_slots)
@@ -172,24 +206,33 @@ class ModelRunner:
         # Decodes (one new token) first, shortest context first, so attention can batch
         # them in groups of similar length.
         requests = self.requests
-        # (A request verifying drafts is decodes too: one row per token, see _prepare_inputs.)
+        # (A request verifying drafts is decodes too: one row per token, see StepInputs.build.)
         order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1 and rid not in drafts,
                                                     requests[rid].num_computed_tokens))
         states = [self.requests[rid] for rid in order]
-        inputs, sample_rows, last_token = self._prepare_inputs(states, num_tokens, drafts)
+        long_offset = self.model.model.rotary.long_offset if self.model_config.long_rope_threshold is not None else None
+        inputs, sample_rows, last_token, from_device = StepInputs.build(states, num_tokens, drafts, self.block_size,
+                                                                        long_offset)
 
         t_forward = time.time_ns()
         graphs = self.decode_graphs
         on_graph = graphs is not None and graphs.takes(inputs)
+        patch = (lambda ids: read_device_tokens(ids, from_device)) if from_device else None
         if on_graph:
-            hidden = graphs.run(inputs)
+            hidden = graphs.run(inputs, patch)
         else:
             input_ids, positions, metadata = inputs.to_device(self.device)
+            if patch is not None:
+                patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[list] = [[] for _ in order]
-        resample, request_errors = [], {}
+        output = ModelRunnerOutput(
+            step_id=scheduler_output.step_id, req_ids=order, sampled_token_ids=sampled, logprobs=logprobs,
+            num_draft_tokens=[len(drafts.get(rid, ())) for rid in order] if drafts else [],
+        )
+        launched = LaunchedStep.done(output)
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)
         if any(isinstance(states[i].matcher, Future) for i in sample_rows):
             # A step of nothing but requests waiting for their grammars may wait for one a
@@ -197,9 +240,9 @@ class ModelRunner:
             only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
             wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
             sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
-            resample = [order[i] for i in pending]
-            request_errors = {order[i]: why for i, why in failed.items()}
-            self.drop_requests(list(request_errors))
+            output.resample_req_ids = [order[i] for i in pending]
+            output.request_errors = {order[i]: why for i, why in failed.items()}
+            self.drop_requests(list(output.request_errors))
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
@@ -220,35 +263,48 @@ class ModelRunner:
                 t_mask = time.perf_counter_ns()
                 valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs)))
                 mask_ns = time.perf_counter_ns() - t_mask
-            token_ids, token_logprobs = self.sampler(logits, row_states)
-            for i, first in zip(sample_rows, first_row):
-                state, d = states[i], drafts.get(order[i], [])
-                accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
-                out = token_ids[first:first + accepted + 1]
-                if state.matcher is not None:
-                    for token_id in out:
-                        if state.matcher.is_terminated():
-                            break
-                        state.matcher.accept_token(token_id)
-                state.token_ids.extend(out)
-                state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
-                sampled[i] = out
-                logprobs[i] = [lp for lp in token_logprobs[first:first + accepted + 1] if lp is not None]
+            samples = self.sampler.sample(logits, row_states)
+            if drafts or any(states[i].matcher is not None for i in sample_rows) or not self.overlap_steps:
+                # Tokens land in order: those of steps launched before this one first.
+                self.finish_launched()
+                self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs)
+                if not any(logprobs):
+                    output.logprobs = []
+            else:
+                # The tokens stay on the device; the next step reads them there.
+                samples.start_copy()
+                for i, row in zip(sample_rows, first_row):
+                    states[i].num_pending += 1
+                    states[i].pending_token = (samples.ids, row)
+                launched = LaunchedStep(output, samples, tuple((i, row, states[i]) for i, row in zip(
+                    sample_rows, first_row)), on_finish=self._retire)
+                self._launched.append(launched)
+        elif not any(logprobs):
+            output.logprobs = []
         for state in states:
             state.num_computed_tokens += num_tokens[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
             self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order)
+        return launched
 
-        return ModelRunnerOutput(
-            step_id=scheduler_output.step_id,
-            req_ids=order,
-            sampled_token_ids=sampled,
-            logprobs=logprobs if any(logprobs) else [],
-            num_draft_tokens=[len(drafts.get(rid, ())) for rid in order] if drafts else [],
-            resample_req_ids=resample,
-            request_errors=request_errors,
-        )
+    def _accept(self, samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs) -> None:
+        """On the host now: each request's accepted drafts and the token after them, its
+        grammar advanced over them."""
+        token_ids, token_logprobs = samples.to_host()
+        for i, first in zip(sample_rows, first_row):
+            state, d = states[i], drafts.get(order[i], [])
+            accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
+            out = token_ids[first:first + accepted + 1]
+            if state.matcher is not None:
+                for token_id in out:
+                    if state.matcher.is_terminated():
+                        break
+                    state.matcher.accept_token(token_id)
+            state.token_ids.extend(out)
+            state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
+            sampled[i] = out
+            logprobs[i] = [lp for lp in token_logprobs[first:first + accepted + 1] if lp is not None]
 
     def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
         if self.proposer is None or not num_draft_slots:
@@ -309,67 +365,3 @@ class ModelRunner:
                 continue
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-
-    def _prepare_inputs(
-        self, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]],
-    ) -> tuple[StepInputs, list[int], np.ndarray]:
-        """The step's flattened inputs. Rows are what attention sees: one per request, or,
-        for a request verifying drafts, one per token it computes, each a one-token decode
-        at its own position over the cache up to it. So a step of decodes and verifies is
-        still decode-only (the fused decode path), and each draft position is computed as a
-        decode of it would be. Also returns the requests that sample this step and the
-        flat index of each request's last token."""
-        block_size = self.block_size
-        num_states = len(states)
-        rows_of = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else 1 for s in states),
-                              np.int64, num_states)
-        first_row = np.zeros(num_states + 1, np.int64)
-        np.cumsum(rows_of, out=first_row[1:])
-        num_rows = int(first_row[-1])
-        req_of_row = np.repeat(np.arange(num_states), rows_of)
-        req_starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_states)
-        req_lens = np.fromiter((num_tokens[s.req_id] for s in states), np.int64, num_states)
-        split = rows_of[req_of_row] > 1  # a row of a request verifying drafts
-        query_lens = np.where(split, 1, req_lens[req_of_row])
-        starts = req_starts[req_of_row] + np.where(split, np.arange(num_rows) - first_row[req_of_row], 0)
-        query_start_loc = np.zeros(num_rows + 1, np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        seq_lens = starts + query_lens
-
-        # positions: each row's run start..start+len, laid end to end
-        row_of_token = np.repeat(np.arange(num_rows), query_lens)
-        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
-
-        input_ids = np.empty(total, np.int64)
-        max_blocks = max(len(s.block_ids) for s in states)
-        req_blocks = np.zeros((num_states, max_blocks), np.int32)
-        sample_rows = []
-        token_at = query_start_loc[first_row]  # each request's first token in the flat batch
-        for i, state in enumerate(states):
-            start, end = int(req_starts[i]), int(req_starts[i] + req_lens[i])
-            d = drafts.get(state.req_id)
-            input_ids[token_at[i] : token_at[i + 1]] = (
-                state.token_ids[start:end] if d is None else state.token_ids[start:] + d
-            )
-            req_blocks[i, : len(state.block_ids)] = state.block_ids
-            if end == len(state.token_ids) + (len(d) if d else 0):  # caught up: this step samples
-                sample_rows.append(i)
-        block_table = req_blocks[req_of_row]  # [num_rows, max_blocks]
-        slot_mapping = (
-            block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
-        threshold = self.model_config.long_rope_threshold
-        if threshold is not None:
-            # longrope: a request's tokens rotate with the long factors when it was past the
-            # threshold as it came to this worker (RequestState.long_rope); the long rows of
-            # the tables follow the short ones.
-            long = np.fromiter((s.long_rope for s in states), np.bool_, num_states)[req_of_row][row_of_token]
-            positions = positions + long * self.model.model.rotary.long_offset
-        num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
-        inputs = StepInputs(
-            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
-            slot_mapping=slot_mapping, block_table=block_table, num_decodes=num_decodes,
-        )
-        return inputs, sample_rows, token_at[1:] - 1

@@ -22,10 +22,17 @@ class RequestState:
     # longrope (Phi-3): its tokens rotate with the long factors (it was past the threshold
     # when this worker got it; the scheduler restarts one that crosses it)
     long_rope: bool = False
+    # Tokens sampled by steps still on the device (launched, not yet finished: see
+    # ModelRunner.launch), which `token_ids` does not hold yet; the latest one's place, a
+    # (device tensor of a step's sampled ids, index) pair, is what the next step reads.
+    num_pending: int = 0
+    pending_token: tuple | None = None
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens so far, those still on the device included (seeded draws and
+        min_tokens count them)."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

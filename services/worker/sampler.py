@@ -85,22 +85,59 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _MASK)
 
 
+class Samples:
+    """One step's sampled ids and the logprobs asked for, still on the logits' device.
+    `ids` is what a next step's inputs read before the host knows them; `to_host` is the
+    step's one copy back (started early with `start_copy`, so it can wait behind the next
+    step's work on a GPU)."""
+
+    def __init__(self, ids: torch.Tensor, flat: torch.Tensor, params, rows: list[int], max_k: int) -> None:
+        self.ids, self._flat, self._params, self._rows, self._max_k = ids, flat, params, rows, max_k
+        self._event = None
+
+    def start_copy(self) -> None:
+        if self._flat.is_cuda:
+            host = torch.empty(self._flat.shape, dtype=self._flat.dtype, pin_memory=True)
+            self._flat = host.copy_(self._flat, non_blocking=True)  # returns at once; the event says when
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def to_host(self) -> tuple[list[int], list[Logprobs | None]]:
+        if self._event is not None:
+            self._event.synchronize()
+        flat, params, num = self._flat.tolist(), self._params, len(self._params)
+        result: list[Logprobs | None] = [None] * num
+        if not self._rows:
+            return flat, result
+        sampled_ids = [int(t) for t in flat[:num]]
+        width, max_k = 2 + 2 * self._max_k, self._max_k
+        for j, i in enumerate(self._rows):
+            line = flat[num + j * width : num + (j + 1) * width]
+            k = params[i].logprobs
+            ids = [sampled_ids[i]] + [int(t) for t in line[2 : 2 + k]]
+            lps = [line[0]] + line[2 + max_k : 2 + max_k + k]
+            result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(line[1]))
+        return sampled_ids, result
+
+
 class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,  # [num_rows, vocab_size] float32
         states: Sequence[RequestState],  # one per row
     ) -> tuple[list[int], list[Logprobs | None]]:
+        return self.sample(logits, states).to_host()
+
+    def sample(self, logits: torch.Tensor, states: Sequence[RequestState]) -> Samples:
         raw = logits
         params = [s.sampling_params for s in states]
         logits = self._process(logits, states)
-
         greedy = [p.greedy for p in params]
         if all(greedy):
             sampled = logits.argmax(-1)
         else:
             sampled = self._sample_random(logits, states, greedy)
-        return self._to_host(raw, sampled, params)
+        return self._samples(raw, sampled, params)
 
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
         """Penalties, logit bias and min_tokens, which change the distribution greedy picks
@@ -161,14 +198,14 @@ class Sampler:
         random_ids = sample_inverse_cdf(probs, uniform(*draw_keys(states)).to(device))
         return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), random_ids)
 
-    def _to_host(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> tuple[list[int], list[Logprobs | None]]:
-        """The sampled ids and, for the rows that ask, logprobs of the model's own
-        distribution (before penalties and temperature): chosen token's, its rank and the
-        top k. Everything the host needs in one copy (one sync), not a few per row."""
+    def _samples(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> Samples:
+        """For the rows that ask, logprobs of the model's own distribution (before
+        penalties and temperature): the chosen token's, its rank and the top k, packed
+        after the sampled ids so that everything the host needs is one copy (one sync),
+        not a few per row."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        result: list[Logprobs | None] = [None] * len(params)
         if not rows:
-            return sampled.tolist(), result
+            return Samples(sampled, sampled, params, rows, 0)
         index = torch.tensor(rows, device=raw.device)
         logprobs = raw[index].log_softmax(-1)  # [num_rows_with_logprobs, vocab_size]
         chosen = sampled[index]
@@ -178,16 +215,7 @@ class Sampler:
         top_lp, top_ids = logprobs.topk(max_k, dim=-1)
         # float64 holds token ids, ranks and float32 logprobs exactly.
         table = torch.cat([t.to(torch.float64) for t in (chosen_lp, ranks, top_ids, top_lp)], dim=-1)
-        flat = torch.cat([sampled.to(torch.float64), table.flatten()]).tolist()
-        num, width = len(params), 2 + 2 * max_k
-        sampled_ids = [int(t) for t in flat[:num]]
-        for j, i in enumerate(rows):
-            line = flat[num + j * width : num + (j + 1) * width]
-            k = params[i].logprobs
-            ids = [sampled_ids[i]] + [int(t) for t in line[2 : 2 + k]]
-            lps = [line[0]] + line[2 + max_k : 2 + max_k + k]
-            result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(line[1]))
-        return sampled_ids, result
+        return Samples(sampled, torch.cat([sampled.to(torch.float64), table.flatten()]), params, rows, max_k)
 
 
 def draw_keys(states: Sequence[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
 The model runner builds these with numpy; an eager step copies them into fresh device
 tensors (`to_device`), a decode step on the graph path fills the persistent buffers of
 decode_graphs.py with them instead. Rows are what attention sees (see
-ModelRunner._prepare_inputs): decodes first, then prefill chunks.
+`build`): decodes first, then prefill chunks.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.request_state import RequestState
 
 
 @dataclass(slots=True)
@@ -57,3 +58,74 @@ class StepInputs:
             seq_lens_cpu=self.seq_lens,
         )
         return put(self.input_ids), put(self.positions), metadata
+
+    @classmethod
+    def build(
+        cls, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]], block_size: int,
+        long_offset: int | None = None,
+    ) -> tuple[StepInputs, list[int], np.ndarray, list]:
+        """The step's flattened inputs. Rows are what attention sees: one per request, or,
+        for a request verifying drafts, one per token it computes, each a one-token decode
+        at its own position over the cache up to it. So a step of decodes and verifies is
+        still decode-only (the fused decode path), and each draft position is computed as a
+        decode of it would be. Also returns the requests that sample this step and the
+        flat index of each request's last token, and the tokens to read from the device
+        (launched_step.py)."""
+        num_states = len(states)
+        rows_of = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else 1 for s in states),
+                              np.int64, num_states)
+        first_row = np.zeros(num_states + 1, np.int64)
+        np.cumsum(rows_of, out=first_row[1:])
+        num_rows = int(first_row[-1])
+        req_of_row = np.repeat(np.arange(num_states), rows_of)
+        req_starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_states)
+        req_lens = np.fromiter((num_tokens[s.req_id] for s in states), np.int64, num_states)
+        split = rows_of[req_of_row] > 1  # a row of a request verifying drafts
+        query_lens = np.where(split, 1, req_lens[req_of_row])
+        starts = req_starts[req_of_row] + np.where(split, np.arange(num_rows) - first_row[req_of_row], 0)
+        query_start_loc = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        seq_lens = starts + query_lens
+
+        # positions: each row's run start..start+len, laid end to end
+        row_of_token = np.repeat(np.arange(num_rows), query_lens)
+        positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
+
+        input_ids = np.empty(total, np.int64)
+        max_blocks = max(len(s.block_ids) for s in states)
+        req_blocks = np.zeros((num_states, max_blocks), np.int32)
+        sample_rows = []
+        from_device = []  # (flat index, where its token is on the device): a launched step's token
+        token_at = query_start_loc[first_row]  # each request's first token in the flat batch
+        for i, state in enumerate(states):
+            start, end = int(req_starts[i]), int(req_starts[i] + req_lens[i])
+            d = drafts.get(state.req_id)
+            if state.num_pending and end > len(state.token_ids):
+                # A decode of the token a launched step sampled (launch made sure of it).
+                from_device.append((int(token_at[i]), state.pending_token))
+                input_ids[token_at[i]] = 0
+            else:
+                input_ids[token_at[i] : token_at[i + 1]] = (
+                    state.token_ids[start:end] if d is None else state.token_ids[start:] + d
+                )
+            req_blocks[i, : len(state.block_ids)] = state.block_ids
+            if end == len(state.token_ids) + state.num_pending + (len(d) if d else 0):  # caught up: this step samples
+                sample_rows.append(i)
+        block_table = req_blocks[req_of_row]  # [num_rows, max_blocks]
+        slot_mapping = (
+            block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
+            + positions % block_size
+        )
+        if long_offset is not None:
+            # longrope: a request's tokens rotate with the long factors when it was past the
+            # threshold as it came to this worker (RequestState.long_rope); the long rows of
+            # the tables follow the short ones.
+            long = np.fromiter((s.long_rope for s in states), np.bool_, num_states)[req_of_row][row_of_token]
+            positions = positions + long * long_offset
+        num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
+        inputs = cls(
+            input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            slot_mapping=slot_mapping, block_table=block_table, num_decodes=num_decodes,
+        )
+        return inputs, sample_rows, token_at[1:] - 1, from_device

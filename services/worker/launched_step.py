@@ -1,0 +1,83 @@
+"""A step whose work is on the device and whose sampled tokens are not on the host yet.
+
+`ModelRunner.launch` returns one: the forward and the sampling are queued, the copy of
+the sampled ids back to the host started, and each request that sampled knows where its
+token is on the device, so the next step's inputs read it there. `finish()` waits for
+the copy and lands the tokens in the requests' states (steps finish in the order they
+were launched), giving the step's `ModelRunnerOutput`. Offline, the engine core finishes a
+step only after handing the next one to the runner: on a GPU the host's landing,
+scheduling and detokenizing then run while the device computes the next step, instead
+of the device waiting for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.request_state import RequestState
+from services.worker.sampler import Samples
+from shared.messages import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    output: ModelRunnerOutput  # its tokens filled in by finish()
+    samples: Samples | None = None
+    # (index in the output, row of the samples, state) of each request that sampled
+    sampled_states: tuple[tuple[int, int, RequestState], ...] = ()
+    on_finish: Callable[[LaunchedStep], None] | None = None  # the runner's bookkeeping (its queue of launched steps)
+    finished: bool = False
+
+    @classmethod
+    def done(cls, output: ModelRunnerOutput) -> LaunchedStep:
+        return cls(output, finished=True)
+
+    def finish(self) -> ModelRunnerOutput:
+        if not self.finished:
+            self.finished = True
+            if self.on_finish is not None:
+                self.on_finish(self)  # the steps launched before this one finish first
+            token_ids, token_logprobs = self.samples.to_host()
+            sampled, logprobs = self.output.sampled_token_ids, self.output.logprobs
+            for i, row, state in self.sampled_states:
+                state.token_ids.append(token_ids[row])
+                state.num_pending -= 1
+                if state.num_pending == 0:
+                    state.pending_token = None
+                sampled[i] = [token_ids[row]]
+                if token_logprobs[row] is not None:
+                    logprobs[i] = [token_logprobs[row]]
+            if not any(logprobs):
+                self.output.logprobs = []
+        return self.output
+
+
+def reads_device_tokens_only(requests: dict[str, RequestState], so: SchedulerOutput) -> bool:
+    """Whether this step can run beside the launched ones: each request with tokens
+    still on the device only feeds its latest one back as a decode, and nothing reads
+    its history on the host."""
+    for rid, n in so.num_scheduled_tokens.items():
+        state = requests.get(rid)
+        if state is None or not state.num_pending:
+            continue
+        if (n != 1 or rid in so.num_draft_slots or state.matcher is not None
+                or state.sampling_params.needs_penalties
+                or state.num_computed_tokens != len(state.token_ids) + state.num_pending - 1):
+            return False
+    return True
+
+
+def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tuple]]) -> None:
+    """Fill the input ids of tokens still on the device from the steps that sampled
+    them: one gather per such step."""
+    by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for flat, (source, row) in from_device:
+        entry = by_source.setdefault(id(source), (source, [], []))
+        entry[1].append(flat)
+        entry[2].append(row)
+    for source, flats, rows in by_source.values():
+        index = torch.tensor(flats, device=input_ids.device)
+        input_ids[index] = source[torch.tensor(rows, device=source.device)].to(input_ids.device)

@@ -1,0 +1,112 @@
+"""Steps launched before the one before them has finished (services/worker/launched_step.py):
+offline, the engine core hands the runner step N+1 before it takes step N's tokens to the
+host, and N+1 reads N's tokens where they were sampled, on the device. Outputs must be
+those of finishing every step at once (`overlap_steps` off) and transformers' — greedy,
+seeded with logprobs, beside requests whose penalties or grammar need the tokens on the
+host (the runner finishes the launched steps first for those), on the eager path and
+from the decode graphs' buffers, chunked and preempted — and the overlap must in fact
+have happened. A GPU runner overlaps by default; here each test turns it on."""
+
+import pytest
+
+from llmbus import LLM, SamplingParams
+from services.worker import model_runner
+from services.worker.model_runner import ModelRunner
+from shared.sampling_params import StructuredOutputsParams
+from tiny_models import hf_greedy, random_prompts
+
+PROMPTS = random_prompts([1, 5, 16, 17, 33, 64])
+MAX_NEW = 20
+
+
+@pytest.fixture
+def overlaps(monkeypatch):
+    """How many steps were launched while another's tokens were still on the device, and
+    how many input ids were read from the device."""
+    seen = {"launched_behind": 0, "device_reads": 0}
+    launch, read = ModelRunner.launch, model_runner.read_device_tokens
+
+    def counting_launch(self, so):
+        seen["launched_behind"] += bool(self._launched)
+        return launch(self, so)
+
+    def counting_read(input_ids, from_device):
+        seen["device_reads"] += len(from_device)
+        return read(input_ids, from_device)
+
+    monkeypatch.setattr(ModelRunner, "launch", counting_launch)
+    monkeypatch.setattr(model_runner, "read_device_tokens", counting_read)
+    return seen
+
+
+def outputs(llm: LLM, params) -> list:
+    return [(o.outputs[0].token_ids, [lp.logprobs for lp in o.outputs[0].logprobs or []])
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def overlapping(folder, **kwargs) -> LLM:
+    """An LLM whose runner overlaps steps (the default on CUDA only)."""
+    llm = LLM(str(folder), **kwargs)
+    llm.runner.overlap_steps = True
+    return llm
+
+
+@pytest.mark.parametrize("graphs, options", [
+    (None, {}),
+    ("replay", {}),
+    (None, {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8}),  # chunked prefill
+    (None, {"num_kv_blocks": 12, "block_size": 16, "enable_prefix_caching": False}),  # preemption
+], ids=["eager", "graphs_replay", "chunked", "preempted"])
+def test_greedy_from_tokens_on_the_device_equals_transformers(tiny_llama, overlaps, graphs, options):
+    llm = overlapping(tiny_llama, **options)
+    if graphs:
+        llm.runner.set_decode_graphs(graphs)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)]
+    assert got == hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
+    assert overlaps["launched_behind"] >= MAX_NEW - 2 and overlaps["device_reads"] >= len(PROMPTS) * (MAX_NEW - 2)
+    assert not llm.runner._launched and all(s.num_pending == 0 for s in llm.runner.requests.values())
+
+
+def test_every_kind_of_request_as_when_each_step_finishes_at_once(tiny_llama, overlaps):
+    """Seeded sampling with logprobs and min_tokens counts the tokens still on the device
+    (its draw positions, its bans); beside a request with penalties and a constrained one,
+    which need the tokens on the host, the runner lands the launched steps first."""
+    n = len(PROMPTS)
+    seeded = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2, min_tokens=3)
+              for i in range(n)]
+    mixed = seeded[: n - 2] + [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, structured_outputs=StructuredOutputsParams(
+            regex="[0-9]{3}-[a-z]{2}"))]
+    llm = overlapping(tiny_llama, enable_prefix_caching=False)  # a prefix hit moves logprobs by an ulp
+    results = {}
+    for overlap in (True, False):
+        llm.runner.overlap_steps = overlap
+        before = overlaps["device_reads"]
+        results[overlap] = outputs(llm, seeded), outputs(llm, mixed)
+        assert (overlaps["device_reads"] > before) == overlap
+    assert results[True] == results[False]
+    for prompt, param, expected in zip(PROMPTS, mixed, results[True][1]):  # alone, the tokens it had in the crowd
+        [out] = llm.generate([prompt], param, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected[0]
+
+
+def test_finishing_a_step_lands_the_steps_launched_before_it_first(tiny_llama):
+    """Tokens reach a request's state in the order they were sampled, whichever launched
+    step is finished first."""
+    llm = overlapping(tiny_llama)
+    llm.add_requests([PROMPTS[2]], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)])
+    scheduler, runner = llm.scheduler, llm.runner
+
+    def launch_three():
+        launched = [runner.launch(scheduler.schedule()) for _ in range(3)]  # prefill, then two decodes
+        [state] = runner.requests.values()
+        assert state.num_pending == 3 and len(state.token_ids) == len(PROMPTS[2])
+        last = launched[-1].finish()
+        assert all(step.finished for step in launched) and not runner._launched and state.num_pending == 0
+        firsts = [step.output.sampled_token_ids[0][0] for step in launched[:2]]
+        return state.token_ids[len(PROMPTS[2]):], firsts + last.sampled_token_ids[0]
+
+    landed, sampled = llm.executor.call(launch_three)
+    assert landed == sampled == hf_greedy(tiny_llama, [PROMPTS[2]], 3)[0]
