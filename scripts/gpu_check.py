@@ -47,6 +47,9 @@ CASES = {
     # one runs them eager, so a graph bug and an eager bug show apart.
     "enforce_eager": {"enforce_eager": True},
     "sync_scheduling": {"async_scheduling": False},
+    # Every case above overlaps steps (launched_step.py, the default on a GPU); this one
+    # finishes each step before the next is launched.
+    "no_overlap": {},
 }
 # Drafts verified as one-token rows of a decode step (the graphs take them too), on
 # prompts that repeat themselves, so drafts are found and accepted.
@@ -80,6 +83,7 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
         start = time.perf_counter()
         try:
             llm = LLM(str(folder), **kwargs)
+            llm.runner.overlap_steps = case != "no_overlap"
             out = greedy(llm, PROMPTS)
             graphs = llm.runner.decode_graphs
             row = {"model": name, "case": case, "dtype": "float32", "device": str(llm.runner.device),
