@@ -36,6 +36,12 @@ class SchedulerConfig:
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
+# The most the gateway waits for a structured-output spec's check: a tokenizer replica's
+# compiling child starting (the vocabulary loaded: ~2 s for SmolLM2 here) plus its compile
+# timeout (5 s by default; --structured-outputs-compile-timeout may not leave less than 5 s
+# of this for the child's start).
+STRUCTURED_CHECK_TIMEOUT_S = 30.0
+
 
 @dataclass(slots=True)
 class CacheConfig:

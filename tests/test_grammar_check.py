@@ -38,3 +38,19 @@ def test_a_compile_past_its_timeout_is_killed_and_the_next_starts_afresh(checker
     assert "did not compile within" in message
     assert checker._pool is None and first is not None
     assert checker.check(StructuredOutputsParams(choice=["after", "the kill"])) is None  # a new child
+
+
+@pytest.mark.parametrize("command", ["tokenizer", "serve"])
+def test_a_compile_timeout_the_gateway_cannot_wait_for_is_refused_at_start(command, capsys, monkeypatch):
+    """The gateway waits 30 s for a check (a replica's first also starts its child): a longer
+    compile timeout would be answered as a tokenizer time-out instead of the spec's 400."""
+    from llmbus.cli import build_parser
+
+    for bad in ("40", "0"):
+        with pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args([command, "--structured-outputs-compile-timeout", bad])
+        assert exit_info.value.code == 2 and "at most 25 seconds" in capsys.readouterr().err
+    assert build_parser().parse_args([command, "--structured-outputs-compile-timeout", "12"]) \
+        .structured_outputs_compile_timeout == 12.0
+    monkeypatch.setenv("LLMBUS_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT", "7.5")  # as llmbus serve hands it on
+    assert build_parser().parse_args([command]).structured_outputs_compile_timeout == 7.5

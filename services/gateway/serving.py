@@ -37,15 +37,13 @@ from services.gateway.tools import ToolChoice, tool_choice_of
 from shared.config import GatewayConfig
 from shared.messages import TokenizeRequest
 from shared.output_processor import ChoiceDelta
+from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.tracing import SpanKind, inject
 
 request_log = logging.getLogger("llmbus.requests")
 
 _json = msgspec.json.Encoder()
 
-# The most a spec's check may take: a tokenizer replica's compiling child starting (the
-# vocabulary loaded: ~2 s for SmolLM2 here) plus its compile timeout (5 s by default).
-STRUCTURED_CHECK_TIMEOUT_S = 30.0
 
 
 def _end_span(span, status: int, exc: BaseException | None = None) -> None:
