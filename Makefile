@@ -29,4 +29,4 @@ bench: fetch
 	$(VENV)/bin/llmbus bench throughput
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-clients *.egg-info .pytest_cache
