@@ -10,6 +10,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmbus import LLM, SamplingParams
 from shared.sampling_params import StructuredOutputsParams
@@ -241,3 +243,36 @@ def test_a_compile_that_fails_on_the_worker_ends_that_request_and_the_engine_goe
 def test_min_tokens_with_a_grammar_is_refused_rather_than_forcing_tokens_past_its_end():
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
         SamplingParams(min_tokens=10, structured_outputs=SPECS["choice"])
+
+
+@settings(deadline=None)
+@given(st.integers(0, 2**31), st.integers(1, 6), st.integers(33, 100), st.integers(0, 8))
+def test_a_greedy_row_whose_argmax_the_grammar_allows_samples_the_same_unmasked(seed, num_rows, vocab, extra):
+    """The CPU skips masking plain greedy rows whose argmax is allowed: the argmax over
+    every row is the one full masking gives (a model's padding ids past the tokenizer's
+    vocabulary too, which the worker's bitmask covers and never allows), and only rows
+    whose argmax is allowed are skipped."""
+    import xgrammar as xgr
+
+    from services.worker.structured_output import _rows_to_mask
+
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab + extra, generator=generator)
+    allowed = torch.rand(num_rows, vocab, generator=generator) < 0.5
+    allowed[:, 0] = True  # a grammar always allows something
+    bitmask = xgr.allocate_token_bitmask(num_rows, vocab + extra)  # as the worker's: the logits' width
+    for r in range(num_rows):
+        for word in range(bitmask.shape[1]):
+            bits = [int(allowed[r, t]) if t < vocab else 0 for t in range(32 * word, 32 * word + 32)]
+            bitmask[r, word] = int.from_bytes(int("".join(map(str, reversed(bits))), 2).to_bytes(4, "little"),
+                                              "little", signed=True)
+    rows = list(range(num_rows))
+    full = logits.clone()
+    xgr.apply_token_bitmask_inplace(full, bitmask, indices=rows)
+    partial = logits.clone()
+    to_mask = _rows_to_mask(partial, bitmask, rows, frozenset(rows))
+    if to_mask:
+        xgr.apply_token_bitmask_inplace(partial, bitmask, indices=to_mask)
+    assert partial.argmax(-1).tolist() == full.argmax(-1).tolist()
+    top = logits.argmax(-1).tolist()
+    assert to_mask == [r for r in rows if not (top[r] < vocab and allowed[r, top[r]])]

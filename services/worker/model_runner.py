@@ -32,7 +32,7 @@ from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
 from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
 from services.worker.step_inputs import StepInputs
-from services.worker.structured_output import GrammarBackend, split_ready
+from services.worker.structured_output import GrammarBackend, plain_greedy, split_ready
 from shared.config import CacheConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -261,7 +261,8 @@ class ModelRunner:
             valid = {}
             if jobs:
                 t_mask = time.perf_counter_ns()
-                valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs)))
+                plain = frozenset(r for r, st in enumerate(row_states) if plain_greedy(st))
+                valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs, plain)))
                 mask_ns = time.perf_counter_ns() - t_mask
             samples = self.sampler.sample(logits, row_states)
             if drafts or any(states[i].matcher is not None for i in sample_rows) or not self.overlap_steps:
