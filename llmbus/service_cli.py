@@ -77,13 +77,16 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="how tool_choice auto reads the calls the model writes")
 
 
+# A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
+# for a check, the first one of a replica starting its compiling child too.
+MAX_COMPILE_TIMEOUT_S = STRUCTURED_CHECK_TIMEOUT_S - 5
+
+
 def compile_timeout(value: str) -> float:
-    """A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
-    for a check, the first one of a replica starting its compiling child too."""
-    seconds, most = float(value), STRUCTURED_CHECK_TIMEOUT_S - 5
-    if not 0 < seconds <= most:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most {most:g} seconds (the gateway waits "
-                                         f"{STRUCTURED_CHECK_TIMEOUT_S:g} s for a check), got {value}")
+    seconds = float(value)
+    if not 0 < seconds <= MAX_COMPILE_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most {MAX_COMPILE_TIMEOUT_S:g} seconds (the gateway "
+                                         f"waits {STRUCTURED_CHECK_TIMEOUT_S:g} s for a check), got {value}")
     return seconds
 
 
@@ -91,7 +94,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-compile-timeout", type=compile_timeout,
                         default=env("--structured-outputs-compile-timeout", "5"),
                         help="seconds a structured-output spec may take to compile before the request is a 400 "
-                             "(at most 25)")
+                             f"(at most {MAX_COMPILE_TIMEOUT_S:g})")
     parser.add_argument("--tool-chat-template", default=env("--tool-chat-template", None),
                         help="a Jinja chat template for conversations with tools (default: the model's own when "
                              "it renders tools, else Hermes-style tool messages through the model's template)")

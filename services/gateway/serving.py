@@ -34,16 +34,14 @@ from services.gateway.protocol import (
 from services.gateway import responses as r
 from services.gateway.tool_parsers import parse_whole
 from services.gateway.tools import ToolChoice, tool_choice_of
-from shared.config import GatewayConfig
+from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.messages import TokenizeRequest
 from shared.output_processor import ChoiceDelta
-from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.tracing import SpanKind, inject
 
 request_log = logging.getLogger("llmbus.requests")
 
 _json = msgspec.json.Encoder()
-
 
 
 def _end_span(span, status: int, exc: BaseException | None = None) -> None:

@@ -269,8 +269,6 @@ class ModelRunner:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
                 self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs)
-                if not any(logprobs):
-                    output.logprobs = []
             else:
                 # The tokens stay on the device; the next step reads them there.
                 samples.start_copy()
@@ -280,7 +278,7 @@ class ModelRunner:
                 launched = LaunchedStep(output, samples, tuple((i, row, states[i]) for i, row in zip(
                     sample_rows, first_row)), on_finish=self._retire)
                 self._launched.append(launched)
-        elif not any(logprobs):
+        if launched.finished and not any(logprobs):  # (a launched step's finish() says so itself)
             output.logprobs = []
         for state in states:
             state.num_computed_tokens += num_tokens[state.req_id]
