@@ -368,3 +368,28 @@ def test_blocks_are_registered_once_the_step_that_fills_them_is_scheduled():
     manager.allocate_slots(a, 3)
     assert pool.blocks[1].block_hash == a.block_hashes[1]
     assert pool.blocks[2].block_hash is None
+
+
+def test_blocks_a_decode_fills_are_registered_as_they_fill_and_each_only_once(monkeypatch):
+    """Decodes register the block each one fills (another request then hits it), and a
+    step registers only blocks newly full: not the whole context again every step."""
+    manager = KVCacheManager(8, BLOCK_SIZE)
+    a = make_request("a", PREFIX + [90])  # 9 tokens: blocks 0 and 1 full, block 2 started
+    allocate_prompt(manager, a)
+    registered = []
+    original = manager.block_pool.cache_full_block
+    monkeypatch.setattr(manager.block_pool, "cache_full_block",
+                        lambda block, h: (registered.append(block.block_id), original(block, h)))
+    for token in (91, 92, 93, 94, 95):  # block 2 fills with the 12th token, block 3 starts
+        a.append_output_token(token)
+        assert manager.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    assert registered == [2]
+    b = make_request("b", a.all_token_ids[:12] + [7])
+    assert ids(manager.get_computed_blocks(b)) == ids(manager.req_to_blocks["a"][:3])
+    manager.free(a)
+    # Scheduled again from the start (preempted), its blocks are registered anew.
+    a.num_computed_tokens = 0
+    registered.clear()
+    allocate_prompt(manager, a)
+    assert len(registered) == 3

@@ -25,6 +25,11 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's leading blocks are registered already: each step registers
+        # only the blocks that became full in it, not the whole context again (that walk was
+        # 2.5 ms of a batch-128 decode step at 512 tokens of context; the GPU's whole step is
+        # about 1.5 ms).
+        self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
 
@@ -88,6 +93,16 @@ class KVCacheManager:
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         hold them, in which case nothing has changed.
         """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # A running request (most calls: a decode's one token): often no new block, and
+            # no block newly full; this path costs a few attribute reads a request a step.
+            num_after = request.num_computed_tokens + num_new_tokens
+            if num_after <= len(req_blocks) * self.block_size:
+                if self.enable_caching and min(num_after, request.num_tokens) // self.block_size > \
+                        self.num_cached_blocks.get(request.request_id, 0):
+                    self._cache_full_blocks(request, req_blocks, num_after)
+                return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -115,8 +130,12 @@ class KVCacheManager:
     ) -> None:
         self.update_block_hashes(request)
         num_full = min(num_tokens, request.num_tokens) // self.block_size
-        for block, block_hash in zip(req_blocks[:num_full], request.block_hashes[:num_full]):
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= num_cached:
+            return
+        for block, block_hash in zip(req_blocks[num_cached:num_full], request.block_hashes[num_cached:num_full]):
             self.block_pool.cache_full_block(block, block_hash)
+        self.num_cached_blocks[request.request_id] = num_full
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
@@ -126,6 +145,7 @@ class KVCacheManager:
         blocks registered for that step may never have been written, so no later request
         may hit them (blocks shared with others were computed earlier and stay)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
         if forget_cached:
             for block in blocks:
                 if block.ref_cnt == 1:
