@@ -67,6 +67,7 @@ def test_preemption_under_tiny_cache_gives_identical_output(model_and_reference)
     stats = llm.stats()
     assert stats.num_preemptions > 0
     assert llm.scheduler.kv_cache_manager.block_pool.num_free_blocks == 12
+    assert llm.runner.block_table.num_rows_in_use == 0  # each preempted request's row freed as it came back
 
 
 def test_preemption_with_prefix_caching_and_chunking_matches(model_and_reference):

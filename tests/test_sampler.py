@@ -32,7 +32,7 @@ def state(
         num_prompt_tokens=len(prompt),
         sampling_params=SamplingParams(**params),
         eos_token_id=eos,
-        block_ids=[],
+        block_row=0,
         num_computed_tokens=len(prompt) + len(output),
     )
 

@@ -23,6 +23,7 @@ import torch
 
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
+from services.worker.block_table import BlockTable
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
@@ -99,6 +100,8 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
+        # (+1: a step's blocks may reach one past max_model_len's, for the token it samples.)
+        self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
         self.sampler = Sampler()
         self.grammars = GrammarBackend(model_path, self.vocab_size)
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
@@ -158,9 +161,11 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
-    def drop_requests(self, req_ids: list[str]) -> None:
+    def drop_requests(self, req_ids) -> None:
         for req_id in req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                self.block_table.free(state.block_row)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -212,7 +217,7 @@ class ModelRunner:
         states = [self.requests[rid] for rid in order]
         long_offset = self.model.model.rotary.long_offset if self.model_config.long_rope_threshold is not None else None
         inputs, sample_rows, last_token, from_device = StepInputs.build(states, num_tokens, drafts, self.block_size,
-                                                                        long_offset)
+                                                                        self.block_table, long_offset)
 
         t_forward = time.time_ns()
         graphs = self.decode_graphs
@@ -246,13 +251,18 @@ class ModelRunner:
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
-            rows, row_states, first_row = [], [], []
-            for i in sample_rows:
-                state, d = states[i], drafts.get(order[i], [])
-                first_row.append(len(rows))
-                rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
-                row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            if drafts:
+                rows, row_states, first_row = [], [], []
+                for i in sample_rows:
+                    state, d = states[i], drafts.get(order[i], [])
+                    first_row.append(len(rows))
+                    rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
+                    row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
+                rows = torch.tensor(rows)
+            else:  # one row a request
+                rows = torch.from_numpy(last_token[sample_rows])
+                row_states, first_row = [states[i] for i in sample_rows], range(len(sample_rows))
+            logits = self.model.compute_logits(hidden[rows.to(self.device, non_blocking=True)])
             # The grammar at every sampled position, drafts included. A terminated matcher
             # (it took the stop token) belongs to a request the scheduler has ended: this row
             # was in flight, and its token will be dropped there.
@@ -337,17 +347,18 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
             self.requests.clear()
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self.block_table.clear()
+        self.drop_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs
+            self.drop_requests([new.req_id])  # (sent again whole: resumed or preempted)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
                 sampling_params=new.sampling_params,
                 eos_token_id=new.eos_token_id,
-                block_ids=list(new.block_ids),
+                block_row=self.block_table.add(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 # New to this worker (first step, resumed, preempted, migrated): a fresh
                 # matcher, with the tokens already generated replayed into it.
@@ -362,5 +373,5 @@ class ModelRunner:
                 # scheduling): the scheduler has ended it and ignores its absence here.
                 so.num_scheduled_tokens.pop(cached.req_id, None)
                 continue
-            state.block_ids.extend(cached.new_block_ids)
+            self.block_table.append(state.block_row, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens

@@ -15,7 +15,7 @@ class RequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_row: int  # its row of the runner's BlockTable (block_table.py)
     num_computed_tokens: int
     # A constrained request's xgrammar GrammarMatcher, or its compile still under way.
     matcher: object | Future | None = None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.block_table import BlockTable
 from services.worker.request_state import RequestState
 
 
@@ -62,7 +63,7 @@ class StepInputs:
     @classmethod
     def build(
         cls, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]], block_size: int,
-        long_offset: int | None = None,
+        block_table: BlockTable, long_offset: int | None = None,
     ) -> tuple[StepInputs, list[int], np.ndarray, list]:
         """The step's flattened inputs. Rows are what attention sees: one per request, or,
         for a request verifying drafts, one per token it computes, each a one-token decode
@@ -93,13 +94,18 @@ class StepInputs:
         positions = np.arange(total) - query_start_loc[row_of_token] + starts[row_of_token]
 
         input_ids = np.empty(total, np.int64)
-        max_blocks = max(len(s.block_ids) for s in states)
-        req_blocks = np.zeros((num_states, max_blocks), np.int32)
-        sample_rows = []
         from_device = []  # (flat index, where its token is on the device): a launched step's token
         token_at = query_start_loc[first_row]  # each request's first token in the flat batch
-        for i, state in enumerate(states):
-            start, end = int(req_starts[i]), int(req_starts[i] + req_lens[i])
+        req_ends = req_starts + req_lens
+        known = np.fromiter((len(s.token_ids) for s in states), np.int64, num_states)
+        pending = np.fromiter((s.num_pending for s in states), np.int64, num_states)
+        # Each request's tokens, the common case first: a decode of a known token.
+        plain = (req_lens == 1) & (req_ends <= known) & (rows_of == 1)
+        plain_at = np.flatnonzero(plain)
+        input_ids[token_at[plain_at]] = [states[i].token_ids[s] for i, s in zip(plain_at.tolist(),
+                                                                               req_starts[plain_at].tolist())]
+        for i in np.flatnonzero(~plain).tolist():
+            state, start, end = states[i], int(req_starts[i]), int(req_ends[i])
             d = drafts.get(state.req_id)
             if state.num_pending and end > len(state.token_ids):
                 # A decode of the token a launched step sampled (launch made sure of it).
@@ -109,10 +115,9 @@ class StepInputs:
                 input_ids[token_at[i] : token_at[i + 1]] = (
                     state.token_ids[start:end] if d is None else state.token_ids[start:] + d
                 )
-            req_blocks[i, : len(state.block_ids)] = state.block_ids
-            if end == len(state.token_ids) + state.num_pending + (len(d) if d else 0):  # caught up: this step samples
-                sample_rows.append(i)
-        block_table = req_blocks[req_of_row]  # [num_rows, max_blocks]
+        # A request samples once caught up: its step ends past every token it knows of.
+        sample_rows = np.flatnonzero(req_ends == known + pending + rows_of - 1).tolist()
+        block_table = block_table.gather(np.fromiter((s.block_row for s in states), np.int64, num_states))[req_of_row]
         slot_mapping = (
             block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
             + positions % block_size
