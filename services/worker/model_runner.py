@@ -239,7 +239,8 @@ class ModelRunner:
         )
         launched = LaunchedStep.done(output)
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)
-        if any(isinstance(states[i].matcher, Future) for i in sample_rows):
+        constrained = [i for i in sample_rows if states[i].matcher is not None]  # (mostly none)
+        if any(isinstance(states[i].matcher, Future) for i in constrained):
             # A step of nothing but requests waiting for their grammars may wait for one a
             # little, rather than come straight back to compute the same token again.
             only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
@@ -248,6 +249,7 @@ class ModelRunner:
             output.resample_req_ids = [order[i] for i in pending]
             output.request_errors = {order[i]: why for i, why in failed.items()}
             self.drop_requests(list(output.request_errors))
+            constrained = [i for i in sample_rows if states[i].matcher is not None]
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
@@ -267,7 +269,7 @@ class ModelRunner:
             # (it took the stop token) belongs to a request the scheduler has ended: this row
             # was in flight, and its token will be dropped there.
             jobs = [(first, states[i].matcher, drafts.get(order[i], [])) for i, first in zip(sample_rows, first_row)
-                    if states[i].matcher is not None and not states[i].matcher.is_terminated()]
+                    if states[i].matcher is not None and not states[i].matcher.is_terminated()] if constrained else []
             valid = {}
             if jobs:
                 t_mask = time.perf_counter_ns()
@@ -275,7 +277,7 @@ class ModelRunner:
                 valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs, plain)))
                 mask_ns = time.perf_counter_ns() - t_mask
             samples = self.sampler.sample(logits, row_states)
-            if drafts or any(states[i].matcher is not None for i in sample_rows) or not self.overlap_steps:
+            if drafts or constrained or not self.overlap_steps:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
                 self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs)
@@ -301,6 +303,14 @@ class ModelRunner:
         """On the host now: each request's accepted drafts and the token after them, its
         grammar advanced over them."""
         token_ids, token_logprobs = samples.to_host()
+        if not (drafts or valid or any(states[i].matcher is not None for i in sample_rows)):
+            for i, first in zip(sample_rows, first_row):  # one token a request, nothing to check
+                token_id = token_ids[first]
+                states[i].token_ids.append(token_id)
+                sampled[i] = [token_id]
+                if token_logprobs[first] is not None:
+                    logprobs[i] = [token_logprobs[first]]
+            return
         for i, first in zip(sample_rows, first_row):
             state, d = states[i], drafts.get(order[i], [])
             accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
