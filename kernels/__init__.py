@@ -1,6 +1,6 @@
-"""Triton kernels of the GPU attention backend (paged attention and the KV-cache write);
-the backend itself is services/worker/attention/triton_backend.py. This package imports
-nothing from services/.
+"""Triton kernels of the GPU path: paged attention, the KV-cache write, the fused
+element-wise ops, the MoE experts (the attention backend itself is
+services/worker/attention/triton_backend.py). This package imports nothing from services/.
 
 Without a GPU, Triton's interpreter runs them on CPU tensors (slow, but exact enough to
 test). The interpreter must be chosen before anything imports triton — transformers and

@@ -12,7 +12,8 @@ With a residual it is also the residual add before the norm (vLLM's fused add-no
 CPU both run in one pass of kernels/cpu (`add_rms_norm`: ~10 us a call from Python for a
 decode token, most of it the call itself, against ~26 us of PyTorch ops in the profile),
 with the same roundings; only its float32 sum of squares runs in another order (in
-bfloat16 a rare last bit, in float32 a couple of float32 ulps).
+bfloat16 a rare last bit, in float32 a couple of float32 ulps). With `triton` (the GPU's
+attention backend) it is one Triton kernel of kernels/elementwise.py, the same roundings.
 """
 
 from __future__ import annotations
@@ -22,20 +23,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu as cpu_kernels
+import kernels.elementwise as triton_kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.shape = (hidden_size,)
+        self.triton = triton
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None  # [num_tokens, hidden_size] each
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with a residual, (norm(x + residual), x + residual), the sum possibly
         written over `residual`."""
+        if self.triton and x.is_contiguous():
+            return triton_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if cpu_kernels.supports(x) and x.is_contiguous():
             return cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:

@@ -8,6 +8,7 @@ forward takes one step's flattened tokens, with no batch dimension and no paddin
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu as cpu_kernels
+import kernels.elementwise as triton_kernels
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.moe import SparseMoE
@@ -34,6 +36,13 @@ PACKED_WEIGHTS = {
 ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
 
+def triton_elementwise(backend: AttentionBackend) -> bool:
+    """Whether the element-wise work runs in Triton kernels (kernels/elementwise.py): with
+    the GPU's attention backend, unless LLMBUS_TRITON_ELEMENTWISE=0 (PyTorch ops instead;
+    scripts/device_check.sh sets it when the kernels fail its first check)."""
+    return backend.name == "triton" and os.environ.get("LLMBUS_TRITON_ELEMENTWISE", "1") != "0"
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
         super().__init__()
@@ -49,8 +58,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
         if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
         else:
             self.q_norm = self.k_norm = None
 
@@ -80,15 +89,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """The dense SwiGLU MLP, and each expert of a sparse one."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.triton = triton  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.shard_sizes = (intermediate_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)
+        if self.triton and gate_up.is_contiguous():
+            return self.down_proj(triton_kernels.silu_mul(gate_up))
         if cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
             return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one pass, the same roundings
         gate, up = gate_up.split(self.shard_sizes, dim=-1)
@@ -98,14 +110,15 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        triton = triton_elementwise(backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         self.self_attn = Attention(config, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton")
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
@@ -126,12 +139,12 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One table shared by every layer (a plain attribute, not a submodule per layer).
         rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling,
-                                 config.rotary_dim)
+                                 config.rotary_dim, triton=triton_elementwise(backend))
         self.rotary = rotary
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, backend, i) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton=triton_elementwise(backend))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,176 @@
+"""A decoder layer's element-wise work in Triton, one kernel each: the residual add with
+RMSNorm, rotary embedding, SiLU-and-mul. The GPU counterparts of kernels/cpu/elementwise.cpp,
+with the same entry points.
+
+Why: on a GPU a SmolLM2-sized decode step is ~22 kernels a layer, most of them these
+element-wise ops (an add, casts, the norm, a multiply; rotary's flip, two products and a
+sum; silu and a product), each reading and writing its whole activation and each costing
+a few microseconds at least even inside a CUDA graph. Fused, a layer runs three kernels
+for them instead of about fifteen.
+
+The roundings are those of the PyTorch ops they replace (transformers' order), so greedy
+tokens stay the same: every intermediate that PyTorch rounds to the activations' dtype
+is rounded here too, in the same order; only the norm's float32 sum of squares adds up in
+another order (a rare last bit, as in the CPU kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import kernels  # noqa: F401 - interpreter without a GPU
+
+
+@triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 `x` rounded to `dtype`'s grid (nearest even), still float32: what PyTorch's
+    op in `dtype` would have stored. bfloat16 by its bits, so the result is the same under
+    Triton's interpreter (whose float32 -> bfloat16 cast does not round to nearest) as on
+    a GPU; the store's cast of it is then exact."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536  # (-65536: 0xFFFF0000)
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * hidden + cols, mask=mask, other=0.0)
+        x = _rounded(x.to(tl.float32) + r.to(tl.float32), dtype)  # the add rounds to x's dtype, as in PyTorch
+        tl.store(residual_ptr + row * hidden + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Rounded back to x's dtype before the weight multiplies it (transformers' order; for
+    # float32 both casts are no-ops).
+    out = _rounded(_rounded(normed, dtype) * w, dtype)
+    tl.store(out_ptr + row * hidden + cols, out, mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_row, num_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_HALF)
+    mask = d < HALF
+    dtype = x_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + row)
+    table = pos * (2 * HALF)
+    # The tables are float32; the PyTorch path casts them to x's dtype first.
+    cos1 = _rounded(tl.load(cos_ptr + table + d, mask=mask, other=0.0), dtype)
+    cos2 = _rounded(tl.load(cos_ptr + table + HALF + d, mask=mask, other=0.0), dtype)
+    sin1 = _rounded(tl.load(sin_ptr + table + d, mask=mask, other=0.0), dtype)  # negated half
+    sin2 = _rounded(tl.load(sin_ptr + table + HALF + d, mask=mask, other=0.0), dtype)
+    base = x_ptr + row * stride_row + head * (2 * HALF)
+    x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product rounded to x's dtype, then the sum.
+    out1 = _rounded(_rounded(x1 * cos1, dtype) + _rounded(x2 * sin1, dtype), dtype)
+    out2 = _rounded(_rounded(x2 * cos2, dtype) + _rounded(x1 * sin2, dtype), dtype)
+    tl.store(base + d, out1, mask=mask)
+    tl.store(base + HALF + d, out2, mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gate_up_ptr, out_ptr,
+    n,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = gate_up_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = _rounded(gate / (1.0 + tl.exp(-gate)), dtype)  # F.silu rounds to the dtype
+    tl.store(out_ptr + row * n + cols, _rounded(silu * up, dtype), mask=mask)
+
+
+def _check_rows(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
+    if not x.is_contiguous() or (dtype is not None and x.dtype != dtype):
+        raise ValueError(f"{name} must be contiguous{'' if dtype is None else f' {dtype}'}, "
+                         f"got {x.dtype} with strides {x.stride()}")
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [rows, hidden]
+    residual: torch.Tensor | None,  # [rows, hidden], updated in place to residual + x
+    weight: torch.Tensor,  # [hidden], x's dtype
+    eps: float,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x), or with a residual (x + residual -> residual): (RMSNorm(residual), residual)."""
+    _check_rows(x, "x")
+    _check_rows(weight, "weight", x.dtype)
+    hidden = x.shape[-1]
+    if weight.numel() != hidden:
+        raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {hidden}")
+    if residual is not None:
+        _check_rows(residual, "residual", x.dtype)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    rows = x.numel() // max(hidden, 1)
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _add_rms_norm_kernel[(rows,)](
+            x, x if residual is None else residual, weight, out, hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        )
+    return out if residual is None else (out, residual)
+
+
+def rotary(
+    x: torch.Tensor,  # [rows, heads, head_dim], head_dim contiguous, heads adjacent; rotated in place
+    positions: torch.Tensor,  # [rows] int64, each < the tables' length (the caller checks once per step)
+    cos_table: torch.Tensor,  # [max_position, head_dim] float32
+    sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
+) -> torch.Tensor:
+    rows, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
+        raise ValueError(f"rotary takes [rows, heads, head_dim] with contiguous heads, got strides {x.stride()}")
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
+        raise ValueError("rotary: positions must be contiguous int64, one per row")
+    for table in (cos_table, sin_table):
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
+            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
+    if rows:
+        half = head_dim // 2
+        _rotary_kernel[(rows, heads)](x, positions, cos_table, sin_table, x.stride(0), heads,
+                                      HALF=half, BLOCK_HALF=triton.next_power_of_2(half))
+    return x
+
+
+SILU_BLOCK = 1024
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then up) -> [rows, n]
+    _check_rows(gate_up, "gate_up")
+    n = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
+    rows = gate_up.numel() // max(2 * n, 1)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, SILU_BLOCK))](gate_up, out, n, BLOCK=SILU_BLOCK)
+    return out
