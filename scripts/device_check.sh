@@ -3,8 +3,11 @@
 # triton and transformers; msgspec, opentelemetry-api and xgrammar (with its imports) travel as wheels in .whl/, SmolLM2's config and
 # tokenizer in .gpu_assets/smollm2/ — docs/kernels.md says how to make both; weights are
 # random, of real shapes: `load_format="dummy"`). Carry: [".whl", ".gpu_assets"].
-# Budget: about 7.5 minutes of a 15-minute lease, start-up included. In order of what
+# Budget: about 8 minutes of a 15-minute lease, start-up included. In order of what
 # matters most:
+#   0. scripts/elementwise_check.py: the fused element-wise Triton kernels on the GPU (bits
+#      against the PyTorch ops, microseconds a layer); if one fails to run, the rest runs
+#      with LLMBUS_TRITON_ELEMENTWISE=0 (PyTorch ops) and the log says so
 #   1. scripts/gpu_check.py: greedy output vs transformers on the GPU, decode steps as CUDA
 #      graphs (the default) and eager (--enforce-eager), every scheduling mode, speculation,
 #      and each kind of structured output (its bitmask applied on the GPU)
@@ -33,7 +36,9 @@ step() {  # step NAME SECONDS COMMAND...
     shift 2
     echo "== $name: $*" | tee -a "$LOG"
     timeout "$limit" "$@" >>"$LOG" 2>&1
-    echo "== $name: rc=$? in $((SECONDS - start)) s" | tee -a "$LOG"
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$LOG"
+    return $rc
 }
 
 {
@@ -51,6 +56,10 @@ for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokeni
 "
 } >>"$LOG" 2>&1
 
+if ! step elementwise 45 python3 scripts/elementwise_check.py --out "$OUT"; then
+    echo "== elementwise kernels failed: the rest runs with LLMBUS_TRITON_ELEMENTWISE=0" | tee -a "$LOG"
+    export LLMBUS_TRITON_ELEMENTWISE=0
+fi
 step gpu_check 160 python3 scripts/gpu_check.py --out "$OUT"
 step gpu_figures 270 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
 grep -E "^== |^\{\"figure|checks passed|roofline|\| " "$LOG" | tail -n 60

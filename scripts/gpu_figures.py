@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -227,6 +228,10 @@ def main() -> int:
         "seeded_draws_same_as_cpu": seeded_draws_same_as_cpu(device),
     }
     log(seeded_draws_same_as_cpu=report["seeded_draws_same_as_cpu"])
+    elementwise = out / "elementwise.json"  # scripts/elementwise_check.py's figures, run before this
+    if elementwise.is_file():
+        report.update(json.loads(elementwise.read_text()))
+    report["triton_elementwise"] = os.environ.get("LLMBUS_TRITON_ELEMENTWISE", "1") != "0"
     if args.gpu_check and Path(args.gpu_check).is_file():
         rows = [r for r in json.loads(Path(args.gpu_check).read_text())["rows"] if "identical" in r]
         report["greedy_cases"] = len(rows)

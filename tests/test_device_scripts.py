@@ -28,10 +28,22 @@ def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
     assert not (tmp_path / "models").exists()  # the shaped configs are cleaned away
 
 
+def test_elementwise_check_compares_and_times_every_shape(tmp_path):
+    result = subprocess.run([sys.executable, "scripts/elementwise_check.py", "--cpu", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "elementwise.json").read_text())
+    for batch in (1, 4):
+        assert report[f"elementwise_bits_equal_tiny_b{batch}"] == 1.0  # bfloat16: the same roundings
+        assert report[f"elementwise_us_layer_tiny_b{batch}"] > 0 and report[f"elementwise_us_layer_tiny_b{batch}_torch"] > 0
+
+
 def test_device_check_calls_only_scripts_that_exist():
     text = (ROOT / "scripts/device_check.sh").read_text()
     assert subprocess.run(["bash", "-n", "scripts/device_check.sh"], cwd=ROOT).returncode == 0
-    for line in text.splitlines():
+    steps = [line.removeprefix("if ! ").removesuffix("; then") for line in text.splitlines()]
+    assert any(line.startswith("step elementwise ") for line in steps)
+    for line in steps:
         if line.startswith("step "):
             target = line.split()[4]  # step NAME SECONDS python3 TARGET ...
             if target == "-m":
