@@ -28,6 +28,17 @@ def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
     assert not (tmp_path / "models").exists()  # the shaped configs are cleaned away
 
 
+def test_gpu_check_passes_every_check_on_cpu(tmp_path):
+    """The same cases as on the GPU, on CPU: a case that cannot pass (one that checks
+    nothing, a broken import) is found here, not in a lease."""
+    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
+    assert [r for r in rows if r.get("identical") is False or "error" in r] == []
+    assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager"}
+
+
 def test_elementwise_check_compares_and_times_every_shape(tmp_path):
     result = subprocess.run([sys.executable, "scripts/elementwise_check.py", "--cpu", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
