@@ -6,8 +6,10 @@ cases as tests/test_engine_correctness.py — plain batch, chunked prefill, pref
 hits, preemption, block size 32 — on tiny random models (llama: head dim 16; qwen2 with
 q/k/v biases; a llama with head dim 64 and GQA 3, SmolLM2's layout) in float32, where
 the output must equal transformers' token for token, and reports bfloat16's agreement
-and a float8 KV cache's; then the float8 cache's write and read on the GPU's kernels
-against the CPU path's bytes and the widened cache's bits.
+and a float8 KV cache's; that overlapped steps make no synchronizing call but the one they
+mean to (torch's sync debug mode); each kind of structured output; then the float8
+cache's write and read on the GPU's kernels against the CPU path's bytes and the widened
+cache's bits.
 
     python scripts/gpu_check.py --out $OUT    # writes gpu_check.json; exit 1 on a mismatch
 
@@ -141,6 +143,48 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
     return rows
 
 
+def check_host_syncs(folder: Path, device: str) -> list[dict]:
+    """Steps overlapped on the GPU (the default there) must not wait for the device but
+    where they mean to (the sampled ids' copy back, by its event): any other wait, such as
+    a synchronous host-to-device copy, runs each step after the one before it is done.
+    Under torch's sync debug mode, greedy, seeded, top-k/top-p with logprobs and min_tokens
+    requests decode side by side; every synchronizing call is reported where it is made."""
+    from llmbus import LLM, SamplingParams
+
+    row = {"model": folder.name, "case": "host_syncs", "dtype": "float32"}
+    try:
+        import warnings
+
+        llm = LLM(str(folder))
+        prompts = random_prompts([5, 9, 17, 3], seed=3)
+        params = [
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0, min_tokens=4, max_tokens=16),
+        ]
+        llm.generate(prompts, params, use_tqdm=False)  # Triton compiled, pinned blocks cached
+        if device != "cuda":
+            row["skipped"] = "no CUDA: torch's sync debug mode needs it"
+            print(json.dumps(row), flush=True)
+            return [row]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                llm.generate(prompts, params, use_tqdm=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+        row.update(identical=not syncs, syncs=len(syncs), where=where[:20],
+                   overlapped=llm.runner.overlap_steps)
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+        row.update(identical=False, error=repr(exc))
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
 def check_structured(folder: Path, device: str) -> list[dict]:
     """Each kind of constraint with its token bitmask applied to logits on the GPU: greedy
     output equals transformers' on the same GPU under xgrammar's own logits processor."""
@@ -240,6 +284,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, (arch, overrides) in MODELS.items():
             report["rows"] += check_model(name, arch, overrides, Path(tmp), device)
+        report["rows"] += check_host_syncs(Path(tmp) / "llama_hd16", device)
         report["rows"] += check_structured(Path(tmp) / "llama_hd16", device)
     try:
         report["rows"] += check_fp8(device)

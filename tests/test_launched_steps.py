@@ -110,3 +110,20 @@ def test_finishing_a_step_lands_the_steps_launched_before_it_first(tiny_llama):
 
     landed, sampled = llm.executor.call(launch_three)
     assert landed == sampled == hf_greedy(tiny_llama, [PROMPTS[2]], 3)[0]
+
+
+def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it():
+    """`torch.tensor(..., device=...)` and a plain `.to(device)` synchronize the stream on
+    CUDA: in a step launched beside the one before, the host would wait for it (no overlap).
+    The step path copies through services/worker/host_values.py instead. (On a GPU,
+    scripts/gpu_check.py's host_syncs case checks the calls themselves.)"""
+    import re
+    from pathlib import Path
+
+    worker = Path(__file__).resolve().parents[1] / "services" / "worker"
+    step_path = ["model_runner.py", "sampler.py", "launched_step.py", "step_inputs.py", "structured_output.py",
+                 "spec_decode.py", "random_draws.py"]
+    waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)")
+    found = [f"{name}:{n}: {line.strip()}" for name in step_path
+             for n, line in enumerate((worker / name).read_text().splitlines(), 1) if waiting.search(line)]
+    assert found == []

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.host_values import to_device
 from services.worker.request_state import RequestState
 from services.worker.sampler import Samples
 from shared.messages import ModelRunnerOutput, SchedulerOutput
@@ -79,5 +80,4 @@ def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tup
         entry[1].append(flat)
         entry[2].append(row)
     for source, flats, rows in by_source.values():
-        index = torch.tensor(flats, device=input_ids.device)
-        input_ids[index] = source[torch.tensor(rows, device=source.device)].to(input_ids.device)
+        input_ids[to_device(flats, input_ids.device)] = source[to_device(rows, source.device)].to(input_ids.device)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from services.worker.host_values import to_device
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 from services.worker.request_state import RequestState
 from shared.messages import Logprobs
@@ -41,11 +42,11 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> Non
     device, dtype = logits.device, logits.dtype
 
     def per_row(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(-1)
+        return to_device(values, device, dtype).unsqueeze(-1)
 
     def scattered(token_lists, src_dtype) -> torch.Tensor:
         # Ids outside the logits (a tokenizer's extras) go to one spare column, cut off.
-        ids = _padded(token_lists, vocab_size).clamp_(max=vocab_size).to(device)
+        ids = to_device(_padded(token_lists, vocab_size).clamp_(max=vocab_size), device)
         ones = torch.ones(ids.shape, dtype=src_dtype, device=device)
         target = torch.zeros(len(token_lists), vocab_size + 1, dtype=src_dtype, device=device)
         return target.scatter_add_(1, ids, ones)[:, :vocab_size]
@@ -165,15 +166,15 @@ class Sampler:
         if len(penalized) == len(states):
             apply_penalties(logits, states)
         elif penalized:
-            index = torch.tensor(penalized, device=device)
+            index = to_device(penalized, device)
             rows = logits[index]
             apply_penalties(rows, [states[i] for i in penalized])
             logits.index_copy_(0, index, rows)
         if bias_rows:
-            logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device)),
-                              torch.tensor(bias_values, dtype=logits.dtype, device=device), accumulate=True)
+            logits.index_put_((to_device(bias_rows, device), to_device(bias_ids, device)),
+                              to_device(bias_values, device, logits.dtype), accumulate=True)
         if ban_rows:
-            logits[torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device)] = _MASK
+            logits[to_device(ban_rows, device), to_device(ban_ids, device)] = _MASK
         return logits
 
     def _sample_random(
@@ -181,22 +182,22 @@ class Sampler:
     ) -> torch.Tensor:
         params = [s.sampling_params for s in states]
         device = logits.device
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+        temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device, torch.float32)
         scaled = logits / temperature.unsqueeze(-1)
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
             top_k = (
-                torch.tensor([p.top_k for p in params], device=device) if any(p.top_k for p in params) else None
+                to_device([p.top_k for p in params], device) if any(p.top_k for p in params) else None
             )
             top_p = (
-                torch.tensor([p.top_p for p in params], device=device)
+                to_device([p.top_p for p in params], device, torch.float32)
                 if any(p.top_p < 1 for p in params) else None
             )
             scaled = apply_top_k_top_p(scaled, top_k, top_p)
         if any(p.min_p > 0 for p in params):
-            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+            scaled = apply_min_p(scaled, to_device([p.min_p for p in params], device, torch.float32))
         probs = scaled.softmax(-1)
-        random_ids = sample_inverse_cdf(probs, uniform(*draw_keys(states)).to(device))
-        return torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), random_ids)
+        random_ids = sample_inverse_cdf(probs, uniform(*draw_keys(states)).to(device, non_blocking=True))
+        return torch.where(to_device(greedy, device), logits.argmax(-1), random_ids)
 
     def _samples(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> Samples:
         """For the rows that ask, logprobs of the model's own distribution (before
@@ -206,7 +207,7 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not rows:
             return Samples(sampled, sampled, params, rows, 0)
-        index = torch.tensor(rows, device=raw.device)
+        index = to_device(rows, raw.device)
         logprobs = raw[index].log_softmax(-1)  # [num_rows_with_logprobs, vocab_size]
         chosen = sampled[index]
         chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))  # [n, 1]
