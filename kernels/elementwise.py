@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 import kernels  # noqa: F401 - interpreter without a GPU
+from kernels.cpu import check_norm_args, check_rotary_args
 
 
 @triton.jit
@@ -109,10 +110,6 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * n + cols, _rounded(silu * up, dtype), mask=mask)
 
 
-def _check_rows(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> None:
-    if not x.is_contiguous() or (dtype is not None and x.dtype != dtype):
-        raise ValueError(f"{name} must be contiguous{'' if dtype is None else f' {dtype}'}, "
-                         f"got {x.dtype} with strides {x.stride()}")
 
 
 def add_rms_norm(
@@ -122,15 +119,8 @@ def add_rms_norm(
     eps: float,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x), or with a residual (x + residual -> residual): (RMSNorm(residual), residual)."""
-    _check_rows(x, "x")
-    _check_rows(weight, "weight", x.dtype)
+    check_norm_args(x, residual, weight)
     hidden = x.shape[-1]
-    if weight.numel() != hidden:
-        raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {hidden}")
-    if residual is not None:
-        _check_rows(residual, "residual", x.dtype)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
     rows = x.numel() // max(hidden, 1)
     if rows:
@@ -148,14 +138,8 @@ def rotary(
     cos_table: torch.Tensor,  # [max_position, head_dim] float32
     sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
 ) -> torch.Tensor:
+    check_rotary_args(x, positions, cos_table, sin_table)
     rows, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
-        raise ValueError(f"rotary takes [rows, heads, head_dim] with contiguous heads, got strides {x.stride()}")
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
-        raise ValueError("rotary: positions must be contiguous int64, one per row")
-    for table in (cos_table, sin_table):
-        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
-            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
     if rows:
         half = head_dim // 2
         _rotary_kernel[(rows, heads)](x, positions, cos_table, sin_table, x.stride(0), heads,
@@ -167,7 +151,8 @@ SILU_BLOCK = 1024
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then up) -> [rows, n]
-    _check_rows(gate_up, "gate_up")
+    if not gate_up.is_contiguous():
+        raise ValueError(f"gate_up must be contiguous, got strides {gate_up.stride()}")
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     rows = gate_up.numel() // max(2 * n, 1)

@@ -371,6 +371,21 @@ def _rows(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch
     return x
 
 
+def check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, dtypes=None) -> None:
+    """What an add-RMSNorm kernel (this one, kernels/elementwise.py's) takes: contiguous
+    rows, the weight and residual in x's dtype; a ValueError naming what is wrong otherwise."""
+    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is None:
+            continue
+        if (dtypes is not None and t.dtype not in dtypes) or t.dtype != x.dtype or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {'bfloat16 or float32 ' if dtypes else ''}(as the "
+                             f"activations), got {t.dtype} with strides {t.stride()}")
+    if weight.numel() != x.shape[-1]:
+        raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {x.shape[-1]}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+
+
 def add_rms_norm(
     x: torch.Tensor,  # [rows, hidden]
     residual: torch.Tensor | None,  # [rows, hidden], updated in place to residual + x
@@ -378,12 +393,8 @@ def add_rms_norm(
     eps: float,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x), or with a residual (x + residual -> residual): (RMSNorm(residual), residual)."""
-    _rows(x, "x"), _rows(weight, "weight", x.dtype)
+    check_norm_args(x, residual, weight, _SUFFIX)
     hidden = x.shape[-1]
-    if weight.numel() != hidden:
-        raise ValueError(f"RMSNorm weight has {weight.numel()} elements for rows of {hidden}")
-    if residual is not None and (_rows(residual, "residual", x.dtype).shape != x.shape):
-        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     out = torch.empty_like(x)
     _entry("add_rms_norm", x.dtype)(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
@@ -392,21 +403,29 @@ def add_rms_norm(
     return out if residual is None else (out, residual)
 
 
+def check_rotary_args(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
+                      sin_table: torch.Tensor, dtypes=None) -> None:
+    """What a rotary kernel (this one, kernels/elementwise.py's) takes; a ValueError naming
+    what is wrong otherwise."""
+    rows, heads, head_dim = x.shape
+    if (dtypes is not None and x.dtype not in dtypes) or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
+        raise ValueError(f"rotary takes {'' if dtypes is None else 'bfloat16 or float32 '}[rows, heads, head_dim] "
+                         f"with contiguous heads, got {x.dtype} {x.stride()}")
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
+        raise ValueError("rotary: positions must be contiguous int64, one per row")
+    for table in (cos_table, sin_table):
+        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
+            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
+
+
 def rotary(
     x: torch.Tensor,  # [rows, heads, head_dim], head_dim contiguous, heads adjacent; rotated in place
     positions: torch.Tensor,  # [rows] int64, each < the tables' length (the caller checks once per step)
     cos_table: torch.Tensor,  # [max_position, head_dim] float32
     sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
 ) -> torch.Tensor:
+    check_rotary_args(x, positions, cos_table, sin_table, _SUFFIX)
     rows, heads, head_dim = x.shape
-    if x.dtype not in _SUFFIX or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
-        raise ValueError(f"rotary takes bfloat16 or float32 [rows, heads, head_dim] with contiguous heads, "
-                         f"got {x.dtype} {x.stride()}")
-    if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
-        raise ValueError("rotary: positions must be contiguous int64, one per row")
-    for table in (cos_table, sin_table):
-        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
-            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
     _entry("rotary", x.dtype)(x.data_ptr(), rows, heads, head_dim, x.stride(0), positions.data_ptr(),
                               cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads())
     return x
