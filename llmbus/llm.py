@@ -58,6 +58,7 @@ class LLM:
         enforce_eager: bool = False,
         max_cudagraph_capture_size: int | None = None,
         load_format: str = "auto",
+        device: str | None = None,  # "cuda" when there is one, else "cpu"
     ) -> None:
         path = resolve_model(model)
         speculative = SpeculativeConfig.of(speculative_config)
@@ -74,7 +75,7 @@ class LLM:
                 max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
-                load_format=load_format,
+                load_format=load_format, device=device,
             ),
             threads,
         )

@@ -231,6 +231,10 @@ def main() -> int:
     elementwise = out / "elementwise.json"  # scripts/elementwise_check.py's figures, run before this
     if elementwise.is_file():
         report.update(json.loads(elementwise.read_text()))
+    host = out / "host_step_times.json"  # scripts/host_step_times.py's, on this machine's CPU
+    if host.is_file():
+        for row in json.loads(host.read_text()):
+            report[f"host_ms_decode_b{row['batch']}"] = row["host_ms"]
     report["triton_elementwise"] = os.environ.get("LLMBUS_TRITON_ELEMENTWISE", "1") != "0"
     if args.gpu_check and Path(args.gpu_check).is_file():
         rows = [r for r in json.loads(Path(args.gpu_check).read_text())["rows"] if "identical" in r]

@@ -34,10 +34,11 @@ SHRUNK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
 OUTPUT = 48
 
 
-def shrunk_smollm2(dest: Path) -> Path:
+def shrunk_smollm2(dest: Path, assets: Path | None = None) -> Path:
+    """SmolLM2's tokenizer and config (from `assets`, or the fetched model), shrunk."""
     from llmbus.model_fetch import resolve_model
 
-    source = resolve_model("smollm2")
+    source = assets or resolve_model("smollm2")
     dest.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors"):
@@ -107,18 +108,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--context", type=int, default=512, help="prompt tokens a request")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--assets", type=Path, help="SmolLM2's config.json and tokenizer files (a GPU machine's .gpu_assets/smollm2)")
+    parser.add_argument("--out", type=Path, help="also write the figures there as host_step_times.json")
     args = parser.parse_args()
 
     from llmbus import LLM
 
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = shrunk_smollm2(Path(tmp) / "smollm2-shrunk")
+        folder = shrunk_smollm2(Path(tmp) / "smollm2-shrunk", args.assets)
+        # On the CPU even on a GPU machine: the host's work is the same Python either way,
+        # and there the forward and sampling are timed apart from it (on a GPU they are
+        # asynchronous, so a phase's time would not be its work).
         llm = LLM(str(folder), dtype="float32", load_format="dummy", max_num_seqs=max(args.batch),
-                  max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30)
+                  max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, device="cpu")
         for run in range(args.runs):
             for batch in args.batch:
                 figures = measure(llm, batch, args.context, salt=run * 1000 + batch)
-                print(json.dumps({"batch": batch, "context": args.context, "run": run, **figures}), flush=True)
+                rows.append({"batch": batch, "context": args.context, "run": run, **figures})
+                print(json.dumps(rows[-1]), flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "host_step_times.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,18 @@ def test_gpu_check_passes_every_check_on_cpu(tmp_path):
     assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager"}
 
 
+def test_host_step_times_writes_each_batch_phases(smollm2, tmp_path):
+    result = subprocess.run([sys.executable, "scripts/host_step_times.py", "--assets", str(smollm2), "--batch", "1", "3",
+                             "--context", "40", "--runs", "1", "--out", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "host_step_times.json").read_text())
+    assert [r["batch"] for r in rows] == [1, 3]
+    for row in rows:
+        assert 0 < row["host_ms"] < row["wall_ms"]
+        assert row["schedule_ms"] > 0 and row["prepare_ms"] > 0 and row["detokenize_ms"] > 0
+
+
 def test_elementwise_check_compares_and_times_every_shape(tmp_path):
     result = subprocess.run([sys.executable, "scripts/elementwise_check.py", "--cpu", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
