@@ -75,6 +75,20 @@ def greedy(llm, prompts, max_new=MAX_NEW):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def run_case(rows: list[dict], row: dict, check) -> None:
+    """One case: `check()` returns what it measured ("identical" at least, where the case
+    has an oracle); an exception becomes the row's error, so one broken case never hides
+    the others' results. Printed as it lands (a run cut short keeps the log)."""
+    start = time.perf_counter()
+    try:
+        row.update(check())
+    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
+        row.update(identical=False, error=repr(exc))
+    row["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+
+
 def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) -> list[dict]:
     from llmbus import LLM
 
@@ -82,22 +96,18 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
     reference = hf_greedy(folder, PROMPTS, MAX_NEW, device=device)
     rows = []
     for case, kwargs in CASES.items():
-        start = time.perf_counter()
-        try:
+        def scheduling_mode(kwargs=kwargs, case=case) -> dict:
             llm = LLM(str(folder), **kwargs)
             llm.runner.overlap_steps = case != "no_overlap"
             out = greedy(llm, PROMPTS)
             graphs = llm.runner.decode_graphs
-            row = {"model": name, "case": case, "dtype": "float32", "device": str(llm.runner.device),
-                   "identical": out == reference, "preemptions": llm.stats().num_preemptions,
-                   "graph_steps": graphs.steps if graphs is not None else 0}
-        except Exception as exc:  # one broken case must not hide the others' results
-            row = {"model": name, "case": case, "dtype": "float32", "identical": False, "error": repr(exc)}
-        row["seconds"] = round(time.perf_counter() - start, 2)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+            return {"device": str(llm.runner.device), "identical": out == reference,
+                    "preemptions": llm.stats().num_preemptions,
+                    "graph_steps": graphs.steps if graphs is not None else 0}
 
-    try:
+        run_case(rows, {"model": name, "case": case, "dtype": "float32"}, scheduling_mode)
+
+    def speculative() -> dict:
         # Short patterns repeated: prompt lookup finds drafts in them and in the cycles a
         # random model's greedy output falls into (longer ones left llama_hd64_gqa3 with
         # no draft accepted, so the case checked nothing).
@@ -106,40 +116,32 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
         accepted = llm.stats().spec_decode_num_accepted_tokens
         out = greedy(llm, prompts, 24)
         accepted = llm.stats().spec_decode_num_accepted_tokens - accepted
-        row = {"model": name, "case": "speculative", "dtype": "float32",
-               "identical": out == hf_greedy(folder, prompts, 24, device=device), "accepted_tokens": accepted}
+        row = {"identical": out == hf_greedy(folder, prompts, 24, device=device), "accepted_tokens": accepted}
         if not accepted:
             row["error"] = "no draft was accepted: the case checked nothing"
-    except Exception as exc:
-        row = {"model": name, "case": "speculative", "dtype": "float32", "identical": False, "error": repr(exc)}
-    print(json.dumps(row), flush=True)
-    rows.append(row)
+        return row
 
-    # Prefix hits: the first request fills the cache, the rest find its full blocks.
-    prefix = random_prompts([48], seed=7)[0]
-    prompts = [prefix + tail for tail in random_prompts([3, 9, 20, 1], seed=8)]
-    try:
+    run_case(rows, {"model": name, "case": "speculative", "dtype": "float32"}, speculative)
+
+    def prefix_hits() -> dict:
+        # The first request fills the cache, the rest find its full blocks.
+        prefix = random_prompts([48], seed=7)[0]
+        prompts = [prefix + tail for tail in random_prompts([3, 9, 20, 1], seed=8)]
         llm = LLM(str(folder), block_size=16)
         out = greedy(llm, prompts[:1]) + greedy(llm, prompts[1:])
-        row = {"model": name, "case": "prefix_hits", "dtype": "float32",
-               "identical": out == hf_greedy(folder, prompts, MAX_NEW, device=device),
-               "prefix_cache_hits": llm.stats().prefix_cache_hits}
-    except Exception as exc:
-        row = {"model": name, "case": "prefix_hits", "dtype": "float32", "identical": False, "error": repr(exc)}
-    print(json.dumps(row), flush=True)
-    rows.append(row)
+        return {"identical": out == hf_greedy(folder, prompts, MAX_NEW, device=device),
+                "prefix_cache_hits": llm.stats().prefix_cache_hits}
+
+    run_case(rows, {"model": name, "case": "prefix_hits", "dtype": "float32"}, prefix_hits)
 
     # Lower precisions: agreement with float32's transformers output, reported (not required).
     for case, kwargs in {"bfloat16_agreement": {"dtype": "bfloat16"},
                          "fp8_e4m3_cache_agreement": {"kv_cache_dtype": "fp8_e4m3"}}.items():
-        try:
+        def agreement(kwargs=kwargs) -> dict:
             out = greedy(LLM(str(folder), **kwargs), PROMPTS)
-            row = {"model": name, "case": case, **kwargs,
-                   "identical_prompts": f"{sum(a == b for a, b in zip(out, reference))}/{len(PROMPTS)}"}
-        except Exception as exc:
-            row = {"model": name, "case": case, **kwargs, "error": repr(exc)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+            return {"identical_prompts": f"{sum(a == b for a, b in zip(out, reference))}/{len(PROMPTS)}"}
+
+        run_case(rows, {"model": name, "case": case, **kwargs}, agreement)
     return rows
 
 
@@ -151,8 +153,7 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
     requests decode side by side; every synchronizing call is reported where it is made."""
     from llmbus import LLM, SamplingParams
 
-    row = {"model": folder.name, "case": "host_syncs", "dtype": "float32"}
-    try:
+    def host_syncs() -> dict:
         import warnings
 
         llm = LLM(str(folder))
@@ -165,9 +166,7 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
         ]
         llm.generate(prompts, params, use_tqdm=False)  # Triton compiled, pinned blocks cached
         if device != "cuda":
-            row["skipped"] = "no CUDA: torch's sync debug mode needs it"
-            print(json.dumps(row), flush=True)
-            return [row]
+            return {"skipped": "no CUDA: torch's sync debug mode needs it"}
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -177,12 +176,12 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
         where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
-        row.update(identical=not syncs, syncs=len(syncs), where=where[:20],
-                   overlapped=llm.runner.overlap_steps)
-    except Exception as exc:  # noqa: BLE001 - reported, the other checks go on
-        row.update(identical=False, error=repr(exc))
-    print(json.dumps(row), flush=True)
-    return [row]
+        return {"identical": not syncs, "syncs": len(syncs), "where": where[:20],
+                "overlapped": llm.runner.overlap_steps}
+
+    rows = []
+    run_case(rows, {"model": folder.name, "case": "host_syncs", "dtype": "float32"}, host_syncs)
+    return rows
 
 
 def check_structured(folder: Path, device: str) -> list[dict]:
@@ -199,16 +198,13 @@ def check_structured(folder: Path, device: str) -> list[dict]:
     except Exception as exc:  # xgrammar (or jsonschema) not on the machine
         return [{"case": "structured", "identical": False, "error": repr(exc)}]
     for kind, spec in SPECS.items():
-        try:
+        def constrained(spec=spec) -> dict:
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec),
                                 use_tqdm=False)
             got = [[t for t in o.outputs[0].token_ids if t != llm.eos_token_id] for o in outs]
-            row = {"model": folder.name, "case": f"structured_{kind}", "dtype": "float32",
-                   "identical": got == hf_constrained(folder, spec, prompts, device=device)}
-        except Exception as exc:
-            row = {"model": folder.name, "case": f"structured_{kind}", "identical": False, "error": repr(exc)}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+            return {"identical": got == hf_constrained(folder, spec, prompts, device=device)}
+
+        run_case(rows, {"model": folder.name, "case": f"structured_{kind}", "dtype": "float32"}, constrained)
     return rows
 
 
