@@ -1,12 +1,13 @@
 """A decoder layer's element-wise work in Triton, one kernel each: the residual add with
-RMSNorm, rotary embedding, SiLU-and-mul. The GPU counterparts of kernels/cpu/elementwise.cpp,
-with the same entry points.
+RMSNorm, rotary embedding (`rotary_and_cache`: with the rotated keys and the values written
+into their KV-cache slots, reshape_and_cache's work), SiLU-and-mul. The GPU counterparts
+of kernels/cpu/elementwise.cpp, with the same entry points.
 
 Why: on a GPU a SmolLM2-sized decode step is ~22 kernels a layer, most of them these
 element-wise ops (an add, casts, the norm, a multiply; rotary's flip, two products and a
-sum; silu and a product), each reading and writing its whole activation and each costing
-a few microseconds at least even inside a CUDA graph. Fused, a layer runs three kernels
-for them instead of about fifteen.
+sum; silu and a product; the cache write), each reading and writing its whole activation
+and each costing a few microseconds at least even inside a CUDA graph. Fused, a layer
+runs four launches for them instead of about sixteen.
 
 The roundings are those of the PyTorch ops they replace (transformers' order), so greedy
 tokens stay the same: every intermediate that PyTorch rounds to the activations' dtype
@@ -22,6 +23,7 @@ import triton.language as tl
 
 import kernels  # noqa: F401 - interpreter without a GPU
 from kernels.cpu import check_norm_args, check_rotary_args
+from kernels.reshape_and_cache import _fp8_grid, _round_to_fp8_grid
 
 
 @triton.jit
@@ -68,9 +70,17 @@ def _add_rms_norm_kernel(
 @triton.jit
 def _rotary_kernel(
     x_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_row, num_heads,
+    stride_row,
+    # With WRITE_CACHE, heads from num_q_heads on are keys: rotated into their cache slots
+    # (not in place), each with its value head copied beside it (reshape_and_cache's work).
+    v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_v_row, stride_c_block, stride_c_slot, stride_c_head, block_size, num_q_heads,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
+    SATURATE: tl.constexpr,  # a float8 cache's largest finite value; 0: not float8
+    MANTISSA: tl.constexpr,
+    MIN_EXP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -90,8 +100,31 @@ def _rotary_kernel(
     # x * cos + rotate_half(x) * sin, each product rounded to x's dtype, then the sum.
     out1 = _rounded(_rounded(x1 * cos1, dtype) + _rounded(x2 * sin1, dtype), dtype)
     out2 = _rounded(_rounded(x2 * cos2, dtype) + _rounded(x1 * sin2, dtype), dtype)
-    tl.store(base + d, out1, mask=mask)
-    tl.store(base + HALF + d, out2, mask=mask)
+    # (WRITE_CACHE alone decides at compile time: without it the cache pointers are dummies.)
+    in_place = True
+    if WRITE_CACHE:
+        in_place = head < num_q_heads
+    if in_place:
+        tl.store(base + d, out1, mask=mask)
+        tl.store(base + HALF + d, out2, mask=mask)
+    elif WRITE_CACHE:
+        slot = tl.load(slot_mapping_ptr + row)
+        if slot >= 0:  # -1: padding, nothing to write
+            kv_head = head - num_q_heads
+            dst = (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot + kv_head * stride_c_head
+            v_base = v_ptr + row * stride_v_row + kv_head * (2 * HALF)
+            v1 = tl.load(v_base + d, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(v_base + HALF + d, mask=mask, other=0.0).to(tl.float32)
+            if SATURATE > 0:
+                out1 = _round_to_fp8_grid(out1, SATURATE, MANTISSA, MIN_EXP)
+                out2 = _round_to_fp8_grid(out2, SATURATE, MANTISSA, MIN_EXP)
+                v1 = _round_to_fp8_grid(v1, SATURATE, MANTISSA, MIN_EXP)
+                v2 = _round_to_fp8_grid(v2, SATURATE, MANTISSA, MIN_EXP)
+            cache_dtype = key_cache_ptr.dtype.element_ty
+            tl.store(key_cache_ptr + dst + d, out1.to(cache_dtype), mask=mask)
+            tl.store(key_cache_ptr + dst + HALF + d, out2.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + dst + d, v1.to(cache_dtype), mask=mask)
+            tl.store(value_cache_ptr + dst + HALF + d, v2.to(cache_dtype), mask=mask)
 
 
 @triton.jit
@@ -142,9 +175,44 @@ def rotary(
     rows, heads, head_dim = x.shape
     if rows:
         half = head_dim // 2
-        _rotary_kernel[(rows, heads)](x, positions, cos_table, sin_table, x.stride(0), heads,
-                                      HALF=half, BLOCK_HALF=triton.next_power_of_2(half))
+        _rotary_kernel[(rows, heads)](x, positions, cos_table, sin_table, x.stride(0),
+                                      x, x, x, positions, 0, 0, 0, 0, 1, heads,  # (no cache written)
+                                      HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=False,
+                                      **_fp8_grid(x.dtype))
     return x
+
+
+def rotary_and_cache(
+    qk: torch.Tensor,  # [rows, num_q_heads + num_kv_heads, head_dim]: query heads then key heads, as rotary's x
+    value: torch.Tensor,  # [rows, num_kv_heads, head_dim], head_dim contiguous
+    positions: torch.Tensor,  # [rows] int64
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [rows] int64, -1 = padding: skipped
+    num_q_heads: int,
+) -> torch.Tensor:  # [rows, num_q_heads, head_dim]: the rotated queries (a view of qk)
+    """Rotary over the query and key heads with the keys (rotated) and values written into
+    their cache slots, in one kernel: what rotary then reshape_and_cache do, the same bytes."""
+    check_rotary_args(qk, positions, cos_table, sin_table)
+    rows, heads, head_dim = qk.shape
+    num_kv_heads = heads - num_q_heads
+    if value.shape != (rows, num_kv_heads, head_dim) or value.stride(2) != 1 or value.stride(1) != head_dim:
+        raise ValueError(f"value {tuple(value.shape)} with strides {value.stride()} does not match the key heads")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride() or \
+            key_cache.shape[2:] != (num_kv_heads, head_dim) or key_cache.stride(3) != 1:
+        raise ValueError(f"caches {tuple(key_cache.shape)} do not hold {num_kv_heads} heads of {head_dim}")
+    if rows:
+        half = head_dim // 2
+        _rotary_kernel[(rows, heads)](
+            qk, positions, cos_table, sin_table, qk.stride(0),
+            value, key_cache, value_cache, slot_mapping,
+            value.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.shape[1],
+            num_q_heads,
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=True, **_fp8_grid(key_cache.dtype),
+        )
+    return qk[:, :num_q_heads]
 
 
 SILU_BLOCK = 1024

@@ -5,7 +5,8 @@ PyTorch ops they replace, and what they save a decoder layer.
 
 For a SmolLM2-shaped and a Llama-3-8B-shaped layer in bfloat16, at batch 1 and 128: one
 layer's element-wise work (two residual adds with RMSNorm, rotary over the query and key
-heads, SiLU-and-mul) as PyTorch ops and as the three Triton kernels, each captured in a
+heads with the keys and values written to the cache, SiLU-and-mul) as PyTorch ops (and
+the Triton cache write they are followed by) and as four launches of the Triton kernels, each captured in a
 CUDA graph (so launches cost what they cost in the engine's decode graphs) and replayed;
 microseconds a layer, and the share of bits equal. Writes $OUT/elementwise.json. Exits 1
 if a kernel failed to run: scripts/device_check.sh then runs the rest with
@@ -40,11 +41,15 @@ def layer_inputs(shape, batch: int, device: str) -> dict:
     def randn(*size, scale=1.0):
         return (torch.randn(*size, generator=gen, device=device) * scale).to(torch.bfloat16)
 
+    num_blocks = batch  # (block size 16: room for every row's slot)
     return {
         "x": randn(batch, hidden, scale=3.0), "residual": randn(batch, hidden),
         "weight": (torch.rand(hidden, generator=gen, device=device) + 0.5).to(torch.bfloat16),
-        "qk": randn(batch, heads + kv_heads, head_dim), "gate_up": randn(batch, 2 * inter, scale=4.0),
+        "qk": randn(batch, heads + kv_heads, head_dim), "v": randn(batch, kv_heads, head_dim),
+        "gate_up": randn(batch, 2 * inter, scale=4.0), "heads": heads,
         "positions": torch.randint(0, 4096, (batch,), generator=gen, device=device),
+        "slots": torch.randperm(num_blocks * 16, generator=gen, device=device)[:batch],
+        "cache": torch.zeros(2, num_blocks, 16, kv_heads, head_dim, dtype=torch.bfloat16, device=device),
     }
 
 
@@ -53,20 +58,26 @@ def run_layer(fused: bool, inputs: dict, rotary, norm) -> list[torch.Tensor]:
     PyTorch path's cos/sin rows are gathered once a step, not a layer: cached in `rotary`.)"""
     import kernels.elementwise as ew
 
+    from kernels.reshape_and_cache import reshape_and_cache
+
     x, residual, weight = inputs["x"], inputs["residual"].clone(), inputs["weight"]
     qk, gate_up, positions = inputs["qk"].clone(), inputs["gate_up"], inputs["positions"]
+    v, slots, cache, heads = inputs["v"], inputs["slots"], inputs["cache"], inputs["heads"]
     n = gate_up.shape[-1] // 2
     if fused:
         normed, residual = ew.add_rms_norm(x, residual, weight, EPS)
-        rotated = ew.rotary(qk, positions, rotary.cos_cache, rotary.sin_signed_cache)
+        q = ew.rotary_and_cache(qk, v, positions, rotary.cos_cache, rotary.sin_signed_cache, cache[0], cache[1],
+                                slots, heads)
         mlp_in, residual = ew.add_rms_norm(normed, residual, weight, EPS)
         act = ew.silu_mul(gate_up)
-    else:
+    else:  # the PyTorch ops, and the Triton cache write they were followed by
         normed, residual = norm(x, residual)
         rotated = rotary._rotate(positions, qk)
+        q = rotated[:, :heads]
+        reshape_and_cache(rotated[:, heads:], v, cache[0], cache[1], slots)
         mlp_in, residual = norm(normed, residual)
         act = F.silu(gate_up[:, :n]) * gate_up[:, n:]
-    return [normed, rotated, mlp_in, residual, act]
+    return [normed, q, mlp_in, residual, act]
 
 
 def time_us(fn, device: str, reps: int) -> float:
@@ -122,7 +133,9 @@ def main() -> int:
             key = f"{name}_b{batch}"
             try:
                 with torch.inference_mode():
-                    fused, plain = run_layer(True, inputs, rotary, norm), run_layer(False, inputs, rotary, norm)
+                    fused = run_layer(True, inputs, rotary, norm) + [inputs["cache"].clone()]
+                    inputs["cache"].zero_()
+                    plain = run_layer(False, inputs, rotary, norm) + [inputs["cache"].clone()]
                     equal = sum(int((a == b).sum()) for a, b in zip(fused, plain))
                     report[f"elementwise_bits_equal_{key}"] = round(equal / sum(a.numel() for a in fused), 6)
                     reps = 2 if args.cpu else 20

@@ -62,10 +62,34 @@ def test_rotary_rotates_query_and_key_heads_in_place_as_the_torch_path(dtype, sc
     same(out, expected)
 
 
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)])
+def test_rotary_and_cache_writes_the_bytes_rotary_then_reshape_and_cache_write(dtype, cache_dtype):
+    from kernels.reshape_and_cache import reshape_and_cache
+
+    torch.manual_seed(2)
+    q_heads, kv_heads, head_dim, rows = 6, 2, 32, 5
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, {})
+    positions = torch.tensor([0, 5, 9, 33, 63])
+    slots = torch.tensor([3, -1, 17, 8, 30])  # -1: a padding row, nothing written
+    qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    qk = qkv[:, : (q_heads + kv_heads) * head_dim].unflatten(-1, (q_heads + kv_heads, head_dim))
+    v = qkv[:, (q_heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+    expected_cache = torch.zeros(2, 4, 16, kv_heads, head_dim, dtype=cache_dtype)
+    rotated = rotary._rotate(positions, qk.clone())
+    reshape_and_cache(rotated[:, q_heads:].contiguous(), v.contiguous(), expected_cache[0], expected_cache[1], slots)
+    cache = torch.zeros_like(expected_cache)
+    q = ew.rotary_and_cache(qk, v, positions, rotary.cos_cache, rotary.sin_signed_cache, cache[0], cache[1], slots,
+                            q_heads)
+    same(q, rotated[:, :q_heads])
+    assert q.data_ptr() == qkv.data_ptr()  # the queries rotated in place
+    assert torch.equal(cache.view(torch.uint8), expected_cache.view(torch.uint8))
+
+
 def test_the_triton_backend_runs_the_models_element_wise_work_in_these_kernels(tiny_llama, monkeypatch):
     from llmbus import LLM, SamplingParams
 
-    calls = {"add_rms_norm": 0, "rotary": 0, "silu_mul": 0}
+    calls = {"add_rms_norm": 0, "rotary": 0, "rotary_and_cache": 0, "silu_mul": 0}
     for name in calls:
         inner = getattr(ew, name)
         monkeypatch.setattr(ew, name, lambda *a, _inner=inner, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
@@ -73,8 +97,9 @@ def test_the_triton_backend_runs_the_models_element_wise_work_in_these_kernels(t
     llm = LLM(str(tiny_llama), attention_backend="triton")
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     layers, steps = len(llm.runner.model.model.layers), 3
-    # two norms a layer and the final one; one rotary and one MLP a layer; each step
-    assert calls == {"add_rms_norm": (2 * layers + 1) * steps, "rotary": layers * steps, "silu_mul": layers * steps}
+    # two norms a layer and the final one; one rotary (with the cache write) and one MLP a layer; each step
+    assert calls == {"add_rms_norm": (2 * layers + 1) * steps, "rotary": 0, "rotary_and_cache": layers * steps,
+                     "silu_mul": layers * steps}
     # Turned off (scripts/device_check.sh does when the kernels fail on a GPU): PyTorch ops.
     monkeypatch.setenv("LLMBUS_TRITON_ELEMENTWISE", "0")
     before = dict(calls)

@@ -27,7 +27,8 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write the new keys/values into their cache slots, then attend over the cache."""
+        """Write the new keys/values into their cache slots, then attend over the cache. (The
+        Triton backend also takes key and value None: its caller wrote them already.)"""
         ...
 
 

@@ -45,14 +45,15 @@ class TritonAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]; None: already in the cache
+        value: torch.Tensor | None,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if key is not None:  # (None: the caller wrote them, kernels/elementwise.py's rotary_and_cache)
+            reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
         num_splits = choose_num_splits(
             metadata.num_reqs, key_cache.shape[2], metadata.max_query_len, metadata.max_seq_len
         )

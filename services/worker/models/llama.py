@@ -57,6 +57,9 @@ class Attention(nn.Module):
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.rotary = rotary
         self.backend = backend
+        # The Triton path rotates queries and keys and writes keys and values into the
+        # cache in one kernel (kernels/elementwise.py), then attends over the cache.
+        self.rotary_writes_cache = backend.name == "triton" and rotary.triton and rotary.head_dim == self.head_dim
         if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
@@ -80,9 +83,14 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim),
                             self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)),
                            dim=1)
-        q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        if self.rotary_writes_cache:
+            q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
+                                                kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads)
+            out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale)
+        else:
+            q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
