@@ -1,5 +1,5 @@
 """Triton kernels of the GPU path: paged attention, the KV-cache write, the fused
-element-wise ops, the MoE experts (the attention backend itself is
+element-wise ops, the MoE experts, the sampling draws (the attention backend itself is
 services/worker/attention/triton_backend.py). This package imports nothing from services/.
 
 Without a GPU, Triton's interpreter runs them on CPU tensors (slow, but exact enough to

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
@@ -164,6 +164,17 @@ def test_the_draws_are_the_contracts_for_any_seed_and_position(keys):
     seeds = torch.tensor([as_int64(seed) for seed, _ in keys], dtype=torch.int64)
     positions = torch.tensor([pos for _, pos in keys], dtype=torch.int64)
     assert uniform(seeds, positions).tolist() == [_reference_uniform(seed, pos) for seed, pos in keys]
+
+
+@settings(max_examples=25, deadline=None)  # (Triton's interpreter: slow to start each call)
+@given(st.lists(st.tuples(st.integers(-(1 << 63), (1 << 64) - 1), st.integers(0, (1 << 40))), min_size=1, max_size=300))
+def test_the_gpus_draws_kernel_is_the_contract_too(keys):
+    """kernels/random_draws.py, what a GPU runs (here under the interpreter)."""
+    from kernels.random_draws import uniform as uniform_kernel
+
+    seeds = torch.tensor([as_int64(seed) for seed, _ in keys], dtype=torch.int64)
+    positions = torch.tensor([pos for _, pos in keys], dtype=torch.int64)
+    assert uniform_kernel(seeds, positions).tolist() == [_reference_uniform(seed, pos) for seed, pos in keys]
 
 
 def test_the_draws_are_uniform_and_independent_across_positions():

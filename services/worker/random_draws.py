@@ -44,7 +44,12 @@ def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """u(seed, position) in [0, 1) with 53 random bits, float64, for int64 tensors of the
-    same shape (a seed is any 64-bit integer, see `as_int64`)."""
+    same shape (a seed is any 64-bit integer, see `as_int64`). On a GPU in one Triton
+    kernel of the same integer ops (kernels/random_draws.py): the same bits."""
+    if seeds.is_cuda:
+        from kernels.random_draws import uniform as uniform_kernel
+
+        return uniform_kernel(seeds, positions)
     seed_lo, seed_hi = _words(seeds)
     pos_lo, pos_hi = _words(positions)
     h = _mix32(seed_lo ^ _SEED_KEY)
