@@ -33,7 +33,12 @@ PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
         ("requests", "abort", "workers.announce", "scheduler.info", "_INBOX.{user}.>"),
         True,
     ),
-    "worker": (("workers.announce",), ("workers.{id}.step", "scheduler.hello"), True),
+    # A worker also publishes into the scheduler's inbox (its step answers): allow_responses
+    # is the state of the server that delivered the request, so an answer sent as the
+    # worker reconnects to another node of a cluster (nats-py flushes it there) is refused
+    # without the grant, and a step lost. The inbox's tokens are random: it cannot answer
+    # a step it was not sent but by guessing them.
+    "worker": (("workers.announce", "_INBOX.scheduler.>"), ("workers.{id}.step", "scheduler.hello"), True),
 }
 ROLES = tuple(PERMISSIONS)
 
