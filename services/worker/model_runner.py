@@ -280,7 +280,8 @@ class ModelRunner:
             if drafts or constrained or not self.overlap_steps:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
-                self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs)
+                self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
+                             bool(constrained))
             else:
                 # The tokens stay on the device; the next step reads them there.
                 samples.start_copy()
@@ -299,11 +300,12 @@ class ModelRunner:
             self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order)
         return launched
 
-    def _accept(self, samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs) -> None:
+    def _accept(self, samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
+                constrained: bool) -> None:
         """On the host now: each request's accepted drafts and the token after them, its
         grammar advanced over them."""
         token_ids, token_logprobs = samples.to_host()
-        if not (drafts or valid or any(states[i].matcher is not None for i in sample_rows)):
+        if not (drafts or constrained):  # (valid is only filled for constrained rows)
             for i, first in zip(sample_rows, first_row):  # one token a request, nothing to check
                 token_id = token_ids[first]
                 states[i].token_ids.append(token_id)

@@ -59,10 +59,11 @@ class Attention(nn.Module):
         self.backend = backend
         # The Triton path rotates queries and keys and writes keys and values into the
         # cache in one kernel (kernels/elementwise.py), then attends over the cache.
-        self.rotary_writes_cache = backend.name == "triton" and rotary.triton and rotary.head_dim == self.head_dim
+        # (rotary.triton: the Triton backend's element-wise kernels are on.)
+        self.rotary_writes_cache = rotary.triton and rotary.head_dim == self.head_dim
         if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton_elementwise(backend))
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=rotary.triton)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=rotary.triton)
         else:
             self.q_norm = self.k_norm = None
 
