@@ -1,7 +1,7 @@
 """A decoder layer's element-wise work in Triton, one kernel each: the residual add with
 RMSNorm, rotary embedding (`rotary_and_cache`: with the rotated keys and the values written
 into their KV-cache slots, reshape_and_cache's work), SiLU-and-mul. The GPU counterparts
-of kernels/cpu/elementwise.cpp, with the same entry points.
+of kernels/cpu/elementwise.cpp, their arguments checked by the same functions.
 
 Why: on a GPU a SmolLM2-sized decode step is ~22 kernels a layer, most of them these
 element-wise ops (an add, casts, the norm, a multiply; rotary's flip, two products and a
@@ -68,16 +68,15 @@ def _add_rms_norm_kernel(
 
 
 @triton.jit
-def _rotary_kernel(
-    x_ptr, positions_ptr, cos_ptr, sin_ptr,
+def _rotary_and_cache_kernel(
+    qk_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_row,
-    # With WRITE_CACHE, heads from num_q_heads on are keys: rotated into their cache slots
-    # (not in place), each with its value head copied beside it (reshape_and_cache's work).
+    # Heads from num_q_heads on are keys: rotated into their cache slots (not in place),
+    # each with its value head copied beside it (reshape_and_cache's work).
     v_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
     stride_v_row, stride_c_block, stride_c_slot, stride_c_head, block_size, num_q_heads,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    WRITE_CACHE: tl.constexpr,
     SATURATE: tl.constexpr,  # a float8 cache's largest finite value; 0: not float8
     MANTISSA: tl.constexpr,
     MIN_EXP: tl.constexpr,
@@ -86,28 +85,24 @@ def _rotary_kernel(
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK_HALF)
     mask = d < HALF
-    dtype = x_ptr.dtype.element_ty
+    dtype = qk_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + row)
     table = pos * (2 * HALF)
-    # The tables are float32; the PyTorch path casts them to x's dtype first.
+    # The tables are float32; the PyTorch path casts them to the activations' dtype first.
     cos1 = _rounded(tl.load(cos_ptr + table + d, mask=mask, other=0.0), dtype)
     cos2 = _rounded(tl.load(cos_ptr + table + HALF + d, mask=mask, other=0.0), dtype)
     sin1 = _rounded(tl.load(sin_ptr + table + d, mask=mask, other=0.0), dtype)  # negated half
     sin2 = _rounded(tl.load(sin_ptr + table + HALF + d, mask=mask, other=0.0), dtype)
-    base = x_ptr + row * stride_row + head * (2 * HALF)
+    base = qk_ptr + row * stride_row + head * (2 * HALF)
     x1 = tl.load(base + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + d, mask=mask, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin, each product rounded to x's dtype, then the sum.
     out1 = _rounded(_rounded(x1 * cos1, dtype) + _rounded(x2 * sin1, dtype), dtype)
     out2 = _rounded(_rounded(x2 * cos2, dtype) + _rounded(x1 * sin2, dtype), dtype)
-    # (WRITE_CACHE alone decides at compile time: without it the cache pointers are dummies.)
-    in_place = True
-    if WRITE_CACHE:
-        in_place = head < num_q_heads
-    if in_place:
+    if head < num_q_heads:  # a query: in place
         tl.store(base + d, out1, mask=mask)
         tl.store(base + HALF + d, out2, mask=mask)
-    elif WRITE_CACHE:
+    else:
         slot = tl.load(slot_mapping_ptr + row)
         if slot >= 0:  # -1: padding, nothing to write
             kv_head = head - num_q_heads
@@ -165,36 +160,22 @@ def add_rms_norm(
     return out if residual is None else (out, residual)
 
 
-def rotary(
-    x: torch.Tensor,  # [rows, heads, head_dim], head_dim contiguous, heads adjacent; rotated in place
-    positions: torch.Tensor,  # [rows] int64, each < the tables' length (the caller checks once per step)
-    cos_table: torch.Tensor,  # [max_position, head_dim] float32
-    sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
-) -> torch.Tensor:
-    check_rotary_args(x, positions, cos_table, sin_table)
-    rows, heads, head_dim = x.shape
-    if rows:
-        half = head_dim // 2
-        _rotary_kernel[(rows, heads)](x, positions, cos_table, sin_table, x.stride(0),
-                                      x, x, x, positions, 0, 0, 0, 0, 1, heads,  # (no cache written)
-                                      HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=False,
-                                      **_fp8_grid(x.dtype))
-    return x
-
-
 def rotary_and_cache(
-    qk: torch.Tensor,  # [rows, num_q_heads + num_kv_heads, head_dim]: query heads then key heads, as rotary's x
+    qk: torch.Tensor,  # [rows, num_q_heads + num_kv_heads, head_dim]: query heads then key heads, heads adjacent
     value: torch.Tensor,  # [rows, num_kv_heads, head_dim], head_dim contiguous
-    positions: torch.Tensor,  # [rows] int64
-    cos_table: torch.Tensor,
-    sin_table: torch.Tensor,
+    positions: torch.Tensor,  # [rows] int64, each < the tables' length (see below)
+    cos_table: torch.Tensor,  # [max_position, head_dim] float32 (RotaryEmbedding's)
+    sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [rows] int64, -1 = padding: skipped
     num_q_heads: int,
 ) -> torch.Tensor:  # [rows, num_q_heads, head_dim]: the rotated queries (a view of qk)
     """Rotary over the query and key heads with the keys (rotated) and values written into
-    their cache slots, in one kernel: what rotary then reshape_and_cache do, the same bytes."""
+    their cache slots, in one kernel: what RotaryEmbedding then reshape_and_cache do, the
+    same bytes. The positions are not checked against the tables here: that would read the
+    device on the host (no CUDA graph could hold it); the runner's stay under
+    max_model_len, which sizes the tables."""
     check_rotary_args(qk, positions, cos_table, sin_table)
     rows, heads, head_dim = qk.shape
     num_kv_heads = heads - num_q_heads
@@ -205,12 +186,12 @@ def rotary_and_cache(
         raise ValueError(f"caches {tuple(key_cache.shape)} do not hold {num_kv_heads} heads of {head_dim}")
     if rows:
         half = head_dim // 2
-        _rotary_kernel[(rows, heads)](
+        _rotary_and_cache_kernel[(rows, heads)](
             qk, positions, cos_table, sin_table, qk.stride(0),
             value, key_cache, value_cache, slot_mapping,
             value.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.shape[1],
             num_q_heads,
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), WRITE_CACHE=True, **_fp8_grid(key_cache.dtype),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), **_fp8_grid(key_cache.dtype),
         )
     return qk[:, :num_q_heads]
 

@@ -46,30 +46,20 @@ def test_silu_mul_is_silu_of_gate_times_up(dtype, n):
     same(ew.silu_mul(gate_up), F.silu(gate_up[:, :n]) * gate_up[:, n:])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scaling", [{}, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}])
-def test_rotary_rotates_query_and_key_heads_in_place_as_the_torch_path(dtype, scaling):
-    torch.manual_seed(1)
-    rotary = RotaryEmbedding(32, 128, 10000.0, scaling)
-    positions = torch.tensor([0, 1, 7, 31, 64, 127])
-    # query and key heads side by side, a view into a wider qkv row as the model has it
-    qkv = torch.randn(6, 7 * 32 + 64, dtype=dtype)
-    qk = qkv[:, : 7 * 32].unflatten(-1, (7, 32))
-    expected = rotary._rotate(positions, qk.clone())
-    out = ew.rotary(qk, positions, rotary.cos_cache, rotary.sin_signed_cache)
-    assert out.data_ptr() == qk.data_ptr()
-    same(out, expected)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
 
 
-@pytest.mark.parametrize("dtype, cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-                                                (torch.bfloat16, torch.float8_e4m3fn), (torch.float32, torch.float8_e5m2)])
-def test_rotary_and_cache_writes_the_bytes_rotary_then_reshape_and_cache_write(dtype, cache_dtype):
+@pytest.mark.parametrize("dtype, cache_dtype, scaling", [
+    (torch.bfloat16, torch.bfloat16, {}), (torch.float32, torch.float32, {}),
+    (torch.bfloat16, torch.bfloat16, LLAMA3), (torch.float32, torch.float32, LLAMA3),
+    (torch.bfloat16, torch.float8_e4m3fn, {}), (torch.float32, torch.float8_e5m2, {})])
+def test_rotary_and_cache_writes_the_bytes_rotary_then_reshape_and_cache_write(dtype, cache_dtype, scaling):
     from kernels.reshape_and_cache import reshape_and_cache
 
     torch.manual_seed(2)
     q_heads, kv_heads, head_dim, rows = 6, 2, 32, 5
-    rotary = RotaryEmbedding(head_dim, 64, 10000.0, {})
+    rotary = RotaryEmbedding(head_dim, 64, 10000.0, scaling)
     positions = torch.tensor([0, 5, 9, 33, 63])
     slots = torch.tensor([3, -1, 17, 8, 30])  # -1: a padding row, nothing written
     qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -89,7 +79,7 @@ def test_rotary_and_cache_writes_the_bytes_rotary_then_reshape_and_cache_write(d
 def test_the_triton_backend_runs_the_models_element_wise_work_in_these_kernels(tiny_llama, monkeypatch):
     from llmbus import LLM, SamplingParams
 
-    calls = {"add_rms_norm": 0, "rotary": 0, "rotary_and_cache": 0, "silu_mul": 0}
+    calls = {"add_rms_norm": 0, "rotary_and_cache": 0, "silu_mul": 0}
     for name in calls:
         inner = getattr(ew, name)
         monkeypatch.setattr(ew, name, lambda *a, _inner=inner, _name=name: (calls.__setitem__(_name, calls[_name] + 1),
@@ -98,7 +88,7 @@ def test_the_triton_backend_runs_the_models_element_wise_work_in_these_kernels(t
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     layers, steps = len(llm.runner.model.model.layers), 3
     # two norms a layer and the final one; one rotary (with the cache write) and one MLP a layer; each step
-    assert calls == {"add_rms_norm": (2 * layers + 1) * steps, "rotary": 0, "rotary_and_cache": layers * steps,
+    assert calls == {"add_rms_norm": (2 * layers + 1) * steps, "rotary_and_cache": layers * steps,
                      "silu_mul": layers * steps}
     # Turned off (scripts/device_check.sh does when the kernels fail on a GPU): PyTorch ops.
     monkeypatch.setenv("LLMBUS_TRITON_ELEMENTWISE", "0")

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import kernels.cpu as cpu_kernels
-import kernels.elementwise as triton_kernels
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False) -> torch.Tensor:
@@ -54,10 +53,8 @@ class RotaryEmbedding(nn.Module):
     longrope: the tables hold the short factors' rows for positions 0..max_position-1, then
     the long factors' (`long_offset` on): the caller picks a token's row (ModelRunner)."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, rotary_dim: int = 0,
-                 triton: bool = False) -> None:
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict, rotary_dim: int = 0) -> None:
         super().__init__()
-        self.triton = triton  # one Triton kernel (kernels/elementwise.py), the GPU's attention backend with it
         dim = rotary_dim or head_dim
         positions = torch.arange(max_position, dtype=torch.float32)
         tables = [rope_inv_freq(dim, theta, scaling)]
@@ -97,15 +94,11 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Rotate every head of `x` by its token's position. Query and key heads go
         through in one call (they are adjacent in the fused qkv output): half the calls.
-        On CPU, kernels/cpu rotates `x` in place in one pass (the same bits); so does
-        Triton with `triton`."""
+        On CPU, kernels/cpu rotates `x` in place in one pass (the same bits). (With the
+        Triton backend the attention layer rotates in kernels/elementwise.py's
+        rotary_and_cache instead, the cache write with it, from these tables.)"""
         if self.head_dim < self.full_head_dim:  # partial: rotate the leading dims, keep the rest
             return torch.cat((self._rotate(positions, x[..., : self.head_dim]), x[..., self.head_dim :]), dim=-1)
-        if self.triton and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
-            # No check of the positions here: it would read the device on the host (no CUDA
-            # graph could hold it); the runner's positions stay under max_model_len, which
-            # sizes the tables.
-            return triton_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)
         if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
             if self._checked is not positions:  # once per step, not per layer
                 self.check_positions(positions)

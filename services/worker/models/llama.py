@@ -44,7 +44,7 @@ def triton_elementwise(backend: AttentionBackend) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, triton: bool = False):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -57,13 +57,13 @@ class Attention(nn.Module):
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.rotary = rotary
         self.backend = backend
-        # The Triton path rotates queries and keys and writes keys and values into the
-        # cache in one kernel (kernels/elementwise.py), then attends over the cache.
-        # (rotary.triton: the Triton backend's element-wise kernels are on.)
-        self.rotary_writes_cache = rotary.triton and rotary.head_dim == self.head_dim
+        # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
+        # keys and writes keys and values into the cache (kernels/elementwise.py), then the
+        # backend attends over the cache. A partial rotary rotates in PyTorch.
+        self.rotary_writes_cache = triton and rotary.head_dim == self.head_dim
         if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=rotary.triton)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=rotary.triton)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton)
         else:
             self.q_norm = self.k_norm = None
 
@@ -121,7 +121,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         triton = triton_elementwise(backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
-        self.self_attn = Attention(config, rotary, backend)
+        self.self_attn = Attention(config, rotary, backend, triton)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
@@ -148,7 +148,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One table shared by every layer (a plain attribute, not a submodule per layer).
         rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling,
-                                 config.rotary_dim, triton=triton_elementwise(backend))
+                                 config.rotary_dim)
         self.rotary = rotary
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, backend, i) for i in range(config.num_hidden_layers)
