@@ -66,13 +66,14 @@ class Deployment:
         self.nats.stop()
 
 
-def llmbus_serve(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+def llmbus_serve(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """`llmbus serve ARGS` on a free port, and its base URL once it says it is serving.
     Every service logs to `log` (a file: a pipe nobody reads could fill up); the process
-    has it open as `proc.log`."""
+    has it open as `proc.log`. `env`: variables added to this process's."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
+                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+                            env=None if env is None else dict(os.environ, **env))
     line = proc.stdout.readline()  # printed once /health is green
     assert f"http://127.0.0.1:{port}/v1" in line, log.read_text()[-3000:]
     proc.log = log

@@ -127,3 +127,43 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
     found = [f"{name}:{n}: {line.strip()}" for name in step_path
              for n, line in enumerate((worker / name).read_text().splitlines(), 1) if waiting.search(line)]
     assert found == []
+
+
+@pytest.mark.timeout(300)
+def test_llmbus_serve_launches_each_step_before_answering_the_one_before(tiny_llama, tmp_path):
+    """Served (services/worker/served_steps.py): the scheduler keeps two steps in flight, so
+    the worker launches the next one before it answers the one before, which reads the
+    tokens on the device. Greedy through `llmbus serve` and the openai client equals
+    transformers, and the worker's step log shows steps launched behind unanswered ones."""
+    import asyncio
+    import json
+
+    import openai
+
+    from deployment import llmbus_serve
+
+    step_log = tmp_path / "steps.jsonl"
+    proc, url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny"], tmp_path / "stderr.log",
+                             env={"LLMBUS_OVERLAP_STEPS": "1", "LLMBUS_STEP_LOG": str(step_log)})
+    try:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def complete(prompt):
+            out = await client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                                  logprobs=0, extra_body={"ignore_eos": True,
+                                                                          "return_tokens_as_token_ids": True})
+            return [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]
+
+        async def complete_all():
+            return await asyncio.gather(*map(complete, PROMPTS))
+
+        got = asyncio.run(complete_all())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    assert got == hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    behind = sum(s["launched_behind"] > 0 for s in steps)
+    # (About half of them on this CPU, where every step is ready as soon as it is launched;
+    # finished one at a time, none.)
+    assert behind >= 3, f"{behind} of {len(steps)} steps launched behind an unanswered one"

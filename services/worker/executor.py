@@ -1,6 +1,6 @@
-"""How a step reaches the model runner: `execute_step` (a failure becomes an error answer,
+"""How a step reaches the model runner: `launch_step` (a failure becomes an error answer,
 never an exception) and the in-process executor the offline `LLM` and tests hand to the
-engine core.
+engine core. (The worker service answers its steps through served_steps.py.)
 
 Every torch call, model loading included, runs on one thread. A second thread that
 touches torch gets its own OpenMP team, and from then on both teams run at ~1.5 of 2
@@ -34,11 +34,6 @@ log = logging.getLogger("llmbus.worker")
 T = TypeVar("T")
 
 
-def execute_step(runner: ModelRunner, step: SchedulerOutput) -> ModelRunnerOutput:
-    """One step start to end; a failure becomes an error answer."""
-    return launch_step(runner, step).finish()
-
-
 def launch_step(runner: ModelRunner, step: SchedulerOutput) -> Launched:
     try:
         return Launched(runner, step, runner.launch(step))
@@ -53,6 +48,17 @@ class Launched:
 
     def __init__(self, runner: ModelRunner, step: SchedulerOutput, launched, exc: Exception | None = None) -> None:
         self.runner, self.step, self.launched, self.exc = runner, step, launched, exc
+
+    @property
+    def done(self) -> bool:
+        """Whether `finish()` has nothing to wait for on the device."""
+        return self.exc is not None or self.launched.finished
+
+    def wait(self) -> None:
+        """Block until the step's tokens are on the host, landing nothing: any thread may
+        wait here while the runner's thread launches the next step."""
+        if not self.done:
+            self.launched.wait()
 
     def finish(self) -> ModelRunnerOutput:
         if self.exc is None:

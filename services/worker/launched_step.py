@@ -36,6 +36,11 @@ class LaunchedStep:
     def done(cls, output: ModelRunnerOutput) -> LaunchedStep:
         return cls(output, finished=True)
 
+    def wait(self) -> None:
+        """Until the sampled ids are on the host (their copy landed), from any thread."""
+        if self.samples is not None:
+            self.samples.wait()
+
     def finish(self) -> ModelRunnerOutput:
         if not self.finished:
             self.finished = True

@@ -111,8 +111,10 @@ class ModelRunner:
         # Overlapping pays only where the device runs apart from the host: on a CPU a
         # step's work is done by the time launch returns (W1 bf16 measured 0.98x of
         # finishing each step at once, 3 pairs), so there each step is finished as launched.
+        # LLMBUS_OVERLAP_STEPS=1 or 0 says otherwise (tests overlap a served CPU worker).
         self._launched: deque[LaunchedStep] = deque()
-        self.overlap_steps = self.device.type == "cuda"
+        overlap = os.environ.get("LLMBUS_OVERLAP_STEPS")
+        self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap == "1"
         # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
         # compare what the worker does offline and served without a tracing backend.
         step_log = os.environ.get("LLMBUS_STEP_LOG")
@@ -193,6 +195,7 @@ class ModelRunner:
         it; so does one with a request whose grammar is live, or that verifies drafts,
         whose acceptance runs on the host at once."""
         t_start = time.time_ns()
+        behind = len(self._launched)  # steps launched whose tokens are not on the host yet
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if not num_scheduled:
@@ -297,7 +300,7 @@ class ModelRunner:
             state.num_computed_tokens += num_tokens[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
-            self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order)
+            self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order, behind)
         return launched
 
     def _accept(self, samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
@@ -343,7 +346,8 @@ class ModelRunner:
         return drafts
 
     def _write_step_log(self, inputs: StepInputs, on_graph: bool, num_sampled: int, mask_ns: int,
-                        drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str]) -> None:
+                        drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str],
+                        launched_behind: int) -> None:
         start, forward, sample, end = self.last_step_ns
         num_drafts = sum(len(d) for d in drafts.values())
         accepted = sum(len(out) - 1 for rid, out in zip(order, sampled) if rid in drafts and out)
@@ -353,7 +357,7 @@ class ModelRunner:
             "tokens": inputs.num_tokens, "reqs": inputs.num_rows,
             "decodes": inputs.num_decodes, "sampled": num_sampled,
             "context": int(inputs.seq_lens.sum()), "graph": on_graph,
-            "draft_tokens": num_drafts, "accepted_tokens": accepted,
+            "draft_tokens": num_drafts, "accepted_tokens": accepted, "launched_behind": launched_behind,
         }) + "\n")
 
     def _update_states(self, so: SchedulerOutput) -> None:

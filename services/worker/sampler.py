@@ -103,9 +103,13 @@ class Samples:
             self._event = torch.cuda.Event()
             self._event.record()
 
-    def to_host(self) -> tuple[list[int], list[Logprobs | None]]:
+    def wait(self) -> None:
+        """Until the copy started by `start_copy` has landed (nothing to wait for otherwise)."""
         if self._event is not None:
             self._event.synchronize()
+
+    def to_host(self) -> tuple[list[int], list[Logprobs | None]]:
+        self.wait()
         flat, params, num = self._flat.tolist(), self._params, len(self._params)
         result: list[Logprobs | None] = [None] * num
         if not self._rows:

@@ -2,9 +2,10 @@
 
 It announces itself (model, KV capacity, context) on start, whenever a scheduler says
 hello, and every `heartbeat_s` after that; then it answers `SchedulerOutput` requests on
-its step subject with a `ModelRunnerOutput`. The forward pass runs on the executor's
-one thread, so steps stay strictly ordered and the event loop keeps heartbeats and NATS
-pings alive during a long step.
+its step subject with a `ModelRunnerOutput`, in order (served_steps.py: on a GPU the next
+step is launched before the one before it is answered). The forward pass runs on the
+executor's one thread, so the event loop keeps heartbeats and NATS pings alive during a
+long step.
 """
 
 from __future__ import annotations
@@ -14,40 +15,15 @@ import logging
 import time
 import uuid
 
-import msgspec
-
-from services.worker.executor import InProcessExecutor, execute_step
+from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
+from services.worker.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
 from shared.config import CacheConfig, SpeculativeConfig
-from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
-from shared.tracing import extract, setup_tracing, shutdown_tracing
+from shared.messages import WorkerInfo
+from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
-
-
-def run_step(runner: ModelRunner, data: bytes, decoder: msgspec.msgpack.Decoder, tracer, ctx) -> ModelRunnerOutput:
-    with tracer.start_as_current_span("worker.execute", context=ctx) as span:
-        output = _execute(runner, data, decoder)
-        if span.is_recording() and output.error is None:
-            # Forward and sampling as attributes, not child spans: one span per step is
-            # cheaper, and the phases are fixed.
-            start, forward, sample, end = runner.last_step_ns
-            span.set_attributes({
-                "llmbus.num_requests": len(output.req_ids),
-                "llmbus.prepare_ms": (forward - start) / 1e6,
-                "llmbus.forward_ms": (sample - forward) / 1e6,
-                "llmbus.sample_ms": (end - sample) / 1e6,
-            })
-        return output
-
-
-def _execute(runner: ModelRunner, data: bytes, decoder: msgspec.msgpack.Decoder) -> ModelRunnerOutput:
-    try:
-        scheduler_output: SchedulerOutput = decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        return ModelRunnerOutput(step_id=-1, req_ids=[], sampled_token_ids=[], error=f"malformed step: {exc}")
-    return execute_step(runner, scheduler_output)
 
 
 async def serve(
@@ -92,7 +68,7 @@ async def serve(
         eos_token_id=runner.model_config.eos_token_id,
         long_rope_threshold=runner.model_config.long_rope_threshold,
     )
-    decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+    steps = ServedSteps(executor, tracer)
 
     async def on_reconnect() -> None:
         # A step or its answer may have been lost in the gap: say so at once, and the
@@ -106,13 +82,12 @@ async def serve(
 
     async def handle_step(msg) -> None:
         last_step_at[0] = time.monotonic()
-        ctx = extract(msg.headers)
-        output = await executor.run(run_step, runner, msg.data, decoder, tracer, ctx)
-        await msg.respond(encode(output))
+        steps.put(msg)
 
     async def announce(_msg=None) -> None:
         await nc.publish(subjects.announce, encode(info))
 
+    answering = asyncio.create_task(steps.run())
     await nc.subscribe(subjects.step(worker_id), cb=handle_step)
     await nc.subscribe(subjects.scheduler_hello, cb=announce)
     await nc.flush()
@@ -134,6 +109,8 @@ async def serve(
     deadline = time.monotonic() + drain_timeout_s
     while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
         await asyncio.sleep(0.1)
+    answering.cancel()
+    await asyncio.gather(answering, return_exceptions=True)
     await close(nc)
     executor.close()
     shutdown_tracing()
