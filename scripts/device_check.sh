@@ -18,17 +18,23 @@
 #      and a Mixtral-shaped MoE layer on the fused kernels against the per-expert loop
 # (python -m llmbus.bench.kernels, Triton paged attention at real sizes, was measured on an
 # H200 on 2026-11-30, docs/kernels.md; run it by hand when the attention kernel changes.)
+#   3. `bash scripts/device_check.sh served`, a second call right after the first (the
+#      machine stays warm 30 s; the two do not fit one call's 10 minutes):
+#      scripts/served_check.py, `llmbus serve` on the GPU — served W0 ITL with the worker
+#      overlapping steps and without, offline's in the same run, served greedy = offline
+#      (needs the services' wheels too, docs/kernels.md; about 2 minutes)
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
 # $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
-# docs/gpu/latest.json).
+# docs/gpu/latest.json), served.json (its figures go into latest.json too).
 set -u
+MODE=${1:-all}
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 LOG=$OUT/device_check.log
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site
+        && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # (bin: nats-server)
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
@@ -49,14 +55,23 @@ step() {  # step NAME SECONDS COMMAND...
     # What the engine imports beyond torch: a missing one is named here, not found by each step.
     python3 -c "
 import importlib
-for name in ('triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokenizers', 'safetensors', 'numpy', 'tqdm', 'xgrammar'):
+names = ['triton', 'transformers', 'msgspec', 'opentelemetry.trace', 'tokenizers', 'safetensors', 'numpy', 'tqdm', 'xgrammar']
+if '$MODE' == 'served':
+    names += ['nats', 'fastapi', 'uvicorn', 'cryptography', 'httpx', 'prometheus_client', 'psutil']
+for name in names:
     try:
         importlib.import_module(name)
     except ImportError as exc:
         print('MISSING', name, exc)
 "
+    [ "$MODE" = served ] && { command -v nats-server || echo "MISSING nats-server"; }
 } >>"$LOG" 2>&1
 
+if [ "$MODE" = served ]; then
+    step served 170 python3 scripts/served_check.py --assets .gpu_assets/smollm2 --out "$OUT"
+    grep -E "^== |^\{" "$LOG" | tail -n 20
+    exit 0
+fi
 if ! step elementwise 45 python3 scripts/elementwise_check.py --out "$OUT"; then
     echo "== elementwise kernels failed: the rest runs with LLMBUS_TRITON_ELEMENTWISE=0" | tee -a "$LOG"
     export LLMBUS_TRITON_ELEMENTWISE=0

@@ -64,8 +64,9 @@ def test_elementwise_check_compares_and_times_every_shape(tmp_path):
 def test_device_check_calls_only_scripts_that_exist():
     text = (ROOT / "scripts/device_check.sh").read_text()
     assert subprocess.run(["bash", "-n", "scripts/device_check.sh"], cwd=ROOT).returncode == 0
-    steps = [line.removeprefix("if ! ").removesuffix("; then") for line in text.splitlines()]
+    steps = [line.strip().removeprefix("if ! ").removesuffix("; then") for line in text.splitlines()]
     assert any(line.startswith("step elementwise ") for line in steps)
+    assert any(line.startswith("step served ") for line in steps)
     for line in steps:
         if line.startswith("step "):
             target = line.split()[4]  # step NAME SECONDS python3 TARGET ...
@@ -74,3 +75,17 @@ def test_device_check_calls_only_scripts_that_exist():
                 assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), line
             else:
                 assert (ROOT / target).is_file(), line
+
+
+def test_served_check_compares_llmbus_serve_with_offline_in_both_modes(tiny_llama, tmp_path):
+    """`llmbus serve` twice (the worker overlapping steps, and not), W0 through
+    `llmbus bench serve`, offline W0 and greedy tokens against offline's."""
+    result = subprocess.run([sys.executable, "scripts/served_check.py", "--cpu", "--assets", str(tiny_llama),
+                             "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads((tmp_path / "served.json").read_text())
+    assert report["served_greedy_equals_offline"] is True
+    for key in ("served_w0_itl_ms_smollm2_bf16", "served_w0_itl_ms_no_overlap", "offline_w0_itl_ms_smollm2_bf16"):
+        assert report[key] > 0, key
+    assert report["served_minus_offline_itl_ms"] == round(
+        report["served_w0_itl_ms_smollm2_bf16"] - report["offline_w0_itl_ms_smollm2_bf16"], 3)
