@@ -46,6 +46,14 @@ class _Unanswered:
         return self.launched is None or self.launched.done
 
 
+def _wait_quietly(launched: Launched) -> None:
+    """Until its tokens are on the host; a failure is for `finish()` to report, in order."""
+    try:
+        launched.wait()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 class ServedSteps:
     """Step requests in, answers out; `put` each message as it arrives, `run` answers."""
 
@@ -82,7 +90,7 @@ class ServedSteps:
             return await self._queue.get()
         loop = asyncio.get_running_loop()
         get = asyncio.ensure_future(self._queue.get())
-        ready = loop.run_in_executor(self._ready_waiter, newest.launched.wait)
+        ready = loop.run_in_executor(self._ready_waiter, _wait_quietly, newest.launched)
         await asyncio.wait((get, ready), return_when=asyncio.FIRST_COMPLETED)
         if get.done():
             return get.result()  # (ready or not: launching the next one first is never worse)
