@@ -167,3 +167,24 @@ def test_llmbus_serve_launches_each_step_before_answering_the_one_before(tiny_ll
     # (About half of them on this CPU, where every step is ready as soon as it is launched;
     # finished one at a time, none.)
     assert behind >= 3, f"{behind} of {len(steps)} steps launched behind an unanswered one"
+
+
+@pytest.mark.parametrize("values", [[1, 2, -3], [0.5, 1e-3, 2.0], [True, False], [], [[1, 2], [3, 4]], [2**40, 1]])
+@pytest.mark.parametrize("dtype", [None, "float32", "float64", "int64", "int32", "bool", "bfloat16"])
+def test_host_lists_become_the_tensors_torch_tensor_makes(values, dtype):
+    """host_values.from_list (numpy, faster) gives torch.tensor's dtype and values."""
+    import torch
+
+    from services.worker.host_values import from_list
+
+    dtype = getattr(torch, dtype) if dtype else None
+    if dtype == torch.int32 and values == [2**40, 1]:  # out of int32's range: refused either way
+        with pytest.raises((RuntimeError, OverflowError)):
+            torch.tensor(values, dtype=dtype)
+        with pytest.raises((RuntimeError, OverflowError)):
+            from_list(values, dtype)
+        return
+    expected = torch.tensor(values, dtype=dtype)
+    got = from_list(values, dtype)
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert torch.equal(got, expected)
