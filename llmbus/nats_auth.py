@@ -3,11 +3,17 @@ only the subjects its role needs, and the nats-server `authorization` config for
 
 `PERMISSIONS` is the table (docs/security.md renders it; a test keeps the two equal).
 Each row is a role; `{id}` is the instance (a gateway reads only its own outputs, a
-worker takes only its own steps), `{user}` the identity's user name. Replies to a
-request go to the requester's inbox, `_INBOX.<user>.…` (shared.bus.BusAuth): a
-requester may subscribe to its own inbox and nobody else's, and a responder needs no
-publish grant for it — `allow_responses` lets it answer the requests it received, once.
-A blanket `_INBOX.>` would let a gateway read every worker's step answers.
+worker takes only its own steps), `{inbox}` the identity's inbox. Replies to a request go
+to the requester's inbox, `_INBOX.<role>.<instance>.…` (shared.bus.inbox_of): a requester
+may subscribe to its own inbox and nobody else's. `allow_responses` lets a responder
+answer the requests it received, once — but it is state of the server that delivered the
+request: an answer sent as the responder reconnects to another node of a cluster (nats-py
+flushes its buffer there) is refused without a grant of its own, and the request waits
+out its timeout (a lost step, a tokenize retried). So each responder may also publish into
+the inboxes of the role that asks it: a worker into the scheduler's, a tokenizer and the
+scheduler into gateways'. The inboxes' random tokens keep one from answering a request it
+was not sent but by guessing them. A blanket `_INBOX.>` would let a gateway read every
+worker's step answers.
 """
 
 from __future__ import annotations
@@ -17,27 +23,23 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from shared.bus import Subjects
+from shared.bus import Subjects, inbox_of
 
 # role -> (publish, subscribe, answers requests): subjects after `llmbus.<model>.`, or
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
         ("requests", "abort", "tokenize", "scheduler.info"),
-        ("outputs.{id}", "scheduler.heartbeat", "scheduler.stats", "_INBOX.{user}.>"),
+        ("outputs.{id}", "scheduler.heartbeat", "scheduler.stats", "{inbox}.>"),
         False,
     ),
-    "tokenizer": ((), ("tokenize",), True),
+    "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),
     "scheduler": (
-        ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*", "workers.*.step"),
-        ("requests", "abort", "workers.announce", "scheduler.info", "_INBOX.{user}.>"),
+        ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*", "workers.*.step",
+         "_INBOX.gateway.>"),
+        ("requests", "abort", "workers.announce", "scheduler.info", "{inbox}.>"),
         True,
     ),
-    # A worker also publishes into the scheduler's inbox (its step answers): allow_responses
-    # is the state of the server that delivered the request, so an answer sent as the
-    # worker reconnects to another node of a cluster (nats-py flushes it there) is refused
-    # without the grant, and a step lost. The inbox's tokens are random: it cannot answer
-    # a step it was not sent but by guessing them.
     "worker": (("workers.announce", "_INBOX.scheduler.>"), ("workers.{id}.step", "scheduler.hello"), True),
 }
 ROLES = tuple(PERMISSIONS)
@@ -82,7 +84,7 @@ def subjects_of(identity: Identity, subjects: Subjects) -> dict:
     publish, subscribe, responds = PERMISSIONS[identity.role]
 
     def expand(pattern: str) -> str:
-        subject = pattern.format(id=identity.instance, user=identity.user)
+        subject = pattern.format(id=identity.instance, inbox=inbox_of(identity.user))
         return subject if subject.startswith("_INBOX") else f"{subjects.prefix}.{subject}"
 
     return {"publish": [expand(p) for p in publish], "subscribe": [expand(p) for p in subscribe],

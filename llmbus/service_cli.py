@@ -49,7 +49,8 @@ def add_bus_auth_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-tls-cert", default=env("--nats-tls-cert"), help="client certificate, if NATS asks")
     parser.add_argument("--nats-tls-key", default=env("--nats-tls-key"))
     parser.add_argument("--nats-inbox-prefix", default=env("--nats-inbox-prefix"),
-                        help="where request replies come back (default _INBOX.<user>, or _INBOX without one)")
+                        help="where request replies come back (default _INBOX.<role>.<instance> for a user "
+                             "<role>-<instance>, _INBOX.<user> for one without a dash, _INBOX without a user)")
 
 
 def bus_auth(args) -> BusAuth:

@@ -55,12 +55,20 @@ class BusRefused(RuntimeError):
     refused, or the server's TLS certificate failed the check."""
 
 
+def inbox_of(user: str) -> str:
+    """A user's inbox: `_INBOX.<role>.<instance>` for `<role>-<instance>` (llmbus's
+    identities, llmbus/nats_auth.py), `_INBOX.<user>` for a name without a dash. The role
+    is a token of its own so that one grant can name every gateway's inbox
+    (`_INBOX.gateway.>`) and nobody else's: NATS wildcards match whole tokens only."""
+    return "_INBOX." + user.replace("-", ".", 1)
+
+
 @dataclass(frozen=True, slots=True)
 class BusAuth:
     """How a service proves who it is to NATS (a user and password, a token, or a JWT/nkey
     creds file) and how it checks the server (TLS with a CA, and a client certificate if
     the server asks for one). `inbox_prefix` is where its requests' replies come back:
-    `_INBOX.<user>` for a user, so a permission can grant it that and no one else's."""
+    `inbox_of(user)` for a user, so a permission can grant it that and no one else's."""
 
     user: str | None = None
     password: str | None = None
@@ -73,7 +81,7 @@ class BusAuth:
 
     @property
     def inbox_prefix(self) -> str:
-        return self.inbox or (f"_INBOX.{self.user}" if self.user else "_INBOX")
+        return self.inbox or (inbox_of(self.user) if self.user else "_INBOX")
 
     def connect_options(self) -> dict:
         options: dict = {"inbox_prefix": self.inbox_prefix}
