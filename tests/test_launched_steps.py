@@ -122,7 +122,7 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
 
     worker = Path(__file__).resolve().parents[1] / "services" / "worker"
     step_path = ["model_runner.py", "sampler.py", "launched_step.py", "step_inputs.py", "structured_output.py",
-                 "spec_decode.py", "random_draws.py"]
+                 "spec_decode.py", "random_draws.py", "penalty_counts.py"]
     waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)")
     found = [f"{name}:{n}: {line.strip()}" for name in step_path
              for n, line in enumerate((worker / name).read_text().splitlines(), 1) if waiting.search(line)]

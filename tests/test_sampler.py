@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 
 from services.worker.request_state import RequestState
+from services.worker.penalty_counts import PenaltyCounts
 from services.worker.sampler import Sampler, apply_penalties
 from shared.messages import Logprobs
 from shared.sampling_params import SamplingParams
@@ -279,28 +280,28 @@ def test_min_p_only_picks_tokens_above_min_p_times_the_top_probability():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
     logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 0.5, 3.0])
     # Seen: 0 and 1 in the prompt, 4 in the output; 2, 3 and 5 are unseen.
-    apply_penalties(logits.unsqueeze(0), [state(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0)])
+    apply_penalties(logits.unsqueeze(0), [state(prompt=[0, 1], output=[4, 4], repetition_penalty=2.0)], PenaltyCounts())
     assert logits.tolist() == [1.0, -4.0, 1.0, -1.0, 0.25, 3.0]
 
 
 def test_presence_and_frequency_penalties_apply_to_output_tokens_only():
     logits = torch.zeros(5)
     st = state(prompt=[0, 1], output=[2, 2, 3], presence_penalty=1.0, frequency_penalty=0.5)
-    apply_penalties(logits.unsqueeze(0), [st])
+    apply_penalties(logits.unsqueeze(0), [st], PenaltyCounts())
     # token 2: 2 * 0.5 + 1.0; token 3: 1 * 0.5 + 1.0; prompt tokens 0 and 1 untouched.
     assert logits.tolist() == [0.0, 0.0, -2.0, -1.5, 0.0]
 
 
 def test_negative_presence_penalty_raises_output_tokens():
     logits = torch.zeros(3)
-    apply_penalties(logits.unsqueeze(0), [state(prompt=[0], output=[1], presence_penalty=-0.5)])
+    apply_penalties(logits.unsqueeze(0), [state(prompt=[0], output=[1], presence_penalty=-0.5)], PenaltyCounts())
     assert logits.tolist() == [0.0, 0.5, 0.0]
 
 
 def test_penalties_ignore_token_ids_outside_the_logits():
     logits = torch.zeros(3)
     st = state(prompt=[7], output=[1, 9], repetition_penalty=2.0, frequency_penalty=1.0)
-    apply_penalties(logits.unsqueeze(0), [st])
+    apply_penalties(logits.unsqueeze(0), [st], PenaltyCounts())
     assert logits.tolist() == [0.0, -1.0, 0.0]
 
 
@@ -479,6 +480,25 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
         llm.generate(prompts, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
 
 
+def test_repetition_penalty_matches_transformers_across_steps_beside_unpenalized_requests(tiny_llama):
+    """The counts the sampler keeps between steps (penalty_counts.py) against transformers'
+    repetition_penalty over prompt and output, in a batch where only some rows are
+    penalized, and again once the first requests' rows are free for new ones."""
+    from llmbus import LLM, SamplingParams
+    from tiny_models import hf_greedy, random_prompts
+
+    prompts = random_prompts([3, 9, 4, 17], seed=3)
+    penalized = hf_greedy(tiny_llama, prompts, 24, repetition_penalty=1.8)
+    plain = hf_greedy(tiny_llama, prompts, 24)
+    assert penalized != plain  # the penalty changes what greedy picks here
+    llm = LLM(str(tiny_llama))
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8 if i % 2 else 1.0)
+              for i in range(len(prompts))]
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == [penalized[i] if i % 2 else plain[i] for i in range(len(prompts))]
+
+
 # ---- the batched logits processing against a row-by-row reference -------------------------
 
 
@@ -544,3 +564,60 @@ def test_logprobs_in_one_copy_are_the_ones_read_row_by_row(wanted, seed):
         assert got.token_ids == [int(row.argmax())] + top.indices.tolist()
         assert got.logprobs == [float(lp.max())] + top.values.tolist()
         assert got.sampled_rank == int((lp > lp.max()).sum()) + 1
+
+
+# ---- penalties' token counts kept between steps (penalty_counts.py) ------------------------
+
+
+def reference_counts(token_ids, num_prompt, vocab):
+    """What the counts must be, from the whole token list (ids past the logits dropped)."""
+    output = torch.zeros(vocab, dtype=torch.int32)
+    seen = torch.zeros(vocab, dtype=torch.int32)
+    for i, t in enumerate(token_ids):
+        if t < vocab:
+            seen[t] = 1
+            output[t] += i >= num_prompt
+    return output, seen
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_counts_kept_between_steps_equal_counts_from_the_whole_history(data):
+    """Steps append tokens (some past the vocabulary), requests come and go (rows reused,
+    the tables grown), rows are drafts of a request: every step's rows equal a count of
+    each row's whole history."""
+    from services.worker.spec_decode import DraftPosition
+
+    vocab = 12
+    tokens = st.integers(0, vocab + 3)
+    counts = PenaltyCounts()
+    live = []
+    for step in range(data.draw(st.integers(1, 6))):
+        for _ in range(data.draw(st.integers(0, 4))):  # new requests
+            prompt = data.draw(st.lists(tokens, min_size=1, max_size=6))
+            live.append(state(prompt=prompt, output=data.draw(st.lists(tokens, max_size=3)),
+                              req_id=f"r{step}-{len(live)}", repetition_penalty=1.5))
+        for s in list(live):
+            if data.draw(st.booleans()) and len(live) > 1:  # dropped: its row goes back
+                counts.free(s)
+                live.remove(s)
+            else:
+                s.token_ids += data.draw(st.lists(tokens, max_size=3))
+        if not live:
+            continue
+        # A request verifying drafts has a row per position: itself, then with each draft.
+        rows = [row for s in live for row in ([s, DraftPosition(s, data.draw(st.lists(tokens, min_size=1, max_size=2)))]
+                                              if data.draw(st.booleans()) else [s])]
+        output, seen = counts.rows(rows, vocab, torch.device("cpu"))
+        for i, row in enumerate(rows):
+            base = getattr(row, "state", row)
+            want_output, want_seen = reference_counts(row.token_ids, base.num_prompt_tokens, vocab)
+            assert torch.equal(output[i], want_output) and torch.equal(seen[i], want_seen)
+
+
+def test_a_request_counted_by_another_sampler_is_counted_afresh():
+    st_ = state(prompt=[1, 2], output=[3], repetition_penalty=2.0)
+    first, second = PenaltyCounts(), PenaltyCounts()
+    first.rows([st_], 8, torch.device("cpu"))
+    output, seen = second.rows([st_], 8, torch.device("cpu"))
+    assert output[0].tolist() == [0, 0, 0, 1, 0, 0, 0, 0] and seen[0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]

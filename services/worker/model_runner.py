@@ -168,6 +168,7 @@ class ModelRunner:
             state = self.requests.pop(req_id, None)
             if state is not None:
                 self.block_table.free(state.block_row)
+                self.sampler.penalty_counts.free(state)
 
     # ---- one step -------------------------------------------------------------------
 
@@ -362,8 +363,7 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
-            self.requests.clear()
-            self.block_table.clear()
+            self.drop_requests(list(self.requests))
         self.drop_requests(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs

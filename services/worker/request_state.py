@@ -27,6 +27,10 @@ class RequestState:
     # (device tensor of a step's sampled ids, index) pair, is what the next step reads.
     num_pending: int = 0
     pending_token: tuple | None = None
+    # Penalized: its (table, row) of the sampler's token counts (penalty_counts.py), and
+    # how many of token_ids are counted there.
+    penalty_row: tuple | None = None
+    num_counted: int = 0
 
     @property
     def num_output_tokens(self) -> int:

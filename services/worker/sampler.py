@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from services.worker.host_values import to_device
+from services.worker.penalty_counts import PenaltyCounts
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 from services.worker.request_state import RequestState
 from shared.messages import Logprobs
@@ -24,41 +25,26 @@ from shared.messages import Logprobs
 _MASK = float("-inf")
 
 
-def _padded(lists: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
-    """Token lists as one int64 [rows, longest] tensor, short rows padded with `fill`."""
-    out = np.full((len(lists), max(map(len, lists), default=0)), fill, dtype=np.int64)
-    for i, tokens in enumerate(lists):
-        out[i, : len(tokens)] = tokens
-    return torch.from_numpy(out)
-
-
-def apply_penalties(logits: torch.Tensor, states: Sequence[RequestState]) -> None:
+def apply_penalties(logits: torch.Tensor, states: Sequence[RequestState], counts: PenaltyCounts) -> None:
     """In place on rows [num_rows, vocab_size], one state a row: repetition over prompt +
-    output (as transformers), presence and frequency over the output (as OpenAI). Batched:
-    a few ops for all rows instead of several per row (each a kernel launch on a GPU);
-    a row whose penalty is off gets the identity (x / 1, x - 0 * count)."""
+    output (as transformers), presence and frequency over the output (as OpenAI), from the
+    token counts `counts` keeps on the device (penalty_counts.py). Batched: a few ops for
+    all rows instead of several per row (each a kernel launch on a GPU); a row whose
+    penalty is off gets the identity (x / 1, x - 0 * count)."""
     params = [s.sampling_params for s in states]
-    vocab_size = logits.shape[-1]
     device, dtype = logits.device, logits.dtype
 
     def per_row(values) -> torch.Tensor:
         return to_device(values, device, dtype).unsqueeze(-1)
 
-    def scattered(token_lists, src_dtype) -> torch.Tensor:
-        # Ids outside the logits (a tokenizer's extras) go to one spare column, cut off.
-        ids = to_device(_padded(token_lists, vocab_size).clamp_(max=vocab_size), device)
-        ones = torch.ones(ids.shape, dtype=src_dtype, device=device)
-        target = torch.zeros(len(token_lists), vocab_size + 1, dtype=src_dtype, device=device)
-        return target.scatter_add_(1, ids, ones)[:, :vocab_size]
-
+    output_counts, seen = counts.rows(states, logits.shape[-1], device)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = scattered([s.token_ids for s in states], torch.int32) > 0
         penalty = per_row([p.repetition_penalty for p in params])
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
+        logits.copy_(torch.where(seen > 0, torch.where(logits > 0, logits / penalty, logits * penalty), logits))
     if any(p.presence_penalty or p.frequency_penalty for p in params):
-        counts = scattered([s.output_token_ids for s in states], dtype)
-        logits -= per_row([p.frequency_penalty for p in params]) * counts
-        logits -= per_row([p.presence_penalty for p in params]) * (counts > 0).to(dtype)
+        output_counts = output_counts.to(dtype)
+        logits -= per_row([p.frequency_penalty for p in params]) * output_counts
+        logits -= per_row([p.presence_penalty for p in params]) * (output_counts > 0).to(dtype)
 
 
 def apply_top_k_top_p(
@@ -126,6 +112,9 @@ class Samples:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self.penalty_counts = PenaltyCounts()  # penalized requests' token counts, kept between steps
+
     def __call__(
         self,
         logits: torch.Tensor,  # [num_rows, vocab_size] float32
@@ -168,11 +157,11 @@ class Sampler:
         logits = logits.clone()
         device = logits.device
         if len(penalized) == len(states):
-            apply_penalties(logits, states)
+            apply_penalties(logits, states, self.penalty_counts)
         elif penalized:
             index = to_device(penalized, device)
             rows = logits[index]
-            apply_penalties(rows, [states[i] for i in penalized])
+            apply_penalties(rows, [states[i] for i in penalized], self.penalty_counts)
             logits.index_copy_(0, index, rows)
         if bias_rows:
             logits.index_put_((to_device(bias_rows, device), to_device(bias_ids, device)),
