@@ -123,6 +123,19 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
 
     run_case(rows, {"model": name, "case": "speculative", "dtype": "float32"}, speculative)
 
+    def penalized() -> dict:
+        # Penalty counts on the device (penalty_counts.py), the latest token read where it
+        # was sampled while steps overlap: greedy with transformers' repetition_penalty.
+        from llmbus import SamplingParams
+
+        llm = LLM(str(folder))
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
+        out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        return {"identical": out == hf_greedy(folder, PROMPTS, MAX_NEW, device=device, repetition_penalty=1.8),
+                "overlapped": llm.runner.overlap_steps}
+
+    run_case(rows, {"model": name, "case": "penalized", "dtype": "float32"}, penalized)
+
     def prefix_hits() -> dict:
         # The first request fills the cache, the rest find its full blocks.
         prefix = random_prompts([48], seed=7)[0]

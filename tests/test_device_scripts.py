@@ -36,7 +36,7 @@ def test_gpu_check_passes_every_check_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     assert [r for r in rows if r.get("identical") is False or "error" in r] == []
-    assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager"}
+    assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager", "penalized"}
 
 
 def test_host_step_times_writes_each_batch_phases(smollm2, tmp_path):

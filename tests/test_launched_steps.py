@@ -68,6 +68,18 @@ def test_greedy_from_tokens_on_the_device_equals_transformers(tiny_llama, overla
     assert not llm.runner._launched and all(s.num_pending == 0 for s in llm.runner.requests.values())
 
 
+def test_penalized_requests_overlap_counting_their_latest_token_on_the_device(tiny_llama, overlaps):
+    """Penalties count a request's tokens on the device (penalty_counts.py), the latest one
+    where it was sampled: penalized requests overlap steps too, and greedy with a
+    repetition penalty still equals transformers'."""
+    llm = overlapping(tiny_llama)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == hf_greedy(tiny_llama, PROMPTS, MAX_NEW, repetition_penalty=1.8)
+    assert got != hf_greedy(tiny_llama, PROMPTS, MAX_NEW)  # the penalty changed something
+    assert overlaps["launched_behind"] >= MAX_NEW - 2 and overlaps["device_reads"] >= len(PROMPTS) * (MAX_NEW - 2)
+
+
 def test_every_kind_of_request_as_when_each_step_finishes_at_once(tiny_llama, overlaps):
     """Seeded sampling with logprobs and min_tokens counts the tokens still on the device
     (its draw positions, its bans); beside a request with penalties and a constrained one,

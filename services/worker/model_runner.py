@@ -191,10 +191,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step's forward and sampling; its tokens reach the host at `finish()`.
-        A step that reads tokens the device still holds (penalties, grammars and drafts
-        read a request's history on the host) first finishes the steps launched before
-        it; so does one with a request whose grammar is live, or that verifies drafts,
-        whose acceptance runs on the host at once."""
+        A step that reads tokens the device still holds on the host (grammars and drafts
+        read a request's history there) first finishes the steps launched before it
+        (launched_step.reads_device_tokens_only); so does one with a request whose grammar
+        is live, or that verifies drafts, whose acceptance runs on the host at once."""
         t_start = time.time_ns()
         behind = len(self._launched)  # steps launched whose tokens are not on the host yet
         self._update_states(scheduler_output)

@@ -9,10 +9,12 @@ tables ([rows, vocab + 1]: output counts, and seen as 0/1) that the tokens added
 its last step are scattered into — one op for all rows, O(new tokens) — and a step's
 rows are one gather. (vLLM keeps such counts in its persistent batch too.)
 
-Tokens the request has are always on the host by then: a penalized request's step first
-lands the steps launched before it (launched_step.reads_device_tokens_only). A row is the
-request's while the runner holds it (`free` on drop); ids past the logits (a tokenizer's
-extras) count in a spare last column that is cut off.
+A request's latest token may still be on the device, sampled by the step launched before
+this one (launched_step.py): it is counted from there, read on the device, so penalized
+requests overlap steps like any other (`num_counted` then runs one ahead of `token_ids`
+until the token lands). A row is the request's while the runner holds it (`free` on
+drop); ids past the logits (a tokenizer's extras) count in a spare last column that is
+cut off.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class PenaltyCounts:
         bases = [getattr(s, "state", s) for s in states]
         self._ensure(vocab_size, device, bases)
         fresh, rows, tokens, is_output = [], [], [], []
+        on_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source: (ids, rows, places)
         for base in {id(b): b for b in bases}.values():
             row = self._row(base)
             if row is None:
@@ -59,6 +62,16 @@ class PenaltyCounts:
                 tokens += new
                 is_output += [base.num_counted + i >= base.num_prompt_tokens for i in range(len(new))]
                 base.num_counted += len(new)
+            known = len(base.token_ids)
+            if base.num_pending and base.num_counted < known + base.num_pending:
+                # Only the latest pending token is addressable on the device.
+                if base.num_counted != known + base.num_pending - 1:
+                    raise RuntimeError(f"{base.num_pending} tokens of {base.req_id} are on the device, uncounted")
+                source, place = base.pending_token
+                entry = on_device.setdefault(id(source), (source, [], []))
+                entry[1].append(row)
+                entry[2].append(place)
+                base.num_counted += 1
         output, seen = self._output, self._seen
         if fresh:
             index = to_device(fresh, device)
@@ -70,6 +83,11 @@ class PenaltyCounts:
             seen.index_put_((rows_t, tokens_t), torch.ones((), dtype=seen.dtype, device=device))
             out_mask = to_device(is_output, device)
             output.index_put_((rows_t, tokens_t), out_mask.to(output.dtype), accumulate=True)
+        for source, d_rows, places in on_device.values():  # sampled tokens: always output
+            rows_t = to_device(d_rows, device)
+            tokens_t = source[to_device(places, source.device)].clamp(max=vocab_size)  # (sampled on this device)
+            seen.index_put_((rows_t, tokens_t), torch.ones((), dtype=seen.dtype, device=device))
+            output.index_put_((rows_t, tokens_t), torch.ones((), dtype=output.dtype, device=device), accumulate=True)
         index = to_device([b.penalty_row[1] for b in bases], device)
         out_counts, seen_rows = output[index], seen[index]  # gathers: copies, the drafts may go in
         drafted = [(i, s.drafts) for i, s in enumerate(states) if getattr(s, "drafts", None)]
