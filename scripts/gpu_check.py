@@ -162,20 +162,22 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
     """Steps overlapped on the GPU (the default there) must not wait for the device but
     where they mean to (the sampled ids' copy back, by its event): any other wait, such as
     a synchronous host-to-device copy, runs each step after the one before it is done.
-    Under torch's sync debug mode, greedy, seeded, top-k/top-p with logprobs and min_tokens
-    requests decode side by side; every synchronizing call is reported where it is made."""
+    Under torch's sync debug mode, greedy, seeded, top-k/top-p with logprobs, min_tokens
+    and penalized requests decode side by side; every synchronizing call is reported where
+    it is made."""
     from llmbus import LLM, SamplingParams
 
     def host_syncs() -> dict:
         import warnings
 
         llm = LLM(str(folder))
-        prompts = random_prompts([5, 9, 17, 3], seed=3)
+        prompts = random_prompts([5, 9, 17, 3, 7], seed=3)
         params = [
             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
             SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
             SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, max_tokens=16, ignore_eos=True),
             SamplingParams(temperature=0, min_tokens=4, max_tokens=16),
+            SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=16, ignore_eos=True),
         ]
         llm.generate(prompts, params, use_tqdm=False)  # Triton compiled, pinned blocks cached
         if device != "cuda":
