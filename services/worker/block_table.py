@@ -50,9 +50,6 @@ class BlockTable:
     def free(self, row: int) -> None:
         self._free_rows.append(row)
 
-    def clear(self) -> None:
-        self._free_rows = list(range(len(self.table) - 1, -1, -1))
-
     def block_ids(self, row: int) -> list[int]:
         return self.table[row, : self.num_blocks[row]].tolist()
 

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.host_values import to_device
 from services.worker.request_state import RequestState
-from services.worker.sampler import Samples
 from shared.messages import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:  # (the sampler's penalty counts read device tokens through this module)
+    from services.worker.sampler import Samples
 
 
 @dataclass(slots=True, eq=False)
@@ -77,13 +80,20 @@ def reads_device_tokens_only(requests: dict[str, RequestState], so: SchedulerOut
     return True
 
 
-def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tuple]]) -> None:
-    """Fill the input ids of tokens still on the device from the steps that sampled
-    them: one gather per such step."""
+def gather_device_tokens(places: list[tuple[int, tuple]]) -> list[tuple[list[int], torch.Tensor]]:
+    """Tokens still on the device, each given as (key, its `pending_token` place: the
+    sampling step's ids tensor and a row): one gather per such step ->
+    [(keys, their tokens on that step's device)]."""
     by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-    for flat, (source, row) in from_device:
+    for key, (source, row) in places:
         entry = by_source.setdefault(id(source), (source, [], []))
-        entry[1].append(flat)
+        entry[1].append(key)
         entry[2].append(row)
-    for source, flats, rows in by_source.values():
-        input_ids[to_device(flats, input_ids.device)] = source[to_device(rows, source.device)].to(input_ids.device)
+    return [(keys, source[to_device(rows, source.device)]) for source, keys, rows in by_source.values()]
+
+
+def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tuple]]) -> None:
+    """Fill the input ids of tokens still on the device (flat index, place) from the
+    steps that sampled them."""
+    for flats, tokens in gather_device_tokens(from_device):
+        input_ids[to_device(flats, input_ids.device)] = tokens.to(input_ids.device)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from services.worker.host_values import to_device
+from services.worker.launched_step import gather_device_tokens
 from services.worker.request_state import RequestState
 
 
@@ -47,10 +48,11 @@ class PenaltyCounts:
         """(output counts, seen) [len(states), vocab_size] for these rows: RequestStates, or
         spec_decode.DraftPositions (a request's tokens plus the drafts before a position)."""
         bases = [getattr(s, "state", s) for s in states]
-        self._ensure(vocab_size, device, bases)
+        unique = list({id(b): b for b in bases}.values())  # (a request verifying drafts has several rows)
+        self._ensure(vocab_size, device, unique)
         fresh, rows, tokens, is_output = [], [], [], []
-        on_device: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source: (ids, rows, places)
-        for base in {id(b): b for b in bases}.values():
+        on_device = []  # (row, place) of each latest token still on the device
+        for base in unique:
             row = self._row(base)
             if row is None:
                 row = self._free.pop()
@@ -67,12 +69,10 @@ class PenaltyCounts:
                 # Only the latest pending token is addressable on the device.
                 if base.num_counted != known + base.num_pending - 1:
                     raise RuntimeError(f"{base.num_pending} tokens of {base.req_id} are on the device, uncounted")
-                source, place = base.pending_token
-                entry = on_device.setdefault(id(source), (source, [], []))
-                entry[1].append(row)
-                entry[2].append(place)
+                on_device.append((row, base.pending_token))
                 base.num_counted += 1
         output, seen = self._output, self._seen
+        one = torch.ones((), dtype=output.dtype, device=device)  # (both tables are int32)
         if fresh:
             index = to_device(fresh, device)
             output.index_fill_(0, index, 0)
@@ -80,28 +80,26 @@ class PenaltyCounts:
         if rows:
             rows_t = to_device(rows, device)
             tokens_t = to_device(np.minimum(np.asarray(tokens, dtype=np.int64), vocab_size), device)
-            seen.index_put_((rows_t, tokens_t), torch.ones((), dtype=seen.dtype, device=device))
-            out_mask = to_device(is_output, device)
-            output.index_put_((rows_t, tokens_t), out_mask.to(output.dtype), accumulate=True)
-        for source, d_rows, places in on_device.values():  # sampled tokens: always output
-            rows_t = to_device(d_rows, device)
-            tokens_t = source[to_device(places, source.device)].clamp(max=vocab_size)  # (sampled on this device)
-            seen.index_put_((rows_t, tokens_t), torch.ones((), dtype=seen.dtype, device=device))
-            output.index_put_((rows_t, tokens_t), torch.ones((), dtype=output.dtype, device=device), accumulate=True)
+            seen.index_put_((rows_t, tokens_t), one)
+            output.index_put_((rows_t, tokens_t), to_device(is_output, device, output.dtype), accumulate=True)
+        for d_rows, sampled in gather_device_tokens(on_device):  # sampled tokens: always output
+            rows_t, tokens_t = to_device(d_rows, device), sampled.clamp(max=vocab_size)  # (sampled on this device)
+            seen.index_put_((rows_t, tokens_t), one)
+            output.index_put_((rows_t, tokens_t), one, accumulate=True)
         index = to_device([b.penalty_row[1] for b in bases], device)
         out_counts, seen_rows = output[index], seen[index]  # gathers: copies, the drafts may go in
         drafted = [(i, s.drafts) for i, s in enumerate(states) if getattr(s, "drafts", None)]
         if drafted:
             d_rows = to_device([i for i, d in drafted for _ in d], device)
             d_tokens = to_device(np.minimum([t for _, d in drafted for t in d], vocab_size).astype(np.int64), device)
-            out_counts.index_put_((d_rows, d_tokens), torch.ones((), dtype=output.dtype, device=device),
-                                  accumulate=True)
-            seen_rows.index_put_((d_rows, d_tokens), torch.ones((), dtype=seen.dtype, device=device))
+            out_counts.index_put_((d_rows, d_tokens), one, accumulate=True)
+            seen_rows.index_put_((d_rows, d_tokens), one)
         return out_counts[:, :vocab_size], seen_rows[:, :vocab_size]
 
-    def _ensure(self, vocab_size: int, device: torch.device, bases: list) -> None:
-        """Rows for every base without one: the tables grow by doubling (rare)."""
-        needed = sum(1 for b in {id(b): b for b in bases}.values() if self._row(b) is None)
+    def _ensure(self, vocab_size: int, device: torch.device, states: list[RequestState]) -> None:
+        """Rows for every one of these (distinct) states without one: the tables grow by
+        doubling (rare)."""
+        needed = sum(1 for s in states if self._row(s) is None)
         if self._output is not None and (self._output.device != device or self._output.shape[1] != vocab_size + 1):
             raise ValueError("penalty counts kept for another vocabulary or device")
         if needed <= len(self._free):
