@@ -209,7 +209,9 @@ class LLM:
 
     def add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
         """Queue without running (drive the engine with `step()`; `generate` does both).
-        Everything is validated first: on any error nothing is left queued."""
+        Everything is validated first: on any error nothing is left queued. Each step adds
+        to a completion's `token_ids` (and logprobs); its `text` is set when it finishes
+        (it grows with the tokens only for a request with stop strings)."""
         encoded = []
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):
@@ -227,8 +229,12 @@ class LLM:
         try:
             for (text, token_ids), params in zip(encoded, params_list):
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
+                # The text is decoded once a completion is over (as it grows only when stop
+                # strings are looked for): what generate() returns is the same, for a
+                # fraction of the host's work a step.
                 parent = ParentRequest(
                     result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
+                    incremental=False,
                 )
                 for index, request in enumerate(parent.engine_requests):
                     self.scheduler.add_request(request)

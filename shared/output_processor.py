@@ -2,8 +2,9 @@
 
 A client request with `n` choices is `n` engine requests (`<id>-<index>`, each seeded
 `seed + index`, or all n would be one sample). Each choice's tokens are detokenized
-incrementally; stop strings are matched in the text, and a hit finishes the choice here
-while the engine still runs it, so the caller must abort it there. The offline `LLM`
+incrementally (or, for a reader that wants it only at the end, in one decode then); stop
+strings are matched in the text, and a hit finishes the choice here while the engine still
+runs it, so the caller must abort it there. The offline `LLM`
 collects the deltas into `RequestOutput`s; the gateway frames them as JSON or SSE.
 """
 
@@ -56,6 +57,7 @@ class ParentRequest:
         reply_subject: str = "",
         trace_headers: dict[str, str] | None = None,
         first_index: int = 0,  # of its first choice in the response (a batch of prompts)
+        incremental: bool = True,  # False: each choice's text comes whole, with its finish
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -75,7 +77,8 @@ class ParentRequest:
                 trace_headers=trace_headers or {},
             ))
             self._choices[child_id] = _Choice(
-                first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop),
+                first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                                                    incremental),
             )
 
     @property
@@ -104,16 +107,10 @@ class ParentRequest:
         if finish_reason is not None:
             choice.finished = True
             detok.flush()
+        # Positional, and the output's lists themselves (each output is read once, here):
+        # this runs for every token of every request, and keywords cost it 3x.
         return ChoiceDelta(
-            request_id=output.request_id,
-            index=choice.index,
-            text=detok.get_delta(finished=choice.finished),
-            token_ids=list(output.new_token_ids),
-            logprobs=list(output.new_logprobs),
-            finish_reason=finish_reason,
-            stop_reason=detok.stop_string or stop_reason,
-            error=output.error,
-            num_cached_tokens=output.num_cached_tokens,
-            queue_time_s=output.queue_time_s,
-            needs_abort=needs_abort,
+            output.request_id, choice.index, detok.get_delta(choice.finished), output.new_token_ids,
+            output.new_logprobs, finish_reason, detok.stop_string or stop_reason, output.error,
+            output.num_cached_tokens, output.queue_time_s, needs_abort,
         )

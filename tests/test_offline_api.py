@@ -22,6 +22,26 @@ def test_generate_from_text_returns_text_and_token_ids(llm):
     assert completion.text == llm.tokenizer.decode(completion.token_ids)
 
 
+def test_step_adds_tokens_as_they_come_and_the_text_with_the_finish(llm):
+    """The text is decoded once a completion is over; only a request with stop strings,
+    which must be looked for in it, has its text grow step by step."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [reference] = llm.generate("naïve café", params)
+    stop = next(c for c in "~^`|@#" if c not in reference.outputs[0].text)  # (one character: none held back)
+    plain, stopped = llm.add_requests(["naïve café"] * 2, [params, SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])])
+    partial = []
+    while not stopped.finished:
+        llm.step()
+        if not plain.finished and plain.outputs[0].token_ids:
+            partial.append((plain.outputs[0].text, stopped.outputs[0].text))
+    assert len(partial) > 2
+    assert all(text == "" for text, _ in partial) and partial[-1][1]
+    for out in (plain, stopped):
+        assert out.finished and out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert out.outputs[0].text == reference.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
 def test_generate_works_from_code_that_already_runs_an_event_loop(llm):
     """As in a notebook: the engine's own loop then runs on a helper thread."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

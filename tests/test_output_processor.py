@@ -17,9 +17,9 @@ def tokenizer(tiny_llama):
     return Tokenizer(tiny_llama)
 
 
-def parent(tokenizer, **params) -> ParentRequest:
+def parent(tokenizer, incremental: bool = True, **params) -> ParentRequest:
     return ParentRequest("cmpl-1", [1, 2, 3], SamplingParams(**params), tokenizer.backend, eos_token_id=0,
-                         reply_subject="out.g1", trace_headers={"traceparent": "x"})
+                         reply_subject="out.g1", trace_headers={"traceparent": "x"}, incremental=incremental)
 
 
 def test_n_choices_are_n_engine_requests_seeded_apart(tokenizer):
@@ -48,9 +48,23 @@ def test_text_grows_with_the_tokens_and_ends_with_the_finish(tokenizer):
     assert not any(d.needs_abort for d in deltas)
 
 
-def test_a_stop_string_ends_the_choice_here_and_asks_for_the_abort(tokenizer):
+def test_a_reader_of_whole_texts_gets_each_with_its_finish(tokenizer):
+    """Not incremental (offline, or a response sent whole): every token as it comes, the
+    text once, in the last delta — the same text."""
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
-    p = parent(tokenizer, n=2, stop=["wörld"])
+    p = parent(tokenizer, incremental=False, n=2, seed=1)
+    deltas = [p.apply(EngineCoreOutput("cmpl-1-1", [t])) for t in ids[:-1]]
+    deltas.append(p.apply(EngineCoreOutput("cmpl-1-1", [ids[-1]], FinishReason.LENGTH)))
+    assert [d.text for d in deltas] == [""] * (len(ids) - 1) + [TEXT]
+    assert [t for d in deltas for t in d.token_ids] == ids and {d.index for d in deltas} == {1}
+    assert p.unfinished_ids() == ["cmpl-1-0"]
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_stop_string_ends_the_choice_here_and_asks_for_the_abort(tokenizer, incremental):
+    """Also for a reader of whole texts: stop strings are looked for as the text grows."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    p = parent(tokenizer, incremental, n=2, stop=["wörld"])
     deltas = []
     for t in ids:
         d = p.apply(EngineCoreOutput("cmpl-1-0", [t]))

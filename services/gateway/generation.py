@@ -67,15 +67,17 @@ async def generate(
     usage: Usage,
     idle_timeout_s: float = 300.0,
     trace_headers: dict[str, str] | None = None,
+    incremental: bool = True,
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """One ParentRequest per prompt (a completions batch has several), their choices
-    numbered prompt by prompt."""
+    numbered prompt by prompt. Not `incremental` (a response sent whole): each choice's
+    text comes with its last delta."""
     queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
     now = time.time()
     parents = [
         ParentRequest(
             base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
-            now, client.reply_subject, trace_headers, first_index=p * params.n,
+            now, client.reply_subject, trace_headers, first_index=p * params.n, incremental=incremental,
         )
         for p, token_ids in enumerate(prompts)
     ]
@@ -123,9 +125,10 @@ def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
         if into is None:
             merged[d.index] = d
             continue
+        # New lists: a delta's are its engine output's own (output_processor.py).
         into.text += d.text
-        into.token_ids += d.token_ids
-        into.logprobs += d.logprobs
+        into.token_ids = into.token_ids + d.token_ids
+        into.logprobs = into.logprobs + d.logprobs
         if d.finish_reason is not None:
             into.finish_reason, into.stop_reason = d.finish_reason, d.stop_reason
     return list(merged.values())

@@ -187,6 +187,7 @@ class _Generation:
         self.stream = generate(
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
+            incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
         )
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
         self.echo = [""] * self.num_choices
