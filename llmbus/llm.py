@@ -11,7 +11,9 @@ thread only waits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
+import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import TypeVar
@@ -134,12 +136,29 @@ class LLM:
         results = self.add_requests(prompts, params_list)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            while pending:
-                for done in self.step():
+            self._step_until_done(pending, bar)
+        return results
+
+    def _step_until_done(self, pending: set[str], bar: tqdm) -> None:
+        """Every step in one call on the engine's thread: a hand-over per step costs
+        ~0.1 ms, against the ~1.5 ms of a GPU's whole decode step. A Ctrl-C in the caller
+        stops the steps after the one under way (as it did between `step()` calls)."""
+        stop = threading.Event()
+
+        async def steps() -> None:
+            while pending and not stop.is_set():
+                for done in await self._step():
                     if done in pending:
                         pending.discard(done)
                         bar.update()
-        return results
+
+        running = self.executor.submit(self._loop.run_until_complete, steps())
+        try:
+            running.result()
+        except BaseException:
+            stop.set()
+            concurrent.futures.wait([running])
+            raise
 
     def chat(
         self,

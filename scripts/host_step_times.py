@@ -9,10 +9,11 @@ under the GPU's (~1.5 ms for SmolLM2 at batch 128 on an H200).
 A SmolLM2-shaped config shrunk to 2 layers of 64 (random weights, `load_format="dummy"`,
 SmolLM2's tokenizer and vocabulary), so the forward is cheap but every host path is the
 real one: scheduling, the runner's input building, sampling's bookkeeping, landing,
-detokenizing. Each phase is timed around the engine's own methods; "host" is the step's
-wall time less the forward and the sampler's arithmetic (logits, softmax, argmax),
-which a GPU runs. Prefix caching on, as served by default. Prints one JSON line per
-batch size and run (medians over the steady decode steps).
+detokenizing, with steps overlapped as on a GPU. Each phase is timed around the engine's
+own methods; "host" is the step's wall time less the forward and the sampler's
+arithmetic (logits, softmax, argmax), which a GPU runs. Prefix caching on, as served by
+default. Prints one JSON line per batch size and run (medians over the steady decode
+steps).
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens a request")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--assets", type=Path, help="SmolLM2's config.json and tokenizer files (a GPU machine's .gpu_assets/smollm2)")
+    parser.add_argument("--no-overlap", action="store_true", help="each step landed before the next (a CPU's default)")
     parser.add_argument("--out", type=Path, help="also write the figures there as host_step_times.json")
     args = parser.parse_args()
 
@@ -122,6 +124,9 @@ def main() -> None:
         # asynchronous, so a phase's time would not be its work).
         llm = LLM(str(folder), dtype="float32", load_format="dummy", max_num_seqs=max(args.batch),
                   max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, device="cpu")
+        # Steps overlapped, as on a GPU (a CPU does not by default): each decode's input
+        # token is read where the step before sampled it, the path whose host work counts.
+        llm.runner.overlap_steps = not args.no_overlap
         for run in range(args.runs):
             for batch in args.batch:
                 figures = measure(llm, batch, args.context, salt=run * 1000 + batch)

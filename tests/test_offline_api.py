@@ -1,6 +1,8 @@
 """The offline `LLM` API: text in, text out, and bad input that is refused cleanly."""
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -40,6 +42,31 @@ def test_step_adds_tokens_as_they_come_and_the_text_with_the_finish(llm):
     for out in (plain, stopped):
         assert out.finished and out.outputs[0].token_ids == reference.outputs[0].token_ids
         assert out.outputs[0].text == reference.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_ctrl_c_in_generate_stops_its_steps_and_leaves_the_engine_usable(llm, monkeypatch):
+    """generate() runs all its steps in one call on the engine's thread: a Ctrl-C (SIGINT
+    to the caller, here sent from the engine's thread once a few steps have landed) must
+    stop them there too, not leave that thread generating to the end."""
+    process = llm._process
+    landed = []
+
+    def interrupting(outputs):
+        landed.append(len(outputs))
+        if len(landed) == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+        return process(outputs)
+
+    monkeypatch.setattr(llm, "_process", interrupting)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[4, 5, 6], [7, 8]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    assert llm.executor.call(len, landed) < 10  # (waits for the engine's thread: it stopped)
+    assert llm.scheduler.has_unfinished_requests()
+    monkeypatch.undo()
+    while llm.scheduler.has_unfinished_requests():  # what the interrupted call left, for the tests after
+        llm.step()
+    [after] = llm.generate([4, 5, 6], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(after.outputs[0].token_ids) == 4
 
 
 def test_generate_works_from_code_that_already_runs_an_event_loop(llm):

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from services.worker.model_runner import ModelRunner
@@ -92,7 +92,11 @@ class InProcessExecutor:
     def call(self, fn: Callable[..., T], *args) -> T:
         """Run `fn(*args)` on the runner's thread and wait for it (for torch work beside
         the steps: a benchmark's roofline, say)."""
-        return self._thread.submit(fn, *args).result()
+        return self.submit(fn, *args).result()
+
+    def submit(self, fn: Callable[..., T], *args) -> Future[T]:
+        """`fn(*args)` queued on the runner's thread."""
+        return self._thread.submit(fn, *args)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Await `fn(*args)` on the runner's thread; calls run one at a time, in order."""

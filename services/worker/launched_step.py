@@ -84,6 +84,12 @@ def gather_device_tokens(places: list[tuple[int, tuple]]) -> list[tuple[list[int
     """Tokens still on the device, each given as (key, its `pending_token` place: the
     sampling step's ids tensor and a row): one gather per such step ->
     [(keys, their tokens on that step's device)]."""
+    if not places:
+        return []
+    source = places[0][1][0]
+    if all(place[0] is source for _, place in places):  # one step sampled them all: the usual case
+        rows = [place[1] for _, place in places]
+        return [([key for key, _ in places], source[to_device(rows, source.device)])]
     by_source: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for key, (source, row) in places:
         entry = by_source.setdefault(id(source), (source, [], []))

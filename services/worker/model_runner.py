@@ -265,10 +265,15 @@ class ModelRunner:
                     rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
                     row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
                 rows = torch.tensor(rows)
-            else:  # one row a request
+            elif len(sample_rows) == len(states):  # one row a request, each sampling
+                rows = torch.from_numpy(last_token)
+                row_states, first_row = states, range(len(states))
+            else:
                 rows = torch.from_numpy(last_token[sample_rows])
                 row_states, first_row = [states[i] for i in sample_rows], range(len(sample_rows))
-            logits = self.model.compute_logits(hidden[rows.to(self.device, non_blocking=True)])
+            # A decode step's every token samples, in order: its hidden states as they are.
+            selected = hidden if len(rows) == len(hidden) else hidden[rows.to(self.device, non_blocking=True)]
+            logits = self.model.compute_logits(selected)
             # The grammar at every sampled position, drafts included. A terminated matcher
             # (it took the stop token) belongs to a request the scheduler has ended: this row
             # was in flight, and its token will be dropped there.

@@ -104,17 +104,20 @@ class StepInputs:
         plain_at = np.flatnonzero(plain)
         input_ids[token_at[plain_at]] = [states[i].token_ids[s] for i, s in zip(plain_at.tolist(),
                                                                                req_starts[plain_at].tolist())]
-        for i in np.flatnonzero(~plain).tolist():
+        # Then, with steps overlapped (a GPU's every decode), a decode of the token a
+        # launched step sampled, which only the device holds (launch made sure of it).
+        on_device = (pending > 0) & (req_ends > known)
+        device_at = np.flatnonzero(on_device)
+        if len(device_at):
+            flat = token_at[device_at]
+            input_ids[flat] = 0
+            from_device = list(zip(flat.tolist(), [states[i].pending_token for i in device_at.tolist()]))
+        for i in np.flatnonzero(~(plain | on_device)).tolist():
             state, start, end = states[i], int(req_starts[i]), int(req_ends[i])
             d = drafts.get(state.req_id)
-            if state.num_pending and end > len(state.token_ids):
-                # A decode of the token a launched step sampled (launch made sure of it).
-                from_device.append((int(token_at[i]), state.pending_token))
-                input_ids[token_at[i]] = 0
-            else:
-                input_ids[token_at[i] : token_at[i + 1]] = (
-                    state.token_ids[start:end] if d is None else state.token_ids[start:] + d
-                )
+            input_ids[token_at[i] : token_at[i + 1]] = (
+                state.token_ids[start:end] if d is None else state.token_ids[start:] + d
+            )
         # A request samples once caught up: its step ends past every token it knows of.
         sample_rows = np.flatnonzero(req_ends == known + pending + rows_of - 1).tolist()
         block_table = block_table.gather(np.fromiter((s.block_row for s in states), np.int64, num_states))[req_of_row]
