@@ -58,6 +58,26 @@ def live_children(serve_pid: int, kind: str) -> list:
     return found
 
 
+def start_serve(args: list[str], log: Path, env: dict[str, str] | None = None,
+                cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`llmbus serve ARGS` as a user starts it, in a child process on a free port: the
+    process and its base URL once it says it is serving (its banner, printed once /health
+    is green; kept as `proc.banner`). Every service logs to `log` (a file: a pipe nobody
+    reads could fill up). `env`: variables added to this process's. For the tests and the
+    benchmark scripts."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=log.open("a"), text=True, cwd=cwd,
+                            env=None if env is None else dict(os.environ, **env))
+    line = proc.stdout.readline()
+    if f"http://127.0.0.1:{port}/v1" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"llmbus serve did not start:\n{log.read_text()[-3000:]}")
+    proc.banner = line  # "llmbus is serving NAME at URL/v1 (NATS URLS)"
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -36,21 +35,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def start_server(assets: str, dtype: str, overlap: str, log: Path, capture: int) -> tuple[subprocess.Popen, str]:
-    from llmbus.nats_server import free_port
+    from llmbus.serve import start_serve
 
-    port = free_port()
-    env = dict(os.environ, LLMBUS_OVERLAP_STEPS=overlap)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmbus", "serve", "--model", assets, "--served-model-name", "m",
-         "--load-format", "dummy", "--dtype", dtype, "--max-cudagraph-capture-size", str(capture),
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=log.open("a"), text=True, env=env, cwd=ROOT,
-    )
-    line = proc.stdout.readline()  # printed once /health is green
-    if f":{port}/v1" not in line:
-        proc.kill()
-        raise RuntimeError(f"llmbus serve did not start: {log.read_text()[-2000:]}")
-    return proc, f"http://127.0.0.1:{port}"
+    return start_serve(["--model", assets, "--served-model-name", "m", "--load-format", "dummy", "--dtype", dtype,
+                        "--max-cudagraph-capture-size", str(capture)], log, {"LLMBUS_OVERLAP_STEPS": overlap}, cwd=ROOT)
 
 
 def stop_server(proc: subprocess.Popen) -> None:

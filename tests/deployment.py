@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from llmbus.serve import NatsServer, free_port, spawn_service, stop_all
+from llmbus.serve import NatsServer, free_port, spawn_service, start_serve, stop_all
 
 
 class Deployment:
@@ -67,15 +66,8 @@ class Deployment:
 
 
 def llmbus_serve(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`llmbus serve ARGS` on a free port, and its base URL once it says it is serving.
-    Every service logs to `log` (a file: a pipe nobody reads could fill up); the process
-    has it open as `proc.log`. `env`: variables added to this process's."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
-                            env=None if env is None else dict(os.environ, **env))
-    line = proc.stdout.readline()  # printed once /health is green
-    assert f"http://127.0.0.1:{port}/v1" in line, log.read_text()[-3000:]
+    """`llmbus serve ARGS` on a free port, and its base URL once it says it is serving
+    (llmbus.serve.start_serve); the process has its log open as `proc.log`."""
+    proc, url = start_serve(args, log, env)
     proc.log = log
-    proc.banner = line  # "llmbus is serving NAME at URL/v1 (NATS URLS)"
-    return proc, f"http://127.0.0.1:{port}"
+    return proc, url
