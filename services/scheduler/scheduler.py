@@ -201,6 +201,7 @@ class Scheduler:
         # Running requests first, oldest first; the newest is the first to be preempted.
         # With steps in flight (async scheduling), a request is scheduled as if the tokens
         # it will sample there were known: the worker has them by the time it runs this step.
+        speculating = self._speculating()  # (once a step: this loop runs for every request)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -216,7 +217,7 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
-            slots = self._draft_slots(request, num_new, budget)
+            slots = self._draft_slots(request, num_new, budget) if speculating else 0
             num_new += slots
             while True:
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -297,12 +298,12 @@ class Scheduler:
         return not (self._speculating() and any(r.speculate and not r.awaiting_grammar for r in self.running))
 
     def _draft_slots(self, request: Request, num_new: int, budget: int) -> int:
-        """Draft tokens the worker may verify for a decoding request this step: never past
+        """Draft tokens the worker may verify for a decoding request this step (the batch
+        speculating: `_speculating`): never past
         max_tokens or the context, none while its worker may still be compiling its grammar
         (its token may come back unsampled), none once its drafts stopped paying."""
         k = self.config.num_speculative_tokens
-        if (not self._speculating() or num_new != 1 or request.num_output_placeholders or not request.speculate
-                or request.awaiting_grammar):
+        if num_new != 1 or request.num_output_placeholders or not request.speculate or request.awaiting_grammar:
             return 0
         return max(0, min(k, request.max_tokens - request.num_output_tokens - 1,
                           self.max_model_len - request.num_tokens - 1, budget - 1))
@@ -388,6 +389,7 @@ class Scheduler:
                 request.num_computed_tokens -= 1  # its last token again, to sample from
         logprobs = runner_output.logprobs or [[]] * len(runner_output.req_ids)
         num_drafts = runner_output.num_draft_tokens or [0] * len(runner_output.req_ids)
+        long_rope = self.kv_cache_manager.long_rope_threshold is not None  # (Phi-3's longrope: mostly not)
         for req_id, sampled, lps, drafted in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
@@ -414,7 +416,7 @@ class Scheduler:
             output = EngineCoreOutput(
                 request_id=req_id,
                 new_token_ids=new_tokens,
-                new_logprobs=lps[:len(new_tokens)],
+                new_logprobs=lps if len(lps) <= len(new_tokens) else lps[:len(new_tokens)],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 index=index,
             )
@@ -425,7 +427,7 @@ class Scheduler:
                 self._finish(request, reason, stop_reason)
                 output.finish_reason = reason
                 output.stop_reason = stop_reason
-            elif (not request.long_rope and request.status == RequestStatus.RUNNING
+            elif (long_rope and not request.long_rope and request.status == RequestStatus.RUNNING
                   and self.kv_cache_manager.runs_long(request)):
                 self._restart_long(request)  # it just grew past the threshold
             outputs[request.reply_subject].append(output)
