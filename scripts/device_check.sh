@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU machine (no network there; its image has torch,
 # triton and transformers; msgspec, opentelemetry-api and xgrammar (with its imports) travel as wheels in .whl/, SmolLM2's config and
-# tokenizer in .gpu_assets/smollm2/ — docs/kernels.md says how to make both; weights are
+# tokenizer in .gpu_assets/smollm2/ — `bash scripts/device_carry.sh` makes both; weights are
 # random, of real shapes: `load_format="dummy"`). Carry: [".whl", ".gpu_assets"].
 # Budget: about 8 minutes of a 15-minute lease, start-up included (the steps' limits add up
 # to 8.6; they take less). In order of what matters most:
