@@ -298,10 +298,10 @@ class Scheduler:
         return not (self._speculating() and any(r.speculate and not r.awaiting_grammar for r in self.running))
 
     def _draft_slots(self, request: Request, num_new: int, budget: int) -> int:
-        """Draft tokens the worker may verify for a decoding request this step (the batch
-        speculating: `_speculating`): never past
-        max_tokens or the context, none while its worker may still be compiling its grammar
-        (its token may come back unsampled), none once its drafts stopped paying."""
+        """Draft tokens the worker may verify for a decoding request this step, the batch
+        speculating (`_speculating`): never past max_tokens or the context, none while its
+        worker may still be compiling its grammar (its token may come back unsampled), none
+        once its drafts stopped paying."""
         k = self.config.num_speculative_tokens
         if num_new != 1 or request.num_output_placeholders or not request.speculate or request.awaiting_grammar:
             return 0
