@@ -200,3 +200,21 @@ def test_host_lists_become_the_tensors_torch_tensor_makes(values, dtype):
     got = from_list(values, dtype)
     assert got.dtype == expected.dtype and got.shape == expected.shape
     assert torch.equal(got, expected)
+
+
+def test_device_tokens_are_gathered_from_each_step_that_sampled_them():
+    """One index for all when one step sampled every token (the usual case); one per step
+    otherwise (a request that sat out the newest step waits on an older one's ids)."""
+    import torch
+
+    from services.worker.launched_step import gather_device_tokens, read_device_tokens
+
+    older, newer = torch.tensor([10, 11, 12]), torch.tensor([20, 21, 22, 23])
+    one_step = gather_device_tokens([(5, (newer, 3)), (0, (newer, 0)), (2, (newer, 2))])
+    assert [(keys, tokens.tolist()) for keys, tokens in one_step] == [([5, 0, 2], [23, 20, 22])]
+    two_steps = gather_device_tokens([(0, (newer, 1)), (1, (older, 2)), (2, (newer, 3)), (3, (older, 0))])
+    assert sorted((keys, tokens.tolist()) for keys, tokens in two_steps) == [([0, 2], [21, 23]), ([1, 3], [12, 10])]
+    assert gather_device_tokens([]) == []
+    input_ids = torch.zeros(6, dtype=torch.int64)
+    read_device_tokens(input_ids, [(4, (older, 1)), (1, (newer, 2))])
+    assert input_ids.tolist() == [0, 22, 0, 0, 11, 0]
