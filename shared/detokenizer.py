@@ -49,8 +49,7 @@ class IncrementalDetokenizer:
         self.stop = list(stop or [])
         # Stop strings are looked for as the text grows, so they need it token by token.
         self.incremental = incremental or bool(self.stop)
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip_special_tokens) \
-            if self.incremental else None
+        self._stream = self._new_stream(self._context) if self.incremental else None
         self._holdback = max((len(s) for s in self.stop), default=1) - 1
         self.output_text = ""
         self._num_sent = 0  # characters already handed out by get_delta
@@ -89,6 +88,9 @@ class IncrementalDetokenizer:
             self.output_text += self._tokenizer.decode(self._pending, skip_special_tokens=self._skip_special)
             self._pending.clear()
 
+    def _new_stream(self, context: list[int]) -> DecodeStream:
+        return DecodeStream(ids=context, skip_special_tokens=self._skip_special)
+
     def _restart_stream(self, token_id: int) -> str:
         """The stream's "invalid prefix": with byte fallback, a byte that forms no character
         can turn the text before it into U+FFFD too, so the text given out is no longer a
@@ -97,7 +99,7 @@ class IncrementalDetokenizer:
         them — the request goes on, rather than failing with its batch offline."""
         ids = self._pending + [token_id]
         self._pending = []
-        self._stream = DecodeStream(ids=ids[-_CONTEXT_TOKENS:], skip_special_tokens=self._skip_special)
+        self._stream = self._new_stream(ids[-_CONTEXT_TOKENS:])
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _decode_whole(self) -> None:
@@ -112,7 +114,7 @@ class IncrementalDetokenizer:
         # prompt of token ids cut there): decoders differ on how many U+FFFD a run of such
         # bytes becomes at once (byte fallback makes each byte one, the stream gives the
         # valid ones their characters), so the stream says what text they are.
-        self._stream = DecodeStream(ids=self._context, skip_special_tokens=skip)
+        self._stream = self._new_stream(self._context)
         self.update(ids)
 
     def _check_stop(self, old_len: int) -> None:

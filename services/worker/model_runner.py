@@ -265,12 +265,11 @@ class ModelRunner:
                     rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
                     row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
                 rows = torch.tensor(rows)
-            elif len(sample_rows) == len(states):  # one row a request, each sampling
-                rows = torch.from_numpy(last_token)
-                row_states, first_row = states, range(len(states))
-            else:
-                rows = torch.from_numpy(last_token[sample_rows])
-                row_states, first_row = [states[i] for i in sample_rows], range(len(sample_rows))
+            else:  # one row a request (every request, in a decode step: no index to apply)
+                every = len(sample_rows) == len(states)
+                rows = torch.from_numpy(last_token if every else last_token[sample_rows])
+                row_states = states if every else [states[i] for i in sample_rows]
+                first_row = range(len(sample_rows))
             # A decode step's every token samples, in order: its hidden states as they are.
             selected = hidden if len(rows) == len(hidden) else hidden[rows.to(self.device, non_blocking=True)]
             logits = self.model.compute_logits(selected)
