@@ -4,8 +4,11 @@ pad block, outputs read from the output buffer — run eagerly, so CI checks the
 a GPU's graphs rely on. Greedy output must still equal transformers', under every
 scheduling mode, and a padded row must never touch a real KV block."""
 
+import sys
+
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from llmbus import LLM, SamplingParams
 from services.worker.decode_graphs import capture_sizes
@@ -134,6 +137,75 @@ def test_replay_on_triton_attention_with_the_graphs_fixed_split_count(tiny_llama
     assert choose_num_splits(4, llm.runner.model_config.num_key_value_heads, 1, 2048) == 8
     assert generate_ids(llm, prompts, params) == hf_greedy(tiny_llama, prompts, 6)
     assert llm.runner.decode_graphs.steps > 0
+
+
+# What reads a device tensor on the host (or copies host data to the device), which a CUDA
+# graph's capture refuses: the scalar conversions, host copies, and ops whose output size
+# depends on the data.
+HOST_READS = frozenset({"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+                        "nonzero", "argwhere", "unique", "unique_consecutive", "masked_select", "bincount",
+                        "tensor", "as_tensor", "from_numpy"})
+
+
+class HostReads(TorchFunctionMode):
+    """Records each torch call of HOST_READS (and indexing by a boolean mask, and
+    repeat_interleave without output_size) made outside Triton's interpreter, which reads
+    tensors on the host to emulate a kernel a GPU runs on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        reads = name in HOST_READS or (name == "repeat_interleave" and "output_size" not in kwargs)
+        if name in ("__getitem__", "__setitem__"):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            reads = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        if reads and not self._in_triton(sys._getframe(1)):
+            caller = sys._getframe(1)
+            self.found.append(f"{name} at {caller.f_code.co_filename}:{caller.f_lineno}")
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _in_triton(frame) -> bool:
+        while frame is not None:
+            if "/triton/" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_the_graphed_forward_reads_no_device_data_on_the_host(tmp_path, arch):
+    """What a GPU records (Triton attention and element-wise kernels, the fused MoE
+    kernel's routing) makes no call that would wait for the device inside the graph: on a
+    GPU one such call makes capture fail and every decode step run eager."""
+    folder = build_tiny_model(tmp_path / arch, arch)
+    llm = replaying(folder, attention_backend="triton", max_model_len=256)
+    graphs, forward, modes = llm.runner.decode_graphs, llm.runner.decode_graphs._forward, []
+
+    def watched(size: int) -> torch.Tensor:
+        modes.append(HostReads())
+        with modes[-1]:
+            return forward(size)
+
+    graphs._forward = watched
+    prompts, params = random_prompts([3, 7, 12]), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 4)
+    assert len(modes) == graphs.steps == 3
+    assert [found for mode in modes for found in mode.found] == []
+
+
+def test_host_reads_are_seen():
+    """The watch itself: each kind of host read in a forward is recorded."""
+    x = torch.arange(6)
+    with HostReads() as mode:
+        x.sum().item(), x.tolist(), bool(x[0]), x[x > 2], x.nonzero(), x.repeat_interleave(2)
+        torch.tensor([1, 2]), x.repeat_interleave(2, output_size=12), x[1:3], x * 2
+    assert [f.split(" at ")[0] for f in mode.found] == [
+        "item", "tolist", "__bool__", "__getitem__", "nonzero", "repeat_interleave", "tensor"]
 
 
 def test_dummy_weights_load_a_config_with_no_checkpoint(tiny_llama, tmp_path):

@@ -156,7 +156,8 @@ class ModelRunner:
                 with torch.inference_mode():
                     self.decode_graphs.capture_all()
             except RuntimeError as exc:  # a forward that reads the device on the host: eager it is
-                log.warning("decode steps run eager: CUDA graph capture failed (%s)", exc)
+                # (with the traceback: on a GPU lease the log is all there is to find the call by)
+                log.warning("decode steps run eager: CUDA graph capture failed (%s)", exc, exc_info=True)
                 self.decode_graphs = None
 
     @property
