@@ -3,6 +3,7 @@ engine outputs (JSON and SSE alike), and every engine refusal in OpenAI's error 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 
 import msgspec
@@ -23,6 +24,7 @@ class FakeEngine:
     with `finish` at once."""
 
     reply_subject = "llmbus.tiny.outputs.test"
+    max_model_len = 256
 
     def __init__(self, tokenizer: Tokenizer, finish: FinishReason | None = None) -> None:
         self.tokenizer = tokenizer
@@ -35,7 +37,7 @@ class FakeEngine:
         return tokenize(self.tokenizer, request).token_ids
 
     async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
-        return SchedulerInfo("s1", "tiny", 1, 256, SchedulerStats(num_running_reqs=len(self.queues)))
+        return SchedulerInfo("s1", "tiny", 1, self.max_model_len, SchedulerStats(num_running_reqs=len(self.queues)))
 
     def scheduler_silent(self) -> bool:
         return False
@@ -65,6 +67,23 @@ class FakeEngine:
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama):
     return Tokenizer(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tiny_llama, tmp_path_factory):
+    """The tiny tokenizer, made to begin each encoding with its BOS token as Llama's does."""
+    import shutil
+
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.processors import TemplateProcessing
+
+    folder = tmp_path_factory.mktemp("bos") / "tok"
+    shutil.copytree(tiny_llama, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    backend = Backend.from_file(str(folder / "tokenizer.json"))
+    bos = Tokenizer(tiny_llama).hf.bos_token
+    backend.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, backend.token_to_id(bos))])
+    backend.save(str(folder / "tokenizer.json"))
+    return Tokenizer(folder)
 
 
 def gateway(tokenizer, finish=None, engine_class=FakeEngine) -> tuple[TestClient, FakeEngine]:
@@ -283,6 +302,10 @@ def test_any_of_several_api_keys_opens_v1_and_metrics_can_be_guarded_too(tokeniz
         assert status(key="k-one", scheme="bearer") == 200 and status(key="k-one", scheme="Basic") == 401
         assert (status("/metrics"), status("/metrics", "k-two")) == (401, 200)
         assert status("/health") == 200  # stays open for probes
+        tokenize = {"model": "tiny", "prompt": "hi"}
+        assert [client.post(path, json=tokenize if path == "/tokenize" else {"tokens": [1]}, headers=headers).status_code
+                for path in ("/tokenize", "/detokenize")
+                for headers in ({}, {"Authorization": "Bearer k-two"})] == [401, 200, 401, 200]
         assert client.post("/v1/completions", json=body).json()["error"]["type"] == "authentication_error"
 
 
@@ -300,3 +323,71 @@ def test_the_key_file_is_read_again_and_a_bad_reload_keeps_the_keys(tmp_path):
     path.unlink()
     keys.reload()  # unreadable: the keys before stay
     assert keys.accepts("Bearer third")
+
+
+def test_tokenize_gives_the_ids_a_completion_of_the_prompt_gets(bos_tokenizer):
+    tokenizer = bos_tokenizer
+    client, engine = gateway(tokenizer)
+    with client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": SCRIPT, "max_tokens": 1})
+        body = client.post("/tokenize", json={"model": "tiny", "prompt": SCRIPT}).json()
+        bare = client.post("/tokenize", json={"prompt": SCRIPT, "add_special_tokens": False,
+                                              "return_token_strs": True}).json()  # model may be left out
+    ids = engine.submitted[0].prompt_token_ids
+    assert body == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
+    assert ids[0] == tokenizer.hf.bos_token_id and bare["tokens"] == ids[1:]
+    assert bare["token_strs"] == tokenizer.hf.convert_ids_to_tokens(ids[1:])
+
+
+def test_tokenize_of_messages_gives_the_chat_prompt_tools_included(tmp_path):
+    """Through the tools' template (SmolLM2's reads no tools: Hermes-style messages), the
+    ids a chat completion of the same messages submits; `tool_choice: none` leaves the
+    tools out of both."""
+    from tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path / "chat", "llama")
+    tok = Tokenizer(folder)
+    client, engine = gateway(tok)
+    engine.max_model_len = 1024  # the tools' prompt is ~380 tokens in the tiny vocabulary
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    got = {}
+    with client:
+        for choice in ("auto", "none"):
+            chat = {"model": "tiny", "messages": messages, "tools": tools, "tool_choice": choice}
+            client.post("/v1/chat/completions", json={**chat, "max_tokens": 1})
+            got[choice] = client.post("/tokenize", json=chat).json()["tokens"]
+        plain = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    assert [got["auto"], got["none"]] == [r.prompt_token_ids for r in engine.submitted]
+    assert got["none"] == plain != got["auto"]
+    assert plain == tok.apply_chat_template(messages)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("/tokenize", {"prompt": "x", "truncate_prompt_tokens": 2}, 400, "truncate_prompt_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, 400,
+     "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_bad_tokenize_input_is_a_4xx_naming_its_field(tokenizer, path, body, status, param):
+    client, _ = gateway(tokenizer)
+    with client:
+        resp = client.post(path, json=body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_detokenize_reads_ids_back_as_text_special_tokens_kept(bos_tokenizer):
+    tokenizer = bos_tokenizer
+    client, _ = gateway(tokenizer)
+    ids = tokenizer.encode(SCRIPT)  # with the BOS token
+    with client:
+        body = client.post("/detokenize", json={"model": "tiny", "tokens": ids}).json()
+        version = client.get("/version").json()
+    assert body == {"prompt": tokenizer.hf.bos_token + SCRIPT}
+    assert version == {"version": importlib.metadata.version("llmbus")}

@@ -13,7 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizePromptRequest,
+)
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import encode
 from shared.messages import EngineCoreRequest
@@ -39,6 +45,7 @@ PLAUSIBLE = {
     "prompt": st.one_of(st.text(min_size=1, max_size=30), st.lists(st.integers(-5, 500), min_size=1, max_size=8)),
     "messages": st.lists(message(), min_size=1, max_size=3),
     "max_tokens": st.integers(-2, 300),
+    "tokens": st.lists(st.integers(-5, 500), max_size=8),
     "n": st.integers(-1, 20),
     "temperature": st.floats(-1, 3),
     "stream": st.booleans(),
@@ -53,7 +60,12 @@ PLAUSIBLE = {
 VALID = {
     CompletionRequest: {"model": "tiny", "prompt": "hi", "max_tokens": 4},
     ChatCompletionRequest: {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    TokenizePromptRequest: {"prompt": "hi"},
+    TokenizeChatRequest: {"messages": [{"role": "user", "content": "hi"}]},
+    DetokenizeRequest: {"tokens": [5, 6]},
 }
+PATHS = {CompletionRequest: "/v1/completions", ChatCompletionRequest: "/v1/chat/completions",
+         TokenizePromptRequest: "/tokenize", TokenizeChatRequest: "/tokenize", DetokenizeRequest: "/detokenize"}
 
 
 def bodies(kind) -> st.SearchStrategy[dict]:
@@ -117,9 +129,17 @@ def test_chat_completions_never_answer_5xx(client, body):
 
 
 @FUZZ
+@given(kind_body=st.sampled_from([TokenizePromptRequest, TokenizeChatRequest, DetokenizeRequest]).flatmap(
+    lambda kind: st.tuples(st.just(kind), bodies(kind))))
+def test_tokenize_and_detokenize_never_answer_5xx(client, kind_body):
+    kind, body = kind_body
+    check(client.post(PATHS[kind], json=body))
+
+
+@FUZZ
 @given(raw=raw_bodies)
 def test_bodies_that_are_not_json_or_not_utf8_are_400(client, raw):
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         resp = client.post(path, content=raw, headers={"content-type": "application/json"})
         check(resp)
 

@@ -280,6 +280,20 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(deployment,
     assert ok.status_code == 200
 
 
+def test_tokenize_and_detokenize_over_the_bus(deployment, offline):
+    """Encoded by a tokenizer replica as the engine's prompts are."""
+    url, messages = deployment.base_url, [{"role": "user", "content": "héllo wörld"}]
+    chat = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": messages}, timeout=30).json()
+    prompt = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[2]}, timeout=30).json()
+    assert chat["tokens"] == offline.tokenizer.apply_chat_template(messages)
+    assert prompt == {"count": len(offline.tokenizer.encode(PROMPTS[2])), "max_model_len": CONTEXT,
+                      "tokens": offline.tokenizer.encode(PROMPTS[2]), "token_strs": None}
+    text = httpx.post(url + "/detokenize", json={"tokens": prompt["tokens"]}, timeout=30).json()
+    assert text == {"prompt": PROMPTS[2]}
+    bad = httpx.post(url + "/tokenize", json={"messages": [{"role": "user"}]}, timeout=30)
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages"), bad.text
+
+
 def test_context_error_gives_both_numbers(deployment):
     resp = httpx.post(deployment.base_url + "/v1/completions",
                       json={"model": "tiny", "prompt": "hello", "max_tokens": CONTEXT}, timeout=30)

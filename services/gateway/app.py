@@ -7,6 +7,7 @@ Routes are thin: requests go to `serving.py`, every error through the one mappin
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import signal
 from contextlib import asynccontextmanager
 
@@ -20,7 +21,10 @@ from services.gateway.errors import GatewayError, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.serving import OpenAIServing
+from services.gateway import tokenization
 from shared.config import GatewayConfig
+
+LLMBUS_VERSION = importlib.metadata.version("llmbus")
 
 
 def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
@@ -93,5 +97,17 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         return await serving(request).handle(request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return await tokenization.tokenize(serving(request), request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return await tokenization.detokenize(serving(request), request)
+
+    @app.get("/version")
+    async def version():
+        return {"version": LLMBUS_VERSION}
 
     return app

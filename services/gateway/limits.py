@@ -21,7 +21,9 @@ class Limits:
         self.app = app
         self.config = config
         self.keys = keys
-        self._guarded = ("/v1/", "/metrics") if config.metrics_require_key else ("/v1/",)
+        # /tokenize and /detokenize do work for the caller too (vLLM leaves them open).
+        guarded = ("/v1/", "/tokenize", "/detokenize")
+        self._guarded = (*guarded, "/metrics") if config.metrics_require_key else guarded
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self._guarded):

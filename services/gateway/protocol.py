@@ -111,6 +111,33 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     parallel_tool_calls: bool | None = None
 
 
+class TokenizePromptRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize of a prompt (`model` may be left out, as there)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize of a conversation: the prompt a chat completion of it would get."""
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool = True
+    # The rendered template holds the special tokens it wants; only false is implemented.
+    add_special_tokens: bool = False
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # `none` leaves the tools out of the prompt
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    model: str | None = None
+    tokens: list[Int]
+
+
 def parse_body(body: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
@@ -122,6 +149,10 @@ def parse_body(body: bytes, kind: type) -> Any:
         if unknown:  # the param as OpenAI writes it: `tools[0].function.strictly`
             field = f"{unknown.group(2)}.{unknown.group(1)}" if unknown.group(2) else unknown.group(1)
             raise BadRequest(f"`{field}` is not supported by llmbus", field) from exc
+        missing = re.match(r"Object missing required field `([^`]+)`(?: - at `\$\.(.+)`)?$", message)
+        if missing:  # the param that should have been there: `prompt`, `tools[0].function.name`
+            field = f"{missing.group(2)}.{missing.group(1)}" if missing.group(2) else missing.group(1)
+            raise BadRequest(f"`{field}` is required", field) from exc
         where = re.search(r"\$\.([A-Za-z_]+)", message)
         raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:

@@ -84,7 +84,7 @@ class OpenAIServing:
 
     # ---- before the engine --------------------------------------------------------------
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def read_body(self, request: Request) -> bytes:
         body = b""
         async for chunk in request.stream():  # also bounds bodies sent without a length
             body += chunk
@@ -92,20 +92,24 @@ class OpenAIServing:
                 raise TooLarge(f"request body exceeds {self.config.max_body_bytes} bytes")
         return body
 
-    async def _tokenize(self, request: TokenizeRequest, ctx, **options) -> list[int]:
+    async def tokenize(self, request: TokenizeRequest, ctx=None, **options) -> list[int]:
         with self.tracer.start_as_current_span("gateway.tokenize", context=ctx, kind=SpanKind.CLIENT) as span:
             ids = await self.client.tokenize(request, headers=inject(), **options)
             span.set_attribute("llmbus.num_tokens", len(ids))
             return ids
 
+    def check_model(self, model: str | None) -> None:
+        """`None`: left out, where a route allows that (/tokenize, as vLLM's)."""
+        name = self.config.model_name
+        if model is not None and model != name:
+            raise NotFound(f"the model `{model}` does not exist; this server serves `{name}`", "model",
+                           "model_not_found")
+
     async def _prepare(self, request: Request, kind, ctx):
         if self.client.scheduler_silent():
             raise Unavailable("the scheduler is not running")
-        body = parse_body(await self._read_body(request), kind)
-        name = self.config.model_name
-        if body.model != name:
-            raise NotFound(f"the model `{body.model}` does not exist; this server serves `{name}`",
-                           "model", "model_not_found")
+        body = parse_body(await self.read_body(request), kind)
+        self.check_model(body.model)
         spec, spec_field = structured_outputs_of(body)
         tools = tool_choice_of(body) if isinstance(body, ChatCompletionRequest) else None
         forced = tools.constraint() if tools is not None else None
@@ -117,7 +121,7 @@ class OpenAIServing:
         params = to_sampling_params(body, spec)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
-            prompts = [await self._tokenize(TokenizeRequest(
+            prompts = [await self.tokenize(TokenizeRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                 tools=tools.tools if tools is not None else None,
             ), ctx)]
@@ -126,7 +130,7 @@ class OpenAIServing:
             vocab = self.tokenizer.backend.get_vocab_size(True)
             for prompt in completion_prompts(body):
                 if isinstance(prompt, str):
-                    prompts.append(await self._tokenize(TokenizeRequest(prompt=prompt), ctx))
+                    prompts.append(await self.tokenize(TokenizeRequest(prompt=prompt), ctx))
                     continue
                 bad = [t for t in prompt if not 0 <= t < vocab]
                 if bad:
@@ -139,7 +143,7 @@ class OpenAIServing:
                 # One attempt, waited for long enough for the replica's first spec (it starts
                 # its compiling child) and its own compile timeout: asking again would only
                 # compile the same spec twice.
-                await self._tokenize(TokenizeRequest(structured_outputs=spec), ctx, attempts=1,
+                await self.tokenize(TokenizeRequest(structured_outputs=spec), ctx, attempts=1,
                                      timeout_s=STRUCTURED_CHECK_TIMEOUT_S)
             except BadRequest as exc:
                 raise BadRequest(str(exc), spec_field) from exc

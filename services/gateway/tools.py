@@ -82,7 +82,7 @@ def tool_choice_of(request) -> ToolChoice | None:
     if choice == "none":
         return None
     tools = [msgspec.to_builtins(t) for t in request.tools]
-    parallel = request.parallel_tool_calls is not False
+    parallel = getattr(request, "parallel_tool_calls", None) is not False  # (a /tokenize body has none)
     if isinstance(choice, str):
         if choice not in ("auto", "required"):
             raise BadRequest(f"tool_choice must be none, auto, required or a function, got {choice!r}", "tool_choice")
