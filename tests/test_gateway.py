@@ -391,3 +391,35 @@ def test_detokenize_reads_ids_back_as_text_special_tokens_kept(bos_tokenizer):
         version = client.get("/version").json()
     assert body == {"prompt": tokenizer.hf.bos_token + SCRIPT}
     assert version == {"version": importlib.metadata.version("llmbus")}
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tokenizer):
+    client, _ = gateway(tokenizer)
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    with client:
+        whole = client.post("/v1/chat/completions", json=request).json()
+        with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True}}) as resp:
+            events = sse_events(resp)
+        with client.stream("POST", "/v1/chat/completions", json={**request, "stream": True, "stream_options": {
+                "continuous_usage_stats": True}}) as resp:  # without include_usage: none (as vLLM)
+            plain = sse_events(resp)
+    usages = [e["usage"] for e in events]
+    assert events[-1]["choices"] == [] and usages[-1] == whole["usage"]
+    assert {u["prompt_tokens"] for u in usages} == {whole["usage"]["prompt_tokens"]}
+    done = [u["completion_tokens"] for u in usages[1:-1]]  # after the role's chunk, one per text chunk
+    assert done == sorted(set(done)) and done[-1] == whole["usage"]["completion_tokens"]
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+    assert all("usage" not in e for e in plain)
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"include_usage": True}, "stream_options"),  # stream_options without stream
+    ({"include_usage": True, "continuous": True}, "stream_options.continuous"),
+])
+def test_stream_options_are_checked(tokenizer, options, param):
+    client, _ = gateway(tokenizer)
+    body = {"model": "tiny", "prompt": "hi", "stream_options": options, "stream": "continuous" in options}
+    with client:
+        resp = client.post("/v1/completions", json=body)
+    assert (resp.status_code, resp.json()["error"]["param"]) == (400, param)

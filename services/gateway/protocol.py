@@ -16,11 +16,12 @@ from shared.sampling_params import SamplingParams, StructuredOutputsParams
 Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
-class StreamOptions(msgspec.Struct, omit_defaults=True):
-    include_usage: bool = False
+class StreamOptions(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    include_usage: bool = False  # a last chunk with the request's usage
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk has the usage so far
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     name: str = ""
     description: str | None = None
     schema: dict[str, Any] | None = None
@@ -201,6 +202,8 @@ def to_sampling_params(
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options needs stream: true", "stream_options")
     if request.n > 16:
         raise BadRequest(f"n must be at most 16, got {request.n}", "n")
     fields: dict[str, Any] = dict(

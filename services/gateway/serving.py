@@ -329,20 +329,23 @@ class _Generation:
         return None
 
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
         usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
         n = self.num_choices
         status, failure = 499, None  # a client that leaves mid-stream never sees the end
         try:
             if self.chat:
                 yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
-                                   for i in range(n)], usage)
+                                   for i in range(n)], self._usage() if continuous else usage)
             elif any(self.echo):
-                yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)], usage)
+                yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
+                                  self._usage() if continuous else usage)
             async for deltas in _prepend(first, self.stream):
                 out = [c for c in map(self._delta_choice, deltas) if c is not None]
-                if out:
-                    yield self._chunk(out, usage)
+                if out:  # (the usage so far counts the tokens of these deltas)
+                    yield self._chunk(out, self._usage() if continuous else usage)
             if include_usage:
                 yield self._chunk([], self._usage())
             status = 200
