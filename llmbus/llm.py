@@ -199,6 +199,8 @@ class LLM:
                 if delta is None:
                     continue
                 result = entry[1]
+                if delta.prompt_logprobs and delta.index == 0:  # (each choice has them: the same prompt)
+                    result.prompt_logprobs.extend(delta.prompt_logprobs)
                 if delta.needs_abort:
                     self.scheduler.abort_requests([out.request_id])
                 completion = result.outputs[delta.index]
@@ -248,6 +250,8 @@ class LLM:
         try:
             for (text, token_ids), params in zip(encoded, params_list):
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
+                if params.prompt_logprobs is not None:
+                    result.prompt_logprobs = [None]
                 # The text is decoded once a completion is over (as it grows only when stop
                 # strings are looked for): what generate() returns is the same, for a
                 # fraction of the host's work a step.

@@ -31,3 +31,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's
+    # shape), filled in with the first output token.
+    prompt_logprobs: list[Logprobs | None] | None = None

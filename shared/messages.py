@@ -108,6 +108,9 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # why. The scheduler ends just these; the rest of the step stands.
     request_errors: dict[str, str] = {}
     num_draft_tokens: list[int] = []  # per request, the drafts proposed (speculation)
+    # Requests that asked for prompt logprobs, in the step of their first token: one per
+    # prompt token but the first (its logprob given the tokens before it, and the top-k).
+    prompt_logprobs: dict[str, list[Logprobs]] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, **_WIRE):
@@ -124,6 +127,7 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # The output position of new_token_ids[0]: a gateway drops what it already has and
     # notices a gap (outputs lost on the bus), for which it asks to resume.
     index: int = 0
+    prompt_logprobs: list[Logprobs] = []  # on the first output, when asked for (ModelRunnerOutput's)
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

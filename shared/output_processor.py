@@ -10,7 +10,7 @@ collects the deltas into `RequestOutput`s; the gateway frames them as JSON or SS
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -34,6 +34,7 @@ class ChoiceDelta:
     num_cached_tokens: int = 0
     queue_time_s: float | None = None
     needs_abort: bool = False  # a stop string ended it here; the engine still runs it
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # with the first delta, when asked for
 
 
 @dataclass(slots=True)
@@ -112,5 +113,5 @@ class ParentRequest:
         return ChoiceDelta(
             output.request_id, choice.index, detok.get_delta(choice.finished), output.new_token_ids,
             output.new_logprobs, finish_reason, detok.stop_string or stop_reason, output.error,
-            output.num_cached_tokens, output.queue_time_s, needs_abort,
+            output.num_cached_tokens, output.queue_time_s, needs_abort, output.prompt_logprobs,
         )

@@ -53,6 +53,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token
+    # Each prompt token's logprob (but the first's) and this many top alternatives, as
+    # vLLM's: the whole prompt is computed for it (no prefix cache hits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the logits of these token ids before sampling (greedy too): -100 bans a
     # token, +100 all but forces it (OpenAI's logit_bias).
@@ -90,6 +93,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):

@@ -131,6 +131,32 @@ def test_prompt_as_token_ids_with_echo(client, offline):
     assert out.choices[0].text.startswith("The quick")
 
 
+def test_echo_with_logprobs_gives_the_prompt_s_logprobs_as_offline(client, offline):
+    """OpenAI's echo with logprobs (lm-evaluation-harness scores a continuation so): the
+    prompt's tokens first, the first with no logprob, then the completion's; the same
+    streamed and not, and the offline engine's (held to transformers, test_prompt_logprobs)."""
+    ids = offline.tokenizer.encode(PROMPTS[2])
+    ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2,
+                                                 ignore_eos=True), use_tqdm=False)[0]
+    entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
+    kwargs = dict(model="tiny", prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [lp for c in chunks if c.logprobs for lp in zip(c.logprobs.tokens, c.logprobs.token_logprobs)]
+    lp = whole.choices[0].logprobs
+
+    def text(token_id: int) -> str:
+        return offline.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    assert lp.tokens == [text(t) for t in ids + ref.outputs[0].token_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprobs[0] for e in entries], abs=1e-4)
+    assert [set(top) for top in lp.top_logprobs[1:]] == [{text(t) for t in e.token_ids[1:]} for e in entries]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs))
+    assert whole.choices[0].text == "".join(c.text for c in chunks) == PROMPTS[2] + ref.outputs[0].text
+
+
 def test_chat_stream_and_non_stream_agree(client, offline):
     messages = [{"role": "user", "content": "hello there"}]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -129,6 +129,7 @@ def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:
         into.text += d.text
         into.token_ids = into.token_ids + d.token_ids
         into.logprobs = into.logprobs + d.logprobs
+        into.prompt_logprobs = into.prompt_logprobs + d.prompt_logprobs
         if d.finish_reason is not None:
             into.finish_reason, into.stop_reason = d.finish_reason, d.stop_reason
     return list(merged.values())

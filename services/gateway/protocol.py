@@ -195,6 +195,7 @@ def to_sampling_params(
 ) -> SamplingParams:
     """`structured_outputs`: the request's, from `structured_outputs_of` (the caller also
     needs the field it came from)."""
+    prompt_logprobs = None
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -202,6 +203,9 @@ def to_sampling_params(
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
+        # OpenAI's echo with logprobs: the echoed prompt's tokens have theirs too.
+        if request.echo:
+            prompt_logprobs = logprobs
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
     if request.n > 16:
@@ -218,6 +222,7 @@ def to_sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         structured_outputs=structured_outputs,
+        prompt_logprobs=prompt_logprobs,
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(request, name)

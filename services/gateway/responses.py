@@ -122,11 +122,14 @@ class LogprobsFormatter:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, items: list[Logprobs]) -> dict[str, Any]:
+    def completion(self, items: list[Logprobs], first_token: int | None = None) -> dict[str, Any]:
+        """`first_token`: an echoed prompt's first, which has no logprob (OpenAI's null);
+        `items` then begin with the rest of the prompt's."""
+        head, none = ([self._text(first_token)], [None]) if first_token is not None else ([], [])
         return {
-            "tokens": [self._text(lp.token_ids[0]) for lp in items],
-            "token_logprobs": [lp.logprobs[0] for lp in items],
-            "top_logprobs": [
+            "tokens": head + [self._text(lp.token_ids[0]) for lp in items],
+            "token_logprobs": none + [lp.logprobs[0] for lp in items],
+            "top_logprobs": none + [
                 {self._text(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])} for lp in items
             ],
             "text_offset": [],

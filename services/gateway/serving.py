@@ -194,6 +194,11 @@ class _Generation:
             incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
         )
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
+        # With logprobs the prompt's tokens have theirs too; they come with each choice's
+        # first output, so a stream sends the echo there rather than in a chunk of its own.
+        self.prompt_ids = prompts
+        self.echo_logprobs = params.prompt_logprobs is not None
+        self.echo_pending = [self.echo_logprobs] * self.num_choices
         self.echo = [""] * self.num_choices
         if not chat and body.echo:
             texts = completion_prompts(body)
@@ -243,9 +248,12 @@ class _Generation:
         u = self.usage
         return r.UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
-    def _logprobs(self, items) -> dict | None:
+    def _logprobs(self, items, first_token: int | None = None) -> dict | None:
         formatter = self.s.logprobs_as_ids if self.body.return_tokens_as_token_ids else self.s.logprobs
-        return (formatter.chat if self.chat else formatter.completion)(items)
+        return formatter.chat(items) if self.chat else formatter.completion(items, first_token)
+
+    def _first_prompt_token(self, index: int) -> int:
+        return self.prompt_ids[index // self.params.n][0]
 
     async def _collect(self) -> Response:
         n = self.num_choices
@@ -258,6 +266,8 @@ class _Generation:
             async for deltas in self.stream:
                 for d in deltas:
                     texts[d.index] += d.text
+                    # (an echoed prompt's logprobs, with the choice's first output, go first)
+                    logprobs[d.index][:0] = d.prompt_logprobs
                     logprobs[d.index].extend(d.logprobs)
                     if d.finish_reason is not None:
                         finish[d.index] = str(d.finish_reason)
@@ -277,7 +287,8 @@ class _Generation:
         consumer.result()
         choices = []
         for i in range(n):
-            lp = self._logprobs(logprobs[i]) if want_logprobs else None
+            first = self._first_prompt_token(i) if self.echo_logprobs else None
+            lp = self._logprobs(logprobs[i], first) if want_logprobs else None
             if self.chat:
                 message = r.ChatMessage("assistant", texts[i])
                 if self.tool_parsers is not None:
@@ -307,12 +318,17 @@ class _Generation:
     def _delta_choice(self, d: ChoiceDelta):
         """The chunk's entry for one choice; None when it has nothing to send yet (bytes of
         an incomplete character, or text a tool-call parser holds back)."""
-        lp = self._logprobs(d.logprobs) if d.logprobs else None
         reason = None if d.finish_reason is None else str(d.finish_reason)
         if not self.chat:
-            if d.text or reason is not None or lp:
-                return r.CompletionChoice(d.index, d.text, lp, reason)
+            text, items, first = d.text, d.logprobs, None
+            if self.echo_pending[d.index]:  # its first output: the echo, held back for its logprobs
+                self.echo_pending[d.index] = False
+                text, items, first = self.echo[d.index] + text, d.prompt_logprobs + items, self._first_prompt_token(d.index)
+            lp = self._logprobs(items, first) if items or first is not None else None
+            if text or reason is not None or lp:
+                return r.CompletionChoice(d.index, text, lp, reason)
             return None
+        lp = self._logprobs(d.logprobs) if d.logprobs else None
         content, tool_calls = d.text, None
         if self.tool_parsers is not None:
             parser = self.tool_parsers[d.index]
@@ -339,7 +355,7 @@ class _Generation:
             if self.chat:
                 yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
                                    for i in range(n)], self._usage() if continuous else usage)
-            elif any(self.echo):
+            elif any(self.echo) and not self.echo_logprobs:
                 yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
                                   self._usage() if continuous else usage)
             async for deltas in _prepend(first, self.stream):

@@ -57,6 +57,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return []
+        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
+            return []  # its prompt's logprobs come from computing every prompt token (as vLLM)
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

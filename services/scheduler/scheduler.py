@@ -419,6 +419,7 @@ class Scheduler:
                 new_logprobs=lps if len(lps) <= len(new_tokens) else lps[:len(new_tokens)],
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 index=index,
+                prompt_logprobs=runner_output.prompt_logprobs.get(req_id, []) if index == 0 else [],
             )
             if not request.queue_time_reported:
                 output.queue_time_s = request.queue_time_s

@@ -29,6 +29,7 @@ from services.worker.launched_step import LaunchedStep, read_device_tokens, read
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype
 from services.worker.model_config import ModelConfig
+from services.worker.prompt_logprobs import add_chunk
 from services.worker.request_state import RequestState
 from services.worker.sampler import Sampler
 from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
@@ -255,6 +256,9 @@ class ModelRunner:
             output.request_errors = {order[i]: why for i, why in failed.items()}
             self.drop_requests(list(output.request_errors))
             constrained = [i for i in sample_rows if states[i].matcher is not None]
+        if any(s.prompt_logprobs is not None for s in states):  # (mostly none)
+            sample_rows = self._add_prompt_logprobs(states, num_tokens, last_token, hidden, sample_rows, output)
+            constrained = [i for i in sample_rows if states[i].matcher is not None]
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
@@ -336,6 +340,29 @@ class ModelRunner:
             sampled[i] = out
             logprobs[i] = [lp for lp in token_logprobs[first:first + accepted + 1] if lp is not None]
 
+    def _add_prompt_logprobs(self, states, num_tokens, last_token, hidden, sample_rows, output) -> list[int]:
+        """This step's prompt positions' logprobs into their requests' states; a request
+        that samples now (its prompt is done) sends them (prompt_logprobs.py). Returns the
+        sampling rows less any request that failed here."""
+        failed = set()
+        for i, state in enumerate(states):
+            if state.prompt_logprobs is None:
+                continue
+            n = num_tokens[state.req_id]
+            try:
+                add_chunk(self.model, hidden, int(last_token[i]) - n + 1, state.num_computed_tokens, n, state)
+            except ValueError as exc:  # positions it never computed here: fail it alone
+                output.request_errors[state.req_id] = f"prompt logprobs: {exc}"
+                failed.add(i)
+        if failed:
+            self.drop_requests([states[i].req_id for i in failed])
+            sample_rows = [i for i in sample_rows if i not in failed]
+        for i in sample_rows:
+            state = states[i]
+            if state.prompt_logprobs is not None:
+                output.prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
+        return sample_rows
+
     def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
         if self.proposer is None or not num_draft_slots:
             return {}
@@ -386,6 +413,9 @@ class ModelRunner:
                 matcher=self.grammars.start_matcher(spec, new.output_token_ids) if spec is not None else None,
                 long_rope=(self.model_config.long_rope_threshold is not None
                            and len(new.prompt_token_ids) + len(new.output_token_ids) > self.model_config.long_rope_threshold),
+                # (one with output already sent them with its first token)
+                prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+                else None,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)

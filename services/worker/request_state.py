@@ -31,6 +31,9 @@ class RequestState:
     # how many of token_ids are counted there.
     penalty_row: tuple | None = None
     num_counted: int = 0
+    # Asked for prompt logprobs, with no output yet: one per prompt position computed so
+    # far (prompt_logprobs.py); None otherwise.
+    prompt_logprobs: list | None = None
 
     @property
     def num_output_tokens(self) -> int:

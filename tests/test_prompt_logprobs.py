@@ -1,0 +1,82 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's completions with echo and logprobs)
+equal transformers' log-softmax over the same prompt, however the scheduler slices it:
+chunked prefill, a prompt whose blocks are cached, preemption, n choices."""
+
+import pytest
+import torch
+
+from llmbus import LLM, SamplingParams
+from tiny_models import random_prompts
+
+PROMPTS = random_prompts([1, 2, 17, 40, 70], seed=5)
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Per prompt, each token's (logprob, rank, top ids, top logprobs) after the ones before it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    out = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        rows = []
+        for j in range(1, len(prompt)):
+            row, chosen = logprobs[j - 1], logprobs[j - 1, prompt[j]]
+            top = row.topk(TOP)
+            rows.append((chosen.item(), int((row > chosen).sum()) + 1, top.indices.tolist(), top.values.tolist()))
+        out.append(rows)
+    return out
+
+
+def check(outputs, reference) -> None:
+    for prompt, output, expected in zip(PROMPTS, outputs, reference, strict=True):
+        entries = output.prompt_logprobs
+        assert len(entries) == len(prompt) and entries[0] is None
+        assert [e.token_ids[0] for e in entries[1:]] == prompt[1:]
+        assert [(e.sampled_rank, e.token_ids[1:]) for e in entries[1:]] == [(r, ids) for _, r, ids, _ in expected]
+        got = torch.tensor([e.logprobs for e in entries[1:]], dtype=torch.float64).reshape(-1, 1 + TOP)
+        want = torch.tensor([[lp, *top] for lp, _, _, top in expected], dtype=torch.float64).reshape(-1, 1 + TOP)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=TOP, ignore_eos=True)
+CASES = {
+    "batch": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8},
+    "preemption": {"num_kv_blocks": 8, "block_size": 16, "max_num_batched_tokens": 32},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_logprobs_equal_transformers(tiny_llama, reference, case):
+    llm = LLM(str(tiny_llama), **CASES[case])
+    check(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
+    if case == "preemption":
+        assert llm.stats().num_preemptions > 0
+
+
+def test_a_cached_prompt_is_computed_whole_for_its_logprobs(tiny_llama, reference):
+    llm = LLM(str(tiny_llama))
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate(PROMPTS, plain, use_tqdm=False)  # fills the prefix cache
+    again = llm.generate(PROMPTS, plain, use_tqdm=False)
+    assert max(o.num_cached_tokens for o in again) > 0 and all(o.prompt_logprobs is None for o in first)
+    out = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    check(out, reference)
+    assert [o.num_cached_tokens for o in out] == [0] * len(PROMPTS)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in first]
+
+
+def test_n_choices_share_their_prompt_s_logprobs(tiny_llama, reference):
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=3, prompt_logprobs=TOP)
+    out = LLM(str(tiny_llama)).generate(PROMPTS, params, use_tqdm=False)
+    check(out, reference)
+    assert all(len(o.outputs) == 2 for o in out)
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=21)
