@@ -154,7 +154,8 @@ def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
     return GatewayConfig(model_name, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
                          args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser,
+                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

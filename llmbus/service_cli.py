@@ -69,6 +69,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-require-key", action="store_true", default=env_flag("--metrics-require-key"),
                         help="/metrics needs an API key too (/health stays open)")
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        default=env_flag("--enable-tokenizer-info-endpoint"),
+                        help="serve GET /tokenizer_info: the tokenizer's special tokens and chat template")
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
     from services.gateway.tool_parsers import TOOL_CALL_PARSERS

@@ -74,6 +74,9 @@ class GatewayConfig:
     # How long requests in flight wait for a scheduler to come back and resume them.
     scheduler_resume_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"  # how tool_choice auto reads the model's calls (tool_parsers.py)
+    # GET /tokenizer_info (vLLM's flag): the tokenizer's special tokens and chat template,
+    # which lm-evaluation-harness's remote tokenizer reads. Off by default, as there.
+    enable_tokenizer_info_endpoint: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

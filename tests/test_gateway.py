@@ -423,3 +423,21 @@ def test_stream_options_are_checked(tokenizer, options, param):
     with client:
         resp = client.post("/v1/completions", json=body)
     assert (resp.status_code, resp.json()["error"]["param"]) == (400, param)
+
+
+def test_tokenizer_info_serves_what_a_remote_tokenizer_reads_when_enabled(tokenizer):
+    """lm-evaluation-harness's remote tokenizer: /tokenizer_info's special tokens and
+    template, then /tokenize with add_special_tokens false and /detokenize."""
+    async def factory(on_stats):
+        return FakeEngine(tokenizer)
+
+    with TestClient(create_app(factory, tokenizer, GatewayConfig("tiny", enable_tokenizer_info_endpoint=True))) as c:
+        info = c.get("/tokenizer_info").json()
+        ids = c.post("/tokenize", json={"prompt": SCRIPT, "add_special_tokens": False}).json()["tokens"]
+        text = c.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert info["eos_token"] == tokenizer.hf.eos_token and info["chat_template"] == tokenizer.hf.chat_template
+    assert info["bos_token"] == tokenizer.hf.bos_token and info["tokenizer_class"] == type(tokenizer.hf).__name__
+    assert (ids, text) == (tokenizer.encode(SCRIPT, add_special_tokens=False), SCRIPT)
+    client, _ = gateway(tokenizer)
+    with client:
+        assert client.get("/tokenizer_info").status_code == 404  # off unless asked for, as vLLM's

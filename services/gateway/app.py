@@ -106,6 +106,11 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     async def detokenize(request: Request):
         return await tokenization.detokenize(serving(request), request)
 
+    if config.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return tokenization.tokenizer_info(tokenizer)
+
     @app.get("/version")
     async def version():
         return {"version": LLMBUS_VERSION}

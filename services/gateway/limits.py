@@ -22,7 +22,7 @@ class Limits:
         self.config = config
         self.keys = keys
         # /tokenize and /detokenize do work for the caller too (vLLM leaves them open).
-        guarded = ("/v1/", "/tokenize", "/detokenize")
+        guarded = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
         self._guarded = (*guarded, "/metrics") if config.metrics_require_key else guarded
 
     async def __call__(self, scope, receive, send) -> None:

@@ -1,10 +1,12 @@
-"""vLLM's /tokenize and /detokenize: what a prompt costs in tokens, and what ids read as.
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: what a prompt costs in tokens, and
+what ids read as.
 
 Clients count a prompt's tokens before sending it (to fit the context, to budget) and
 turn ids back into text. A prompt is encoded by a tokenizer replica exactly as a
 completion's is — a conversation through the same chat template, tools included — so the
 count is the one the engine will see; ids are decoded here, by the gateway's tokenizer
-(special tokens kept, as vLLM does).
+(special tokens kept, as vLLM does). lm-evaluation-harness's remote tokenizer uses all
+three (/tokenizer_info only where --enable-tokenizer-info-endpoint serves it, as vLLM's).
 """
 
 from __future__ import annotations
@@ -60,6 +62,17 @@ async def detokenize(serving: OpenAIServing, request: Request) -> dict:
     if bad:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0 to {vocab - 1})", "tokens")
     return {"prompt": serving.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """vLLM's /tokenizer_info: the tokenizer's class, its special tokens and its chat
+    template (a client that tokenizes for itself renders chats with it)."""
+    hf = tokenizer.hf
+    info = {"tokenizer_class": type(hf).__name__, "chat_template": hf.chat_template,
+            "model_max_length": hf.model_max_length}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        info[name] = getattr(hf, name)  # None where the tokenizer has none
+    return info
 
 
 async def _max_model_len(serving: OpenAIServing) -> int | None:
