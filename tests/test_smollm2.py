@@ -91,6 +91,37 @@ def test_served_chat_equals_offline_chat_on_the_real_model(smollm2, client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.outputs[0].text
 
 
+def test_lm_eval_loglikelihood_requests_score_as_transformers(smollm2, client):
+    """lm-evaluation-harness's local-completions scores a continuation with one request:
+    a batch of token-id prompts (context + continuation), echo, logprobs 1, max_tokens 1;
+    it sums token_logprobs[ctxlen:-1] and calls the continuation greedy when each token
+    is its position's top one. Both as transformers computes them on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    pairs = [("The capital of France is", " Paris"), ("The capital of France is", " a small village in Peru"),
+             ("1, 2, 3, 4,", " 5, 6")]
+    contexts = [tok.encode(c) for c, _ in pairs]
+    prompts = [ctx + tok.encode(cont) for ctx, (_, cont) in zip(contexts, pairs)]
+    out = client.completions.create(model=NAME, prompt=prompts, temperature=0, max_tokens=1, logprobs=1, seed=1234,
+                                    echo=True)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    for choice, ctx, ids in zip(sorted(out.choices, key=lambda c: c.index), contexts, prompts, strict=True):
+        lp = choice.logprobs
+        got = sum(lp.token_logprobs[len(ctx):-1])
+        greedy = all(t == max(top.values()) for t, top in zip(lp.token_logprobs[len(ctx):-1],
+                                                              lp.top_logprobs[len(ctx):-1]))
+        with torch.no_grad():
+            logprobs = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        rows = logprobs[len(ctx) - 1 : len(ids) - 1]
+        targets = torch.tensor(ids[len(ctx):])
+        assert got == pytest.approx(rows.gather(-1, targets[:, None]).sum().item(), abs=1e-3)
+        assert greedy == bool((rows.argmax(-1) == targets).all())
+        assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert [c.index for c in out.choices] == [0, 1, 2]
+
+
 # Bounded, as a schema for a small model should be: unbounded, a sampled name can run on
 # past any max_tokens (the grammar allows it; the model does it).
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
