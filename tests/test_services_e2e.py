@@ -157,6 +157,36 @@ def test_echo_with_logprobs_gives_the_prompt_s_logprobs_as_offline(client, offli
     assert whole.choices[0].text == "".join(c.text for c in chunks) == PROMPTS[2] + ref.outputs[0].text
 
 
+def test_vllm_prompt_logprobs_and_echo_of_the_prompt_alone(deployment, offline):
+    """vLLM's prompt_logprobs field: per prompt token (null first) its own logprob and
+    rank and the top-k's, by token id, on each completion choice and atop a chat; echo
+    with max_tokens 0 gives the prompt alone, scored; prompt_logprobs cannot stream."""
+    url, ids = deployment.base_url, offline.tokenizer.encode(PROMPTS[0])
+    ref = offline.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(url + path, json={"model": "tiny", **body}, timeout=60)
+
+    choice = post("/v1/completions", {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}).json()["choices"][0]
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
+    for token_id, entry, expected in zip(ids[1:], choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
+        assert entry[str(token_id)]["rank"] == expected.sampled_rank
+        assert {int(t) for t in entry} == set(expected.token_ids)
+        assert entry[str(token_id)]["logprob"] == pytest.approx(expected.logprobs[0], abs=1e-4)
+    assert choice["logprobs"] is None  # (no echo: the completion's own were not asked for)
+    alone = post("/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+    assert alone["choices"][0]["text"] == PROMPTS[0]
+    assert alone["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        [e.logprobs[0] for e in ref.prompt_logprobs[1:]], abs=1e-4)
+    assert len(alone["choices"][0]["logprobs"]["tokens"]) == len(ids)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == len(offline.tokenizer.apply_chat_template(messages))
+    streamed = post("/v1/completions", {"prompt": ids, "prompt_logprobs": 1, "stream": True})
+    assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "prompt_logprobs")
+    assert post("/v1/completions", {"prompt": ids, "max_tokens": 0}).status_code == 400  # without echo
+
+
 def test_chat_stream_and_non_stream_agree(client, offline):
     messages = [{"role": "user", "content": "hello there"}]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

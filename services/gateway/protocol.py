@@ -77,6 +77,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     skip_special_tokens: bool = True
     # vLLM's extra: logprobs name tokens as "token_id:{id}", for tokens that are not text.
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.
@@ -195,7 +196,9 @@ def to_sampling_params(
 ) -> SamplingParams:
     """`structured_outputs`: the request's, from `structured_outputs_of` (the caller also
     needs the field it came from)."""
-    prompt_logprobs = None
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None and request.stream:
+        raise BadRequest("prompt_logprobs cannot be streamed (as vLLM's); echo with logprobs can", "prompt_logprobs")
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -204,8 +207,10 @@ def to_sampling_params(
     else:
         max_tokens, logprobs = request.max_tokens, request.logprobs
         # OpenAI's echo with logprobs: the echoed prompt's tokens have theirs too.
-        if request.echo:
+        if request.echo and prompt_logprobs is None:
             prompt_logprobs = logprobs
+        if request.echo and max_tokens == 0:  # the prompt alone (scored): one token sampled, not shown
+            max_tokens = 1
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
     if request.n > 16:

@@ -72,6 +72,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class ChatChoice(msgspec.Struct):
@@ -97,6 +98,7 @@ class Response(msgspec.Struct):
     model: str
     choices: list[CompletionChoice] | list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET  # vLLM's, a chat's when asked for
 
 
 class Chunk(msgspec.Struct):
@@ -134,6 +136,16 @@ class LogprobsFormatter:
             ],
             "text_offset": [],
         }
+
+    def prompt(self, items: list[Logprobs]) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first) the token's own and
+        the top-k's, by token id, each with its rank and text."""
+        def entry(lp: Logprobs) -> dict[str, Any]:
+            ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
+            return {str(t): {"logprob": v, "rank": rank, "decoded_token": self._text(t)}
+                    for t, v, rank in zip(lp.token_ids, lp.logprobs, ranks)}
+
+        return [None] + [entry(lp) for lp in items]
 
     def chat(self, items: list[Logprobs]) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:

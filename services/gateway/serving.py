@@ -196,8 +196,10 @@ class _Generation:
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
         # With logprobs the prompt's tokens have theirs too; they come with each choice's
         # first output, so a stream sends the echo there rather than in a chunk of its own.
+        # With max_tokens 0 the echo is all there is (the engine samples one token, unshown).
         self.prompt_ids = prompts
-        self.echo_logprobs = params.prompt_logprobs is not None
+        self.echo_logprobs = not chat and body.echo and params.logprobs is not None
+        self.echo_only = not chat and body.echo and body.max_tokens == 0
         self.echo_pending = [self.echo_logprobs] * self.num_choices
         self.echo = [""] * self.num_choices
         if not chat and body.echo:
@@ -260,15 +262,16 @@ class _Generation:
         texts = list(self.echo)
         finish: list[str | None] = [None] * n
         logprobs: list[list] = [[] for _ in range(n)]
+        prompt_logprobs: list[list] = [[] for _ in range(n)]  # with each choice's first output
         want_logprobs = self.params.logprobs is not None
 
         async def consume():
             async for deltas in self.stream:
                 for d in deltas:
-                    texts[d.index] += d.text
-                    # (an echoed prompt's logprobs, with the choice's first output, go first)
-                    logprobs[d.index][:0] = d.prompt_logprobs
-                    logprobs[d.index].extend(d.logprobs)
+                    prompt_logprobs[d.index] += d.prompt_logprobs
+                    if not self.echo_only:
+                        texts[d.index] += d.text
+                        logprobs[d.index].extend(d.logprobs)
                     if d.finish_reason is not None:
                         finish[d.index] = str(d.finish_reason)
 
@@ -287,8 +290,10 @@ class _Generation:
         consumer.result()
         choices = []
         for i in range(n):
-            first = self._first_prompt_token(i) if self.echo_logprobs else None
-            lp = self._logprobs(logprobs[i], first) if want_logprobs else None
+            if self.echo_logprobs:  # the echoed prompt's tokens first
+                lp = self._logprobs(prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
+            else:
+                lp = self._logprobs(logprobs[i]) if want_logprobs else None
             if self.chat:
                 message = r.ChatMessage("assistant", texts[i])
                 if self.tool_parsers is not None:
@@ -298,8 +303,12 @@ class _Generation:
                 choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
             else:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
+                if self.params.prompt_logprobs is not None:  # vLLM's field (echo with logprobs asks too)
+                    choices[-1].prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[i])
         body = r.Response(self.request_id, self.object, self.created, self.s.config.model_name, choices,
                           self._usage())
+        if self.chat and self.params.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
+            body.prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[0])
         return Response(_json.encode(body), media_type="application/json")
 
     def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
@@ -320,7 +329,7 @@ class _Generation:
         an incomplete character, or text a tool-call parser holds back)."""
         reason = None if d.finish_reason is None else str(d.finish_reason)
         if not self.chat:
-            text, items, first = d.text, d.logprobs, None
+            text, items, first = ("", [], None) if self.echo_only else (d.text, d.logprobs, None)
             if self.echo_pending[d.index]:  # its first output: the echo, held back for its logprobs
                 self.echo_pending[d.index] = False
                 text, items, first = self.echo[d.index] + text, d.prompt_logprobs + items, self._first_prompt_token(d.index)
