@@ -2,6 +2,7 @@
 `openai` client (and raw httpx where the SSE bytes themselves matter)."""
 
 import asyncio
+import itertools
 import json
 import re
 import time
@@ -154,6 +155,9 @@ def test_echo_with_logprobs_gives_the_prompt_s_logprobs_as_offline(client, offli
     assert lp.token_logprobs[1:] == pytest.approx([e.logprobs[0] for e in entries], abs=1e-4)
     assert [set(top) for top in lp.top_logprobs[1:]] == [{text(t) for t in e.token_ids[1:]} for e in entries]
     assert streamed == list(zip(lp.tokens, lp.token_logprobs))
+    # Offsets into the choice's text: each token where the one before ends, decoded alone.
+    assert lp.text_offset == list(itertools.accumulate((len(t) for t in lp.tokens[:-1]), initial=0))
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
     assert whole.choices[0].text == "".join(c.text for c in chunks) == PROMPTS[2] + ref.outputs[0].text
 
 

@@ -6,6 +6,7 @@ Fields that OpenAI sends as `null` are plain fields; `usage` on stream chunks is
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -124,18 +125,26 @@ class LogprobsFormatter:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, items: list[Logprobs], first_token: int | None = None) -> dict[str, Any]:
+    def completion(self, items: list[Logprobs], first_token: int | None = None,
+                   offset: int = 0) -> tuple[dict[str, Any], int]:
         """`first_token`: an echoed prompt's first, which has no logprob (OpenAI's null);
-        `items` then begin with the rest of the prompt's."""
-        head, none = ([self._text(first_token)], [None]) if first_token is not None else ([], [])
+        `items` then begin with the rest of the prompt's. `text_offset` indexes the choice's
+        text: `offset` is the first token's, each next one starts where the one before
+        ends, decoded alone (as vLLM's: approximate where a character spans tokens).
+        Returns the logprobs and where a next token would start (a stream's next chunk)."""
+        head, none = ([first_token], [None]) if first_token is not None else ([], [])
+        ids = head + [lp.token_ids[0] for lp in items]
+        ends = list(accumulate((len(self.tokenizer.decode([t], skip_special_tokens=False)) for t in ids),
+                               initial=offset))
         return {
-            "tokens": head + [self._text(lp.token_ids[0]) for lp in items],
+            "tokens": [self._text(t) for t in ids],
             "token_logprobs": none + [lp.logprobs[0] for lp in items],
             "top_logprobs": none + [
                 {self._text(t): v for t, v in zip(lp.token_ids[1:], lp.logprobs[1:])} for lp in items
             ],
-            "text_offset": [],
-        }
+            "text_offset": ends[:-1],
+        }, ends[-1]
+
 
     def prompt(self, items: list[Logprobs]) -> list[dict[str, Any] | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first) the token's own and

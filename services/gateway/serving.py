@@ -201,6 +201,7 @@ class _Generation:
         self.echo_logprobs = not chat and body.echo and params.logprobs is not None
         self.echo_only = not chat and body.echo and body.max_tokens == 0
         self.echo_pending = [self.echo_logprobs] * self.num_choices
+        self.text_offsets = [0] * self.num_choices  # where each choice's next token's text starts
         self.echo = [""] * self.num_choices
         if not chat and body.echo:
             texts = completion_prompts(body)
@@ -250,9 +251,14 @@ class _Generation:
         u = self.usage
         return r.UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
 
-    def _logprobs(self, items, first_token: int | None = None) -> dict | None:
+    def _logprobs(self, index: int, items, first_token: int | None = None) -> dict | None:
+        """Choice `index`'s logprobs in the endpoint's shape (a completion's text offsets
+        go on from its previous chunk's)."""
         formatter = self.s.logprobs_as_ids if self.body.return_tokens_as_token_ids else self.s.logprobs
-        return formatter.chat(items) if self.chat else formatter.completion(items, first_token)
+        if self.chat:
+            return formatter.chat(items)
+        logprobs, self.text_offsets[index] = formatter.completion(items, first_token, self.text_offsets[index])
+        return logprobs
 
     def _first_prompt_token(self, index: int) -> int:
         return self.prompt_ids[index // self.params.n][0]
@@ -291,9 +297,9 @@ class _Generation:
         choices = []
         for i in range(n):
             if self.echo_logprobs:  # the echoed prompt's tokens first
-                lp = self._logprobs(prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
+                lp = self._logprobs(i, prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
             else:
-                lp = self._logprobs(logprobs[i]) if want_logprobs else None
+                lp = self._logprobs(i, logprobs[i]) if want_logprobs else None
             if self.chat:
                 message = r.ChatMessage("assistant", texts[i])
                 if self.tool_parsers is not None:
@@ -333,11 +339,11 @@ class _Generation:
             if self.echo_pending[d.index]:  # its first output: the echo, held back for its logprobs
                 self.echo_pending[d.index] = False
                 text, items, first = self.echo[d.index] + text, d.prompt_logprobs + items, self._first_prompt_token(d.index)
-            lp = self._logprobs(items, first) if items or first is not None else None
+            lp = self._logprobs(d.index, items, first) if items or first is not None else None
             if text or reason is not None or lp:
                 return r.CompletionChoice(d.index, text, lp, reason)
             return None
-        lp = self._logprobs(d.logprobs) if d.logprobs else None
+        lp = self._logprobs(d.index, d.logprobs) if d.logprobs else None
         content, tool_calls = d.text, None
         if self.tool_parsers is not None:
             parser = self.tool_parsers[d.index]
