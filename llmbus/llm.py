@@ -166,10 +166,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's: `continue_final_message` goes on from a last assistant message (with
+        add_generation_prompt=False); `chat_template_kwargs` are the template's own
+        variables (Qwen3's enable_thinking)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               chat_template_kwargs=chat_template_kwargs)
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -189,6 +189,8 @@ class TokenizeRequest(msgspec.Struct, **_WIRE):
     add_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # compiled as a check
     tools: list[dict] | None = None  # OpenAI's tools, rendered into the chat prompt
+    continue_final_message: bool = False  # the last (assistant) message left open, to go on from
+    chat_template_kwargs: dict | None = None  # more variables for the template (Qwen3's enable_thinking)
 
 
 class TokenizeResponse(msgspec.Struct, **_WIRE):

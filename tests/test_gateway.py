@@ -441,3 +441,38 @@ def test_tokenizer_info_serves_what_a_remote_tokenizer_reads_when_enabled(tokeni
     client, _ = gateway(tokenizer)
     with client:
         assert client.get("/tokenizer_info").status_code == 404  # off unless asked for, as vLLM's
+
+
+def test_chat_template_kwargs_and_continue_final_message_shape_the_prompt(tiny_llama):
+    """vLLM's chat fields: the template's own variables (Qwen3's templates read
+    enable_thinking), and a last assistant message left open for the model to go on from;
+    /tokenize renders them the same."""
+    tok = Tokenizer(tiny_llama)
+    tok.hf.chat_template += "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    client, engine = gateway(tok)
+    ask = [{"role": "user", "content": "hi"}]
+    started = [*ask, {"role": "assistant", "content": "The answer is"}]
+    with client:
+        for body in ({"messages": ask}, {"messages": ask, "chat_template_kwargs": {"enable_thinking": False}},
+                     {"messages": started, "add_generation_prompt": False, "continue_final_message": True}):
+            client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **body})
+        tokenized = client.post("/tokenize", json={"messages": ask, "chat_template_kwargs": {"enable_thinking": False}})
+    plain, thinking_off, continued = [tok.hf.decode(r.prompt_token_ids) for r in engine.submitted]
+    assert thinking_off == plain + "<think></think>" and "<think>" not in plain
+    assert continued.endswith("<|im_start|>assistant\nThe answer is")
+    assert tokenized.json()["tokens"] == engine.submitted[1].prompt_token_ids
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (the default)
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"big": 2**70}}, "chat_template_kwargs"),
+])
+def test_chat_template_options_that_cannot_be_are_400s(tokenizer, extra, param):
+    client, engine = gateway(tokenizer)
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    with client:
+        answers = [client.post("/v1/chat/completions", json={"model": "tiny", **body}),
+                   client.post("/tokenize", json=body)]
+    assert [(a.status_code, a.json()["error"]["param"]) for a in answers] == [(400, param)] * 2
+    assert engine.submitted == []

@@ -94,6 +94,18 @@ def test_chat_renders_the_template(llm):
     assert out.prompt_token_ids == expected
 
 
+def test_chat_goes_on_from_a_final_assistant_message(llm):
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi, I am"}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    [out] = llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True)
+    expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nHi, I am", False)
+    assert out.prompt_token_ids == expected
+    with pytest.raises(ValueError, match="add_generation_prompt must be false"):
+        llm.chat(messages, params, continue_final_message=True)
+    with pytest.raises(ValueError, match="cannot set tools"):
+        llm.chat(messages, params, chat_template_kwargs={"tools": []})
+
+
 def test_n_samples_per_prompt_with_seed_are_distinct_and_reproducible(llm):
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
     first = llm.generate("naïve café", params)[0]

@@ -350,6 +350,11 @@ def test_tokenize_and_detokenize_over_the_bus(deployment, offline):
                       "tokens": offline.tokenizer.encode(PROMPTS[2]), "token_strs": None}
     text = httpx.post(url + "/detokenize", json={"tokens": prompt["tokens"]}, timeout=30).json()
     assert text == {"prompt": PROMPTS[2]}
+    started = [*messages, {"role": "assistant", "content": "Bonjour"}]
+    continued = httpx.post(url + "/tokenize", json={"messages": started, "add_generation_prompt": False,
+                                                    "continue_final_message": True}, timeout=30).json()
+    assert continued["tokens"] == offline.tokenizer.apply_chat_template(started, False, continue_final_message=True)
+    assert offline.tokenizer.decode(continued["tokens"], skip_special_tokens=False).endswith("Bonjour")
     bad = httpx.post(url + "/tokenize", json={"messages": [{"role": "user"}]}, timeout=30)
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "messages"), bad.text
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import msgspec
 
 from services.gateway.errors import BadRequest
+from services.tokenizer.tokenizer import ChatOptionError, check_chat_options
 from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -108,6 +109,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: go on from the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables (enable_thinking)
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None
@@ -128,6 +131,8 @@ class TokenizeChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forb
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # The rendered template holds the special tokens it wants; only false is implemented.
     add_special_tokens: bool = False
     tools: list[Tool] | None = None
@@ -278,6 +283,18 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
             raise BadRequest(f"logit_bias keys are token ids, got {key!r}", "logit_bias")
         out[int(key)] = value
     return out
+
+
+def validate_chat_options(request) -> None:
+    """A chat's (or a chat /tokenize's) template options, before they reach a tokenizer."""
+    try:
+        check_chat_options(request.add_generation_prompt, request.continue_final_message,
+                           request.chat_template_kwargs)
+        msgspec.msgpack.encode(request.chat_template_kwargs)  # what goes to the tokenizer must fit the wire
+    except ChatOptionError as exc:
+        raise BadRequest(str(exc), exc.field) from exc
+    except (OverflowError, TypeError) as exc:
+        raise BadRequest(f"chat_template_kwargs cannot be sent on: {exc}", "chat_template_kwargs") from exc
 
 
 def validate_messages(messages: list[dict[str, Any]]) -> None:

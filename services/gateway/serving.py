@@ -29,6 +29,7 @@ from services.gateway.protocol import (
     parse_body,
     structured_outputs_of,
     to_sampling_params,
+    validate_chat_options,
     validate_messages,
 )
 from services.gateway import responses as r
@@ -121,9 +122,11 @@ class OpenAIServing:
         params = to_sampling_params(body, spec)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
+            validate_chat_options(body)
             prompts = [await self.tokenize(TokenizeRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                tools=tools.tools if tools is not None else None,
+                tools=tools.tools if tools is not None else None, continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
             ), ctx)]
         else:
             prompts = []

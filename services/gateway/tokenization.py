@@ -18,7 +18,7 @@ from fastapi import Request
 
 from services.gateway.errors import BadRequest, Unavailable
 from services.gateway.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest, parse_body, \
-    validate_messages
+    validate_chat_options, validate_messages
 from services.gateway.tools import tool_choice_of
 from shared.messages import TokenizeRequest
 
@@ -40,9 +40,12 @@ async def tokenize(serving: OpenAIServing, request: Request) -> dict:
             raise BadRequest("add_special_tokens must be false for messages: the chat template adds the special "
                              "tokens it wants", "add_special_tokens")
         validate_messages(body.messages)
+        validate_chat_options(body)
         tools = tool_choice_of(body)
         wire = TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                               tools=tools.tools if tools is not None else None)
+                               tools=tools.tools if tools is not None else None,
+                               continue_final_message=body.continue_final_message,
+                               chat_template_kwargs=body.chat_template_kwargs)
     else:
         wire = TokenizeRequest(prompt=body.prompt, add_special_tokens=body.add_special_tokens)
     token_ids = await serving.tokenize(wire)

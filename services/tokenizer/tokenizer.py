@@ -34,9 +34,13 @@ class Tokenizer:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """`chat_template_kwargs`: variables the template reads besides the messages (vLLM's
+        field; Qwen3's `enable_thinking`), never the ones set here."""
         if not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template")
+        check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         template = None
         if tools or has_tool_turns(messages):
             if self.template_renders_tools:
@@ -46,15 +50,40 @@ class Tokenizer:
         try:
             return self.hf.apply_chat_template(
                 messages, tools=tools, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                **(chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors: bad roles, missing fields, ...
             raise ValueError(f"chat template failed: {exc}") from exc
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         # The rendered template already holds the special tokens it wants.
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+class ChatOptionError(ValueError):
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field  # what the gateway's 400 names
+
+
+def check_chat_options(add_generation_prompt: bool, continue_final_message: bool,
+                       chat_template_kwargs: dict[str, Any] | None) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise ChatOptionError("continue_final_message goes on from the last message: add_generation_prompt must be "
+                              "false with it", "continue_final_message")
+    reserved = sorted(set(chat_template_kwargs or {}) & _RESERVED)
+    if reserved:
+        raise ChatOptionError(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
+
+
+# What apply_chat_template takes itself, and what a template is given by it.
+_RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                       "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
+                       "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 
 
 def _reads_tools(template: str | dict | None) -> bool:
