@@ -155,7 +155,8 @@ def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
                          args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
                          tool_call_parser=args.tool_call_parser,
-                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                         reasoning_parser=args.reasoning_parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

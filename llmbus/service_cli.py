@@ -76,6 +76,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
     from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 
+    from services.gateway.reasoning_parsers import REASONING_PARSERS
+
+    parser.add_argument("--reasoning-parser", default=env("--reasoning-parser", None), choices=REASONING_PARSERS,
+                        help="a reasoning model's thinking goes to the chat message's `reasoning`, apart from its "
+                             "content")
     parser.add_argument("--tool-call-parser", default=env("--tool-call-parser", "hermes"),
                         choices=sorted(TOOL_CALL_PARSERS),
                         help="how tool_choice auto reads the calls the model writes")

@@ -77,6 +77,7 @@ class GatewayConfig:
     # GET /tokenizer_info (vLLM's flag): the tokenizer's special tokens and chat template,
     # which lm-evaluation-harness's remote tokenizer reads. Off by default, as there.
     enable_tokenizer_info_endpoint: bool = False
+    reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (reasoning_parsers.py)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -25,6 +25,7 @@ class FakeEngine:
 
     reply_subject = "llmbus.tiny.outputs.test"
     max_model_len = 256
+    script = SCRIPT  # what every request is answered with
 
     def __init__(self, tokenizer: Tokenizer, finish: FinishReason | None = None) -> None:
         self.tokenizer = tokenizer
@@ -58,7 +59,7 @@ class FakeEngine:
         if self.finish is not None:
             queue.put_nowait(EngineCoreOutput(request.request_id, [], self.finish, error=f"scripted {self.finish}"))
             return
-        ids = self.tokenizer.encode(SCRIPT, add_special_tokens=False)[: request.sampling_params.max_tokens]
+        ids = self.tokenizer.encode(self.script, add_special_tokens=False)[: request.sampling_params.max_tokens]
         for i, token_id in enumerate(ids):
             last = i == len(ids) - 1
             queue.put_nowait(EngineCoreOutput(request.request_id, [token_id], FinishReason.LENGTH if last else None))

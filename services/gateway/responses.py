@@ -46,6 +46,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str | None  # null beside tool calls with no text before them
     tool_calls: list[ToolCall] = []  # absent when there are none
+    reasoning: str | None = None  # vLLM's, with --reasoning-parser: the thinking (absent without)
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -66,6 +67,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning: str | None = None
 
 
 class CompletionChoice(msgspec.Struct):

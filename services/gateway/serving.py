@@ -33,6 +33,7 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from services.gateway import responses as r
+from services.gateway.reasoning_parsers import new_parser
 from services.gateway.tool_parsers import parse_whole
 from services.gateway.tools import ToolChoice, tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
@@ -191,6 +192,13 @@ class _Generation:
         # One tool-call parser per choice, when the request lets the model call tools.
         self.tool_parsers = [tools.parser(serving.config.tool_call_parser) for _ in range(self.num_choices)] \
             if tools is not None else None
+        # One reasoning parser per choice (--reasoning-parser): its thinking apart from its content,
+        # which then goes to the tool-call parser. The prompt's end says whether it opened the thinking.
+        self.reasoning_parsers = None
+        if chat and serving.config.reasoning_parser is not None:
+            tail = serving.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+            self.reasoning_parsers = [new_parser(serving.config.reasoning_parser, tail)
+                                      for _ in range(self.num_choices)]
         self.stream = generate(
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
@@ -304,11 +312,15 @@ class _Generation:
             else:
                 lp = self._logprobs(i, logprobs[i]) if want_logprobs else None
             if self.chat:
-                message = r.ChatMessage("assistant", texts[i])
+                text, reasoning = texts[i], None
+                if self.reasoning_parsers is not None:
+                    reasoning, text = self.reasoning_parsers[i].whole(text)
+                message = r.ChatMessage("assistant", text, reasoning=reasoning or None)
                 if self.tool_parsers is not None:
-                    content, calls = parse_whole(self.tool_parsers[i], texts[i])
+                    content, calls = parse_whole(self.tool_parsers[i], text)
                     message = r.ChatMessage("assistant", content or (None if calls else ""), [
-                        r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls])
+                        r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls],
+                        reasoning=reasoning or None)
                 choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
             else:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
@@ -347,19 +359,25 @@ class _Generation:
                 return r.CompletionChoice(d.index, text, lp, reason)
             return None
         lp = self._logprobs(d.index, d.logprobs) if d.logprobs else None
-        content, tool_calls = d.text, None
+        content, tool_calls, reasoning = d.text, None, ""
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[d.index]
+            reasoning, content = parser.feed(d.text)
+            if reason is not None:
+                more_reasoning, more_content = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
         if self.tool_parsers is not None:
             parser = self.tool_parsers[d.index]
-            parsed = parser.feed(d.text)
+            parsed = parser.feed(content)
             if reason is not None:
                 parsed.add(parser.finish())
             content = parsed.content
             tool_calls = [r.DeltaToolCall(c.index, c.id, "function" if c.id else None,
                                           r.DeltaFunctionCall(c.name, c.arguments)) for c in parsed.tool_calls] or None
             reason = self._finish_reason(d.index, reason)
-        if content or tool_calls or reason is not None or lp:
-            return r.ChatChunkChoice(d.index, r.DeltaMessage(content=content or None, tool_calls=tool_calls), lp,
-                                     reason)
+        if content or reasoning or tool_calls or reason is not None or lp:
+            delta = r.DeltaMessage(content=content or None, tool_calls=tool_calls, reasoning=reasoning or None)
+            return r.ChatChunkChoice(d.index, delta, lp, reason)
         return None
 
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:

@@ -1,0 +1,84 @@
+"""A reasoning model's thinking read out of its chat answer (vLLM's `--reasoning-parser`):
+the text between `<think>` and `</think>` goes to the message's `reasoning`, the rest to
+its `content` (and from there to a tool-call parser).
+
+One parser per choice, fed the choice's text deltas; the non-streamed answer feeds its
+whole text at once, so both agree by construction (as tool_parsers.py). A tag split
+across deltas is held back until it is whole or cannot be one.
+
+- `deepseek_r1`: the template opens the thinking in the prompt, so the answer is reasoning
+  from its first character (a leading `<think>` dropped) until `</think>`.
+- `qwen3`: reasoning where the answer begins with `<think>`, or where the prompt ends
+  inside an open `<think>` (Qwen3.5's and the thinking-2507 templates put it there);
+  otherwise (`enable_thinking: false` closes it in the prompt) all content.
+Reasoning that never closes (max_tokens ran out) stays reasoning.
+"""
+
+from __future__ import annotations
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (to hold back)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    # "open?": the answer may still begin with <think>; "reasoning"; "content"
+    def __init__(self, starts_in_reasoning: bool) -> None:
+        self._state = "open?" if not starts_in_reasoning else "reasoning"
+        self._leading_open = True  # a <think> at the very start is dropped in any mode
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) this text adds."""
+        text, self._held = self._held + text, ""
+        reasoning = content = ""
+        if self._leading_open:
+            if OPEN.startswith(text):  # all of it may still be the tag
+                self._held = text
+                return "", ""
+            self._leading_open = False
+            if text.startswith(OPEN):
+                text, self._state = text[len(OPEN):], "reasoning"
+            elif self._state == "open?":
+                self._state = "content"
+        if self._state == "reasoning":
+            end = text.find(CLOSE)
+            if end < 0:
+                keep = _partial_suffix(text, CLOSE)
+                reasoning, self._held = text[: len(text) - keep], text[len(text) - keep:]
+                return reasoning, ""
+            reasoning, text, self._state = text[:end], text[end + len(CLOSE):], "content"
+        content = text
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, at the answer's end: an unfinished tag is text after all."""
+        held, self._held = self._held, ""
+        if self._leading_open and self._state == "open?":
+            return "", held
+        return (held, "") if self._state == "reasoning" else ("", held)
+
+    def whole(self, text: str) -> tuple[str, str]:
+        reasoning, content = self.feed(text)
+        more_reasoning, more_content = self.finish()
+        return reasoning + more_reasoning, content + more_content
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt's text ends inside an open <think> (the template began the thinking)."""
+    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+def new_parser(name: str, prompt_tail: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}: {', '.join(REASONING_PARSERS)}")
+    return ReasoningParser(starts_in_reasoning=name == "deepseek_r1" or prompt_opens_thinking(prompt_tail))
+
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
