@@ -477,3 +477,31 @@ def test_chat_template_options_that_cannot_be_are_400s(tokenizer, extra, param):
                    client.post("/tokenize", json=body)]
     assert [(a.status_code, a.json()["error"]["param"]) for a in answers] == [(400, param)] * 2
     assert engine.submitted == []
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(tokenizer):
+    """vLLM's field: the last k tokens (-1: as many as the context holds beside max_tokens);
+    the echo is what remains of the prompt."""
+    client, engine = gateway(tokenizer)
+    ids = tokenizer.encode(SCRIPT)
+    long = ids * (300 // len(ids) + 1)  # past the fake engine's 256-token context
+    with client:
+        body = client.post("/v1/completions", json={"model": "tiny", "prompt": SCRIPT, "max_tokens": 1,
+                                                    "truncate_prompt_tokens": 5, "echo": True}).json()
+        client.post("/v1/completions", json={"model": "tiny", "prompt": long, "max_tokens": 1,
+                                             "truncate_prompt_tokens": -1})
+        bad = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "truncate_prompt_tokens": 0})
+    first, whole_context = engine.submitted
+    assert first.prompt_token_ids == ids[-5:] and body["usage"]["prompt_tokens"] == 5
+    assert body["choices"][0]["text"].startswith(tokenizer.decode(ids[-5:], skip_special_tokens=False))
+    assert whole_context.prompt_token_ids == long[-255:]  # room for max_tokens
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "truncate_prompt_tokens")
+
+
+def test_models_and_ping_say_what_vllm_s_do(tokenizer):
+    client, _ = gateway(tokenizer)
+    with client:
+        card = client.get("/v1/models").json()["data"][0]
+        pings = [client.get("/ping"), client.post("/ping")]
+    assert (card["id"], card["max_model_len"]) == ("tiny", 256)
+    assert [p.status_code for p in pings] == [200, 200] and pings[0].json()["status"] == "ok"

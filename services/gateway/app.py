@@ -60,6 +60,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     def serving(request: Request) -> OpenAIServing:
         return request.app.state.serving
 
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health's answer
     @app.get("/health")
     async def health(request: Request):
         try:
@@ -84,11 +85,15 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus"}],
-        }
+    async def models(request: Request):
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus"}
+        try:  # vLLM's card says the context too, once a worker has joined (it is the workers' to know)
+            info = await serving(request).client.scheduler_info()
+            if info.num_workers >= 1:
+                card["max_model_len"] = info.max_model_len
+        except Unavailable:
+            pass
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -79,6 +79,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     # vLLM's extra: logprobs name tokens as "token_id:{id}", for tokens that are not text.
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.
@@ -216,6 +218,8 @@ def to_sampling_params(
             prompt_logprobs = logprobs
         if request.echo and max_tokens == 0:  # the prompt alone (scored): one token sampled, not shown
             max_tokens = 1
+    if request.truncate_prompt_tokens == 0:
+        raise BadRequest("truncate_prompt_tokens must be -1 (the context) or at least 1", "truncate_prompt_tokens")
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options needs stream: true", "stream_options")
     if request.n > 16:

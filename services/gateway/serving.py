@@ -152,6 +152,11 @@ class OpenAIServing:
             except BadRequest as exc:
                 raise BadRequest(str(exc), spec_field) from exc
         info = await self.client.scheduler_info()
+        keep = body.truncate_prompt_tokens
+        if keep == -1:  # as much as the context holds beside max_tokens (unknown before a worker joins)
+            keep = info.max_model_len - (params.max_tokens or 1) if info.num_workers >= 1 else None
+        if keep is not None:  # the prompt's last `keep` tokens (left truncation, as vLLM's)
+            prompts = [token_ids[-keep:] for token_ids in prompts]
         if info.num_workers >= 1:
             # With no worker yet (still loading) or none left the context is not known here:
             # the scheduler holds the request until one joins and checks its length then.
@@ -217,8 +222,9 @@ class _Generation:
         if not chat and body.echo:
             texts = completion_prompts(body)
             for p, token_ids in enumerate(prompts):
-                text = texts[p] if isinstance(texts[p], str) else serving.tokenizer.decode(
-                    token_ids, skip_special_tokens=False)
+                # (a truncated prompt's echo is what remains of it)
+                sent_whole = isinstance(texts[p], str) and body.truncate_prompt_tokens is None
+                text = texts[p] if sent_whole else serving.tokenizer.decode(token_ids, skip_special_tokens=False)
                 self.echo[p * params.n:(p + 1) * params.n] = [text] * params.n
 
     async def respond(self) -> Response:
