@@ -60,6 +60,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Added to the logits of these token ids before sampling (greedy too): -100 bans a
     # token, +100 all but forces it (OpenAI's logit_bias).
     logit_bias: dict[int, float] = {}
+    # vLLM's: sample only among these token ids (the rest masked, greedy too).
+    allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +105,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             # Banning the stop token past the grammar's end would force tokens it forbids.
             raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "
                              "the output ends")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps non-negative token ids to biases in [-100, 100]")
 

@@ -505,3 +505,12 @@ def test_models_and_ping_say_what_vllm_s_do(tokenizer):
         pings = [client.get("/ping"), client.post("/ping")]
     assert (card["id"], card["max_model_len"]) == ("tiny", 256)
     assert [p.status_code for p in pings] == [200, 200] and pings[0].json()["status"] == "ok"
+
+
+def test_allowed_token_ids_reach_the_engine_and_an_empty_list_is_a_400(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "allowed_token_ids": [5, 9]})
+        empty = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "allowed_token_ids": []})
+    assert engine.submitted[0].sampling_params.allowed_token_ids == [5, 9]
+    assert (empty.status_code, empty.json()["error"]["param"]) == (400, "allowed_token_ids")

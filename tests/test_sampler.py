@@ -480,6 +480,30 @@ def test_logit_bias_matches_transformers_sequence_bias(tiny_llama):
         llm.generate(prompts, SamplingParams(max_tokens=2, logit_bias={10**6: 1.0}))
 
 
+def test_allowed_token_ids_match_transformers_restricted_to_them(tiny_llama):
+    """vLLM's allowed_token_ids against transformers' prefix_allowed_tokens_fn: greedy
+    among the allowed ids, beside an unrestricted request; sampled draws stay among them."""
+    from llmbus import LLM, SamplingParams
+    from tiny_models import hf_greedy
+
+    prompts = [[5, 6, 7, 8], [40, 41, 42]]
+    free = hf_greedy(tiny_llama, prompts, 10)
+    allowed = sorted({*range(100, 140), free[0][1]} - {free[0][0]})  # its first greedy pick not among them
+    expected = hf_greedy(tiny_llama, prompts[:1], 10, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    llm = LLM(str(tiny_llama))
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [expected[0], free[1]] and got[0] != free[0]
+    sampled = llm.generate(prompts, SamplingParams(temperature=1.0, seed=4, max_tokens=30, ignore_eos=True,
+                                                   allowed_token_ids=[7, 9, 11]))
+    assert all(set(o.outputs[0].token_ids) <= {7, 9, 11} for o in sampled)
+    with pytest.raises(ValueError, match="allowed_token_ids token id"):
+        llm.generate(prompts, SamplingParams(max_tokens=2, allowed_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="non-empty list"):
+        SamplingParams(allowed_token_ids=[])
+
+
 def test_repetition_penalty_matches_transformers_across_steps_beside_unpenalized_requests(tiny_llama):
     """The counts the sampler keeps between steps (penalty_counts.py) against transformers'
     repetition_penalty over prompt and output, in a batch where only some rows are

@@ -82,6 +82,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
+    allowed_token_ids: list[Int] | None = None  # vLLM's: sample only among these
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.
     response_format: ResponseFormat | None = None
@@ -235,6 +236,7 @@ def to_sampling_params(
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
         structured_outputs=structured_outputs,
         prompt_logprobs=prompt_logprobs,
     )

@@ -80,9 +80,10 @@ class Scheduler:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = req.sampling_params
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if num_output >= max_tokens:

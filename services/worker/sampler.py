@@ -133,12 +133,17 @@ class Sampler:
         return self._samples(raw, sampled, params)
 
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
-        """Penalties, logit bias and min_tokens, which change the distribution greedy picks
-        from too: each for all the rows that ask for it at once, in that order."""
+        """Penalties, logit bias, min_tokens and allowed_token_ids, which change the
+        distribution greedy picks from too: each for all the rows that ask for it at once, in
+        that order."""
         penalized = [i for i, s in enumerate(states) if s.sampling_params.needs_penalties]
         bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
+        allow_rows, allow_ids = [], []
         for i, state in enumerate(states):
             params = state.sampling_params
+            if params.allowed_token_ids is not None:
+                allow_rows += [i] * len(params.allowed_token_ids)
+                allow_ids += params.allowed_token_ids
             if params.logit_bias:
                 bias_rows += [i] * len(params.logit_bias)
                 bias_ids += params.logit_bias.keys()
@@ -151,7 +156,7 @@ class Sampler:
                 banned = [t for t in banned if t < logits.shape[-1]]
                 ban_rows += [i] * len(banned)
                 ban_ids += banned
-        if not (penalized or bias_rows or ban_rows):
+        if not (penalized or bias_rows or ban_rows or allow_rows):
             return logits
         logits = logits.clone()
         device = logits.device
@@ -167,6 +172,11 @@ class Sampler:
                               to_device(bias_values, device, logits.dtype), accumulate=True)
         if ban_rows:
             logits[to_device(ban_rows, device), to_device(ban_ids, device)] = _MASK
+        if allow_rows:  # those rows' other ids masked (the rows known here: no sync)
+            keep = torch.ones_like(logits, dtype=torch.bool)
+            keep[to_device(sorted(set(allow_rows)), device)] = False
+            keep[to_device(allow_rows, device), to_device(allow_ids, device)] = True
+            logits.masked_fill_(~keep, _MASK)
         return logits
 
     def _sample_random(

@@ -146,7 +146,7 @@ def plain_greedy(state) -> bool:
     no penalties, bias or min_tokens ban after the mask, and no logprobs read from it."""
     params = state.sampling_params
     return (params.greedy and not params.needs_penalties and not params.logit_bias and params.logprobs is None
-            and state.num_output_tokens >= params.min_tokens)
+            and params.allowed_token_ids is None and state.num_output_tokens >= params.min_tokens)
 
 
 def _rows_to_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], plain_greedy) -> list[int]:
