@@ -13,7 +13,7 @@ import json
 import os
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
-from shared.config import KV_CACHE_DTYPES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
+from shared.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
 
 ENV_PREFIX = "LLMBUS_"
 
@@ -89,6 +89,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill each prompt in one step (then --max-num-batched-tokens must cover "
                              "--max-model-len)")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
+    parser.add_argument("--scheduling-policy", default=env("--scheduling-policy", "fcfs"), choices=SCHEDULING_POLICIES,
+                        help="priority: a request's `priority` (lower first) orders admission and preemption")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", default=env_flag("--no-async-scheduling"),
         help="wait for each step's answer before building the next (default: keep two in flight)",
@@ -144,6 +146,7 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         num_speculative_tokens=args.speculative_config.num_speculative_tokens if args.speculative_config else 0,
         speculative_disable_by_batch_size=(args.speculative_config.disable_by_batch_size
                                            if args.speculative_config else None),
@@ -174,6 +177,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         threads=args.threads,
         async_scheduling=not args.no_async_scheduling,

@@ -53,6 +53,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
         attention_backend: str | None = None,
         threads: int | None = None,
         async_scheduling: bool = True,
@@ -91,6 +92,7 @@ class LLM:
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 enable_chunked_prefill=enable_chunked_prefill,
                 enable_prefix_caching=enable_prefix_caching,
+                scheduling_policy=scheduling_policy,
                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
                 speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
             ),
@@ -120,7 +122,9 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """`priority`: vLLM's, one per prompt (lower first), with scheduling_policy="priority"."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -133,7 +137,7 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        results = self.add_requests(prompts, params_list)
+        results = self.add_requests(prompts, params_list, priority)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
             self._step_until_done(pending, bar)
@@ -235,7 +239,8 @@ class LLM:
     def _children(self, result: RequestOutput) -> list[str]:
         return [f"{result.request_id}-{o.index}" for o in result.outputs]
 
-    def add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams]) -> list[RequestOutput]:
+    def add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams],
+                     priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Queue without running (drive the engine with `step()`; `generate` does both).
         Everything is validated first: on any error nothing is left queued. Each step adds
         to a completion's `token_ids` (and logprobs); its `text` is set when it finishes
@@ -252,10 +257,12 @@ class LLM:
                 encoded.append((prompt, self.tokenizer.encode(prompt)))
             else:
                 encoded.append((None, list(prompt)))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         added: list[str] = []
         results = []
         try:
-            for (text, token_ids), params in zip(encoded, params_list):
+            for (text, token_ids), params, rank in zip(encoded, params_list, priority or [0] * len(prompts)):
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
                 if params.prompt_logprobs is not None:
                     result.prompt_logprobs = [None]
@@ -264,7 +271,7 @@ class LLM:
                 # fraction of the host's work a step.
                 parent = ParentRequest(
                     result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
-                    incremental=False,
+                    incremental=False, priority=rank,
                 )
                 for index, request in enumerate(parent.engine_requests):
                     self.scheduler.add_request(request)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -20,8 +22,14 @@ class SchedulerConfig:
     # and the running batch beyond which no request speculates (None: never off).
     num_speculative_tokens: int = 0
     speculative_disable_by_batch_size: int | None = None
+    # vLLM's: "fcfs", or "priority" (a request's `priority`, lower first, then arrival, orders
+    # the waiting queue, and the running request last in that order is the one preempted).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

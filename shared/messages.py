@@ -48,6 +48,7 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     # reconnect or a gap in the outputs. A scheduler that still runs the request sends
     # what came after those tokens again; one that does not know it takes it as new.
     resume: bool = False
+    priority: int = 0  # vLLM's; lower first, with --scheduling-policy priority only
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):

@@ -59,6 +59,7 @@ class ParentRequest:
         trace_headers: dict[str, str] | None = None,
         first_index: int = 0,  # of its first choice in the response (a batch of prompts)
         incremental: bool = True,  # False: each choice's text comes whole, with its finish
+        priority: int = 0,  # the scheduler's, under its priority policy
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -76,6 +77,7 @@ class ParentRequest:
                 arrival_time=arrival_time,
                 reply_subject=reply_subject,
                 trace_headers=trace_headers or {},
+                priority=priority,
             ))
             self._choices[child_id] = _Choice(
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,

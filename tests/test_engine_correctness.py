@@ -77,6 +77,16 @@ def test_preemption_with_prefix_caching_and_chunking_matches(model_and_reference
     assert llm.stats().num_preemptions > 0
 
 
+def test_priority_scheduling_under_preemption_matches(model_and_reference):
+    """vLLM's priority policy: other admission and preemption orders, the same tokens."""
+    folder, reference = model_and_reference
+    llm = LLM(str(folder), num_kv_blocks=12, block_size=16, scheduling_policy="priority")
+    priority = [3, 0, 2, 1, 0, 3, 1]
+    outputs = llm.generate(PROMPTS, GREEDY, priority=priority)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.stats().num_preemptions > 0
+
+
 def test_block_size_32_matches(model_and_reference):
     folder, reference = model_and_reference
     llm = LLM(str(folder), block_size=32, max_num_batched_tokens=40)

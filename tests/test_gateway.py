@@ -514,3 +514,10 @@ def test_allowed_token_ids_reach_the_engine_and_an_empty_list_is_a_400(tokenizer
         empty = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "allowed_token_ids": []})
     assert engine.submitted[0].sampling_params.allowed_token_ids == [5, 9]
     assert (empty.status_code, empty.json()["error"]["param"]) == (400, "allowed_token_ids")
+
+
+def test_priority_reaches_the_engine_with_each_request(tokenizer):
+    client, engine = gateway(tokenizer)
+    with client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "priority": -3})
+    assert [r.priority for r in engine.submitted] == [-3] * 4

@@ -253,6 +253,47 @@ def test_the_newest_running_request_is_preempted_when_blocks_run_out():
     check_ref_counts(scheduler)
 
 
+def prioritized(request_id: str, prompt, priority: int, arrival: float, **params) -> EngineCoreRequest:
+    request = make_request(request_id, prompt, **params)
+    request.priority, request.arrival_time = priority, arrival
+    return request
+
+
+def test_under_the_priority_policy_the_lowest_priority_value_is_admitted_first():
+    scheduler = make_scheduler(max_num_seqs=1, scheduling_policy="priority")
+    for rid, priority, arrival in (("late-urgent", 0, 3.0), ("early-lax", 5, 1.0), ("mid", 1, 2.0),
+                                   ("urgent", 0, 2.5)):
+        scheduler.add_request(prioritized(rid, [1, 2, 3], priority, arrival, max_tokens=1))
+    admitted = [step(scheduler)[0].scheduled_new_reqs[0].req_id for _ in range(4)]
+    assert admitted == ["urgent", "late-urgent", "mid", "early-lax"]  # by priority, then arrival
+
+
+def test_under_the_priority_policy_the_lowest_priority_running_request_is_preempted():
+    """Two 7-token prompts fill the 4 blocks. `lax` runs first (it came first) and is the
+    first to need a block: it gives its own back, as the running request last in
+    priority order (FCFS would take the newest, `urgent`), and `urgent` runs on in the
+    same step; `lax` waits again ahead of its equals that came later."""
+    scheduler = make_scheduler(num_kv_blocks=4, max_num_seqs=2, scheduling_policy="priority")
+    scheduler.add_request(prioritized("lax", range(11, 18), 9, 1.0, max_tokens=5))
+    step(scheduler)
+    scheduler.add_request(prioritized("urgent", range(1, 8), 0, 2.0, max_tokens=5))
+    scheduler.add_request(prioritized("lax-later", [21, 22], 9, 3.0, max_tokens=5))
+    step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["lax", "urgent"]
+    so = scheduler.schedule()
+    assert so.finished_req_ids == ["lax"] and so.num_scheduled_tokens == {"urgent": 1}
+    assert [r.request_id for r in scheduler.waiting] == ["lax", "lax-later"]
+    check_ref_counts(scheduler)
+
+
+def test_a_priority_without_the_priority_policy_is_refused():
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="scheduling-policy priority"):
+        scheduler.add_request(prioritized("a", [1, 2], 1, 1.0))
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        make_scheduler(scheduling_policy="lifo")
+
+
 def test_a_step_that_preempts_admits_no_waiting_request():
     # No prefix cache and a 4-token cap per request, so a preempted request would fit
     # again at once with a small chunk: the scheduler must still leave it for next step.

@@ -327,6 +327,8 @@ def test_cancelled_stream_frees_its_blocks(deployment):
         ({"model": "tiny", "prompt": "x", "response_format": {"type": "xml"}}, 400, "response_format"),
         ({"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "[0-9"}}, 400, "structured_outputs"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": []}, 400, "tools"),
+        ({"model": "tiny", "prompt": "x", "priority": 1}, 400, None),  # the scheduler's policy is fcfs
+        ({"model": "tiny", "prompt": "x", "allowed_token_ids": [10**6]}, 400, None),  # past the vocabulary
     ],
 )
 def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(deployment, body, status, param):

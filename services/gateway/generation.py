@@ -68,6 +68,7 @@ async def generate(
     idle_timeout_s: float = 300.0,
     trace_headers: dict[str, str] | None = None,
     incremental: bool = True,
+    priority: int = 0,
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """One ParentRequest per prompt (a completions batch has several), their choices
     numbered prompt by prompt. Not `incremental` (a response sent whole): each choice's
@@ -78,6 +79,7 @@ async def generate(
         ParentRequest(
             base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
             now, client.reply_subject, trace_headers, first_index=p * params.n, incremental=incremental,
+            priority=priority,
         )
         for p, token_ids in enumerate(prompts)
     ]

@@ -83,6 +83,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     allowed_token_ids: list[Int] | None = None  # vLLM's: sample only among these
+    priority: Int = 0  # vLLM's: lower is served first, under --scheduling-policy priority
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.
     response_format: ResponseFormat | None = None

@@ -208,6 +208,7 @@ class _Generation:
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
             incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
+            priority=body.priority,
         )
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
         # With logprobs the prompt's tokens have theirs too; they come with each choice's

@@ -26,6 +26,7 @@ class Request:
     max_tokens: int  # resolved against the context: never None here
     arrival_time: float = 0.0
     reply_subject: str = ""
+    priority: int = 0  # with the priority policy: lower runs first
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are (or, once the in-flight step lands, will be) in the cache.

@@ -2,13 +2,16 @@
 
 No prefill or decode phase: every request has `num_computed_tokens` chasing
 `num_tokens`, and each step spends one token budget on closing those gaps, running
-requests first (FCFS), then waiting ones. A long prompt is spread over steps (chunked
-prefill); when blocks run out the newest running request is preempted by recompute.
+requests first, then waiting ones. A long prompt is spread over steps (chunked prefill);
+when blocks run out the newest running request is preempted by recompute. Under the
+"priority" policy (vLLM's) the waiting queue is kept in (priority, arrival) order and the
+running request last in that order is the one preempted.
 It knows nothing of tensors or transport: it takes and returns `shared.messages`.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import defaultdict, deque
 
@@ -71,6 +74,8 @@ class Scheduler:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         if num_prompt == 0:
             raise ValueError("prompt must contain at least one token")
+        if req.priority and self.config.scheduling_policy != "priority":
+            raise ValueError("priority is only taken with --scheduling-policy priority")
         if num_prompt >= self.max_model_len:
             raise ValueError(
                 f"prompt is {num_prompt} tokens, but the model's context is "
@@ -96,13 +101,33 @@ class Scheduler:
             max_tokens=max_tokens,
             arrival_time=req.arrival_time or time.time(),
             reply_subject=req.reply_subject,
+            priority=req.priority,
             trace_headers=dict(req.trace_headers),
             queued_at=time.monotonic(),
             all_token_ids=[*req.prompt_token_ids, *req.output_token_ids],
             output_token_ids=list(req.output_token_ids),
         )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its back (new) or front (preempted, adopted) under
+        FCFS; under "priority" in (priority, arrival) order, ahead of its equals when
+        `front`."""
+        if self.config.scheduling_policy == "fcfs":
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        place = bisect.bisect_left if front else bisect.bisect_right
+        self.waiting.insert(place(self.waiting, _priority(request), key=_priority), request)
+
+    def _victim(self, first: int) -> Request:
+        """The running request to preempt, among those from `first` on (the ones this
+        step has not scheduled yet): the newest, or the last in priority order."""
+        if self.config.scheduling_policy == "fcfs":
+            return self.running.pop()
+        victim = max(self.running[first:], key=_priority)
+        self.running.remove(victim)
+        return victim
 
     def take_unfinished(self) -> list[Request]:
         """Hand every unfinished request over (its worker is gone), oldest first.
@@ -126,7 +151,7 @@ class Scheduler:
             request.num_output_placeholders = 0  # the steps in flight died with the worker
             request.in_worker = False
             self.requests[request.request_id] = request
-            self.waiting.appendleft(request)
+            self._enqueue(request, front=True)
 
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
@@ -176,7 +201,7 @@ class Scheduler:
         if request.in_worker:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def _restart_long(self, request: Request) -> None:
         """longrope: transformers recomputes a sequence with the long factors, from its first
@@ -224,13 +249,15 @@ class Scheduler:
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new)
                 if blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._victim(index)
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
                     break
             if blocks is None:
-                break
+                # It gave its own blocks back: last in preemption order, though (priority
+                # policy) not always last in the list; the requests after it may still run.
+                continue
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
             if slots:
@@ -498,3 +525,6 @@ class Scheduler:
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
         )
 
+
+def _priority(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
