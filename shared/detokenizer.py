@@ -42,11 +42,13 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         incremental: bool = True,  # False: the text is wanted only once the request is over
+        include_stop: bool = False,  # the stop string that ends the text stays in it
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._context = prompt_context(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop = list(stop or [])
+        self._include_stop = include_stop
         # Stop strings are looked for as the text grows, so they need it token by token.
         self.incremental = incremental or bool(self.stop)
         self._stream = self._new_stream(self._context) if self.incremental else None
@@ -126,7 +128,7 @@ class IncrementalDetokenizer:
             if at != -1 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is not None:
-            self.output_text = self.output_text[: best[0]]
+            self.output_text = self.output_text[: best[0] + (len(best[1]) if self._include_stop else 0)]
             self.stop_string = best[1]
 
     def get_delta(self, finished: bool) -> str:

@@ -81,7 +81,7 @@ class ParentRequest:
             ))
             self._choices[child_id] = _Choice(
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
-                                                    incremental),
+                                                    incremental, params.include_stop_str_in_output),
             )
 
     @property

@@ -50,6 +50,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop: list[str] = []
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended it stays in the text
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token

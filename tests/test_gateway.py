@@ -142,6 +142,18 @@ def test_a_stop_string_cuts_the_text_and_aborts_the_engine_request(tokenizer):
     assert engine.aborted == [engine.submitted[0].request_id]
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string_streamed_and_not(tokenizer):
+    client, _ = gateway(tokenizer)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 64, "stop": ["naïve", "zzz"],
+            "include_stop_str_in_output": True}
+    with client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+            streamed = "".join(e["choices"][0]["text"] for e in sse_events(resp) if e["choices"])
+    expected = SCRIPT[: SCRIPT.index("naïve") + len("naïve")]
+    assert (whole["text"], whole["finish_reason"], streamed) == (expected, "stop", expected)
+
+
 def test_n_choices_are_seeded_apart(tokenizer):
     client, engine = gateway(tokenizer)
     with client:

@@ -71,6 +71,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's
     ignore_eos: bool = False
     min_tokens: Int = 0
     stream: bool = False
@@ -233,6 +234,7 @@ def to_sampling_params(
         seed=request.seed,
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []),
+        include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=request.skip_special_tokens,
