@@ -20,6 +20,7 @@ from services.gateway.protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
 )
+from services.gateway.responses_api import ResponsesRequest
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import encode
 from shared.messages import EngineCoreRequest
@@ -46,6 +47,7 @@ PLAUSIBLE = {
     "messages": st.lists(message(), min_size=1, max_size=3),
     "max_tokens": st.integers(-2, 300),
     "tokens": st.lists(st.integers(-5, 500), max_size=8),
+    "input": st.one_of(st.text(min_size=1, max_size=30), st.lists(message(), min_size=1, max_size=3)),
     "n": st.integers(-1, 20),
     "temperature": st.floats(-1, 3),
     "stream": st.booleans(),
@@ -63,9 +65,11 @@ VALID = {
     TokenizePromptRequest: {"prompt": "hi"},
     TokenizeChatRequest: {"messages": [{"role": "user", "content": "hi"}]},
     DetokenizeRequest: {"tokens": [5, 6]},
+    ResponsesRequest: {"model": "tiny", "input": "hi", "max_output_tokens": 4},
 }
 PATHS = {CompletionRequest: "/v1/completions", ChatCompletionRequest: "/v1/chat/completions",
-         TokenizePromptRequest: "/tokenize", TokenizeChatRequest: "/tokenize", DetokenizeRequest: "/detokenize"}
+         TokenizePromptRequest: "/tokenize", TokenizeChatRequest: "/tokenize", DetokenizeRequest: "/detokenize",
+         ResponsesRequest: "/v1/responses"}
 
 
 def bodies(kind) -> st.SearchStrategy[dict]:
@@ -137,9 +141,15 @@ def test_tokenize_and_detokenize_never_answer_5xx(client, kind_body):
 
 
 @FUZZ
+@given(body=bodies(ResponsesRequest))
+def test_responses_never_answer_5xx(client, body):
+    check(client.post("/v1/responses", json=body))
+
+
+@FUZZ
 @given(raw=raw_bodies)
 def test_bodies_that_are_not_json_or_not_utf8_are_400(client, raw):
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
         resp = client.post(path, content=raw, headers={"content-type": "application/json"})
         check(resp)
 

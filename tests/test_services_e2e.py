@@ -117,6 +117,32 @@ def test_structured_outputs_served_as_offline(client, offline):
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
 
 
+def test_the_responses_api_answers_as_the_offline_chat(client, offline):
+    """/v1/responses through the openai client: the offline engine's chat text, whole and
+    streamed, and a json_schema text format that validates and is the offline engine's."""
+    import jsonschema
+
+    from shared.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "A color as JSON"}]
+    [plain] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12))
+    whole = client.responses.create(model="tiny", instructions="Be brief.", input="A color as JSON",
+                                    temperature=0, max_output_tokens=12)
+    assert whole.output_text == plain.outputs[0].text
+    assert whole.usage.output_tokens == len(plain.outputs[0].token_ids)
+    events = list(client.responses.create(model="tiny", instructions="Be brief.", input="A color as JSON",
+                                          temperature=0, max_output_tokens=12, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == plain.outputs[0].text
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == whole.output_text
+    fmt = {"format": {"type": "json_schema", "name": "color", "schema": SCHEMA}}
+    shaped = client.responses.create(model="tiny", instructions="Be brief.", input="A color as JSON",
+                                     temperature=0, max_output_tokens=40, text=fmt)
+    jsonschema.validate(json.loads(shaped.output_text), SCHEMA)
+    [want] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40,
+                                                   structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    assert shaped.output_text == want.outputs[0].text and shaped.status == "completed"
+
+
 def test_streamed_completion_equals_the_non_streamed_one(client):
     kwargs = dict(model="tiny", prompt="naïve café", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0].text

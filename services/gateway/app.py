@@ -20,6 +20,8 @@ from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import GatewayError, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.responses_api import ResponsesGeneration, ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import tokenization
 from shared.config import GatewayConfig
@@ -97,11 +99,15 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving(request).handle(request, chat=False)
+        return await serving(request).handle(request, CompletionRequest)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await serving(request).handle(request, chat=True)
+        return await serving(request).handle(request, ChatCompletionRequest)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await serving(request).handle(request, ResponsesRequest, ResponsesGeneration)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -66,8 +66,10 @@ class OpenAIServing:
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
 
-    async def handle(self, request: Request, chat: bool) -> Response:
-        """FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
+    async def handle(self, request: Request, kind: type, generation: type | None = None) -> Response:
+        """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
+        `to_chat`, the Responses API's), `generation` the class that answers it.
+        FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
         of a stream and parents everything the request causes on the bus."""
         path = request.url.path
         span = self.tracer.start_span(
@@ -76,13 +78,13 @@ class OpenAIServing:
         )
         ctx = trace.set_span_in_context(span)
         try:
-            body, params, prompts, tools = await self._prepare(
-                request, ChatCompletionRequest if chat else CompletionRequest, ctx
-            )
+            body, params, prompts, tools = await self._prepare(request, kind, ctx)
         except Exception as exc:
+            if isinstance(exc, BadRequest) and hasattr(kind, "PARAMS"):  # the field as the client named it
+                exc.param = kind.PARAMS.get(exc.param, exc.param)
             _end_span(span, status_of(exc), exc)
             raise
-        return await _Generation(self, request, body, params, prompts, tools, span, ctx).respond()
+        return await (generation or _Generation)(self, request, body, params, prompts, tools, span, ctx).respond()
 
     # ---- before the engine --------------------------------------------------------------
 
@@ -111,6 +113,8 @@ class OpenAIServing:
         if self.client.scheduler_silent():
             raise Unavailable("the scheduler is not running")
         body = parse_body(await self.read_body(request), kind)
+        if hasattr(body, "to_chat"):  # (a Responses API request: the chat it means)
+            body = body.to_chat()
         self.check_model(body.model)
         spec, spec_field = structured_outputs_of(body)
         tools = tool_choice_of(body) if isinstance(body, ChatCompletionRequest) else None
@@ -281,13 +285,14 @@ class _Generation:
     def _first_prompt_token(self, index: int) -> int:
         return self.prompt_ids[index // self.params.n][0]
 
-    async def _collect(self) -> Response:
+    async def _gather(self):
+        """Every choice's (texts, finish reasons, logprobs, prompt logprobs) once the
+        engine is done; None when the client left first (its requests aborted)."""
         n = self.num_choices
         texts = list(self.echo)
         finish: list[str | None] = [None] * n
         logprobs: list[list] = [[] for _ in range(n)]
         prompt_logprobs: list[list] = [[] for _ in range(n)]  # with each choice's first output
-        want_logprobs = self.params.logprobs is not None
 
         async def consume():
             async for deltas in self.stream:
@@ -309,25 +314,38 @@ class _Generation:
         if consumer not in done:
             consumer.cancel()  # the client left: the generator's cleanup aborts in the engine
             await self.stream.aclose()
-            return Response(b"{}", status_code=499, media_type="application/json")
+            return None
         watcher.cancel()
         consumer.result()
+        return texts, finish, logprobs, prompt_logprobs
+
+    def _message(self, index: int, text: str) -> tuple[str | None, str | None, list]:
+        """A chat choice's whole text as (reasoning, content, tool calls), through its parsers."""
+        reasoning = None
+        if self.reasoning_parsers is not None:
+            reasoning, text = self.reasoning_parsers[index].whole(text)
+        if self.tool_parsers is None:
+            return reasoning or None, text, []
+        content, calls = parse_whole(self.tool_parsers[index], text)
+        return reasoning or None, content or (None if calls else ""), calls
+
+    async def _collect(self) -> Response:
+        gathered = await self._gather()
+        if gathered is None:
+            return Response(b"{}", status_code=499, media_type="application/json")
+        texts, finish, logprobs, prompt_logprobs = gathered
+        want_logprobs = self.params.logprobs is not None
         choices = []
-        for i in range(n):
+        for i in range(self.num_choices):
             if self.echo_logprobs:  # the echoed prompt's tokens first
                 lp = self._logprobs(i, prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
             else:
                 lp = self._logprobs(i, logprobs[i]) if want_logprobs else None
             if self.chat:
-                text, reasoning = texts[i], None
-                if self.reasoning_parsers is not None:
-                    reasoning, text = self.reasoning_parsers[i].whole(text)
-                message = r.ChatMessage("assistant", text, reasoning=reasoning or None)
-                if self.tool_parsers is not None:
-                    content, calls = parse_whole(self.tool_parsers[i], text)
-                    message = r.ChatMessage("assistant", content or (None if calls else ""), [
-                        r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls],
-                        reasoning=reasoning or None)
+                reasoning, content, calls = self._message(i, texts[i])
+                message = r.ChatMessage("assistant", content, [
+                    r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls],
+                    reasoning=reasoning)
                 choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
             else:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))

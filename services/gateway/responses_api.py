@@ -1,0 +1,328 @@
+"""OpenAI's Responses API (`POST /v1/responses`), over the chat path.
+
+A Responses request is turned into the chat request it means — `instructions` a system
+message, `input` items messages (`function_call` items an assistant's tool calls,
+`function_call_output` items tool messages), `text.format` a response_format, the flat
+function tools chat's nested ones — and served as a chat is: the same validation,
+template, sampling, reasoning and tool-call parsers. Only the answer's shape differs:
+output items (a `reasoning` item with --reasoning-parser, a `message` with `output_text`,
+a `function_call` per call), and for a stream the API's typed events, from
+`response.created` to `response.completed`, the last carrying the same response a
+request sent whole gets.
+
+Not implemented, so refused by name: `previous_response_id` and the rest of stored
+state (nothing is stored: `store` is answered false), `reasoning` settings, `include`,
+`background`, `top_logprobs`, and input that is not text.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+from services.gateway.errors import BadRequest, GatewayError, error_body, status_of
+from services.gateway.protocol import ChatCompletionRequest, Int
+from services.gateway.serving import _Generation, _prepend
+from services.gateway.tool_parsers import ToolCall
+
+_json = msgspec.json.Encoder()
+
+
+class ResponsesTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str  # "function"
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str  # "text", "json_object" or "json_schema"
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    format: TextFormat | None = None
+
+
+class ResponsesChat(ChatCompletionRequest, kw_only=True):
+    """The chat a Responses request means, with what its response echoes back."""
+
+    instructions: str | None = None
+    text_format: dict[str, Any] | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required", {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None
+    text: ResponsesText | None = None
+    stream: bool = False
+    store: bool | None = None  # nothing is stored; the response says store: false
+    truncation: str | None = None  # "disabled" only
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+
+    # A chat request's field, as the client named it here (for a 400's param).
+    PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
+              "max_tokens": "max_output_tokens"}
+
+    def to_chat(self) -> ResponsesChat:
+        if self.truncation not in (None, "disabled"):
+            raise BadRequest("truncation must be disabled: llmbus does not drop input to fit the context",
+                             "truncation")
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
+        messages += _messages(self.input)
+        chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
+                                "instructions": self.instructions}
+        for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
+                            ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
+                            ("user", self.user), ("metadata", self.metadata)):
+            if value is not None:
+                chat[name] = value
+        if self.tools is not None:
+            chat["tools"] = [{"type": t.type, "function": {
+                k: v for k, v in msgspec.structs.asdict(t).items() if k != "type" and v is not None}} for t in self.tools]
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            if isinstance(choice, dict):
+                if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                    raise BadRequest("tool_choice must be none, auto, required or {\"type\": \"function\", "
+                                     "\"name\": ...}", "tool_choice")
+                choice = {"type": "function", "function": {"name": choice["name"]}}
+            chat["tool_choice"] = choice
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None:
+            chat["text_format"] = msgspec.to_builtins(fmt)
+        if fmt is not None and fmt.type != "text":
+            chat["response_format"] = ({"type": "json_schema", "json_schema": {
+                "name": fmt.name or "", "schema": fmt.schema, "strict": fmt.strict}}
+                if fmt.type == "json_schema" else {"type": fmt.type})
+        try:
+            return msgspec.convert(chat, ResponsesChat)
+        except msgspec.ValidationError as exc:
+            raise BadRequest(str(exc)) from exc
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadRequest(f"{where}.content must be text (a string or input_text/output_text parts)", "input")
+
+
+def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items as chat messages: a model's function calls (consecutive ones in one
+    assistant turn) and their outputs as tool turns; a previous turn's reasoning item is
+    dropped, as chat templates drop a past turn's thinking."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind, where = item.get("type", "message"), f"input[{i}]"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise BadRequest(f"{where}.role must be user, assistant, system or developer", "input")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise BadRequest(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise BadRequest(f"{where}: a function_call_output needs call_id and output (strings)", "input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        elif kind != "reasoning":
+            raise BadRequest(f"{where}.type {kind!r} is not supported by llmbus", "input")
+    return messages
+
+
+class ResponsesGeneration(_Generation):
+    """A chat's generation, answered as a Response (n is always 1 here)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = f"resp_{uuid.uuid4().hex}"
+        self.message_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _response(self, status: str, reasoning: str, content: str, calls: list[ToolCall],
+                  finish: str | None) -> dict[str, Any]:
+        output: list[dict[str, Any]] = []
+        if reasoning:
+            output.append(self._reasoning_item(reasoning, "completed"))
+        if content or not calls:
+            output.append(self._message_item(content, "completed"))
+        output += [self._call_item(call, "completed") for call in calls]
+        incomplete = finish == "length"
+        if status == "completed" and incomplete:
+            status = "incomplete"
+        u = self.usage
+        body = self.body
+        return {
+            "id": self.request_id, "object": "response", "created_at": self.created, "status": status,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "error": None, "model": self.s.config.model_name, "output": output,
+            "instructions": body.instructions, "max_output_tokens": self.params.max_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else (
+                {"type": "function", "name": body.tool_choice.function.name} if body.tool_choice else "auto"),
+            "tools": [{"type": "function", **msgspec.to_builtins(t.function)} for t in body.tools or []],
+            "text": {"format": body.text_format or {"type": "text"}}, "truncation": "disabled", "store": False,
+            "previous_response_id": None, "metadata": body.metadata or {},
+            "usage": {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": u.prompt_tokens + u.completion_tokens},
+        }
+
+    def _message_item(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+
+    @staticmethod
+    def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+                "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
+
+    async def _collect(self):
+        from fastapi.responses import Response
+
+        gathered = await self._gather()
+        if gathered is None:
+            return Response(b"{}", status_code=499, media_type="application/json")
+        texts, finish, _, _ = gathered
+        reasoning, content, calls = self._message(0, texts[0])
+        body = self._response("completed", reasoning or "", content or "", calls, finish[0])
+        return Response(_json.encode(body), media_type="application/json")
+
+    def _event(self, kind: str, **fields) -> bytes:
+        self.sequence += 1
+        return (f"event: {kind}\ndata: ".encode() + _json.encode({"type": kind, "sequence_number": self.sequence,
+                                                                  **fields}) + b"\n\n")
+
+    async def _sse(self, first) -> AsyncIterator[bytes]:
+        self.sequence = -1
+        status, failure = 499, None
+        reasoning, content, calls = "", "", []  # what has gone out, to close the items with
+        items: dict[str, int] = {}  # item id -> output_index, in the order they opened
+        finish = None
+        try:
+            yield self._event("response.created", response=self._response("in_progress", "", "", [], None))
+            yield self._event("response.in_progress", response=self._response("in_progress", "", "", [], None))
+            async for deltas in _prepend(first, self.stream):
+                for d in deltas:
+                    finish = str(d.finish_reason) if d.finish_reason is not None else finish
+                    more_reasoning, more_content, new_calls, arguments = self._parse_delta(d)
+                    if more_reasoning:
+                        if self.reasoning_id not in items:
+                            items[self.reasoning_id] = len(items)
+                            yield self._event("response.output_item.added", output_index=items[self.reasoning_id],
+                                              item=self._reasoning_item("", "in_progress"))
+                        reasoning += more_reasoning
+                        yield self._event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                          output_index=items[self.reasoning_id], content_index=0,
+                                          delta=more_reasoning)
+                    if more_content:
+                        if self.message_id not in items:
+                            items[self.message_id] = len(items)
+                            yield self._event("response.output_item.added", output_index=items[self.message_id],
+                                              item=self._message_item("", "in_progress"))
+                            yield self._event("response.content_part.added", item_id=self.message_id,
+                                              output_index=items[self.message_id], content_index=0,
+                                              part={"type": "output_text", "text": "", "annotations": []})
+                        content += more_content
+                        yield self._event("response.output_text.delta", item_id=self.message_id,
+                                          output_index=items[self.message_id], content_index=0, delta=more_content,
+                                          logprobs=[])
+                    for call in new_calls:
+                        calls.append(call)
+                        item = self._call_item(call, "in_progress")
+                        items[item["id"]] = len(items)
+                        yield self._event("response.output_item.added", output_index=items[item["id"]], item=item)
+                    for index, fragment in arguments:
+                        call = calls[index]
+                        call.arguments += fragment
+                        item_id = self._call_item(call, "completed")["id"]
+                        yield self._event("response.function_call_arguments.delta", item_id=item_id,
+                                          output_index=items[item_id], delta=fragment)
+            if reasoning:
+                yield self._event("response.reasoning_text.done", item_id=self.reasoning_id,
+                                  output_index=items[self.reasoning_id], content_index=0, text=reasoning)
+                yield self._event("response.output_item.done", output_index=items[self.reasoning_id],
+                                  item=self._reasoning_item(reasoning, "completed"))
+            if content or not calls:
+                if self.message_id not in items:  # (an empty answer still has its message)
+                    items[self.message_id] = len(items)
+                    yield self._event("response.output_item.added", output_index=items[self.message_id],
+                                      item=self._message_item("", "in_progress"))
+                index = items[self.message_id]
+                part = {"type": "output_text", "text": content, "annotations": []}
+                yield self._event("response.output_text.done", item_id=self.message_id, output_index=index,
+                                  content_index=0, text=content, logprobs=[])
+                yield self._event("response.content_part.done", item_id=self.message_id, output_index=index,
+                                  content_index=0, part=part)
+                yield self._event("response.output_item.done", output_index=index,
+                                  item=self._message_item(content, "completed"))
+            for call in calls:
+                item = self._call_item(call, "completed")
+                yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=items[item["id"]], arguments=call.arguments)
+                yield self._event("response.output_item.done", output_index=items[item["id"]], item=item)
+            yield self._event("response.completed",
+                              response=self._response("completed", reasoning, content, calls, finish))
+            status = 200
+        except GatewayError as exc:
+            status, failure = status_of(exc), exc
+            error = msgspec.json.decode(error_body(exc))["error"]
+            yield self._event("error", code=str(error["code"]), message=error["message"], param=error["param"])
+        finally:
+            self._finished(status, failure)
+
+    def _parse_delta(self, d) -> tuple[str, str, list[ToolCall], list[tuple[int, str]]]:
+        """A delta's new reasoning and content, the calls it opens and the argument
+        fragments it adds (call index, text), through the choice's parsers."""
+        reasoning, content = "", d.text
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[0]
+            reasoning, content = parser.feed(d.text)
+            if d.finish_reason is not None:
+                more_reasoning, more_content = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tool_parsers is None:
+            return reasoning, content, [], []
+        parser = self.tool_parsers[0]
+        parsed = parser.feed(content)
+        if d.finish_reason is not None:
+            parsed.add(parser.finish())
+        opened = [ToolCall(c.id, c.name or "", "") for c in parsed.tool_calls if c.id is not None]
+        return reasoning, parsed.content, opened, [(c.index, c.arguments) for c in parsed.tool_calls if c.arguments]
+
