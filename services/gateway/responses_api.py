@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from fastapi.responses import Response
 
 from services.gateway.errors import BadRequest, GatewayError, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
@@ -213,9 +214,7 @@ class ResponsesGeneration(_Generation):
         return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
                 "name": call.name, "arguments": call.arguments if status == "completed" else "", "status": status}
 
-    async def _collect(self):
-        from fastapi.responses import Response
-
+    async def _collect(self) -> Response:
         gathered = await self._gather()
         if gathered is None:
             return Response(b"{}", status_code=499, media_type="application/json")
@@ -241,7 +240,9 @@ class ResponsesGeneration(_Generation):
             async for deltas in _prepend(first, self.stream):
                 for d in deltas:
                     finish = str(d.finish_reason) if d.finish_reason is not None else finish
-                    more_reasoning, more_content, new_calls, arguments = self._parse_delta(d)
+                    more_reasoning, more_content, call_deltas = self._parse_delta(d)
+                    new_calls = [ToolCall(c.id, c.name or "", "") for c in call_deltas if c.id is not None]
+                    arguments = [(c.index, c.arguments) for c in call_deltas if c.arguments]
                     if more_reasoning:
                         if self.reasoning_id not in items:
                             items[self.reasoning_id] = len(items)
@@ -306,23 +307,3 @@ class ResponsesGeneration(_Generation):
             yield self._event("error", code=str(error["code"]), message=error["message"], param=error["param"])
         finally:
             self._finished(status, failure)
-
-    def _parse_delta(self, d) -> tuple[str, str, list[ToolCall], list[tuple[int, str]]]:
-        """A delta's new reasoning and content, the calls it opens and the argument
-        fragments it adds (call index, text), through the choice's parsers."""
-        reasoning, content = "", d.text
-        if self.reasoning_parsers is not None:
-            parser = self.reasoning_parsers[0]
-            reasoning, content = parser.feed(d.text)
-            if d.finish_reason is not None:
-                more_reasoning, more_content = parser.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
-        if self.tool_parsers is None:
-            return reasoning, content, [], []
-        parser = self.tool_parsers[0]
-        parsed = parser.feed(content)
-        if d.finish_reason is not None:
-            parsed.add(parser.finish())
-        opened = [ToolCall(c.id, c.name or "", "") for c in parsed.tool_calls if c.id is not None]
-        return reasoning, parsed.content, opened, [(c.index, c.arguments) for c in parsed.tool_calls if c.arguments]
-

@@ -370,6 +370,24 @@ class _Generation:
             return "tool_calls"
         return reason
 
+    def _parse_delta(self, d: ChoiceDelta) -> tuple[str, str, list]:
+        """A chat delta's (reasoning, content, tool-call deltas) through its choice's
+        parsers, which give up what they held back when the choice ends."""
+        reasoning, content = "", d.text
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[d.index]
+            reasoning, content = parser.feed(d.text)
+            if d.finish_reason is not None:
+                more_reasoning, more_content = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tool_parsers is None:
+            return reasoning, content, []
+        parser = self.tool_parsers[d.index]
+        parsed = parser.feed(content)
+        if d.finish_reason is not None:
+            parsed.add(parser.finish())
+        return reasoning, parsed.content, parsed.tool_calls
+
     def _delta_choice(self, d: ChoiceDelta):
         """The chunk's entry for one choice; None when it has nothing to send yet (bytes of
         an incomplete character, or text a tool-call parser holds back)."""
@@ -384,21 +402,11 @@ class _Generation:
                 return r.CompletionChoice(d.index, text, lp, reason)
             return None
         lp = self._logprobs(d.index, d.logprobs) if d.logprobs else None
-        content, tool_calls, reasoning = d.text, None, ""
-        if self.reasoning_parsers is not None:
-            parser = self.reasoning_parsers[d.index]
-            reasoning, content = parser.feed(d.text)
-            if reason is not None:
-                more_reasoning, more_content = parser.finish()
-                reasoning, content = reasoning + more_reasoning, content + more_content
+        reasoning, content, calls = self._parse_delta(d)
+        tool_calls = None
         if self.tool_parsers is not None:
-            parser = self.tool_parsers[d.index]
-            parsed = parser.feed(content)
-            if reason is not None:
-                parsed.add(parser.finish())
-            content = parsed.content
             tool_calls = [r.DeltaToolCall(c.index, c.id, "function" if c.id else None,
-                                          r.DeltaFunctionCall(c.name, c.arguments)) for c in parsed.tool_calls] or None
+                                          r.DeltaFunctionCall(c.name, c.arguments)) for c in calls] or None
             reason = self._finish_reason(d.index, reason)
         if content or reasoning or tool_calls or reason is not None or lp:
             delta = r.DeltaMessage(content=content or None, tool_calls=tool_calls, reasoning=reasoning or None)
