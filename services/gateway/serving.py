@@ -24,7 +24,6 @@ from services.gateway.generation import Usage, generate
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
-    CompletionRequest,
     completion_prompts,
     parse_body,
     structured_outputs_of,
