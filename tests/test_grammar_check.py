@@ -27,12 +27,18 @@ def test_a_bad_spec_says_why(checker, spec):
     assert checker.check(spec).startswith("structured_outputs: ")
 
 
+# Seconds of compile even over the tiny vocabulary (60 alternatives: ~0.15 s here), so a
+# short timeout is past whatever the machine's load does to the waiting thread (a regex that
+# compiles in 2 ms once finished inside a 1 us timeout, the thread descheduled in between).
+RUNAWAY = "(" + "|".join(f"[a-z]{{{i},{i + 50}}}x" for i in range(240)) + "){1,5}"
+
+
 def test_a_compile_past_its_timeout_is_killed_and_the_next_starts_afresh(checker):
     checker.check(StructuredOutputsParams(regex="warm"))  # the child is up
     first = checker._pool
-    checker.timeout_s = 1e-6
+    checker.timeout_s = 0.05
     try:
-        message = checker.check(StructuredOutputsParams(regex="[a-z]{1,40}@[a-z]{1,40}"))
+        message = checker.check(StructuredOutputsParams(regex=RUNAWAY))
     finally:
         checker.timeout_s = 30.0
     assert "did not compile within" in message
