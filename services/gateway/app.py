@@ -21,7 +21,7 @@ from services.gateway.errors import GatewayError, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses_api import ResponsesGeneration, ResponsesRequest
+from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import tokenization
 from shared.config import GatewayConfig
@@ -107,7 +107,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        return await serving(request).handle(request, ResponsesRequest, ResponsesGeneration)
+        return await serving(request).handle(request, ResponsesRequest, ResponsesAnswer)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

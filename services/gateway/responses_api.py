@@ -27,7 +27,7 @@ from fastapi.responses import Response
 
 from services.gateway.errors import BadRequest, GatewayError, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
-from services.gateway.serving import _Generation, _prepend
+from services.gateway.answer import Answer, prepend
 from services.gateway.tool_parsers import ToolCall
 
 _json = msgspec.json.Encoder()
@@ -161,7 +161,7 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-class ResponsesGeneration(_Generation):
+class ResponsesAnswer(Answer):
     """A chat's generation, answered as a Response (n is always 1 here)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -237,7 +237,7 @@ class ResponsesGeneration(_Generation):
         try:
             yield self._event("response.created", response=self._response("in_progress", "", "", [], None))
             yield self._event("response.in_progress", response=self._response("in_progress", "", "", [], None))
-            async for deltas in _prepend(first, self.stream):
+            async for deltas in prepend(first, self.stream):
                 for d in deltas:
                     finish = str(d.finish_reason) if d.finish_reason is not None else finish
                     more_reasoning, more_content, call_deltas = self._parse_delta(d)

@@ -1,0 +1,319 @@
+"""The answer to one completion or chat request: its deltas collected into one JSON body,
+or framed as an SSE stream (serving.py prepares the request; responses_api.py frames the
+same generation as a Responses API answer).
+
+A stream waits for the engine's first output before its headers go out, so a request the
+engine refuses still gets a real HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import msgspec
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from opentelemetry import trace
+
+from services.gateway import responses as r
+from services.gateway.errors import GatewayError, error_body, status_of
+from services.gateway.generation import Usage, generate
+from services.gateway.protocol import ChatCompletionRequest, completion_prompts
+from services.gateway.reasoning_parsers import new_parser
+from services.gateway.tool_parsers import parse_whole
+from services.gateway.tools import ToolChoice
+from shared.output_processor import ChoiceDelta
+from shared.tracing import inject
+
+if TYPE_CHECKING:
+    from services.gateway.serving import OpenAIServing
+
+request_log = logging.getLogger("llmbus.requests")
+
+_json = msgspec.json.Encoder()
+
+
+def end_span(span, status: int, exc: BaseException | None = None) -> None:
+    span.set_attribute("http.response.status_code", status)
+    if exc is not None:
+        span.record_exception(exc)
+    if status >= 500:
+        span.set_status(trace.Status(trace.StatusCode.ERROR))
+    span.end()
+
+
+class Answer:
+    """One request's answer: its deltas collected into a body, or framed as SSE. A batch of
+    prompts has n choices for each, prompt by prompt (choice p * n + i)."""
+
+    def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]],
+                 tools: ToolChoice | None, span, ctx) -> None:
+        self.s = serving
+        self.request = request
+        self.body = body
+        self.chat = chat = isinstance(body, ChatCompletionRequest)
+        self.span = span
+        self.params = params
+        self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
+        self.object = "chat.completion" if chat else "text_completion"
+        self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
+        self.num_choices = len(prompts) * params.n
+        # One tool-call parser per choice, when the request lets the model call tools.
+        self.tool_parsers = [tools.parser(serving.config.tool_call_parser) for _ in range(self.num_choices)] \
+            if tools is not None else None
+        # One reasoning parser per choice (--reasoning-parser): its thinking apart from its content,
+        # which then goes to the tool-call parser. The prompt's end says whether it opened the thinking.
+        self.reasoning_parsers = None
+        if chat and serving.config.reasoning_parser is not None:
+            tail = serving.tokenizer.decode(prompts[0][-16:], skip_special_tokens=False)
+            self.reasoning_parsers = [new_parser(serving.config.reasoning_parser, tail)
+                                      for _ in range(self.num_choices)]
+        self.stream = generate(
+            serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
+            serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
+            incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
+            priority=body.priority,
+        )
+        # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
+        # With logprobs the prompt's tokens have theirs too; they come with each choice's
+        # first output, so a stream sends the echo there rather than in a chunk of its own.
+        # With max_tokens 0 the echo is all there is (the engine samples one token, unshown).
+        self.prompt_ids = prompts
+        self.echo_logprobs = not chat and body.echo and params.logprobs is not None
+        self.echo_only = not chat and body.echo and body.max_tokens == 0
+        self.echo_pending = [self.echo_logprobs] * self.num_choices
+        self.text_offsets = [0] * self.num_choices  # where each choice's next token's text starts
+        self.echo = [""] * self.num_choices
+        if not chat and body.echo:
+            texts = completion_prompts(body)
+            for p, token_ids in enumerate(prompts):
+                # (a truncated prompt's echo is what remains of it)
+                sent_whole = isinstance(texts[p], str) and body.truncate_prompt_tokens is None
+                text = texts[p] if sent_whole else serving.tokenizer.decode(token_ids, skip_special_tokens=False)
+                self.echo[p * params.n:(p + 1) * params.n] = [text] * params.n
+
+    async def respond(self) -> Response:
+        if self.body.stream:
+            try:
+                first = await self.stream.__anext__()
+            except StopAsyncIteration:
+                first = []
+            except Exception as exc:
+                self._finished(status_of(exc), exc)
+                raise
+            return StreamingResponse(
+                self._sse(first), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            response = await self._collect()
+        except Exception as exc:
+            self._finished(status_of(exc), exc)
+            raise
+        self._finished(response.status_code)
+        return response
+
+    def _finished(self, status: int, exc: BaseException | None = None) -> None:
+        usage = self.usage
+        self.stream_span.set_attribute("llmbus.completion_tokens", usage.completion_tokens)
+        self.stream_span.end()
+        end_span(self.span, status, exc)
+        e2e = time.monotonic() - usage.started_at
+        if status == 200 and usage.finish_reasons:
+            self.s.metrics.request_finished(usage.prompt_tokens, usage.finish_reasons, usage.ttft, usage.itls, e2e,
+                                            usage.queue_time_s)
+        request_log.info("request finished", extra={
+            "request_id": self.request_id, "status": status, "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
+            "ttft_s": None if usage.ttft is None else round(usage.ttft, 4), "e2e_s": round(e2e, 4),
+            "finish_reason": ",".join(usage.finish_reasons) or None,
+        })
+
+    def _usage(self) -> r.UsageInfo:
+        u = self.usage
+        return r.UsageInfo.of(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+    def _logprobs(self, index: int, items, first_token: int | None = None) -> dict | None:
+        """Choice `index`'s logprobs in the endpoint's shape (a completion's text offsets
+        go on from its previous chunk's)."""
+        formatter = self.s.logprobs_as_ids if self.body.return_tokens_as_token_ids else self.s.logprobs
+        if self.chat:
+            return formatter.chat(items)
+        logprobs, self.text_offsets[index] = formatter.completion(items, first_token, self.text_offsets[index])
+        return logprobs
+
+    def _first_prompt_token(self, index: int) -> int:
+        return self.prompt_ids[index // self.params.n][0]
+
+    async def _gather(self):
+        """Every choice's (texts, finish reasons, logprobs, prompt logprobs) once the
+        engine is done; None when the client left first (its requests aborted)."""
+        n = self.num_choices
+        texts = list(self.echo)
+        finish: list[str | None] = [None] * n
+        logprobs: list[list] = [[] for _ in range(n)]
+        prompt_logprobs: list[list] = [[] for _ in range(n)]  # with each choice's first output
+
+        async def consume():
+            async for deltas in self.stream:
+                for d in deltas:
+                    prompt_logprobs[d.index] += d.prompt_logprobs
+                    if not self.echo_only:
+                        texts[d.index] += d.text
+                        logprobs[d.index].extend(d.logprobs)
+                    if d.finish_reason is not None:
+                        finish[d.index] = str(d.finish_reason)
+
+        async def watch_disconnect():
+            while not await self.request.is_disconnected():
+                await asyncio.sleep(0.25)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(watch_disconnect())
+        done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if consumer not in done:
+            consumer.cancel()  # the client left: the generator's cleanup aborts in the engine
+            await self.stream.aclose()
+            return None
+        watcher.cancel()
+        consumer.result()
+        return texts, finish, logprobs, prompt_logprobs
+
+    def _message(self, index: int, text: str) -> tuple[str | None, str | None, list]:
+        """A chat choice's whole text as (reasoning, content, tool calls), through its parsers."""
+        reasoning = None
+        if self.reasoning_parsers is not None:
+            reasoning, text = self.reasoning_parsers[index].whole(text)
+        if self.tool_parsers is None:
+            return reasoning or None, text, []
+        content, calls = parse_whole(self.tool_parsers[index], text)
+        return reasoning or None, content or (None if calls else ""), calls
+
+    async def _collect(self) -> Response:
+        gathered = await self._gather()
+        if gathered is None:
+            return Response(b"{}", status_code=499, media_type="application/json")
+        texts, finish, logprobs, prompt_logprobs = gathered
+        want_logprobs = self.params.logprobs is not None
+        choices = []
+        for i in range(self.num_choices):
+            if self.echo_logprobs:  # the echoed prompt's tokens first
+                lp = self._logprobs(i, prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
+            else:
+                lp = self._logprobs(i, logprobs[i]) if want_logprobs else None
+            if self.chat:
+                reasoning, content, calls = self._message(i, texts[i])
+                message = r.ChatMessage("assistant", content, [
+                    r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls],
+                    reasoning=reasoning)
+                choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
+            else:
+                choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
+                if self.params.prompt_logprobs is not None:  # vLLM's field (echo with logprobs asks too)
+                    choices[-1].prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[i])
+        body = r.Response(self.request_id, self.object, self.created, self.s.config.model_name, choices,
+                          self._usage())
+        if self.chat and self.params.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
+            body.prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[0])
+        return Response(_json.encode(body), media_type="application/json")
+
+    def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = r.Chunk(self.request_id, obj, self.created, self.s.config.model_name, choices, usage)
+        # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
+        # its cost per chunk (one chunk per token per stream at 128 streams).
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """OpenAI's `tool_calls` for a choice that ended by calling tools."""
+        if reason == "stop" and self.tool_parsers is not None and self.tool_parsers[index].num_calls:
+            return "tool_calls"
+        return reason
+
+    def _parse_delta(self, d: ChoiceDelta) -> tuple[str, str, list]:
+        """A chat delta's (reasoning, content, tool-call deltas) through its choice's
+        parsers, which give up what they held back when the choice ends."""
+        reasoning, content = "", d.text
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[d.index]
+            reasoning, content = parser.feed(d.text)
+            if d.finish_reason is not None:
+                more_reasoning, more_content = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tool_parsers is None:
+            return reasoning, content, []
+        parser = self.tool_parsers[d.index]
+        parsed = parser.feed(content)
+        if d.finish_reason is not None:
+            parsed.add(parser.finish())
+        return reasoning, parsed.content, parsed.tool_calls
+
+    def _delta_choice(self, d: ChoiceDelta):
+        """The chunk's entry for one choice; None when it has nothing to send yet (bytes of
+        an incomplete character, or text a tool-call parser holds back)."""
+        reason = None if d.finish_reason is None else str(d.finish_reason)
+        if not self.chat:
+            text, items, first = ("", [], None) if self.echo_only else (d.text, d.logprobs, None)
+            if self.echo_pending[d.index]:  # its first output: the echo, held back for its logprobs
+                self.echo_pending[d.index] = False
+                text, items, first = self.echo[d.index] + text, d.prompt_logprobs + items, self._first_prompt_token(d.index)
+            lp = self._logprobs(d.index, items, first) if items or first is not None else None
+            if text or reason is not None or lp:
+                return r.CompletionChoice(d.index, text, lp, reason)
+            return None
+        lp = self._logprobs(d.index, d.logprobs) if d.logprobs else None
+        reasoning, content, calls = self._parse_delta(d)
+        tool_calls = None
+        if self.tool_parsers is not None:
+            tool_calls = [r.DeltaToolCall(c.index, c.id, "function" if c.id else None,
+                                          r.DeltaFunctionCall(c.name, c.arguments)) for c in calls] or None
+            reason = self._finish_reason(d.index, reason)
+        if content or reasoning or tool_calls or reason is not None or lp:
+            delta = r.DeltaMessage(content=content or None, tool_calls=tool_calls, reasoning=reasoning or None)
+            return r.ChatChunkChoice(d.index, delta, lp, reason)
+        return None
+
+    async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
+        usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
+        n = self.num_choices
+        status, failure = 499, None  # a client that leaves mid-stream never sees the end
+        try:
+            if self.chat:
+                yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
+                                   for i in range(n)], self._usage() if continuous else usage)
+            elif any(self.echo) and not self.echo_logprobs:
+                yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
+                                  self._usage() if continuous else usage)
+            async for deltas in prepend(first, self.stream):
+                out = [c for c in map(self._delta_choice, deltas) if c is not None]
+                if out:  # (the usage so far counts the tokens of these deltas)
+                    yield self._chunk(out, self._usage() if continuous else usage)
+            if include_usage:
+                yield self._chunk([], self._usage())
+            status = 200
+        except GatewayError as exc:
+            status, failure = status_of(exc), exc
+            yield b"data: " + error_body(exc) + b"\n\n"
+        finally:
+            self._finished(status, failure)
+        yield b"data: [DONE]\n\n"
+
+
+async def prepend(first, stream):
+    try:
+        if first:
+            yield first
+        async for item in stream:
+            yield item
+    finally:
+        await stream.aclose()  # a client that left must abort the engine request now
