@@ -99,6 +99,7 @@ def test_a_tool_call_and_the_thinking_are_output_items(tiny_llama):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "xml"}}}, "text"),
     ({"truncation": "auto"}, "truncation"),
+    ({"store": True}, "store"),
 ])
 def test_what_is_not_implemented_or_wrong_is_a_400_naming_it(tiny_llama, extra, param):
     test_client, _, engine, _ = serve(tiny_llama)

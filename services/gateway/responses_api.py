@@ -11,8 +11,8 @@ a `function_call` per call), and for a stream the API's typed events, from
 request sent whole gets.
 
 Not implemented, so refused by name: `previous_response_id` and the rest of stored
-state (nothing is stored: `store` is answered false), `reasoning` settings, `include`,
-`background`, `top_logprobs`, and input that is not text.
+state (nothing is stored: `store: true` is refused, the answer says false), `reasoning`
+settings, `include`, `background`, `top_logprobs`, and input that is not text.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
     stream: bool = False
-    store: bool | None = None  # nothing is stored; the response says store: false
+    store: bool | None = None  # nothing is stored: true is refused, the response says false
     truncation: str | None = None  # "disabled" only
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -83,6 +83,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
               "max_tokens": "max_output_tokens"}
 
     def to_chat(self) -> ResponsesChat:
+        if self.store:
+            raise BadRequest("llmbus stores no responses: leave store out or set it false", "store")
         if self.truncation not in (None, "disabled"):
             raise BadRequest("truncation must be disabled: llmbus does not drop input to fit the context",
                              "truncation")
