@@ -157,14 +157,12 @@ def parse_body(body: bytes, kind: type) -> Any:
         # msgspec says e.g. "Expected `int`, got `str` - at `$.max_tokens`", or
         # "Object contains unknown field `tools`"
         message = str(exc)
-        unknown = re.match(r"Object contains unknown field `([^`]+)`(?: - at `\$\.(.+)`)?$", message)
-        if unknown:  # the param as OpenAI writes it: `tools[0].function.strictly`
-            field = f"{unknown.group(2)}.{unknown.group(1)}" if unknown.group(2) else unknown.group(1)
-            raise BadRequest(f"`{field}` is not supported by llmbus", field) from exc
-        missing = re.match(r"Object missing required field `([^`]+)`(?: - at `\$\.(.+)`)?$", message)
-        if missing:  # the param that should have been there: `prompt`, `tools[0].function.name`
-            field = f"{missing.group(2)}.{missing.group(1)}" if missing.group(2) else missing.group(1)
-            raise BadRequest(f"`{field}` is required", field) from exc
+        named = re.match(r"Object (contains unknown|missing required) field `([^`]+)`(?: - at `\$\.(.+)`)?$", message)
+        if named:  # the param as OpenAI writes it: `tools[0].function.strictly`, `prompt`
+            kind, name, at = named.groups()
+            field = f"{at}.{name}" if at else name
+            why = "is not supported by llmbus" if kind == "contains unknown" else "is required"
+            raise BadRequest(f"`{field}` {why}", field) from exc
         where = re.search(r"\$\.([A-Za-z_]+)", message)
         raise BadRequest(message, where.group(1) if where else None) from exc
     except msgspec.DecodeError as exc:
