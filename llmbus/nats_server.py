@@ -10,6 +10,7 @@ password the nodes of a cluster must too; the config holds secrets, so it is wri
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -22,8 +23,37 @@ from llmbus.nats_tls import TlsFiles, server_tls_block, write_file
 from llmbus.processes import child_setup
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A local port nothing listens on, for a server started soon after.
+
+    Drawn from below the kernel's ephemeral range, not with bind(0): bind(0) hands out a
+    port from the range that every outgoing connection takes its local port from, so with
+    many clients about (a test suite) one of them could hold it before our server binds it
+    (CI saw nats-server exit on "address already in use"). A port is never handed out
+    twice by one process, so a cluster's ports, picked before any node binds, differ."""
+    low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a machine that uses all of those: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -44,6 +74,7 @@ class NatsServer:
                  routes: list[int] | None = None, authorization: str | None = None,
                  route_password: str | None = None, tls: TlsFiles | None = None, monitor: bool = True) -> None:
         self.port = port or free_port()
+        self._port_is_ours = port is None  # a port the caller chose is never changed
         self.tls = tls  # clients and routes both: nothing crosses in the clear
         self.url = f"{'tls' if tls else 'nats'}://127.0.0.1:{self.port}"
         self.name = name
@@ -58,7 +89,11 @@ class NatsServer:
         self.proc: subprocess.Popen | None = None
 
     def _config(self) -> str:
-        lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB"]
+        # Its log goes to a file beside the config, bounded (an anonymous client's refused
+        # logins would otherwise grow it for as long as the server runs), so that a server
+        # that will not start can say why.
+        lines = [f"server_name: {self.name}", f"listen: 127.0.0.1:{self.port}", "max_payload: 8MB",
+                 f'logfile: "{self.log_path}"', "logfile_size_limit: 1MB", "logfile_max_num: 2"]
         if self.monitor_port is not None:
             lines.append(f"http: 127.0.0.1:{self.monitor_port}")
         if self.cluster_port is not None:
@@ -87,18 +122,45 @@ class NatsServer:
         )
         return self.proc
 
+    @property
+    def log_path(self) -> Path:
+        return Path(self._dir.name) / "nats.log"
+
     def start(self, timeout_s: float = 10.0) -> "NatsServer":
+        """Spawn and wait until it listens. A client or monitoring port that another
+        process took since it was picked is picked again (before anyone has the URL); a
+        cluster port cannot be, as the other nodes route to it."""
+        for _ in range(3):
+            failure = self._start_once(timeout_s)
+            if failure is None:
+                return self
+            taken = "address already in use" in failure
+            if not taken or (self.cluster_port is not None and f":{self.cluster_port}" in failure):
+                break
+            if f":{self.port}" in failure and not self._port_is_ours:
+                break
+            self.port = free_port() if self._port_is_ours else self.port
+            self.url = f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+            self.monitor_port = free_port() if self.monitor_port is not None else None
+        raise RuntimeError(f"nats-server {self.name} did not start: {failure}")
+
+    def _start_once(self, timeout_s: float) -> str | None:
+        """None once it listens, else what went wrong (its last log line if it exited)."""
+        self.log_path.unlink(missing_ok=True)
         self.spawn()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            # Ready by its own log, not by something answering on the port: that could be
+            # whoever took the port, while our server is about to exit for want of it.
+            log = self.log_path.read_text() if self.log_path.exists() else ""
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("nats-server did not start listening")
+                lines = log.splitlines()
+                return f"exited with {self.proc.returncode}: {lines[-1] if lines else 'no log'}"
+            if "Server is ready" in log:
+                return None
+            time.sleep(0.05)
+        self._end_process()
+        return "did not start listening"
 
     def stop(self) -> None:
         self._end_process()
@@ -107,7 +169,9 @@ class NatsServer:
     def restart(self) -> None:
         """The same server on the same port, as an operator's restart would give."""
         self._end_process()
-        self.start()
+        failure = self._start_once(10.0)  # never a new port: its clients reconnect to this one
+        if failure is not None:
+            raise RuntimeError(f"nats-server {self.name} did not restart: {failure}")
 
     def _end_process(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
