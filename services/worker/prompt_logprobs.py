@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.request_state import RequestState
-from shared.messages import Logprobs
+from services.worker.sampler import logprob_table, read_logprob_line
 
 ROWS_AT_ONCE = 256
 
@@ -37,11 +37,5 @@ def add_chunk(model, hidden: torch.Tensor, first_row: int, start: int, length: i
     for a in range(0, end - start, ROWS_AT_ONCE):
         b = min(a + ROWS_AT_ONCE, end - start)
         logprobs = model.compute_logits(hidden[first_row + a : first_row + b]).float().log_softmax(-1)
-        chosen = logprobs.gather(-1, target_rows[a:b, None])  # [rows, 1]
-        ranks = (logprobs > chosen).sum(-1, keepdim=True) + 1
-        top_lp, top_ids = logprobs.topk(k, dim=-1)
-        # float64 holds ids, ranks and float32 logprobs exactly: one copy to the host.
-        table = torch.cat([t.to(torch.float64) for t in (chosen, ranks, top_ids, top_lp)], dim=-1).tolist()
-        for token_id, line in zip(targets[a:b], table):
-            entries.append(Logprobs(token_ids=[token_id] + [int(t) for t in line[2 : 2 + k]],
-                                    logprobs=[line[0]] + line[2 + k :], sampled_rank=int(line[1])))
+        for token_id, line in zip(targets[a:b], logprob_table(logprobs, target_rows[a:b], k).tolist()):
+            entries.append(read_logprob_line(token_id, line, k, k))

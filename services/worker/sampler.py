@@ -71,6 +71,22 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, _MASK)
 
 
+def logprob_table(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """[rows, 2 + 2k] float64 from logprobs [rows, vocab] and the chosen ids [rows]: each
+    row's chosen logprob, its rank, then the top k ids and their logprobs. float64 holds
+    ids, ranks and float32 logprobs exactly, so what the host needs is one copy."""
+    chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))  # [rows, 1]
+    ranks = (logprobs > chosen_lp).sum(-1, keepdim=True) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1)
+    return torch.cat([t.to(torch.float64) for t in (chosen_lp, ranks, top_ids, top_lp)], dim=-1)
+
+
+def read_logprob_line(chosen_id: int, line: list[float], width_k: int, k: int) -> Logprobs:
+    """One row of `logprob_table(…, width_k)`, on the host, as the k the request asked for."""
+    return Logprobs(token_ids=[chosen_id] + [int(t) for t in line[2 : 2 + k]],
+                    logprobs=[line[0]] + line[2 + width_k : 2 + width_k + k], sampled_rank=int(line[1]))
+
+
 class Samples:
     """One step's sampled ids and the logprobs asked for, still on the logits' device.
     `ids` is what a next step's inputs read before the host knows them; `to_host` is the
@@ -103,10 +119,7 @@ class Samples:
         width, max_k = 2 + 2 * self._max_k, self._max_k
         for j, i in enumerate(self._rows):
             line = flat[num + j * width : num + (j + 1) * width]
-            k = params[i].logprobs
-            ids = [sampled_ids[i]] + [int(t) for t in line[2 : 2 + k]]
-            lps = [line[0]] + line[2 + max_k : 2 + max_k + k]
-            result[i] = Logprobs(token_ids=ids, logprobs=lps, sampled_rank=int(line[1]))
+            result[i] = read_logprob_line(sampled_ids[i], line, max_k, params[i].logprobs)
         return sampled_ids, result
 
 
@@ -213,14 +226,8 @@ class Sampler:
         if not rows:
             return Samples(sampled, sampled, params, rows, 0)
         index = to_device(rows, raw.device)
-        logprobs = raw[index].log_softmax(-1)  # [num_rows_with_logprobs, vocab_size]
-        chosen = sampled[index]
-        chosen_lp = logprobs.gather(-1, chosen.unsqueeze(-1))  # [n, 1]
-        ranks = (logprobs > chosen_lp).sum(-1, keepdim=True) + 1
         max_k = max(params[i].logprobs for i in rows)
-        top_lp, top_ids = logprobs.topk(max_k, dim=-1)
-        # float64 holds token ids, ranks and float32 logprobs exactly.
-        table = torch.cat([t.to(torch.float64) for t in (chosen_lp, ranks, top_ids, top_lp)], dim=-1)
+        table = logprob_table(raw[index].log_softmax(-1), sampled[index], max_k)
         return Samples(sampled, torch.cat([sampled.to(torch.float64), table.flatten()]), params, rows, max_k)
 
 
