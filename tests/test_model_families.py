@@ -1,7 +1,8 @@
 """Families beyond Llama and Qwen2, each token-identical to transformers on tiny random
 models under every way the scheduler slices the work. Qwen3: a per-head RMSNorm on the
 queries and keys before rotary (q_norm, k_norm). Phi-3: q/k/v and gate/up fused in the
-checkpoint, longrope, partial rotary. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
+checkpoint, longrope, partial rotary. Granite: embedding, residual and attention
+multipliers and a logits divisor. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
 top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
@@ -27,7 +28,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -62,7 +63,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "phi3": 0, "mixtral": 2, "qwen3_moe": 1}[name]
+    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "mixtral": 2, "qwen3_moe": 1}[name]
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -75,11 +76,33 @@ def test_decode_steps_replayed_from_the_graph_buffers(family):
     assert llm.runner.decode_graphs.steps > 0
 
 
+def test_logprobs_equal_transformers(family):
+    """The distribution, not only its argmax: Granite's logits divisor, which greedy output
+    cannot see, is in these."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, _, _ = family
+    prompts = PROMPTS[2:5]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, ignore_eos=True)
+    outputs = LLM(str(folder)).generate(prompts, params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        want = logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        got = torch.tensor([entry.logprobs[0] for entry in output.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert config.moe_layers == {"qwen3": (), "phi3": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    granite = (3.0, 0.6, 0.2, 2.5) if name == "granite" else (1.0, 1.0, None, 1.0)  # 0.8 / sqrt(16)
+    assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
+            config.logits_scaling) == granite
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 
@@ -115,6 +138,16 @@ def test_qwen3_with_head_dim_64_keeps_to_the_module_path_and_matches(tmp_path):
     assert generate_ids(f32, PROMPTS) == reference
     bf16 = generate_ids(LLM(str(folder), dtype="bfloat16"), PROMPTS)
     assert [ids[0] for ids in bf16] == [ids[0] for ids in reference]  # a near-tie may flip later on
+
+
+def test_granite_runs_the_cpu_kernels_one_call_decode_layer_and_matches(tmp_path):
+    """Its residual multiplier is folded into the weights at load, its embedding multiplier
+    applied before the layers and its attention scale passed on: the C layer takes it."""
+    folder = build_tiny_model(tmp_path / "hd64", "granite", seed=5, hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, intermediate_size=256, initializer_range=0.08)
+    llm = LLM(str(folder))
+    assert llm.runner.model.fused_decode is not None
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
 def _prefix_agreement(outputs, reference) -> float:

@@ -56,6 +56,8 @@ def build_tiny_model(
 ) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
     from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -114,6 +116,13 @@ def build_tiny_model(
         moe = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "mlp_only_layers": [common["num_hidden_layers"] - 1], "norm_topk_prob": True}
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, **common}))
+    elif arch == "granite":  # each of its four scalars away from the identity
+        # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
+        # (sharper, int4 parts from float32 at the first token on these random weights).
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        scalars = {"embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.8 / head_dim**0.5,
+                   "logits_scaling": 2.5}
+        model = GraniteForCausalLM(GraniteConfig(**{**scalars, **common}))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:

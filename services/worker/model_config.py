@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     # Mixture of experts: the same decoder with a sparse MLP (layers/moe.py) where the config says.
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    # Granite: a Llama with four scalars (embedding, residual and attention multipliers, a
+    # logits divisor).
+    "GraniteForCausalLM": "llama",
 }
 
 
@@ -56,6 +59,11 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None
+    logits_scaling: float = 1.0
 
     @property
     def max_model_len(self) -> int:
@@ -127,7 +135,20 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
+            **_granite_fields(arch, raw),
         )
+
+
+def _granite_fields(arch: str, raw: dict) -> dict:
+    if arch != "GraniteForCausalLM":
+        return {}
+    fields = dict(embedding_multiplier=raw.get("embedding_multiplier", 1.0),
+                  residual_multiplier=raw.get("residual_multiplier", 1.0),
+                  attention_scale=raw.get("attention_multiplier", 1.0),  # transformers' default too
+                  logits_scaling=raw.get("logits_scaling", 1.0))
+    if fields["logits_scaling"] == 0:
+        raise ValueError("logits_scaling must not be 0")
+    return {name: float(value) for name, value in fields.items()}
 
 
 def _moe_fields(arch: str, raw: dict) -> dict:

@@ -119,7 +119,7 @@ class FusedDecode:
             seq_lens=seq_lens.data_ptr(), normed=scratch[0].data_ptr(), qkv=scratch[1].data_ptr(),
             attn=scratch[2].data_ptr(), gate_up=scratch[3].data_ptr(), act=scratch[4].data_ptr(),
         )
-        hidden = self.model.model.embed_tokens(input_ids).contiguous()
+        hidden = self.model.embed(input_ids).contiguous()
         residual = torch.empty_like(hidden)
         for i, layer in enumerate(self._layer_specs(kv_caches)):
             cpu_kernels.decoder_layer(layer, step, hidden, residual, first=i == 0)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3; Mixtral and
-Qwen3-MoE with sparse MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite; Mixtral
+and Qwen3-MoE with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
 and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
@@ -178,18 +178,27 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         if self.fused_decode is not None and self.fused_decode.takes(input_ids, metadata, kv_caches):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
-        hidden, residual = self.model.embed_tokens(input_ids), None
+        hidden, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         if residual is None:  # no layers
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        # Granite's multiplier on the looked-up rows, not folded into the table: a tied LM
+        # head reads the same table.
+        multiplier = self.config.embedding_multiplier
+        return hidden if multiplier == 1.0 else hidden * multiplier
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
         if self.lm_head is None:  # tied
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -232,6 +241,25 @@ class LlamaForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
+        self.fold_residual_multiplier()
+
+    @torch.no_grad()
+    def fold_residual_multiplier(self) -> None:
+        """Granite scales each attention and MLP output before it joins the residual
+        stream. Both end in a linear map, so the scalar goes into those weights once, here,
+        before any quantization or packing: every path (modules, the CPU kernels' one-call
+        layer, Triton, graphs) then runs it at no cost, where a multiply would be two more
+        passes a layer and a case the C layer lacks."""
+        multiplier = self.config.residual_multiplier
+        if multiplier == 1.0:
+            return
+        for layer in self.model.layers:
+            if not isinstance(layer.mlp, MLP):
+                raise ValueError("residual_multiplier with sparse MLPs is not supported")
+            for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                linear.weight.mul_(multiplier)
+                if linear.bias is not None:
+                    linear.bias.mul_(multiplier)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
