@@ -2,7 +2,8 @@
 models under every way the scheduler slices the work. Qwen3: a per-head RMSNorm on the
 queries and keys before rotary (q_norm, k_norm). Phi-3: q/k/v and gate/up fused in the
 checkpoint, longrope, partial rotary. Granite: embedding, residual and attention
-multipliers and a logits divisor. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
+multipliers and a logits divisor. Gemma: GeGLU, norms by 1 + w, scaled and tied
+embeddings. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
 top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
@@ -28,7 +29,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -63,7 +64,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "mixtral": 2, "qwen3_moe": 1}[name]
+    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "mixtral": 2, "qwen3_moe": 1}[name]
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -99,10 +100,13 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
-    granite = (3.0, 0.6, 0.2, 2.5) if name == "granite" else (1.0, 1.0, None, 1.0)  # 0.8 / sqrt(16)
+    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "mixtral": (0, 1),
+                                 "qwen3_moe": (0,)}[name]
+    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0)}  # 0.8 / sqrt(16); sqrt(64)
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
-            config.logits_scaling) == granite
+            config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
+    assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == (
+        ("gelu_pytorch_tanh", 1.0, True) if name == "gemma" else ("silu", 0.0, False))
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 
@@ -148,6 +152,21 @@ def test_granite_runs_the_cpu_kernels_one_call_decode_layer_and_matches(tmp_path
     llm = LLM(str(folder))
     assert llm.runner.model.fused_decode is not None
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_gemma_scales_its_embeddings_by_the_scale_rounded_as_transformers_does(tmp_path):
+    """sqrt(48) is 6.93 but 6.94 in bfloat16, which transformers multiplies by (its
+    buffer cast to the weights' dtype): the same bits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_model(tmp_path / "g", "gemma", seed=1, hidden_size=48, num_attention_heads=4,
+                              num_key_value_heads=2)
+    ids = torch.tensor(PROMPTS[3])
+    model = LLM(str(folder), dtype="bfloat16").runner.model
+    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).model.embed_tokens(ids[None])[0]
+    assert torch.equal(model.embed(ids), theirs)
+    assert not torch.equal(model.model.embed_tokens(ids) * 48**0.5, theirs)  # unrounded, some bits differ
 
 
 def _prefix_agreement(outputs, reference) -> float:

@@ -56,6 +56,8 @@ def build_tiny_model(
 ) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
     from transformers import (
+        GemmaConfig,
+        GemmaForCausalLM,
         GraniteConfig,
         GraniteForCausalLM,
         LlamaConfig,
@@ -123,6 +125,14 @@ def build_tiny_model(
         scalars = {"embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.8 / head_dim**0.5,
                    "logits_scaling": 2.5}
         model = GraniteForCausalLM(GraniteConfig(**{**scalars, **common}))
+    elif arch == "gemma":  # tied, as Gemma's checkpoints are, with its config's "gelu" (meaning tanh)
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        model = GemmaForCausalLM(GemmaConfig(**{**common, "head_dim": head_dim, "tie_word_embeddings": True,
+                                                "hidden_act": "gelu"}))
+        with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:

@@ -22,7 +22,11 @@ SUPPORTED_ARCHITECTURES = {
     # Granite: a Llama with four scalars (embedding, residual and attention multipliers, a
     # logits divisor).
     "GraniteForCausalLM": "llama",
+    # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
+    "GemmaForCausalLM": "llama",
 }
+# transformers' names for the MLP's gate activation
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclass(slots=True)
@@ -64,6 +68,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None
     logits_scaling: float = 1.0
+    # Gemma's embedding scale is rounded to the activations' dtype before it multiplies
+    # (transformers casts it so), Granite's multiplies as the float it is.
+    embedding_multiplier_in_dtype: bool = False
+    hidden_act: str = "silu"  # one of HIDDEN_ACTS
+    norm_weight_offset: float = 0.0  # Gemma: its norms weigh by (offset + weight), offset 1
 
     @property
     def max_model_len(self) -> int:
@@ -82,8 +91,13 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}: only silu")
+        hidden_act = raw.get("hidden_act") or "silu"
+        if arch == "GemmaForCausalLM" and hidden_act == "gelu":
+            # Gemma's first releases say "gelu" and mean the tanh approximation (transformers
+            # and vLLM read it so)
+            hidden_act = "gelu_pytorch_tanh"
+        if hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: {', '.join(HIDDEN_ACTS)}")
         heads = raw["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
         # beside an optional `rope_scaling`.
@@ -124,7 +138,8 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # transformers' default where config.json leaves it out: Gemma's config ties
+            tie_word_embeddings=raw.get("tie_word_embeddings", arch == "GemmaForCausalLM"),
             qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             o_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
             rope_scaling=rope,
@@ -135,8 +150,17 @@ class ModelConfig:
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
+            hidden_act=hidden_act,
             **_granite_fields(arch, raw),
+            **_gemma_fields(arch, raw),
         )
+
+
+def _gemma_fields(arch: str, raw: dict) -> dict:
+    if arch != "GemmaForCausalLM":
+        return {}
+    return dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
+                norm_weight_offset=1.0)
 
 
 def _granite_fields(arch: str, raw: dict) -> dict:
@@ -157,6 +181,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     moe_intermediate_size, renormalized if norm_topk_prob."""
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
         return {}
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
     num_experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
     top_k = raw.get("num_experts_per_tok", 0)
     if not 0 < top_k <= num_experts:

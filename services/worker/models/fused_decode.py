@@ -45,6 +45,8 @@ class FusedDecode:
             return None
         if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
+        if config.hidden_act != "silu":
+            return None  # the C layer's MLP is SwiGLU
         if config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold:
             # The C layer has no per-head query/key norm (Qwen3), no experts, rotates whole
             # heads by their position: the module path for these.

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite; Mixtral
-and Qwen3-MoE with sparse MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite, Gemma;
+Mixtral and Qwen3-MoE with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
 and gate/up are fused into one matmul each (`PACKED_WEIGHTS` maps the names). The
@@ -95,12 +95,19 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
-    """The dense SwiGLU MLP, and each expert of a sparse one."""
+# The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
+# ACT2FN names them; SiLU has its own kernels.
+GATE_ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False):
+
+class MLP(nn.Module):
+    """The dense gated MLP (SwiGLU, or GeGLU by `hidden_act`), and each expert of a sparse one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu"):
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.gate_act = GATE_ACTS.get(hidden_act)  # None: SiLU
         self.triton = triton  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -108,6 +115,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = self.gate_up_proj(x)
+        if self.gate_act is not None:
+            gate, up = gate_up.split(self.shard_sizes, dim=-1)
+            return self.down_proj(self.gate_act(gate) * up)
         if self.triton and gate_up.is_contiguous():
             return self.down_proj(triton_kernels.silu_mul(gate_up))
         if cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
@@ -127,7 +137,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton")
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
@@ -187,10 +197,15 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
-        # Granite's multiplier on the looked-up rows, not folded into the table: a tied LM
-        # head reads the same table.
+        # Granite's and Gemma's multiplier on the looked-up rows, not folded into the table:
+        # a tied LM head reads the same table.
         multiplier = self.config.embedding_multiplier
-        return hidden if multiplier == 1.0 else hidden * multiplier
+        if multiplier == 1.0:
+            return hidden
+        if self.config.embedding_multiplier_in_dtype:
+            multiplier = _EMBEDDING_SCALES.setdefault((multiplier, hidden.dtype),
+                                                      torch.tensor(multiplier, dtype=hidden.dtype).item())
+        return hidden * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
@@ -242,6 +257,12 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
         self.fold_residual_multiplier()
+        if self.config.norm_weight_offset:
+            # Gemma's norms weigh by 1 + w, computed in float32 as transformers does (the
+            # parameters are float32 until the loader casts them): then they are plain norms.
+            for name, param in params.items():
+                if name.endswith("norm.weight"):
+                    param.add_(self.config.norm_weight_offset)
 
     @torch.no_grad()
     def fold_residual_multiplier(self) -> None:
@@ -260,6 +281,11 @@ class LlamaForCausalLM(nn.Module):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
                     linear.bias.mul_(multiplier)
+
+
+# (multiplier, dtype) -> the multiplier rounded to that dtype, as a Python float: found once,
+# not in every step (nor in a captured one).
+_EMBEDDING_SCALES: dict[tuple[float, torch.dtype], float] = {}
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
