@@ -192,3 +192,27 @@ def test_a_worker_that_reconnected_to_nats_starts_afresh():
     assert fleet.heard_from(again, now=0.5) == []
     assert fleet.workers["w1"] is not before  # a new core: its first step resets the worker
     assert owner_of(fleet, "a") == "w1" and fleet.workers["w1"].core.requests["a"].num_computed_tokens == 0
+
+
+def test_silence_counts_only_while_the_scheduler_was_awake_to_hear_it():
+    """A scheduler the host did not run from 1.0 to 9.0 may hold unread heartbeats: a
+    worker is not dead for that gap, only once it stays silent for the timeout after."""
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=1.0)
+    assert fleet.check(now=9.0, awake_since=9.0) == [] and "w1" in fleet.workers
+    assert fleet.check(now=10.9, awake_since=9.0) == [] and "w1" in fleet.workers
+    fleet.check(now=11.1, awake_since=9.0)
+    assert "w1" not in fleet.workers  # silent for 2.1 s of being awake
+
+
+def test_an_answered_step_is_proof_of_life_for_that_handle_only():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    handle = fleet.workers["w1"]
+    fleet.saw(handle, now=1.5)
+    assert fleet.check(now=3.0) == [] and "w1" in fleet.workers  # 1.5 s since its step
+    fleet.check(now=3.6)
+    assert "w1" not in fleet.workers
+    fleet.heard_from(worker("w1"), now=4.0)  # rejoins as a new handle
+    fleet.saw(handle, now=5.0)  # the old handle's step says nothing of the new one
+    assert fleet.workers["w1"].last_seen == 4.0

@@ -179,6 +179,26 @@ def test_metrics_come_back_to_zero_after_100_dropped_streams(served):
     assert metric(text, "llmbus:generation_tokens_total") > 0  # counted as sent, though none finished
 
 
+def test_a_scheduler_the_host_does_not_run_for_a_while_keeps_its_workers(served):
+    """A loaded host that leaves the scheduler unscheduled for longer than the workers'
+    heartbeat timeout (2 s): their heartbeats wait unread in its socket, so they are not
+    dead (it once removed them, and every running request recomputed)."""
+    proc, url = served
+    expected = expected_texts(url)
+    scheduler = replicas(proc, "scheduler")[0]
+    logged = len(proc.log.read_text())
+
+    def descheduled():
+        scheduler.suspend()
+        time.sleep(2.3)  # past the heartbeat timeout, within the gateways' 2.5 s for a scheduler
+        scheduler.resume()
+
+    assert asyncio.run(stream_all(url, descheduled)) == expected
+    log = proc.log.read_text()[logged:]
+    assert "removed" not in log, log[-2000:]
+    assert httpx.get(url + "/health", timeout=5).json()["workers"] == 2
+
+
 def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     proc, _ = served
     children = psutil.Process(proc.pid).children(recursive=True)

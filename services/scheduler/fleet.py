@@ -94,11 +94,23 @@ class Fleet:
             rejected += self._place(request, handle.last_seen)
         return rejected
 
-    def check(self, now: float) -> list[Rejection]:
-        """Declare silent workers dead; fail requests that waited too long for any worker."""
+    def saw(self, handle: WorkerHandle, now: float) -> None:
+        """Proof of life other than a heartbeat: a step it answered (a handle since
+        replaced proves nothing of the new one)."""
+        if self.workers.get(handle.worker_id) is handle:
+            handle.last_seen = max(handle.last_seen, now)
+
+    def check(self, now: float, awake_since: float = float("-inf")) -> list[Rejection]:
+        """Declare silent workers dead; fail requests that waited too long for any worker.
+
+        A worker is silent only for as long as this process was awake to hear it: after
+        the host descheduled the scheduler (a loaded machine), its heartbeats may be
+        waiting unread in the socket, so silence counts from `awake_since` at the earliest.
+        Without that, a busy host had a healthy worker removed and its requests recomputed."""
         rejected = []
         for handle in list(self.workers.values()):
-            if now - handle.last_seen > self.heartbeat_timeout_s:
+            silent = now - max(handle.last_seen, awake_since)
+            if silent > self.heartbeat_timeout_s:
                 rejected += self.remove(handle.worker_id, f"no heartbeat for {now - handle.last_seen:.1f} s")
         while self.unplaced and now - self.unplaced[0][1] > self.no_worker_timeout_s:
             item, _ = self.unplaced.popleft()
