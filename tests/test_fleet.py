@@ -4,11 +4,13 @@ bound, with exact request ids and clocks instead of processes and timeouts."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from services.scheduler.fleet import Fleet
 from shared.config import SchedulerConfig
 from shared.messages import EngineCoreRequest, FinishReason, WorkerInfo
 from shared.sampling_params import SamplingParams
+from services.scheduler.wakefulness import Wakefulness
 
 BLOCK_SIZE = 4
 
@@ -198,11 +200,29 @@ def test_silence_counts_only_while_the_scheduler_was_awake_to_hear_it():
     """A scheduler the host did not run from 1.0 to 9.0 may hold unread heartbeats: a
     worker is not dead for that gap, only once it stays silent for the timeout after."""
     fleet = make_fleet()
+    awake = Wakefulness(now=0.0)
     fleet.heard_from(worker("w1"), now=1.0)
-    assert fleet.check(now=9.0, awake_since=9.0) == [] and "w1" in fleet.workers
-    assert fleet.check(now=10.9, awake_since=9.0) == [] and "w1" in fleet.workers
-    fleet.check(now=11.1, awake_since=9.0)
+    awake.tick(1.0)
+    assert fleet.check(now=9.0, awake=awake) == [] and "w1" in fleet.workers  # not ticked since 1.0
+    for now in (9.0, 9.5, 10.0, 10.5, 10.9):
+        awake.tick(now)
+    assert fleet.check(now=10.9, awake=awake) == [] and "w1" in fleet.workers
+    awake.tick(11.1)
+    fleet.check(now=11.1, awake=awake)
     assert "w1" not in fleet.workers  # silent for 2.1 s of being awake
+
+
+def test_wakefulness_counts_silence_from_the_end_of_a_stall():
+    awake = Wakefulness(stall_s=1.0, now=0.0)
+    for now in (0.25, 0.5, 0.75, 1.0):
+        awake.tick(now)
+    assert awake.silent_for(last_heard=0.1, now=1.0) == 0.9  # awake throughout
+    assert awake.silent_for(last_heard=0.1, now=5.0) == 0.0  # no tick since 1.0: a stall, or waking from one
+    awake.tick(5.0)
+    assert awake.awake_since == 5.0
+    awake.tick(5.25)
+    assert awake.silent_for(last_heard=0.1, now=5.25) == 0.25
+    assert awake.silent_for(last_heard=5.1, now=5.25) == pytest.approx(0.15)  # heard since the stall
 
 
 def test_an_answered_step_is_proof_of_life_for_that_handle_only():

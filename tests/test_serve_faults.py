@@ -9,6 +9,7 @@ that stops everything cleanly."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
 import signal
@@ -197,6 +198,30 @@ def test_a_scheduler_the_host_does_not_run_for_a_while_keeps_its_workers(served)
     log = proc.log.read_text()[logged:]
     assert "removed" not in log, log[-2000:]
     assert httpx.get(url + "/health", timeout=5).json()["workers"] == 2
+
+
+def test_a_gateway_the_host_does_not_run_for_a_while_answers_what_came_meanwhile(served):
+    """Requests that arrive while the host does not run the gateway, for longer than it
+    waits on a scheduler's heartbeat (2.5 s), are served when it runs again, not 503'd:
+    the heartbeats it missed wait unread beside them, and are read before the requests
+    (the scheduler, whose monitor judged silence by the clock alone, did not do as well)."""
+    proc, url = served
+    expected = expected_texts(url)[:4]
+    gateway = replicas(proc, "gateway")[0]
+
+    def one(prompt: str):
+        with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            return client.completions.create(model="tiny", prompt=prompt, temperature=0, **PLAIN_REQUEST).choices[0].text
+
+    gateway.suspend()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            pending = [pool.submit(one, prompt) for prompt in prompts()[:4]]
+            time.sleep(3.0)
+            gateway.resume()
+            assert [future.result(timeout=60) for future in pending] == expected
+    finally:
+        gateway.resume()
 
 
 def test_sigterm_stops_everything_in_order_without_tracebacks(served):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.wakefulness import Wakefulness
 from shared.config import SchedulerConfig
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, WorkerInfo
 
@@ -100,16 +101,15 @@ class Fleet:
         if self.workers.get(handle.worker_id) is handle:
             handle.last_seen = max(handle.last_seen, now)
 
-    def check(self, now: float, awake_since: float = float("-inf")) -> list[Rejection]:
+    def check(self, now: float, awake: Wakefulness | None = None) -> list[Rejection]:
         """Declare silent workers dead; fail requests that waited too long for any worker.
 
-        A worker is silent only for as long as this process was awake to hear it: after
-        the host descheduled the scheduler (a loaded machine), its heartbeats may be
-        waiting unread in the socket, so silence counts from `awake_since` at the earliest.
-        Without that, a busy host had a healthy worker removed and its requests recomputed."""
+        A worker is silent only for as long as this process was `awake` to hear it
+        (wakefulness.py): after the host descheduled the scheduler, heartbeats
+        may be waiting unread in its socket."""
         rejected = []
         for handle in list(self.workers.values()):
-            silent = now - max(handle.last_seen, awake_since)
+            silent = now - handle.last_seen if awake is None else awake.silent_for(handle.last_seen, now)
             if silent > self.heartbeat_timeout_s:
                 rejected += self.remove(handle.worker_id, f"no heartbeat for {now - handle.last_seen:.1f} s")
         while self.unplaced and now - self.unplaced[0][1] > self.no_worker_timeout_s:

@@ -22,6 +22,7 @@ from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
+from services.scheduler.wakefulness import Wakefulness
 from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
@@ -35,9 +36,6 @@ from shared.messages import (
 from shared.tracing import setup_tracing, shutdown_tracing, tracing_enabled
 
 log = logging.getLogger("llmbus.scheduler")
-# The monitor sleeps 0.25 s at a time; a wake this much later means the host did not run
-# this process, and a worker's silence counts again from then (Fleet.check).
-STALL_S = 1.0
 
 
 class SchedulerService:
@@ -146,18 +144,17 @@ class SchedulerService:
         """The monitor: one engine core per live worker, dead ones cancelled, waiters expired."""
         tasks: dict[str, tuple[WorkerHandle, asyncio.Task]] = {}
         last_heartbeat = 0.0
-        slept_at = awake_since = time.monotonic()
+        awake = Wakefulness()  # ticked by this loop, every 0.25 s while the host runs us
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now - slept_at > STALL_S:  # asleep far past the 0.25 s asked: not run by the host
-                    awake_since = now
+                awake.tick(now)
                 if now - last_heartbeat >= 0.5:  # gateways watch this to notice a dead scheduler
                     last_heartbeat = now
                     beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers), self.epoch)
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
                     await self._publish_stats()  # idle included: gauges come back to 0
-                await self._publish_rejections(self.fleet.check(now, awake_since))
+                await self._publish_rejections(self.fleet.check(now, awake))
                 for worker_id, (handle, task) in list(tasks.items()):
                     if self.fleet.workers.get(worker_id) is not handle:
                         task.cancel()  # removed (dead, drained) or rejoined as a new handle
@@ -166,7 +163,6 @@ class SchedulerService:
                 for worker_id, handle in self.fleet.workers.items():
                     if worker_id not in tasks:
                         tasks[worker_id] = (handle, asyncio.create_task(self._drive(handle)))
-                slept_at = time.monotonic()
                 await self._sleep(stop, timeout=0.25)
         finally:
             for _, task in tasks.values():
