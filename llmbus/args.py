@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
+from shared.generation_config import SOURCES_HELP, default_sampling
 
 ENV_PREFIX = "LLMBUS_"
+log = logging.getLogger("llmbus.gateway")
 
 
 def env_name(dest: str) -> str:
@@ -55,6 +58,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-model-len", type=int, default=env("--max-model-len"),
                         help="context length (default: the model's)")
+    # vLLM's flags: the model's recommended sampling defaults (shared/generation_config.py)
+    parser.add_argument("--generation-config", default=env("--generation-config", "auto"), help=SOURCES_HELP)
+    parser.add_argument("--override-generation-config", default=env("--override-generation-config", None),
+                        help='JSON on top of the generation config, e.g. \'{"temperature": 0.5}\'')
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -153,13 +160,18 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
     )
 
 
-def gateway_config(args: argparse.Namespace, model_name: str) -> GatewayConfig:
+def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -> GatewayConfig:
+    defaults = default_sampling(model_path, args.generation_config, args.override_generation_config)
+    if defaults:
+        log.info("default sampling parameters from the model's generation config: %s "
+                 "(--generation-config vllm to ignore them)", defaults)
     return GatewayConfig(model_name, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
                          args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
                          tool_call_parser=args.tool_call_parser,
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         default_sampling=defaults)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -185,4 +197,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         load_format=args.load_format,
+        generation_config=args.generation_config,
+        override_generation_config=json.loads(args.override_generation_config or "{}"),
     )

@@ -28,6 +28,7 @@ from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from shared.generation_config import default_sampling
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.sampling_params import SamplingParams
@@ -62,8 +63,11 @@ class LLM:
         max_cudagraph_capture_size: int | None = None,
         load_format: str = "auto",
         device: str | None = None,  # "cuda" when there is one, else "cpu"
+        generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/generation_config.py)
+        override_generation_config: dict | None = None,
     ) -> None:
         path = resolve_model(model)
+        self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         speculative = SpeculativeConfig.of(speculative_config)
         cache_config = CacheConfig(
             block_size=block_size,
@@ -115,6 +119,11 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation config over SamplingParams' defaults, what
+        `generate` and `chat` use when given no sampling params."""
+        return SamplingParams(**self.default_sampling)
+
     # ---- public API -------------------------------------------------------------------
 
     def generate(
@@ -129,7 +138,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = (
             [sampling_params] * len(prompts)
             if isinstance(sampling_params, SamplingParams)

@@ -26,6 +26,7 @@ from llmbus.args import (
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
+from shared.generation_config import default_sampling
 
 
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +165,8 @@ def cmd_gateway(args) -> int:
     from services.gateway.service import serve
 
     path, name = _setup(args)
-    serve(path, args.nats_url, gateway_config(args, name), args.host, args.port, bus_auth(args), args.gateway_id)
+    serve(path, args.nats_url, gateway_config(args, name, path), args.host, args.port, bus_auth(args),
+          args.gateway_id)
     return 0
 
 
@@ -177,6 +179,7 @@ def cmd_serve(args) -> int:
     from llmbus.serve import run_serve
 
     args.model, args.served_model_name = _setup(args)  # fetch once here, not in every child
+    default_sampling(args.model, args.generation_config, args.override_generation_config)  # a bad one fails here
     # Workers on one machine share its cores: N workers with a thread per core each would
     # oversubscribe, and an OpenMP team stalls whenever one of its threads is descheduled.
     if args.threads is None and args.workers > 1:

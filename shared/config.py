@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -86,6 +86,8 @@ class GatewayConfig:
     # which lm-evaluation-harness's remote tokenizer reads. Off by default, as there.
     enable_tokenizer_info_endpoint: bool = False
     reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (reasoning_parsers.py)
+    # The model's sampling defaults for fields a request leaves out (generation_config.py)
+    default_sampling: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -201,14 +201,19 @@ def _one_prompt(prompt: Any) -> str | list[int]:
 
 def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, structured_outputs: StructuredOutputsParams | None = None,
+    defaults: dict | None = None,
 ) -> SamplingParams:
     """`structured_outputs`: the request's, from `structured_outputs_of` (the caller also
-    needs the field it came from)."""
+    needs the field it came from). `defaults`: the model's, for fields the request leaves
+    out (shared/generation_config.py)."""
+    defaults = defaults or {}
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is not None and request.stream:
         raise BadRequest("prompt_logprobs cannot be streamed (as vLLM's); echo with logprobs can", "prompt_logprobs")
     if isinstance(request, ChatCompletionRequest):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -243,6 +248,8 @@ def to_sampling_params(
     )
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         value = getattr(request, name)
+        if value is None:
+            value = defaults.get(name)
         if value is not None:
             fields[name] = value
     try:

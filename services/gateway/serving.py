@@ -99,7 +99,7 @@ class OpenAIServing:
                 raise BadRequest(f"tool_choice {tools.kind} and {spec_field} both constrain the output: give one",
                                  spec_field)
             spec, spec_field = forced, "tools"
-        params = to_sampling_params(body, spec)
+        params = to_sampling_params(body, spec, self.config.default_sampling)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
             validate_chat_options(body)
