@@ -21,7 +21,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from llmbus.model_fetch import resolve_model
-from llmbus.outputs import CompletionOutput, RequestOutput
+from llmbus.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
@@ -173,6 +173,13 @@ class LLM:
             concurrent.futures.wait([running])
             raise
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding, the model's final hidden state at its last
+        token, L2-normalized (last-token pooling, as decoder embedding models such as
+        Qwen3-Embedding and e5-mistral are trained for)."""
+        results = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, embed=True), use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -221,6 +228,8 @@ class LLM:
                 result = entry[1]
                 if delta.prompt_logprobs and delta.index == 0:  # (each choice has them: the same prompt)
                     result.prompt_logprobs.extend(delta.prompt_logprobs)
+                if delta.pooled is not None:
+                    result.embedding = delta.pooled
                 if delta.needs_abort:
                     self.scheduler.abort_requests([out.request_id])
                 completion = result.outputs[delta.index]

@@ -24,6 +24,21 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # L2-normalized
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns for a prompt, shaped like vLLM's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -34,3 +49,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's
     # shape), filled in with the first output token.
     prompt_logprobs: list[Logprobs | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's (SamplingParams.embed)

@@ -112,6 +112,8 @@ class ModelRunnerOutput(msgspec.Struct, **_WIRE):
     # Requests that asked for prompt logprobs, in the step of their first token: one per
     # prompt token but the first (its logprob given the tokens before it, and the top-k).
     prompt_logprobs: dict[str, list[Logprobs]] = {}
+    # Embedding requests (SamplingParams.embed), in the step of their token: the vector.
+    pooled: dict[str, list[float]] = {}
 
 
 class EngineCoreOutput(msgspec.Struct, **_WIRE):
@@ -129,6 +131,7 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     # notices a gap (outputs lost on the bus), for which it asks to resume.
     index: int = 0
     prompt_logprobs: list[Logprobs] = []  # on the first output, when asked for (ModelRunnerOutput's)
+    pooled: list[float] | None = None  # an embedding request's vector, on its first output
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

@@ -64,6 +64,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # vLLM's: sample only among these token ids (the rest masked, greedy too).
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # An embedding request (vLLM's embed task): the model's final hidden state at the
+    # prompt's last token, L2-normalized, comes back with its one sampled token (dropped).
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,6 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             # Banning the stop token past the grammar's end would force tokens it forbids.
             raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides where "
                              "the output ends")
+        if self.embed and (self.max_tokens != 1 or self.n != 1):
+            raise ValueError("an embedding request samples one token, once: max_tokens 1 and n 1")
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):

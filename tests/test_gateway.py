@@ -60,9 +60,12 @@ class FakeEngine:
             queue.put_nowait(EngineCoreOutput(request.request_id, [], self.finish, error=f"scripted {self.finish}"))
             return
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)[: request.sampling_params.max_tokens]
+        # An embedding request's vector: a unit one, told apart by its prompt's length.
+        pooled = [1.0, float(len(request.prompt_token_ids))] if request.sampling_params.embed else None
         for i, token_id in enumerate(ids):
             last = i == len(ids) - 1
-            queue.put_nowait(EngineCoreOutput(request.request_id, [token_id], FinishReason.LENGTH if last else None))
+            queue.put_nowait(EngineCoreOutput(request.request_id, [token_id], FinishReason.LENGTH if last else None,
+                                              pooled=pooled if i == 0 else None))
 
 
 @pytest.fixture(scope="module")

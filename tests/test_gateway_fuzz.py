@@ -17,6 +17,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeChatRequest,
     TokenizePromptRequest,
 )
@@ -66,10 +67,11 @@ VALID = {
     TokenizeChatRequest: {"messages": [{"role": "user", "content": "hi"}]},
     DetokenizeRequest: {"tokens": [5, 6]},
     ResponsesRequest: {"model": "tiny", "input": "hi", "max_output_tokens": 4},
+    EmbeddingRequest: {"model": "tiny", "input": "hi"},
 }
 PATHS = {CompletionRequest: "/v1/completions", ChatCompletionRequest: "/v1/chat/completions",
          TokenizePromptRequest: "/tokenize", TokenizeChatRequest: "/tokenize", DetokenizeRequest: "/detokenize",
-         ResponsesRequest: "/v1/responses"}
+         ResponsesRequest: "/v1/responses", EmbeddingRequest: "/v1/embeddings"}
 
 
 def bodies(kind) -> st.SearchStrategy[dict]:
@@ -147,9 +149,16 @@ def test_responses_never_answer_5xx(client, body):
 
 
 @FUZZ
+@given(body=bodies(EmbeddingRequest))
+def test_embeddings_never_answer_5xx(client, body):
+    check(client.post("/v1/embeddings", json=body))
+
+
+@FUZZ
 @given(raw=raw_bodies)
 def test_bodies_that_are_not_json_or_not_utf8_are_400(client, raw):
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/tokenize",
+                 "/detokenize"):
         resp = client.post(path, content=raw, headers={"content-type": "application/json"})
         check(resp)
 

@@ -23,7 +23,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
-from services.gateway import tokenization
+from services.gateway import embeddings, tokenization
 from shared.config import GatewayConfig
 
 LLMBUS_VERSION = importlib.metadata.version("llmbus")
@@ -108,6 +108,10 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await serving(request).handle(request, ResponsesRequest, ResponsesAnswer)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(request: Request):
+        return await embeddings.embeddings(serving(request), request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

@@ -130,6 +130,17 @@ class TokenizePromptRequest(msgspec.Struct, kw_only=True, omit_defaults=True, fo
     return_token_strs: bool = False
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """OpenAI's /v1/embeddings: `input` a string, token ids, or a batch of either."""
+
+    model: str | None = None
+    input: str | list[Any]
+    encoding_format: str = "float"  # or "base64": little-endian float32s, as OpenAI's
+    dimensions: Int | None = None
+    user: str | None = None  # bookkeeping, accepted as on the other endpoints
+    truncate_prompt_tokens: Int | None = None  # vLLM's: keep the last k tokens (-1: the context)
+
+
 class TokenizeChatRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """vLLM's /tokenize of a conversation: the prompt a chat completion of it would get."""
 
@@ -177,26 +188,31 @@ MAX_PROMPTS = 64  # one completions request's batch
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completions request, as OpenAI takes them: a string, a list of token
     ids, or a batch of either (LangChain's client sends its batches that way)."""
-    prompt = request.prompt
+    return prompt_batch(request.prompt, "prompt")
+
+
+def prompt_batch(prompt: Any, field: str, limit: int = MAX_PROMPTS) -> list[str | list[int]]:
+    """A string, a list of token ids, or a batch of 1 to `limit` of either (`field`: its
+    name in a 400)."""
     if isinstance(prompt, str) or (prompt and all(_is_token_id(t) for t in prompt)):
-        return [_one_prompt(prompt)]
-    if not prompt or len(prompt) > MAX_PROMPTS:
-        raise BadRequest(f"prompt must be a string, token ids, or a batch of 1 to {MAX_PROMPTS} of them", "prompt")
-    return [_one_prompt(p) for p in prompt]
+        return [_one_prompt(prompt, field)]
+    if not prompt or len(prompt) > limit:
+        raise BadRequest(f"{field} must be a string, token ids, or a batch of 1 to {limit} of them", field)
+    return [_one_prompt(p, field) for p in prompt]
 
 
 def _is_token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-def _one_prompt(prompt: Any) -> str | list[int]:
+def _one_prompt(prompt: Any, field: str = "prompt") -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise BadRequest("prompt must not be empty", "prompt")
+            raise BadRequest(f"{field} must not be empty", field)
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
         return list(prompt)
-    raise BadRequest("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    raise BadRequest(f"each {field} must be a non-empty string or a non-empty list of token ids", field)
 
 
 def to_sampling_params(

@@ -77,6 +77,20 @@ class OpenAIServing:
             span.set_attribute("llmbus.num_tokens", len(ids))
             return ids
 
+    async def encode(self, prompts: list[str | list[int]], ctx=None, field: str = "prompt") -> list[list[int]]:
+        """Texts tokenized by a tokenizer replica; token ids checked against the vocabulary."""
+        encoded = []
+        vocab = self.tokenizer.backend.get_vocab_size(True)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                encoded.append(await self.tokenize(TokenizeRequest(prompt=prompt), ctx))
+                continue
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise BadRequest(f"{field} token id {bad[0]} is outside the vocabulary", field)
+            encoded.append(prompt)
+        return encoded
+
     def check_model(self, model: str | None) -> None:
         """`None`: left out, where a route allows that (/tokenize, as vLLM's)."""
         name = self.config.model_name
@@ -109,16 +123,7 @@ class OpenAIServing:
                 chat_template_kwargs=body.chat_template_kwargs,
             ), ctx)]
         else:
-            prompts = []
-            vocab = self.tokenizer.backend.get_vocab_size(True)
-            for prompt in completion_prompts(body):
-                if isinstance(prompt, str):
-                    prompts.append(await self.tokenize(TokenizeRequest(prompt=prompt), ctx))
-                    continue
-                bad = [t for t in prompt if not 0 <= t < vocab]
-                if bad:
-                    raise BadRequest(f"prompt token id {bad[0]} is outside the vocabulary", "prompt")
-                prompts.append(prompt)
+            prompts = await self.encode(completion_prompts(body), ctx)
         if spec is not None:
             # Compiled by a tokenizer replica under a timeout: a bad or runaway spec is a
             # 400 here, before any header, and never reaches a worker.

@@ -448,6 +448,7 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 index=index,
                 prompt_logprobs=runner_output.prompt_logprobs.get(req_id, []) if index == 0 else [],
+                pooled=runner_output.pooled.get(req_id) if index == 0 else None,
             )
             if not request.queue_time_reported:
                 output.queue_time_s = request.queue_time_s

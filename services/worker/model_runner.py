@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
@@ -259,6 +260,13 @@ class ModelRunner:
         if any(s.prompt_logprobs is not None for s in states):  # (mostly none)
             sample_rows = self._add_prompt_logprobs(states, num_tokens, last_token, hidden, sample_rows, output)
             constrained = [i for i in sample_rows if states[i].matcher is not None]
+        embeds = [i for i in sample_rows if states[i].sampling_params.embed]  # (mostly none)
+        if embeds:
+            # Last-token pooling, as vLLM's for decoder models: the final norm's output at
+            # the prompt's last position, L2-normalized (a sync, paid only by such steps).
+            rows = torch.from_numpy(last_token[embeds]).to(self.device)
+            vectors = F.normalize(hidden[rows].float(), dim=-1).tolist()
+            output.pooled = {order[i]: vector for i, vector in zip(embeds, vectors)}
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.

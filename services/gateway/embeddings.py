@@ -1,0 +1,91 @@
+"""OpenAI's /v1/embeddings: each input's vector, from the engine's last-token pooling
+(SamplingParams.embed: the final hidden state at the prompt's last token, L2-normalized,
+as vLLM pools decoder models for its embed task).
+
+Each input is one engine request that computes its prompt and samples one token, which
+is dropped; the inputs of a batch run side by side, in any worker's batch beside
+generation. Usage counts prompt tokens only, as OpenAI's does.
+"""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from typing import TYPE_CHECKING
+
+import numpy as np
+from fastapi import Request
+from opentelemetry import trace
+
+from services.gateway.answer import end_span
+from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
+from services.gateway.generation import Usage, generate
+from services.gateway.protocol import EmbeddingRequest, parse_body, prompt_batch
+from shared.sampling_params import SamplingParams
+from shared.tracing import SpanKind, inject
+
+if TYPE_CHECKING:
+    from services.gateway.serving import OpenAIServing
+
+MAX_INPUTS = 2048  # OpenAI's bound on one request's batch
+ENCODINGS = ("float", "base64")
+
+
+async def embeddings(serving: OpenAIServing, request: Request) -> dict:
+    span = serving.tracer.start_span("gateway.request", kind=SpanKind.INTERNAL,
+                                     attributes={"http.request.method": "POST", "url.path": request.url.path})
+    ctx = trace.set_span_in_context(span)
+    try:
+        body = await _answer(serving, parse_body(await serving.read_body(request), EmbeddingRequest), ctx)
+    except Exception as exc:
+        end_span(span, status_of(exc), exc)
+        raise
+    end_span(span, 200)
+    return body
+
+
+async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
+    serving.check_model(body.model)
+    if body.encoding_format not in ENCODINGS:
+        raise BadRequest(f"encoding_format must be one of {', '.join(ENCODINGS)}", "encoding_format")
+    if body.dimensions is not None:
+        # vLLM's answer too: cutting a vector that was not trained for it (matryoshka) would
+        # return poor embeddings without a word.
+        raise BadRequest("dimensions is not supported: this model's embeddings are not matryoshka", "dimensions")
+    if body.truncate_prompt_tokens == 0:
+        raise BadRequest("truncate_prompt_tokens must be -1 (the context) or at least 1", "truncate_prompt_tokens")
+    prompts = await serving.encode(prompt_batch(body.input, "input", MAX_INPUTS), ctx, "input")
+    info = await serving.client.scheduler_info()
+    keep = body.truncate_prompt_tokens
+    if keep == -1:
+        keep = info.max_model_len - 1 if info.num_workers >= 1 else None
+    if keep is not None:
+        prompts = [ids[-keep:] for ids in prompts]
+    if info.num_workers >= 1:
+        for ids in prompts:
+            if len(ids) >= info.max_model_len:
+                raise BadRequest(f"this model's context is {info.max_model_len} tokens, but the input has "
+                                 f"{len(ids)} tokens", "input")
+    usage = Usage()
+    vectors: dict[int, list[float]] = {}
+    params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+    async for deltas in generate(serving.client, serving.tokenizer.backend, f"embd-{uuid.uuid4().hex}", prompts,
+                                 params, serving.tokenizer.eos_token_id, usage, serving.config.idle_timeout_s,
+                                 trace_headers=inject(ctx), incremental=False):
+        for delta in deltas:
+            raise_for_engine_error(delta)
+            if delta.pooled is not None:
+                vectors[delta.index] = delta.pooled
+    if len(vectors) != len(prompts):  # a worker that answered without the vector: never silent
+        raise RuntimeError(f"{len(prompts) - len(vectors)} of {len(prompts)} embeddings did not come back")
+    data = [{"object": "embedding", "index": i, "embedding": _encode(vectors[i], body.encoding_format)}
+            for i in range(len(prompts))]
+    num_tokens = sum(map(len, prompts))
+    return {"object": "list", "data": data, "model": serving.config.model_name,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+
+
+def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")

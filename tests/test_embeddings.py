@@ -1,0 +1,120 @@
+"""Embeddings (vLLM's embed task, OpenAI's /v1/embeddings): the final hidden state at a
+prompt's last token, L2-normalized, equal to transformers' on the same weights, however
+the scheduler slices the prompt; served with the real openai client, beside generation."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from deployment import llmbus_serve
+from llmbus import LLM, SamplingParams
+from tiny_models import random_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = random_prompts([1, 5, 17, 40, 70], seed=4)
+
+
+def hf_embeddings(folder, prompts) -> list[torch.Tensor]:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        return [torch.nn.functional.normalize(model(torch.tensor([p])).last_hidden_state[0, -1], dim=-1)
+                for p in prompts]
+
+
+def assert_equal_embeddings(got, want) -> None:
+    assert len(got) == len(want)
+    for vector, expected in zip(got, want):
+        torch.testing.assert_close(torch.tensor(vector), expected, rtol=1e-5, atol=1e-5)
+
+
+CASES = {
+    "batch": {},
+    "chunked_prefill": {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 8},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_embed_equals_transformers_last_token_pooling(tiny_llama, case):
+    outputs = LLM(str(tiny_llama), **CASES[case]).embed(PROMPTS)
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+    assert_equal_embeddings([o.outputs.embedding for o in outputs], hf_embeddings(tiny_llama, PROMPTS))
+
+
+def test_a_prompt_whose_prefix_is_cached_embeds_the_same(tiny_qwen2):
+    prefix = random_prompts([48], seed=9)[0]
+    prompts = [prefix + [7], prefix + [8, 9]]
+    llm = LLM(str(tiny_qwen2), block_size=16)
+    first = llm.embed(prompts[:1])
+    second = llm.embed(prompts[1:])
+    assert llm.stats().prefix_cache_hits >= 48
+    assert_equal_embeddings([o.outputs.embedding for o in first + second], hf_embeddings(tiny_qwen2, prompts))
+
+
+def test_an_embedding_request_samples_one_token_once():
+    with pytest.raises(ValueError, match="max_tokens 1 and n 1"):
+        SamplingParams(embed=True, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory):
+    proc, url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+                             tmp_path_factory.mktemp("serve") / "serve.log")
+    yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    proc.terminate()
+    proc.wait(60)
+
+
+def test_served_embeddings_equal_transformers_in_both_encodings(served, tiny_llama):
+    texts = ["hello world", "a second, longer input than the first one", "3"]
+    root = str(served.base_url).removesuffix("/").removesuffix("/v1")
+    ids = [httpx.post(root + "/tokenize", json={"prompt": t}, timeout=30).json()["tokens"] for t in texts]
+    want = hf_embeddings(tiny_llama, ids + [PROMPTS[2]])
+    got = served.embeddings.create(model="tiny", input=texts, encoding_format="float")
+    assert [d.index for d in got.data] == [0, 1, 2]
+    assert got.usage.prompt_tokens == got.usage.total_tokens == sum(map(len, ids))
+    assert_equal_embeddings([d.embedding for d in got.data], want[:3])
+    packed = served.embeddings.create(model="tiny", input=PROMPTS[2], encoding_format="base64")
+    assert_equal_embeddings([np.frombuffer(base64.b64decode(packed.data[0].embedding), "<f4").tolist()], want[3:])
+    # The client's own default (base64, decoded by it) gives the same floats.
+    assert_equal_embeddings([served.embeddings.create(model="tiny", input=texts[0]).data[0].embedding], want[:1])
+
+
+def test_embeddings_beside_generation_leave_both_as_they_are_alone(served, tiny_llama):
+    prompt = "once upon a time"
+    alone = served.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    want = hf_embeddings(tiny_llama, [PROMPTS[4]])
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = [pool.submit(lambda: served.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}))
+            for _ in range(3)]
+        vectors = [pool.submit(lambda: served.embeddings.create(model="tiny", input=PROMPTS[4])) for _ in range(3)]
+        assert [t.result().choices[0].text for t in texts] == [alone] * 3
+        for v in vectors:
+            assert_equal_embeddings([v.result().data[0].embedding], want)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "x", "dimensions": 8}, "dimensions"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [10**6]}, "input"),
+    ({"input": "x", "pooling": "mean"}, "pooling"),
+    ({"input": "x", "model": "other"}, "model"),
+    ({"input": [[3] * 1024]}, "input"),  # the context is 1024 tokens, one is sampled
+])
+def test_bad_embedding_requests_are_400s_naming_the_field(served, body, param):
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as info:
+        served.post("/embeddings", body={"model": "tiny", **body}, cast_to=object)
+    assert info.value.body["param"] == param, info.value.body
