@@ -42,6 +42,8 @@ from shared.messages import ModelRunnerOutput, SchedulerOutput
 # How long a step with only grammar-waiting requests waits for a compile (see split_ready).
 GRAMMAR_WAIT_S = 0.05
 
+# The token an embedding request ends with (it samples nothing): any id the vocabulary has.
+EMBED_PLACEHOLDER = 0
 log = logging.getLogger(__name__)
 
 
@@ -264,9 +266,16 @@ class ModelRunner:
         if embeds:
             # Last-token pooling, as vLLM's for decoder models: the final norm's output at
             # the prompt's last position, L2-normalized (a sync, paid only by such steps).
-            rows = torch.from_numpy(last_token[embeds]).to(self.device)
+            # Nothing samples for them (no logits: a model without an LM head embeds too);
+            # the one token such a request ends with is a placeholder, never shown.
+            rows = torch.from_numpy(last_token[embeds]).to(self.device, non_blocking=True)
             vectors = F.normalize(hidden[rows].float(), dim=-1).tolist()
             output.pooled = {order[i]: vector for i, vector in zip(embeds, vectors)}
+            for i in embeds:
+                states[i].token_ids.append(EMBED_PLACEHOLDER)
+                sampled[i] = [EMBED_PLACEHOLDER]
+            sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
+            constrained = [i for i in sample_rows if states[i].matcher is not None]
         if sample_rows:
             # One logits row per sampled position: a request's last token, and before it
             # one per draft, each seen by the sampler with the drafts before it.
