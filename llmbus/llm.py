@@ -104,6 +104,7 @@ class LLM:
             block_size=block_size,
             vocab_size=self.runner.vocab_size,
             long_rope_threshold=self.runner.model_config.long_rope_threshold,
+            generates=self.runner.model.generates,
         )
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -222,6 +222,7 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     incarnation: int = 0
     # The model's longrope threshold (Phi-3), which decides how its prompts' blocks hash.
     long_rope_threshold: int | None = None
+    generates: bool = True  # False: a model without an LM head, which only embeds
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import json
 
 import httpx
 import numpy as np
@@ -66,6 +67,36 @@ def test_an_embedding_request_samples_one_token_once():
 
 
 @pytest.fixture(scope="module")
+def headless(tiny_llama, tmp_path_factory):
+    """The tiny Llama's decoder saved alone, as embedding models ship (LlamaModel: no
+    `model.` prefix, no LM head)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("headless")
+    AutoModelForCausalLM.from_pretrained(tiny_llama).model.save_pretrained(folder)
+    for path in tiny_llama.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")) or path.suffix == ".jinja":
+            shutil.copy(path, folder / path.name)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    return folder
+
+
+def test_a_decoder_without_an_lm_head_embeds_and_refuses_to_generate(headless, tiny_llama):
+    llm = LLM(str(headless))
+    assert not llm.runner.model.generates
+    got = [o.outputs.embedding for o in llm.embed(PROMPTS)]
+    assert_equal_embeddings(got, hf_embeddings(headless, PROMPTS))
+    assert_equal_embeddings(got, hf_embeddings(tiny_llama, PROMPTS))  # the same decoder's
+    with pytest.raises(ValueError, match="no LM head: it serves embeddings"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+    quantized = LLM(str(headless), dtype="bfloat16", quantization="int8").embed(PROMPTS[:2])
+    for vector, expected in zip(quantized, got):
+        assert torch.dot(torch.tensor(vector.outputs.embedding), torch.tensor(expected)) > 0.99
+
+
+@pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
     proc, url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
                              tmp_path_factory.mktemp("serve") / "serve.log")
@@ -118,3 +149,17 @@ def test_bad_embedding_requests_are_400s_naming_the_field(served, body, param):
     with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as info:
         served.post("/embeddings", body={"model": "tiny", **body}, cast_to=object)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_llmbus_serve_of_a_decoder_alone_embeds_and_answers_generation_with_a_400(headless, tmp_path):
+    proc, url = llmbus_serve(["--model", str(headless), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+                             tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        got = client.embeddings.create(model="tiny", input=[PROMPTS[1], PROMPTS[3]])
+        assert_equal_embeddings([d.embedding for d in got.data], hf_embeddings(headless, [PROMPTS[1], PROMPTS[3]]))
+        with pytest.raises(openai.BadRequestError, match="no LM head"):
+            client.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    finally:
+        proc.terminate()
+        proc.wait(60)

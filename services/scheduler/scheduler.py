@@ -44,9 +44,11 @@ class Scheduler:
         block_size: int,
         vocab_size: int,
         long_rope_threshold: int | None = None,
+        generates: bool = True,  # False: the model has no LM head and only embeds
     ) -> None:
         self.config = config
         self.vocab_size = vocab_size
+        self.generates = generates
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
                                                long_rope_threshold)
         # A request must fit in the cache on its own, or it could never finish.
@@ -85,6 +87,9 @@ class Scheduler:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = req.sampling_params
+        if not (self.generates or params.embed):
+            raise ValueError("this model has no LM head: it serves embeddings (/v1/embeddings, LLM.embed), "
+                             "not generation")
         for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:

@@ -81,8 +81,9 @@ def load_model(
         # Measured with int4 layers: an int8 head took W0 from 4.9 to 3.7 ms a token, and
         # greedy agreement with float32 went 2/16, 462/1417 -> 3/16, 365/1417 tokens.
         quantize(model.model, quantization, dtype)
-        head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.lm_head = quantized_linear("int8", head, None, dtype)
+        if model.generates:
+            head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            model.lm_head = quantized_linear("int8", head, None, dtype)
     # Parameters only: the RoPE tables stay float32, as transformers keeps them.
     for param in model.parameters():
         param.data = param.data.to(dtype)
@@ -92,7 +93,7 @@ def load_model(
             module.stack_experts()  # for the Triton grouped GEMMs
     if can_pack(dtype, torch.device(device)):
         pack_linears(model)  # what quantization left unquantized (int4: the LM head)
-        if model.lm_head is None:
+        if model.lm_head is None and model.generates:
             # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more in
             # bfloat16, 113 MB in float32): the embedding is read a row per token, the head
             # whole on every step.

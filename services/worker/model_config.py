@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
 }
+# The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
+# without the `model.` prefix and no LM head. They embed and do not generate.
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+               "Qwen3Model": "Qwen3ForCausalLM"}
 # transformers' names for the MLP's gate activation
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -84,12 +88,12 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"{folder} is not a model folder: it has no config.json")
         raw = json.loads(path.read_text())
-        archs = raw.get("architectures") or []
+        archs = [BASE_MODELS.get(a, a) for a in raw.get("architectures") or []]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+                f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))}"
             )
         hidden_act = raw.get("hidden_act") or "silu"
         if arch == "GemmaForCausalLM" and hidden_act == "gelu":

@@ -67,6 +67,7 @@ async def serve(
         vocab_size=runner.vocab_size,
         eos_token_id=runner.model_config.eos_token_id,
         long_rope_threshold=runner.model_config.long_rope_threshold,
+        generates=runner.model.generates,
     )
     steps = ServedSteps(executor, tracer)
 

@@ -8,6 +8,7 @@ forward takes one step's flattened tokens, with no batch dimension and no paddin
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -23,6 +24,8 @@ from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.model_config import ModelConfig
+
+log = logging.getLogger("llmbus.worker")
 
 # checkpoint name part -> (our fused module, shard index)
 PACKED_WEIGHTS = {
@@ -174,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, backend, max_position)
         # Decode-only steps in one C call per layer (on CPU, with the kernels), set by the loader.
         self.fused_decode = None
+        # False for a checkpoint without an LM head (an embedding model's decoder alone):
+        # it embeds, and the scheduler refuses it anything to generate.
+        self.generates = True
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -209,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
+        if not self.generates:
+            raise RuntimeError("this model has no LM head: it computes no logits")
         if self.lm_head is None:  # tied
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         else:
@@ -221,6 +229,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            if not name.startswith(("model.", "lm_head.")):
+                name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
             if ".experts." in name or ".block_sparse_moe." in name:
                 for theirs, ours in ALIASES.items():
                     name = name.replace(theirs, ours)
@@ -243,6 +253,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"checkpoint has unexpected weight {name!r}")
                 _copy(params[name].data, tensor, name)
                 loaded.add(name)
+        if self.lm_head is not None and "lm_head.weight" not in loaded:
+            log.warning("the checkpoint has no LM head: this model serves embeddings, not generation")
+            self.lm_head, self.generates = None, False
+            del params["lm_head.weight"]
         missing = []
         for name, param in params.items():
             if name in loaded:  # a fused weight the checkpoint holds fused too (Phi-3's qkv_proj, gate_up_proj)
