@@ -117,7 +117,14 @@ def test_served_embeddings_equal_transformers_in_both_encodings(served, tiny_lla
     packed = served.embeddings.create(model="tiny", input=PROMPTS[2], encoding_format="base64")
     assert_equal_embeddings([np.frombuffer(base64.b64decode(packed.data[0].embedding), "<f4").tolist()], want[3:])
     # The client's own default (base64, decoded by it) gives the same floats.
+    before = prompt_tokens_counted(root)
     assert_equal_embeddings([served.embeddings.create(model="tiny", input=texts[0]).data[0].embedding], want[:1])
+    assert prompt_tokens_counted(root) == before + len(ids[0])  # /metrics counts them as other requests'
+
+
+def prompt_tokens_counted(root: str) -> float:
+    lines = httpx.get(root + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("llmbus:prompt_tokens_total{"))
 
 
 def test_embeddings_beside_generation_leave_both_as_they_are_alone(served, tiny_llama):

@@ -10,6 +10,7 @@ generation. Usage counts prompt tokens only, as OpenAI's does.
 from __future__ import annotations
 
 import base64
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,10 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     data = [{"object": "embedding", "index": i, "embedding": _encode(vectors[i], body.encoding_format)}
             for i in range(len(prompts))]
     num_tokens = sum(map(len, prompts))
+    # Counted as the other endpoints' requests are: its prompt tokens, one finished request
+    # an input (ended as asked: "stop"), its latency; it generates nothing.
+    serving.metrics.request_finished(num_tokens, ["stop"] * len(prompts), None, [],
+                                     time.monotonic() - usage.started_at, usage.queue_time_s)
     return {"object": "list", "data": data, "model": serving.config.model_name,
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
