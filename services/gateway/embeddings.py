@@ -18,7 +18,7 @@ import numpy as np
 from fastapi import Request
 from opentelemetry import trace
 
-from services.gateway.answer import end_span
+from services.gateway.answer import end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import EmbeddingRequest, parse_body, prompt_batch
@@ -70,7 +70,8 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     usage = Usage()
     vectors: dict[int, list[float]] = {}
     params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
-    async for deltas in generate(serving.client, serving.tokenizer.backend, f"embd-{uuid.uuid4().hex}", prompts,
+    request_id = f"embd-{uuid.uuid4().hex}"
+    async for deltas in generate(serving.client, serving.tokenizer.backend, request_id, prompts,
                                  params, serving.tokenizer.eos_token_id, usage, serving.config.idle_timeout_s,
                                  trace_headers=inject(ctx), incremental=False):
         for delta in deltas:
@@ -84,8 +85,10 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     num_tokens = sum(map(len, prompts))
     # Counted as the other endpoints' requests are: its prompt tokens, one finished request
     # an input (ended as asked: "stop"), its latency; it generates nothing.
-    serving.metrics.request_finished(num_tokens, ["stop"] * len(prompts), None, [],
-                                     time.monotonic() - usage.started_at, usage.queue_time_s)
+    e2e = time.monotonic() - usage.started_at
+    serving.metrics.request_finished(num_tokens, ["stop"] * len(prompts), None, [], e2e, usage.queue_time_s)
+    request_log.info("request finished", extra={"request_id": request_id, "status": 200, "prompt_tokens": num_tokens,
+                                                "cached_tokens": usage.cached_tokens, "e2e_s": round(e2e, 4)})
     return {"object": "list", "data": data, "model": serving.config.model_name,
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
