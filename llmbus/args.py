@@ -16,6 +16,7 @@ import os
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import SOURCES_HELP, default_sampling
+from shared.pooling_config import unsupported_pooling
 
 ENV_PREFIX = "LLMBUS_"
 log = logging.getLogger("llmbus.gateway")
@@ -171,7 +172,7 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          tool_call_parser=args.tool_call_parser,
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                          reasoning_parser=args.reasoning_parser,
-                         default_sampling=defaults)
+                         default_sampling=defaults, unsupported_pooling=unsupported_pooling(model_path))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -31,6 +31,7 @@ from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import default_sampling
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
+from shared.pooling_config import unsupported_pooling
 from shared.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -68,6 +69,7 @@ class LLM:
     ) -> None:
         path = resolve_model(model)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
+        self.model_path = path
         speculative = SpeculativeConfig.of(speculative_config)
         cache_config = CacheConfig(
             block_size=block_size,
@@ -178,6 +180,9 @@ class LLM:
         """vLLM's: each prompt's embedding, the model's final hidden state at its last
         token, L2-normalized (last-token pooling, as decoder embedding models such as
         Qwen3-Embedding and e5-mistral are trained for)."""
+        why = unsupported_pooling(self.model_path)
+        if why is not None:
+            raise ValueError(why)
         results = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, embed=True), use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
 

@@ -88,6 +88,8 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (reasoning_parsers.py)
     # The model's sampling defaults for fields a request leaves out (generation_config.py)
     default_sampling: dict = field(default_factory=dict)
+    # Why /v1/embeddings cannot serve this model as it asks (shared/pooling_config.py), or None
+    unsupported_pooling: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -170,3 +170,50 @@ def test_llmbus_serve_of_a_decoder_alone_embeds_and_answers_generation_with_a_40
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def write_pooling(folder, **modes):
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+
+
+def test_the_pooling_a_model_asks_for_is_read_from_its_sentence_transformers_files(tmp_path):
+    from shared.pooling_config import pooling_mode
+
+    assert pooling_mode(tmp_path) == "last"  # none: a decoder's default
+    write_pooling(tmp_path, pooling_mode_lasttoken=True, pooling_mode_mean_tokens=False)
+    assert pooling_mode(tmp_path) == "last"
+    write_pooling(tmp_path, pooling_mode_mean_tokens=True)
+    assert pooling_mode(tmp_path) == "mean"
+    (tmp_path / "modules.json").write_text("{not json")
+    assert pooling_mode(tmp_path) == "last"
+
+
+def test_a_model_that_pools_otherwise_is_refused_embeddings_by_name(headless, tmp_path):
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from services.gateway.app import create_app
+    from shared.config import GatewayConfig
+    from test_gateway import FakeEngine
+    from services.tokenizer.tokenizer import Tokenizer
+
+    folder = tmp_path / "mean"
+    shutil.copytree(headless, folder)
+    write_pooling(folder, pooling_mode_mean_tokens=True)
+    with pytest.raises(ValueError, match="pools its embeddings by mean; llmbus pools by the last token only"):
+        LLM(str(folder)).embed(PROMPTS[:1])
+    tokenizer = Tokenizer(folder)
+
+    async def factory(on_stats):
+        return FakeEngine(tokenizer, None)
+
+    config = GatewayConfig("tiny", unsupported_pooling="this model's sentence-transformers config pools by mean")
+    with TestClient(create_app(factory, tokenizer, config)) as client:
+        resp = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"

@@ -47,6 +47,8 @@ async def embeddings(serving: OpenAIServing, request: Request) -> dict:
 
 async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     serving.check_model(body.model)
+    if serving.config.unsupported_pooling is not None:
+        raise BadRequest(serving.config.unsupported_pooling, "model")
     if body.encoding_format not in ENCODINGS:
         raise BadRequest(f"encoding_format must be one of {', '.join(ENCODINGS)}", "encoding_format")
     if body.dimensions is not None:
