@@ -31,7 +31,7 @@ def pooling_mode(model_path: str | Path) -> str:
             except (OSError, ValueError):
                 return "last"
             chosen = [mode for key, mode in MODES.items() if config.get(key)]
-            return chosen[0] if len(chosen) == 1 else "+".join(chosen) or "last"
+            return "+".join(chosen) or "last"
     return "last"
 
 

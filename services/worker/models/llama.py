@@ -109,7 +109,6 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu"):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
         self.gate_act = GATE_ACTS.get(hidden_act)  # None: SiLU
         self.triton = triton  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
@@ -209,8 +208,10 @@ class LlamaForCausalLM(nn.Module):
         if multiplier == 1.0:
             return hidden
         if self.config.embedding_multiplier_in_dtype:
-            multiplier = _EMBEDDING_SCALES.setdefault((multiplier, hidden.dtype),
-                                                      torch.tensor(multiplier, dtype=hidden.dtype).item())
+            key = (multiplier, hidden.dtype)
+            if key not in _EMBEDDING_SCALES:
+                _EMBEDDING_SCALES[key] = torch.tensor(multiplier, dtype=hidden.dtype).item()
+            multiplier = _EMBEDDING_SCALES[key]
         return hidden * multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
