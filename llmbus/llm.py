@@ -32,7 +32,7 @@ from shared.generation_config import default_sampling
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, embedding_params
 
 Prompt = str | list[int]
 T = TypeVar("T")
@@ -69,7 +69,7 @@ class LLM:
     ) -> None:
         path = resolve_model(model)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
-        self.model_path = path
+        self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
         speculative = SpeculativeConfig.of(speculative_config)
         cache_config = CacheConfig(
             block_size=block_size,
@@ -180,10 +180,9 @@ class LLM:
         """vLLM's: each prompt's embedding, the model's final hidden state at its last
         token, L2-normalized (last-token pooling, as decoder embedding models such as
         Qwen3-Embedding and e5-mistral are trained for)."""
-        why = unsupported_pooling(self.model_path)
-        if why is not None:
-            raise ValueError(why)
-        results = self.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, embed=True), use_tqdm=use_tqdm)
+        if self.unsupported_pooling is not None:
+            raise ValueError(self.unsupported_pooling)
+        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
 
     def chat(

@@ -76,7 +76,6 @@ class NatsServer:
         self.port = port or free_port()
         self._port_is_ours = port is None  # a port the caller chose is never changed
         self.tls = tls  # clients and routes both: nothing crosses in the clear
-        self.url = f"{'tls' if tls else 'nats'}://127.0.0.1:{self.port}"
         self.name = name
         # The monitoring endpoint needs no login (it shows connections and subscriptions, not
         # messages): on for tests' servers, off under `llmbus serve` unless --nats-monitor.
@@ -123,6 +122,10 @@ class NatsServer:
         return self.proc
 
     @property
+    def url(self) -> str:  # from the port, which start() may pick again
+        return f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
+
+    @property
     def log_path(self) -> Path:
         return Path(self._dir.name) / "nats.log"
 
@@ -140,7 +143,6 @@ class NatsServer:
             if f":{self.port}" in failure and not self._port_is_ours:
                 break
             self.port = free_port() if self._port_is_ours else self.port
-            self.url = f"{'tls' if self.tls else 'nats'}://127.0.0.1:{self.port}"
             self.monitor_port = free_port() if self.monitor_port is not None else None
         raise RuntimeError(f"nats-server {self.name} did not start: {failure}")
 

@@ -64,8 +64,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # vLLM's: sample only among these token ids (the rest masked, greedy too).
     allowed_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
-    # An embedding request (vLLM's embed task): the model's final hidden state at the
-    # prompt's last token, L2-normalized, comes back with its one sampled token (dropped).
+    # An embedding request (vLLM's embed task; `embedding_params()`): the model's final
+    # hidden state at the prompt's last token, L2-normalized, comes back with one
+    # placeholder token, nothing sampled.
     embed: bool = False
 
     def __post_init__(self) -> None:
@@ -127,3 +128,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+def embedding_params() -> SamplingParams:
+    """An embedding request's params: its prompt computed, one token after it."""
+    return SamplingParams(max_tokens=1, temperature=0.0, embed=True)

@@ -2,8 +2,8 @@
 (SamplingParams.embed: the final hidden state at the prompt's last token, L2-normalized,
 as vLLM pools decoder models for its embed task).
 
-Each input is one engine request that computes its prompt and samples one token, which
-is dropped; the inputs of a batch run side by side, in any worker's batch beside
+Each input is one engine request that computes its prompt and ends with a placeholder
+token (nothing is sampled for it, and it is not shown); the inputs of a batch run side by side, in any worker's batch beside
 generation. Usage counts prompt tokens only, as OpenAI's does.
 """
 
@@ -16,14 +16,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from fastapi import Request
-from opentelemetry import trace
 
 from services.gateway.answer import end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import EmbeddingRequest, parse_body, prompt_batch
-from shared.sampling_params import SamplingParams
-from shared.tracing import SpanKind, inject
+from shared.sampling_params import embedding_params
+from shared.tracing import inject
 
 if TYPE_CHECKING:
     from services.gateway.serving import OpenAIServing
@@ -33,9 +32,7 @@ ENCODINGS = ("float", "base64")
 
 
 async def embeddings(serving: OpenAIServing, request: Request) -> dict:
-    span = serving.tracer.start_span("gateway.request", kind=SpanKind.INTERNAL,
-                                     attributes={"http.request.method": "POST", "url.path": request.url.path})
-    ctx = trace.set_span_in_context(span)
+    span, ctx = serving.request_span(request)
     try:
         body = await _answer(serving, parse_body(await serving.read_body(request), EmbeddingRequest), ctx)
     except Exception as exc:
@@ -58,20 +55,11 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     if body.truncate_prompt_tokens == 0:
         raise BadRequest("truncate_prompt_tokens must be -1 (the context) or at least 1", "truncate_prompt_tokens")
     prompts = await serving.encode(prompt_batch(body.input, "input", MAX_INPUTS), ctx, "input")
-    info = await serving.client.scheduler_info()
-    keep = body.truncate_prompt_tokens
-    if keep == -1:
-        keep = info.max_model_len - 1 if info.num_workers >= 1 else None
-    if keep is not None:
-        prompts = [ids[-keep:] for ids in prompts]
-    if info.num_workers >= 1:
-        for ids in prompts:
-            if len(ids) >= info.max_model_len:
-                raise BadRequest(f"this model's context is {info.max_model_len} tokens, but the input has "
-                                 f"{len(ids)} tokens", "input")
+    # No max_tokens: the one position after the prompt is all an embedding needs of the context.
+    prompts = await serving.fit_context(prompts, body.truncate_prompt_tokens, None, "input")
     usage = Usage()
     vectors: dict[int, list[float]] = {}
-    params = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+    params = embedding_params()
     request_id = f"embd-{uuid.uuid4().hex}"
     async for deltas in generate(serving.client, serving.tokenizer.backend, request_id, prompts,
                                  params, serving.tokenizer.eos_token_id, usage, serving.config.idle_timeout_s,

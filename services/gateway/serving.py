@@ -43,15 +43,8 @@ class OpenAIServing:
 
     async def handle(self, request: Request, kind: type, answer: type = Answer) -> Response:
         """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
-        `to_chat`, the Responses API's), `answer` the class that answers it.
-        FastAPI opens the HTTP server span; this one, inside it, lasts until the last byte
-        of a stream and parents everything the request causes on the bus."""
-        path = request.url.path
-        span = self.tracer.start_span(
-            "gateway.request", kind=SpanKind.INTERNAL,
-            attributes={"http.request.method": "POST", "url.path": path, "http.route": path},
-        )
-        ctx = trace.set_span_in_context(span)
+        `to_chat`, the Responses API's), `answer` the class that answers it."""
+        span, ctx = self.request_span(request)
         try:
             body, params, prompts, tools = await self._prepare(request, kind, ctx)
         except Exception as exc:
@@ -135,26 +128,43 @@ class OpenAIServing:
                                      timeout_s=STRUCTURED_CHECK_TIMEOUT_S)
             except BadRequest as exc:
                 raise BadRequest(str(exc), spec_field) from exc
-        info = await self.client.scheduler_info()
-        keep = body.truncate_prompt_tokens
-        if keep == -1:  # as much as the context holds beside max_tokens (unknown before a worker joins)
-            keep = info.max_model_len - (params.max_tokens or 1) if info.num_workers >= 1 else None
-        if keep is not None:  # the prompt's last `keep` tokens (left truncation, as vLLM's)
-            prompts = [token_ids[-keep:] for token_ids in prompts]
-        if info.num_workers >= 1:
-            # With no worker yet (still loading) or none left the context is not known here:
-            # the scheduler holds the request until one joins and checks its length then.
-            for token_ids in prompts:
-                _check_context(info.max_model_len, len(token_ids), params.max_tokens)
+        prompts = await self.fit_context(prompts, body.truncate_prompt_tokens, params.max_tokens)
         return body, params, prompts, tools
 
+    async def fit_context(self, prompts: list[list[int]], keep: int | None, max_tokens: int | None,
+                          field: str = "prompt") -> list[list[int]]:
+        """Each prompt's last `keep` tokens (left truncation, as vLLM's; -1: as many as the
+        context holds beside max_tokens), checked against the context. With no worker yet
+        (still loading) or none left the context is not known here: the scheduler holds
+        the request until one joins and checks its length then."""
+        info = await self.client.scheduler_info()
+        if keep == -1:
+            keep = info.max_model_len - (max_tokens or 1) if info.num_workers >= 1 else None
+        if keep is not None:
+            prompts = [token_ids[-keep:] for token_ids in prompts]
+        if info.num_workers >= 1:
+            for token_ids in prompts:
+                _check_context(info.max_model_len, len(token_ids), max_tokens, field)
+        return prompts
 
-def _check_context(context: int, num_prompt: int, max_tokens: int | None) -> None:
+    def request_span(self, request: Request):
+        """(span, its context): FastAPI opens the HTTP server span; this one, inside it,
+        lasts until the answer's last byte and parents everything the request causes on
+        the bus."""
+        path = request.url.path
+        span = self.tracer.start_span(
+            "gateway.request", kind=SpanKind.INTERNAL,
+            attributes={"http.request.method": "POST", "url.path": path, "http.route": path},
+        )
+        return span, trace.set_span_in_context(span)
+
+
+def _check_context(context: int, num_prompt: int, max_tokens: int | None, field: str = "prompt") -> None:
     if max_tokens is not None and num_prompt + max_tokens > context:
         raise BadRequest(
-            f"this model's context is {context} tokens, but the prompt has {num_prompt} tokens "
+            f"this model's context is {context} tokens, but the {field} has {num_prompt} tokens "
             f"and max_tokens asks for {max_tokens} more ({num_prompt + max_tokens} in all)",
             "max_tokens",
         )
     if num_prompt >= context:
-        raise BadRequest(f"this model's context is {context} tokens, but the prompt has {num_prompt} tokens", "prompt")
+        raise BadRequest(f"this model's context is {context} tokens, but the {field} has {num_prompt} tokens", field)
