@@ -1,8 +1,9 @@
 """llmbus: an LLM serving engine in the shape of vLLM V1, cut into services over NATS."""
 
+from shared.lora_request import LoRARequest
 from shared.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):

@@ -14,8 +14,10 @@ import logging
 import os
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
-from shared.config import KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, SchedulerConfig, SpeculativeConfig
+from shared.config import (KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, LoRAConfig,
+                           SchedulerConfig, SpeculativeConfig)
 from shared.generation_config import SOURCES_HELP, default_sampling
+from shared.lora_request import LoRARequest, parse_lora_modules
 from shared.pooling_config import unsupported_pooling
 
 ENV_PREFIX = "LLMBUS_"
@@ -87,6 +89,16 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="the largest decode batch (rows: requests and their drafts) run as a CUDA graph")
     parser.add_argument("--load-format", default=env("--load-format", "auto"), choices=["auto", "dummy"],
                         help="dummy: random weights of the config's shape (timing without a checkpoint)")
+    # vLLM's LoRA flags: the adapters themselves are named to the gateway (--lora-modules)
+    # or offline per request (LoRARequest); the worker reads them when first asked.
+    parser.add_argument("--enable-lora", action="store_true", default=env_flag("--enable-lora"),
+                        help="serve LoRA adapters on top of the model (--lora-modules names them)")
+    parser.add_argument("--max-loras", type=int, default=env("--max-loras", 1),
+                        help="LoRA adapters one step can mix (each takes a slot of stacked weights)")
+    parser.add_argument("--max-lora-rank", type=int, default=env("--max-lora-rank", 16),
+                        help="the largest LoRA rank served")
+    parser.add_argument("--max-cpu-loras", type=int, default=env("--max-cpu-loras"),
+                        help="adapters kept read in memory, least recently used dropped (default: --max-loras)")
 
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +124,24 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
+
+
+def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
+    """None without --enable-lora; limits that cannot hold stop the command, saying why."""
+    if not args.enable_lora:
+        return None
+    try:
+        return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    except ValueError as exc:
+        raise SystemExit(f"llmbus: {exc}") from None
+
+
+def lora_modules(values: list[str], max_rank: int | None = None) -> dict[str, LoRARequest]:
+    """--lora-modules, each adapter's folder checked: a wrong one stops the gateway at start."""
+    try:
+        return parse_lora_modules(values, max_rank)
+    except ValueError as exc:
+        raise SystemExit(f"llmbus: {exc}") from None
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
@@ -172,7 +202,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          tool_call_parser=args.tool_call_parser,
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                          reasoning_parser=args.reasoning_parser,
-                         default_sampling=defaults, unsupported_pooling=unsupported_pooling(model_path))
+                         default_sampling=defaults, unsupported_pooling=unsupported_pooling(model_path),
+                         lora_modules=lora_modules(args.lora_modules))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -198,6 +229,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         load_format=args.load_format,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         generation_config=args.generation_config,
         override_generation_config=json.loads(args.override_generation_config or "{}"),
     )

@@ -23,17 +23,20 @@ def cmd_model_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from llmbus import LLM, SamplingParams
+    from llmbus import LLM, LoRARequest, SamplingParams
 
+    if args.lora_path and not args.enable_lora:
+        raise SystemExit("llmbus generate: --lora-path needs --enable-lora")
+    lora = LoRARequest("adapter", 1, args.lora_path) if args.lora_path else None
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed,
     )
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, lora_request=lora)
     else:
-        outputs = llm.generate(args.prompts, params)
+        outputs = llm.generate(args.prompts, params, lora_request=lora)
     for out in outputs:
         print(out.outputs[0].text)
     return 0
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--lora-path", default=None,
+                     help="a PEFT LoRA adapter folder to generate through (with --enable-lora)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 

@@ -27,8 +27,9 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
-from shared.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import default_sampling
+from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
@@ -66,11 +67,17 @@ class LLM:
         device: str | None = None,  # "cuda" when there is one, else "cpu"
         generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/generation_config.py)
         override_generation_config: dict | None = None,
+        # vLLM's LoRA options: adapters are then named per request (lora_request=)
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
     ) -> None:
         path = resolve_model(model)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
         speculative = SpeculativeConfig.of(speculative_config)
+        lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         cache_config = CacheConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -84,7 +91,7 @@ class LLM:
                 max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
-                load_format=load_format, device=device,
+                load_format=load_format, device=device, lora_config=lora_config,
             ),
             threads,
         )
@@ -107,6 +114,7 @@ class LLM:
             vocab_size=self.runner.vocab_size,
             long_rope_threshold=self.runner.model_config.long_rope_threshold,
             generates=self.runner.model.generates,
+            max_loras=lora_config.max_loras if lora_config else 0,
         )
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id
@@ -135,8 +143,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """`priority`: vLLM's, one per prompt (lower first), with scheduling_policy="priority"."""
+        """`priority`: vLLM's, one per prompt (lower first), with scheduling_policy="priority".
+        `lora_request`: vLLM's, the adapter for every prompt or one (or None) per prompt,
+        with enable_lora=True."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -149,7 +160,7 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        results = self.add_requests(prompts, params_list, priority)
+        results = self.add_requests(prompts, params_list, priority, lora_request)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
             self._step_until_done(pending, bar)
@@ -176,13 +187,14 @@ class LLM:
             concurrent.futures.wait([running])
             raise
 
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding, the model's final hidden state at its last
         token, L2-normalized (last-token pooling, as decoder embedding models such as
         Qwen3-Embedding and e5-mistral are trained for)."""
         if self.unsupported_pooling is not None:
             raise ValueError(self.unsupported_pooling)
-        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm)
+        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
 
     def chat(
@@ -193,6 +205,7 @@ class LLM:
         use_tqdm: bool = False,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: `continue_final_message` goes on from a last assistant message (with
         add_generation_prompt=False); `chat_template_kwargs` are the template's own
@@ -204,7 +217,7 @@ class LLM:
                                                chat_template_kwargs=chat_template_kwargs)
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- the engine -------------------------------------------------------------------
 
@@ -263,7 +276,8 @@ class LLM:
         return [f"{result.request_id}-{o.index}" for o in result.outputs]
 
     def add_requests(self, prompts: list[Prompt], params_list: list[SamplingParams],
-                     priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                     priority: Sequence[int] | None = None,
+                     lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Queue without running (drive the engine with `step()`; `generate` does both).
         Everything is validated first: on any error nothing is left queued. Each step adds
         to a completion's `token_ids` (and logprobs); its `text` is set when it finishes
@@ -282,10 +296,12 @@ class LLM:
                 encoded.append((None, list(prompt)))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
+        loras = self._loras(lora_request, len(prompts))
         added: list[str] = []
         results = []
         try:
-            for (text, token_ids), params, rank in zip(encoded, params_list, priority or [0] * len(prompts)):
+            for (text, token_ids), params, rank, lora in zip(encoded, params_list, priority or [0] * len(prompts),
+                                                             loras):
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
                 if params.prompt_logprobs is not None:
                     result.prompt_logprobs = [None]
@@ -294,7 +310,7 @@ class LLM:
                 # fraction of the host's work a step.
                 parent = ParentRequest(
                     result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
-                    incremental=False, priority=rank,
+                    incremental=False, priority=rank, lora_request=lora,
                 )
                 for index, request in enumerate(parent.engine_requests):
                     self.scheduler.add_request(request)
@@ -311,3 +327,21 @@ class LLM:
                 self._requests.pop(seq_id, None)
             raise
         return results
+
+    def _loras(self, lora_request, count: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each read here first: a bad adapter is the
+        caller's ValueError, before anything is queued."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * count
+        else:
+            loras = list(lora_request)
+            if len(loras) != count:
+                raise ValueError(f"{count} prompts but {len(loras)} LoRA requests")
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            if not isinstance(lora, LoRARequest):
+                raise TypeError(f"expected LoRARequest, got {type(lora).__name__}")
+            if self.runner.loras is None:
+                raise ValueError(f"LoRA adapter {lora.lora_name!r} asked for, but this LLM was made without "
+                                 "enable_lora=True")
+            self.executor.call(self.runner.loras.prepare, lora)
+        return loras

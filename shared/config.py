@@ -90,12 +90,35 @@ class GatewayConfig:
     default_sampling: dict = field(default_factory=dict)
     # Why /v1/embeddings cannot serve this model as it asks (shared/pooling_config.py), or None
     unsupported_pooling: str | None = None
+    # vLLM's --lora-modules: the adapters clients may name as their `model` (name -> LoRARequest)
+    lora_modules: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+
+
+@dataclass(slots=True)
+class LoRAConfig:
+    """vLLM's LoRA flags (--enable-lora turns these on): how many adapters one step can
+    mix (each a slot of stacked weights in the worker), the largest rank a slot holds, and
+    how many adapters the worker keeps read from disk (least recently used dropped)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
 # A big batch is compute-bound: drafts pay there only at high acceptance (W1, 128 at once,

@@ -14,6 +14,7 @@ import enum
 
 import msgspec
 
+from shared.lora_request import LoRARequest
 from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 _WIRE = dict(array_like=True, omit_defaults=True, gc=False)
@@ -49,6 +50,7 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     # what came after those tokens again; one that does not know it takes it as new.
     resume: bool = False
     priority: int = 0  # vLLM's; lower first, with --scheduling-policy priority only
+    lora_request: LoRARequest | None = None  # the adapter that serves it; None: the base model
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):
@@ -61,6 +63,7 @@ class NewRequestData(msgspec.Struct, **_WIRE):
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
@@ -223,6 +226,8 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # The model's longrope threshold (Phi-3), which decides how its prompts' blocks hash.
     long_rope_threshold: int | None = None
     generates: bool = True  # False: a model without an LM head, which only embeds
+    # LoRA adapters it can run in one step (--max-loras with --enable-lora); 0: none.
+    max_loras: int = 0
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.detokenizer import IncrementalDetokenizer
+from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shared.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class ParentRequest:
         first_index: int = 0,  # of its first choice in the response (a batch of prompts)
         incremental: bool = True,  # False: each choice's text comes whole, with its finish
         priority: int = 0,  # the scheduler's, under its priority policy
+        lora_request: LoRARequest | None = None,  # the adapter that serves it (None: the base model)
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -79,6 +81,7 @@ class ParentRequest:
                 reply_subject=reply_subject,
                 trace_headers=trace_headers or {},
                 priority=priority,
+                lora_request=lora_request,
             ))
             self._choices[child_id] = _Choice(
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,

@@ -173,3 +173,44 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, devic
             )
             results.append(out[0, len(prompt) :].tolist())
     return results
+
+
+# PEFT's names for every projection of a decoder layer (Phi-3's are fused in its checkpoints)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_TARGETS_FUSED = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def build_lora_adapter(base: Path, folder: Path, seed: int = 0, r: int = 8, lora_alpha: float = 16,
+                       target_modules: list[str] | None = None, **options) -> Path:
+    """A PEFT LoRA adapter of `base`, saved as PEFT saves one, its A and B drawn wide
+    (PEFT would start B at zero: an adapter that changes nothing)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules
+                                                  or LORA_TARGETS, init_lora_weights=False, **options))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.3)
+    peft_model.save_pretrained(folder)
+    return Path(folder)
+
+
+def peft_greedy(base: Path, adapter: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The LoRA oracle: PEFT's model over transformers', generating as hf_greedy does."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    results = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+            results.append(out[0, len(prompt):].tolist())
+    return results

@@ -73,7 +73,7 @@ class Fleet:
             return []
         config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
         core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
-                         info.generates)
+                         info.generates, info.max_loras)
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
         log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
         waiting, self.unplaced = self.unplaced, deque()
@@ -160,9 +160,13 @@ class Fleet:
             tokens = [*item.prompt_token_ids, *item.output_token_ids]
         else:
             tokens = item.all_token_ids
+        lora = item.lora_request
+        # A worker that serves adapters, for a request with one; then the most of its
+        # prefix cached; then the least loaded.
         handle = max(
             self.workers.values(),
-            key=lambda h: (h.core.num_cached_prefix_blocks(tokens), -h.core.load()),
+            key=lambda h: (lora is None or h.info.max_loras > 0, h.core.num_cached_prefix_blocks(tokens, lora),
+                           -h.core.load()),
         )
         try:
             if isinstance(item, EngineCoreRequest):

@@ -5,12 +5,24 @@ The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`
 
 from __future__ import annotations
 
-from services.scheduler.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from services.scheduler.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from services.scheduler.request import Request
+from shared.lora_request import LoRARequest
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def hash_root(long_rope: bool, lora: LoRARequest | None) -> BlockHash | None:
+    """What a request's chain of block hashes starts from: the same tokens hold other keys
+    and values rotated with longrope's long factors (Phi-3), or under a LoRA adapter
+    (named with its path, so an adapter replaced under the same name is another), so they
+    are other blocks. None for the base model's short ones, as before either existed."""
+    root = b"longrope:long" if long_rope else b""
+    if lora is not None:
+        root += b"|lora:" + lora.lora_name.encode() + b"\0" + lora.lora_path.encode()
+    return root or None
 
 
 class KVCacheManager:
@@ -44,7 +56,7 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes to every block its tokens fill."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        root = b"longrope:long" if self.runs_long(request) else None
+        root = hash_root(self.runs_long(request), request.lora_request)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
@@ -69,11 +81,11 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None) -> int:
         """How many leading full blocks of these tokens are cached here (for placement)."""
         if not self.enable_caching:
             return 0
-        parent, bs = None, self.block_size
+        parent, bs = hash_root(False, lora), self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if self.block_pool.get_cached_block(parent) is None:

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from services.scheduler.block_pool import BlockHash
+from shared.lora_request import LoRARequest
 from shared.messages import FinishReason
 from shared.sampling_params import SamplingParams
 
@@ -57,6 +58,7 @@ class Request:
     long_rope: bool = False
     num_discarded_tokens: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
+    lora_request: LoRARequest | None = None  # its adapter; None: the base model
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once
     queue_time_reported: bool = False

@@ -18,6 +18,7 @@ from collections import defaultdict, deque
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from shared.config import SchedulerConfig
+from shared.lora_request import LoRARequest
 from shared.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -45,8 +46,10 @@ class Scheduler:
         vocab_size: int,
         long_rope_threshold: int | None = None,
         generates: bool = True,  # False: the model has no LM head and only embeds
+        max_loras: int = 0,  # LoRA adapters its worker can run at once (0: none)
     ) -> None:
         self.config = config
+        self.max_loras = max_loras
         self.vocab_size = vocab_size
         self.generates = generates
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
@@ -94,6 +97,9 @@ class Scheduler:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if req.lora_request is not None and not self.max_loras:
+            raise ValueError(f"LoRA adapter {req.lora_request.lora_name!r}: this worker serves no adapters "
+                             "(start it with --enable-lora)")
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if num_output >= max_tokens:
@@ -111,6 +117,7 @@ class Scheduler:
             queued_at=time.monotonic(),
             all_token_ids=[*req.prompt_token_ids, *req.output_token_ids],
             output_token_ids=list(req.output_token_ids),
+            lora_request=req.lora_request,
         )
         self.requests[request.request_id] = request
         self._enqueue(request)
@@ -161,9 +168,9 @@ class Scheduler:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def num_cached_prefix_blocks(self, token_ids: list[int]) -> int:
+    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None) -> int:
         """How many leading full blocks of these tokens this core's prefix cache holds."""
-        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids)
+        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids, lora)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -272,6 +279,10 @@ class Scheduler:
             index += 1
 
         # Then waiting ones, unless this step had to preempt: there is no room to spare.
+        # No more than max_loras adapters run at once (the worker's slots): a request of
+        # another adapter waits, in its place, while those behind it may go (vLLM's rule).
+        loras = {r.lora_request for r in self.running if r.lora_request is not None} if self.max_loras else set()
+        skipped: list[Request] = []
         while (
             self.waiting
             and budget > 0
@@ -279,6 +290,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
+            lora = request.lora_request
+            if lora is not None and lora not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if request.num_output_placeholders:
                 # Preempted with a step in flight: its token must land before it can be
                 # sent to the worker again as prompt + output.
@@ -303,10 +318,13 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.long_rope = self.kv_cache_manager.runs_long(request)
+            if lora is not None:
+                loras.add(lora)
             self.running.append(request)
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))  # (ahead of the rest, in their order)
 
         output = self._make_output(scheduled, num_scheduled, new_blocks)
         output.num_draft_slots = num_draft_slots
@@ -377,6 +395,7 @@ class Scheduler:
                         eos_token_id=request.eos_token_id,
                         block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
                         num_computed_tokens=request.num_computed_tokens,
+                        lora_request=request.lora_request,
                     )
                 )
         self._step_id += 1

@@ -19,6 +19,7 @@ from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +30,8 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype
+from services.worker.lora_adapter import LoRAAdapter
+from services.worker.lora_manager import LoRAManager
 from services.worker.model_config import ModelConfig
 from services.worker.prompt_logprobs import add_chunk
 from services.worker.request_state import RequestState
@@ -36,7 +39,7 @@ from services.worker.sampler import Sampler
 from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
 from services.worker.step_inputs import StepInputs
 from services.worker.structured_output import GrammarBackend, plain_greedy, split_ready
-from shared.config import CacheConfig, SpeculativeConfig
+from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
 # How long a step with only grammar-waiting requests waits for a compile (see split_ready).
@@ -62,6 +65,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_cudagraph_capture_size: int = 256,
         load_format: str = "auto",
+        lora_config: LoRAConfig | None = None,  # --enable-lora: serve LoRA adapters
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if quantization not in (None, *QUANTIZATIONS):
@@ -85,6 +89,10 @@ class ModelRunner:
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, load_format)
         self.num_blocks = self._num_kv_blocks()
+        self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
+        # Requests that failed as they arrived (their adapter could not be read): request
+        # id -> why, sent with the step's output.
+        self._arrival_errors: dict[str, str] = {}
         cfg = self.model_config
         # One block more than the scheduler is told of: the pad block, where the padded
         # rows of a decode graph write (decode_graphs.py), never a request's.
@@ -204,9 +212,10 @@ class ModelRunner:
         behind = len(self._launched)  # steps launched whose tokens are not on the host yet
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        arrival_errors, self._arrival_errors = self._arrival_errors, {}
         if not num_scheduled:
             return LaunchedStep.done(ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[],
-                                                       sampled_token_ids=[]))
+                                                       sampled_token_ids=[], request_errors=arrival_errors))
         if self._launched and not reads_device_tokens_only(self.requests, scheduler_output):
             self.finish_launched()
         # Speculation: drafts for the requests given slots; each computes its scheduled
@@ -227,10 +236,15 @@ class ModelRunner:
         long_offset = self.model.model.rotary.long_offset if self.model_config.long_rope_threshold is not None else None
         inputs, sample_rows, last_token, from_device = StepInputs.build(states, num_tokens, drafts, self.block_size,
                                                                         self.block_table, long_offset)
+        if self.loras is not None:  # each request's tokens: from the one after the last's to its last
+            self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
+                                last_token + 1)
 
         t_forward = time.time_ns()
         graphs = self.decode_graphs
-        on_graph = graphs is not None and graphs.takes(inputs)
+        # (graphs are captured without adapters: a step with any runs eager)
+        on_graph = graphs is not None and not (self.loras is not None and self.loras.mapping.active) \
+            and graphs.takes(inputs)
         patch = (lambda ids: read_device_tokens(ids, from_device)) if from_device else None
         if on_graph:
             hidden = graphs.run(inputs, patch)
@@ -245,6 +259,7 @@ class ModelRunner:
         output = ModelRunnerOutput(
             step_id=scheduler_output.step_id, req_ids=order, sampled_token_ids=sampled, logprobs=logprobs,
             num_draft_tokens=[len(drafts.get(rid, ())) for rid in order] if drafts else [],
+            request_errors=arrival_errors,
         )
         launched = LaunchedStep.done(output)
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)
@@ -256,8 +271,8 @@ class ModelRunner:
             wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
             sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
             output.resample_req_ids = [order[i] for i in pending]
-            output.request_errors = {order[i]: why for i, why in failed.items()}
-            self.drop_requests(list(output.request_errors))
+            output.request_errors.update({order[i]: why for i, why in failed.items()})
+            self.drop_requests([order[i] for i in failed])
             constrained = [i for i in sample_rows if states[i].matcher is not None]
         if any(s.prompt_logprobs is not None for s in states):  # (mostly none)
             sample_rows = self._add_prompt_logprobs(states, num_tokens, last_token, hidden, sample_rows, output)
@@ -395,6 +410,15 @@ class ModelRunner:
                     drafts[rid] = proposed
         return drafts
 
+    def _prepare_lora(self, lora) -> LoRAAdapter | str:
+        """The adapter, read, or why it cannot be."""
+        if self.loras is None:
+            return f"LoRA adapter {lora.lora_name!r}: this worker serves no adapters (start it with --enable-lora)"
+        try:
+            return self.loras.prepare(lora)
+        except (ValueError, OSError) as exc:
+            return str(exc)
+
     def _write_step_log(self, inputs: StepInputs, on_graph: bool, num_sampled: int, mask_ns: int,
                         drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str],
                         launched_behind: int) -> None:
@@ -417,6 +441,12 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs
             self.drop_requests([new.req_id])  # (sent again whole: resumed or preempted)
+            adapter = self._prepare_lora(new.lora_request) if new.lora_request is not None else None
+            if isinstance(adapter, str):  # it fails alone; the step goes on without it
+                self._arrival_errors[new.req_id] = adapter
+                so.num_scheduled_tokens.pop(new.req_id, None)
+                so.num_draft_slots.pop(new.req_id, None)
+                continue
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -433,6 +463,7 @@ class ModelRunner:
                 # (one with output already sent them with its first token)
                 prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
                 else None,
+                lora=adapter,
             )
         for cached in so.scheduled_cached_reqs:
             state = self.requests.get(cached.req_id)

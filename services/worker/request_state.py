@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the adapter module pulls in torch)
+    from services.worker.lora_adapter import LoRAAdapter
 
 
 @dataclass(slots=True, eq=False)
@@ -34,6 +38,7 @@ class RequestState:
     # Asked for prompt logprobs, with no output yet: one per prompt position computed so
     # far (prompt_logprobs.py); None otherwise.
     prompt_logprobs: list | None = None
+    lora: LoRAAdapter | None = None  # its adapter, read (lora_manager.py); None: the base model
 
     @property
     def num_output_tokens(self) -> int:

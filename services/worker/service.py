@@ -19,7 +19,7 @@ from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from services.worker.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
-from shared.config import CacheConfig, SpeculativeConfig
+from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
 from shared.messages import WorkerInfo
 from shared.tracing import setup_tracing, shutdown_tracing
 
@@ -45,6 +45,7 @@ async def serve(
     max_cudagraph_capture_size: int = 256,
     load_format: str = "auto",
     auth: BusAuth | None = None,
+    lora_config: LoRAConfig | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
@@ -52,7 +53,8 @@ async def serve(
     executor = InProcessExecutor(
         lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
                             speculative_config, enforce_eager=enforce_eager,
-                            max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format),
+                            max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format,
+                            lora_config=lora_config),
         threads,
     )
     runner = executor.runner
@@ -68,6 +70,7 @@ async def serve(
         eos_token_id=runner.model_config.eos_token_id,
         long_rope_threshold=runner.model_config.long_rope_threshold,
         generates=runner.model.generates,
+        max_loras=lora_config.max_loras if lora_config else 0,
     )
     steps = ServedSteps(executor, tracer)
 

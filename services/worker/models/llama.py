@@ -20,6 +20,7 @@ import kernels.cpu as cpu_kernels
 import kernels.elementwise as triton_kernels
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
@@ -58,6 +59,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        # LoRA adapters' products on top of qkv_proj's and o_proj's (layers/lora.py), where
+        # the worker serves adapters (lora_manager.py attaches them)
+        self.qkv_lora: LoRAStack | None = None
+        self.o_lora: LoRAStack | None = None
         self.rotary = rotary
         self.backend = backend
         # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
@@ -78,7 +83,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        qkv = adapted(self.qkv_proj, self.qkv_lora, hidden)
         # Query and key heads are adjacent: rotate them in one pass, then split the result.
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
@@ -95,7 +100,7 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
 
 
 # The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
@@ -114,18 +119,22 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.shard_sizes = (intermediate_size, intermediate_size)
+        self.gate_up_lora: LoRAStack | None = None  # as Attention's
+        self.down_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
-        gate_up = self.gate_up_proj(x)
+        gate_up = adapted(self.gate_up_proj, self.gate_up_lora, x)
         if self.gate_act is not None:
             gate, up = gate_up.split(self.shard_sizes, dim=-1)
-            return self.down_proj(self.gate_act(gate) * up)
-        if self.triton and gate_up.is_contiguous():
-            return self.down_proj(triton_kernels.silu_mul(gate_up))
-        if cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))  # one pass, the same roundings
-        gate, up = gate_up.split(self.shard_sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            act = self.gate_act(gate) * up
+        elif self.triton and gate_up.is_contiguous():
+            act = triton_kernels.silu_mul(gate_up)
+        elif cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
+            act = cpu_kernels.silu_mul(gate_up)  # one pass, the same roundings
+        else:
+            gate, up = gate_up.split(self.shard_sizes, dim=-1)
+            act = F.silu(gate) * up
+        return adapted(self.down_proj, self.down_lora, act)
 
 
 class DecoderLayer(nn.Module):
@@ -179,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         # False for a checkpoint without an LM head (an embedding model's decoder alone):
         # it embeds, and the scheduler refuses it anything to generate.
         self.generates = True
+        # Which tokens of a step take which LoRA adapter, where the worker serves adapters.
+        self.lora: LoRAMapping | None = None
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -191,7 +202,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        if self.fused_decode is not None and self.fused_decode.takes(input_ids, metadata, kv_caches):
+        # (The C layer knows no adapters: a step with any runs the modules.)
+        if (self.fused_decode is not None and not (self.lora is not None and self.lora.active)
+                and self.fused_decode.takes(input_ids, metadata, kv_caches)):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         hidden, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
