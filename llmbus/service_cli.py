@@ -21,6 +21,8 @@ from llmbus.args import (
     env,
     env_flag,
     gateway_config,
+    lora_config,
+    lora_modules,
     scheduler_config,
 )
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
@@ -69,6 +71,10 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="more API keys, one per line; read again on SIGHUP")
     parser.add_argument("--metrics-require-key", action="store_true", default=env_flag("--metrics-require-key"),
                         help="/metrics needs an API key too (/health stays open)")
+    parser.add_argument("--lora-modules", nargs="+", action="extend",
+                        default=[m for m in env("--lora-modules", "").split("\n") if m],
+                        help='vLLM\'s: LoRA adapters clients name as their `model`, each name=path or '
+                             '\'{"name": ..., "path": ...}\' (the workers need --enable-lora)')
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         default=env_flag("--enable-tokenizer-info-endpoint"),
@@ -141,7 +147,7 @@ def cmd_worker(args) -> int:
                       args.max_model_len, args.worker_id, threads=args.threads,
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-                      load_format=args.load_format, auth=bus_auth(args)))
+                      load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args)))
     return 0
 
 
@@ -178,6 +184,10 @@ _SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_t
 def cmd_serve(args) -> int:
     from llmbus.serve import run_serve
 
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("llmbus serve: --lora-modules needs --enable-lora (the workers serve the adapters)")
+    lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
+    lora_modules(args.lora_modules, args.max_lora_rank)
     args.model, args.served_model_name = _setup(args)  # fetch once here, not in every child
     default_sampling(args.model, args.generation_config, args.override_generation_config)  # a bad one fails here
     # Workers on one machine share its cores: N workers with a thread per core each would

@@ -59,6 +59,7 @@ class Answer:
         self.chat = chat = isinstance(body, ChatCompletionRequest)
         self.span = span
         self.params = params
+        self.model = serving.response_model(body.model)  # (an adapter's name, when one was asked for)
         self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
@@ -79,7 +80,7 @@ class Answer:
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
             incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
-            priority=body.priority,
+            priority=body.priority, lora_request=serving.lora_of(body.model),
         )
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
         # With logprobs the prompt's tokens have theirs too; they come with each choice's
@@ -218,7 +219,7 @@ class Answer:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
                 if self.params.prompt_logprobs is not None:  # vLLM's field (echo with logprobs asks too)
                     choices[-1].prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[i])
-        body = r.Response(self.request_id, self.object, self.created, self.s.config.model_name, choices,
+        body = r.Response(self.request_id, self.object, self.created, self.model, choices,
                           self._usage())
         if self.chat and self.params.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
             body.prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[0])
@@ -226,7 +227,7 @@ class Answer:
 
     def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = r.Chunk(self.request_id, obj, self.created, self.s.config.model_name, choices, usage)
+        chunk = r.Chunk(self.request_id, obj, self.created, self.model, choices, usage)
         # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
         # its cost per chunk (one chunk per token per stream at 128 streams).
         return b"data: " + _json.encode(chunk) + b"\n\n"

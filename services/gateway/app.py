@@ -88,14 +88,18 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
 
     @app.get("/v1/models")
     async def models(request: Request):
-        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus"}
+        card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus",
+                "root": config.model_name, "parent": None}
         try:  # vLLM's card says the context too, once a worker has joined (it is the workers' to know)
             info = await serving(request).client.scheduler_info()
             if info.num_workers >= 1:
                 card["max_model_len"] = info.max_model_len
         except Unavailable:
             pass
-        return {"object": "list", "data": [card]}
+        # vLLM's cards for the adapters: their own id, the base model as parent
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "llmbus", "root": lora.lora_path,
+                     "parent": config.model_name} for name, lora in config.lora_modules.items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

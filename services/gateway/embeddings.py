@@ -63,7 +63,8 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     request_id = f"embd-{uuid.uuid4().hex}"
     async for deltas in generate(serving.client, serving.tokenizer.backend, request_id, prompts,
                                  params, serving.tokenizer.eos_token_id, usage, serving.config.idle_timeout_s,
-                                 trace_headers=inject(ctx), incremental=False):
+                                 trace_headers=inject(ctx), incremental=False,
+                                 lora_request=serving.lora_of(body.model)):
         for delta in deltas:
             raise_for_engine_error(delta)
             if delta.pooled is not None:
@@ -79,7 +80,7 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
     serving.metrics.request_finished(num_tokens, ["stop"] * len(prompts), None, [], e2e, usage.queue_time_s)
     request_log.info("request finished", extra={"request_id": request_id, "status": 200, "prompt_tokens": num_tokens,
                                                 "cached_tokens": usage.cached_tokens, "e2e_s": round(e2e, 4)})
-    return {"object": "list", "data": data, "model": serving.config.model_name,
+    return {"object": "list", "data": data, "model": serving.response_model(body.model),
             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import Unavailable, raise_for_engine_error
+from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutput
 from shared.output_processor import ChoiceDelta, ParentRequest
 from shared.sampling_params import SamplingParams
@@ -69,6 +70,7 @@ async def generate(
     trace_headers: dict[str, str] | None = None,
     incremental: bool = True,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """One ParentRequest per prompt (a completions batch has several), their choices
     numbered prompt by prompt. Not `incremental` (a response sent whole): each choice's
@@ -79,7 +81,7 @@ async def generate(
         ParentRequest(
             base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
             now, client.reply_subject, trace_headers, first_index=p * params.n, incremental=incremental,
-            priority=priority,
+            priority=priority, lora_request=lora_request,
         )
         for p, token_ids in enumerate(prompts)
     ]

@@ -189,7 +189,7 @@ class ResponsesAnswer(Answer):
         return {
             "id": self.request_id, "object": "response", "created_at": self.created, "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "error": None, "model": self.s.config.model_name, "output": output,
+            "error": None, "model": self.model, "output": output,
             "instructions": body.instructions, "max_output_tokens": self.params.max_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": self.params.temperature, "top_p": self.params.top_p,

@@ -26,6 +26,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
+from shared.lora_request import LoRARequest
 from shared.messages import TokenizeRequest
 from shared.tracing import SpanKind, inject
 
@@ -85,11 +86,21 @@ class OpenAIServing:
         return encoded
 
     def check_model(self, model: str | None) -> None:
-        """`None`: left out, where a route allows that (/tokenize, as vLLM's)."""
+        """The base model or one of its LoRA adapters (--lora-modules). `None`: left out,
+        where a route allows that (/tokenize, as vLLM's)."""
         name = self.config.model_name
-        if model is not None and model != name:
-            raise NotFound(f"the model `{model}` does not exist; this server serves `{name}`", "model",
+        if model is not None and model != name and model not in self.config.lora_modules:
+            served = ", ".join(f"`{m}`" for m in (name, *self.config.lora_modules))
+            raise NotFound(f"the model `{model}` does not exist; this server serves {served}", "model",
                            "model_not_found")
+
+    def lora_of(self, model: str | None) -> LoRARequest | None:
+        """The adapter a (checked) model name asks for; None for the base model."""
+        return self.config.lora_modules.get(model) if model is not None else None
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter asked for, else the base model."""
+        return model if model in self.config.lora_modules else self.config.model_name
 
     async def _prepare(self, request: Request, kind, ctx):
         if self.client.scheduler_silent():
