@@ -203,7 +203,17 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                          reasoning_parser=args.reasoning_parser,
                          default_sampling=defaults, unsupported_pooling=unsupported_pooling(model_path),
-                         lora_modules=lora_modules(args.lora_modules))
+                         lora_modules=lora_modules(args.lora_modules),
+                         allow_runtime_lora_updating=runtime_lora_updating())
+
+
+def runtime_lora_updating() -> bool:
+    """vLLM's switch, under vLLM's name, so a deployment's environment carries over."""
+    on = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+    if on:
+        log.warning("runtime LoRA updating is on: anyone with an API key may load adapters from this "
+                    "machine's disk (VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+    return on
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -92,6 +92,8 @@ class GatewayConfig:
     unsupported_pooling: str | None = None
     # vLLM's --lora-modules: the adapters clients may name as their `model` (name -> LoRARequest)
     lora_modules: dict = field(default_factory=dict)
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

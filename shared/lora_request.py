@@ -52,10 +52,16 @@ def parse_lora_modules(values: list[str], max_rank: int | None = None) -> dict[s
                 raise ValueError(f"--lora-modules {value!r}: give name=path")
         if name in modules:
             raise ValueError(f"--lora-modules names {name!r} twice")
-        check_options(name, read_adapter_config(name, Path(path)), max_rank)
-        weights_file(name, Path(path))
-        modules[name] = LoRARequest(name, len(modules) + 1, str(Path(path).resolve()))
+        modules[name] = LoRARequest(name, len(modules) + 1, check_adapter(name, path, max_rank))
     return modules
+
+
+def check_adapter(name: str, path: str, max_rank: int | None = None) -> str:
+    """An adapter's folder, resolved, once its config and weights file are there and its
+    options are ones llmbus computes; else a ValueError saying what is wrong."""
+    check_options(name, read_adapter_config(name, Path(path)), max_rank)
+    weights_file(name, Path(path))
+    return str(Path(path).resolve())
 
 
 def weights_file(name: str, folder: Path) -> Path:

@@ -90,13 +90,14 @@ def bos_tokenizer(tiny_llama, tmp_path_factory):
     return Tokenizer(folder)
 
 
-def gateway(tokenizer, finish=None, engine_class=FakeEngine) -> tuple[TestClient, FakeEngine]:
+def gateway(tokenizer, finish=None, engine_class=FakeEngine,
+            config: GatewayConfig | None = None) -> tuple[TestClient, FakeEngine]:
     engine = engine_class(tokenizer, finish)
 
     async def factory(on_stats):
         return engine
 
-    return TestClient(create_app(factory, tokenizer, GatewayConfig("tiny"))), engine
+    return TestClient(create_app(factory, tokenizer, config or GatewayConfig("tiny"))), engine
 
 
 def sse_events(resp) -> list:

@@ -21,6 +21,7 @@ from services.worker.lora_manager import LoRAManager
 from shared.config import LoRAConfig, SchedulerConfig
 from shared.lora_request import parse_lora_modules
 from shared.messages import EngineCoreRequest
+from test_gateway import tokenizer  # noqa: F401 - a fixture
 from tiny_models import (
     LORA_TARGETS_FUSED,
     build_lora_adapter,
@@ -266,7 +267,7 @@ def test_llmbus_serve_with_lora_modules_answers_each_adapter_as_peft_does(tiny_l
     proc, url = llmbus_serve(
         ["--model", str(tiny_llama), "--served-model-name", "tiny", "--enable-lora", "--max-loras", "2",
          "--lora-modules", f"a1={a1.lora_path}", json.dumps({"name": "a2", "path": a2.lora_path}),
-         f"broken={broken}"], tmp_path / "serve.log")
+         f"broken={broken}"], tmp_path / "serve.log", env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
     try:
         (broken / "adapter_model.safetensors").unlink()  # start-up checked it; the worker reads it first here
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -296,7 +297,35 @@ def test_llmbus_serve_with_lora_modules_answers_each_adapter_as_peft_does(tiny_l
                 await client.completions.create(model="a3", prompt="hello", max_tokens=4)
             # and the adapters still answer after the broken one failed
             assert await complete("a2", PROMPTS[1]) == want2[1]
+            await loaded_at_run_time()
             return error
+
+        async def lora_call(route, **body):
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                return await http.post(f"/v1/{route}_lora_adapter", json=body)
+
+        async def loaded_at_run_time():
+            """vLLM's runtime loading: the same folder given new weights and reloaded in
+            place answers with the new ones (a new id: read again, no KV shared)."""
+            late = shutil.copytree(a1.lora_path, tmp_path / "late")
+            ok = await lora_call("load", lora_name="late", lora_path=str(late))
+            assert ok.status_code == 200 and "late" in ok.text, ok.text
+            assert [await complete("late", p) for p in PROMPTS] == want1
+            again = await lora_call("load", lora_name="late", lora_path=str(late))
+            assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
+            nowhere = await lora_call("load", lora_name="nowhere", lora_path=str(tmp_path / "nowhere"))
+            assert nowhere.status_code == 400 and "adapter_config.json" in nowhere.text, nowhere.text
+            shutil.copy(f"{a2.lora_path}/adapter_config.json", late)
+            shutil.copy(f"{a2.lora_path}/adapter_model.safetensors", late)
+            ok = await lora_call("load", lora_name="late", lora_path=str(late), load_inplace=True)
+            assert ok.status_code == 200, ok.text
+            assert [await complete("late", p) for p in PROMPTS] == want2
+            assert "late" in [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
+            assert (await lora_call("unload", lora_name="late")).status_code == 200
+            assert (await lora_call("unload", lora_name="late")).status_code == 404
+            with pytest.raises(openai.NotFoundError, match="late"):
+                await client.completions.create(model="late", prompt="hello", max_tokens=4)
+            assert "late" not in [m["id"] for m in httpx.get(url + "/v1/models", timeout=30).json()["data"]]
 
         error = asyncio.run(everyone())
         # the operator's adapter is broken, not the client's request: a server error
@@ -315,3 +344,32 @@ def test_llmbus_serve_refuses_lora_modules_without_enable_lora(tiny_llama, llama
                            "--lora-modules", f"a1={a1.lora_path}"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "--enable-lora" in done.stderr, done.stderr
+
+
+def test_runtime_loading_is_off_unless_asked_and_each_bad_call_is_a_4xx(tokenizer, llama_adapters):
+    from shared.config import GatewayConfig
+    from test_gateway import gateway
+
+    a1 = llama_adapters[0]
+    closed, _ = gateway(tokenizer)
+    with closed:
+        assert closed.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": a1.lora_path}).status_code == 404
+    client, engine = gateway(tokenizer, config=GatewayConfig("tiny", allow_runtime_lora_updating=True,
+                                                             lora_modules=parse_lora_modules([f"a1={a1.lora_path}"])))
+    with client:
+        def load(**body):
+            return client.post("/v1/load_lora_adapter", json=body)
+
+        assert load(lora_name="b", lora_path=a1.lora_path).status_code == 200
+        client.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert engine.submitted[-1].lora_request == LoRARequest("b", 2, a1.lora_path)  # ids go on from the modules'
+        for body, param in [({"lora_name": "tiny", "lora_path": a1.lora_path}, "lora_name"),
+                            ({"lora_name": "c", "lora_path": a1.lora_path, "inplace": True}, "inplace"),
+                            ({"lora_name": "c"}, "lora_path")]:
+            bad = load(**body)
+            assert (bad.status_code, bad.json()["error"]["param"]) == (400, param), bad.text
+        wrong_id = client.post("/v1/unload_lora_adapter", json={"lora_name": "a1", "lora_int_id": 7})
+        assert wrong_id.status_code == 404, wrong_id.text
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
+        gone = client.post("/v1/completions", json={"model": "a1", "prompt": "hi"})
+        assert gone.status_code == 404 and "`b`" in gone.json()["error"]["message"], gone.text

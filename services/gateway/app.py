@@ -8,25 +8,28 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+import logging
 import signal
 from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry import trace
 
 from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import GatewayError, Unavailable, error_response
 from services.gateway.limits import Limits
+from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import embeddings, tokenization
 from shared.config import GatewayConfig
 
 LLMBUS_VERSION = importlib.metadata.version("llmbus")
+log = logging.getLogger("llmbus.gateway")
 
 
 def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
@@ -98,8 +101,23 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
             pass
         # vLLM's cards for the adapters: their own id, the base model as parent
         adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "llmbus", "root": lora.lora_path,
-                     "parent": config.model_name} for name, lora in config.lora_modules.items()]
+                     "parent": config.model_name} for name, lora in serving(request).loras.items()]
         return {"object": "list", "data": [card, *adapters]}
+
+    if config.allow_runtime_lora_updating:  # vLLM's answers: plain text on success
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            s = serving(request)
+            lora = s.loras.load(parse_body(await s.read_body(request), LoadLoRAAdapterRequest))
+            log.warning("LoRA adapter %r loaded from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
+            return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            s = serving(request)
+            lora = s.loras.unload(parse_body(await s.read_body(request), UnloadLoRAAdapterRequest))
+            log.warning("LoRA adapter %r unloaded", lora.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

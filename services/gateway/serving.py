@@ -14,6 +14,7 @@ from services.gateway import responses as r
 from services.gateway.answer import Answer, end_span
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
+from services.gateway.lora_modules import LoRAModules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (
     ChatCompletionRequest,
@@ -39,6 +40,7 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.tracer = tracer
+        self.loras = LoRAModules(config.model_name, config.lora_modules)
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
 
@@ -86,21 +88,21 @@ class OpenAIServing:
         return encoded
 
     def check_model(self, model: str | None) -> None:
-        """The base model or one of its LoRA adapters (--lora-modules). `None`: left out,
+        """The base model or one of its LoRA adapters (lora_modules.py). `None`: left out,
         where a route allows that (/tokenize, as vLLM's)."""
         name = self.config.model_name
-        if model is not None and model != name and model not in self.config.lora_modules:
-            served = ", ".join(f"`{m}`" for m in (name, *self.config.lora_modules))
+        if model is not None and model != name and model not in self.loras:
+            served = ", ".join(f"`{m}`" for m in (name, *(n for n, _ in self.loras.items())))
             raise NotFound(f"the model `{model}` does not exist; this server serves {served}", "model",
                            "model_not_found")
 
     def lora_of(self, model: str | None) -> LoRARequest | None:
         """The adapter a (checked) model name asks for; None for the base model."""
-        return self.config.lora_modules.get(model) if model is not None else None
+        return self.loras.get(model)
 
     def response_model(self, model: str | None) -> str:
         """The `model` a response names: the adapter asked for, else the base model."""
-        return model if model in self.config.lora_modules else self.config.model_name
+        return model if model in self.loras else self.config.model_name
 
     async def _prepare(self, request: Request, kind, ctx):
         if self.client.scheduler_silent():

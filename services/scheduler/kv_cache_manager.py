@@ -17,11 +17,12 @@ def cdiv(a: int, b: int) -> int:
 def hash_root(long_rope: bool, lora: LoRARequest | None) -> BlockHash | None:
     """What a request's chain of block hashes starts from: the same tokens hold other keys
     and values rotated with longrope's long factors (Phi-3), or under a LoRA adapter
-    (named with its path, so an adapter replaced under the same name is another), so they
-    are other blocks. None for the base model's short ones, as before either existed."""
+    (named with its id and path: an adapter reloaded under the same name, even from the
+    same folder, takes a new id, and its weights may be new), so they are other blocks.
+    None for the base model's short ones, as before either existed."""
     root = b"longrope:long" if long_rope else b""
     if lora is not None:
-        root += b"|lora:" + lora.lora_name.encode() + b"\0" + lora.lora_path.encode()
+        root += b"|lora:%d:" % lora.lora_int_id + lora.lora_name.encode() + b"\0" + lora.lora_path.encode()
     return root or None
 
 
