@@ -157,6 +157,11 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # LoRA (vLLM's lora_requests_info): adapter slots (a fleet's add up) and the adapters
+    # of the running and of the waiting requests, by name.
+    max_lora: int = 0
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
@@ -168,6 +173,8 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
         per_pos = [p.spec_decode_num_accepted_tokens_per_pos for p in parts]
         total.spec_decode_num_accepted_tokens_per_pos = [sum(c) for c in zip(*per_pos)] if per_pos else []
+        total.running_lora_adapters = sorted({n for p in parts for n in p.running_lora_adapters})
+        total.waiting_lora_adapters = sorted({n for p in parts for n in p.waiting_lora_adapters})
         return total
 
 

@@ -205,6 +205,8 @@ def test_scheduler_runs_no_more_adapters_than_slots_and_lets_others_pass():
     first = scheduler.schedule()
     assert [r.req_id for r in first.scheduled_new_reqs] == ["a", "c", "d"]
     assert [r.request_id for r in scheduler.waiting] == ["b"]  # in its place, first once x is done
+    stats = scheduler.make_stats()
+    assert (stats.max_lora, stats.running_lora_adapters, stats.waiting_lora_adapters) == (1, ["x"], ["y"])
     scheduler.abort_requests(["a", "c"])
     assert [r.req_id for r in scheduler.schedule().scheduled_new_reqs] == ["b"]
 
@@ -373,3 +375,23 @@ def test_runtime_loading_is_off_unless_asked_and_each_bad_call_is_a_4xx(tokenize
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200
         gone = client.post("/v1/completions", json={"model": "a1", "prompt": "hi"})
         assert gone.status_code == 404 and "`b`" in gone.json()["error"]["message"], gone.text
+
+
+def test_lora_requests_info_says_the_adapters_running_and_waiting_as_vllm_s_does():
+    from services.gateway.metrics import GatewayMetrics
+    from shared.messages import SchedulerStats
+
+    metrics = GatewayMetrics("tiny")
+    fleet = SchedulerStats.combine([
+        SchedulerStats(max_lora=2, running_lora_adapters=["sql"], waiting_lora_adapters=["chat"]),
+        SchedulerStats(max_lora=2, running_lora_adapters=["chat", "sql"])])
+    fleet.scheduler_id = "s1"
+    metrics.observe_stats(fleet)
+    metrics.observe_stats(fleet)  # one sample, not one per observation
+    samples = [line for line in metrics.render().decode().splitlines() if line.startswith("llmbus:lora_requests_info{")]
+    assert len(samples) == 1, samples
+    assert 'max_lora="4"' in samples[0] and 'running_lora_adapters="chat,sql"' in samples[0]
+    assert 'waiting_lora_adapters="chat"' in samples[0]
+    quiet = GatewayMetrics("tiny")
+    quiet.observe_stats(SchedulerStats(scheduler_id="s1"))  # without --enable-lora: no sample
+    assert "llmbus:lora_requests_info{" not in quiet.render().decode()

@@ -52,6 +52,9 @@ class GatewayMetrics:
         self._counters = {f: Counter(name, doc, labels, registry=r) for f, (name, doc) in _COUNTERS.items()}
         self._per_pos = Counter("llmbus:" + _PER_POS, "Draft tokens accepted, by position", [*labels, "position"],
                                 registry=r)
+        # vLLM's: one sample, its value the time it was taken, its labels the adapters now
+        self.lora_info = Gauge("llmbus:lora_requests_info", "Running and waiting LoRA adapters",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self.worker_step = Histogram("llmbus:worker_step_seconds", "Duration of one engine step, per worker",
                                      ["model_name", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("llmbus:prompt_tokens", "Prefill tokens processed", ["model_name"], registry=r)
@@ -95,6 +98,10 @@ class GatewayMetrics:
                     *labels, str(key[1]))
                 counter.inc(value - before.get(key, 0))
         self._last_counts[labels[1]] = now
+        if stats.max_lora:
+            self.lora_info.clear()
+            self.lora_info.labels(str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
+                                  ",".join(stats.running_lora_adapters)).set(time.time())
         if stats.worker_id and stats.step_time_s > 0:
             self.worker_step.labels(self._model, stats.worker_id).observe(stats.step_time_s)
 
@@ -123,6 +130,8 @@ class GatewayMetrics:
         self._drop([s for s, seen in self._last_seen.items() if now - seen > self.stale_s])
 
     def _drop(self, schedulers: list[str]) -> None:
+        if schedulers:
+            self.lora_info.clear()  # (the one sample is the deployment's scheduler's)
         for scheduler in schedulers:
             for gauge in self._gauges.values():
                 gauge.remove(self._model, scheduler)

@@ -548,7 +548,14 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos),
+            max_lora=self.max_loras,
+            running_lora_adapters=_adapter_names(self.running),
+            waiting_lora_adapters=_adapter_names(self.waiting),
         )
+
+
+def _adapter_names(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def _priority(request: Request) -> tuple[int, float]:
