@@ -126,22 +126,24 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _or_exit(check, *args):
+    """A start-up check's ValueError stops the command with its reason, no traceback."""
+    try:
+        return check(*args)
+    except ValueError as exc:
+        raise SystemExit(f"llmbus: {exc}") from None
+
+
 def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
     """None without --enable-lora; limits that cannot hold stop the command, saying why."""
     if not args.enable_lora:
         return None
-    try:
-        return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
-    except ValueError as exc:
-        raise SystemExit(f"llmbus: {exc}") from None
+    return _or_exit(LoRAConfig, args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def lora_modules(values: list[str], max_rank: int | None = None) -> dict[str, LoRARequest]:
     """--lora-modules, each adapter's folder checked: a wrong one stops the gateway at start."""
-    try:
-        return parse_lora_modules(values, max_rank)
-    except ValueError as exc:
-        raise SystemExit(f"llmbus: {exc}") from None
+    return _or_exit(parse_lora_modules, values, max_rank)
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

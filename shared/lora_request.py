@@ -31,6 +31,10 @@ class LoRARequest(msgspec.Struct, array_like=True, frozen=True, gc=False):
         if not self.lora_name:
             raise ValueError("lora_name must not be empty")
 
+    def not_served(self) -> str:
+        """Why a worker started without --enable-lora cannot serve this request."""
+        return f"LoRA adapter {self.lora_name!r}: this worker serves no adapters (start it with --enable-lora)"
+
 
 def parse_lora_modules(values: list[str], max_rank: int | None = None) -> dict[str, LoRARequest]:
     """vLLM's --lora-modules: each `name=path` or `{"name": ..., "path": ...}`, checked

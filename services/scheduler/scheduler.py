@@ -98,8 +98,7 @@ class Scheduler:
             if bad:
                 raise ValueError(f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if req.lora_request is not None and not self.max_loras:
-            raise ValueError(f"LoRA adapter {req.lora_request.lora_name!r}: this worker serves no adapters "
-                             "(start it with --enable-lora)")
+            raise ValueError(req.lora_request.not_served())
         room = self.max_model_len - num_prompt
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if num_output >= max_tokens:

@@ -242,9 +242,7 @@ class ModelRunner:
 
         t_forward = time.time_ns()
         graphs = self.decode_graphs
-        # (graphs are captured without adapters: a step with any runs eager)
-        on_graph = graphs is not None and not (self.loras is not None and self.loras.mapping.active) \
-            and graphs.takes(inputs)
+        on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs)
         patch = (lambda ids: read_device_tokens(ids, from_device)) if from_device else None
         if on_graph:
             hidden = graphs.run(inputs, patch)
@@ -413,7 +411,7 @@ class ModelRunner:
     def _prepare_lora(self, lora) -> LoRAAdapter | str:
         """The adapter, read, or why it cannot be."""
         if self.loras is None:
-            return f"LoRA adapter {lora.lora_name!r}: this worker serves no adapters (start it with --enable-lora)"
+            return lora.not_served()  # (the scheduler refuses it first; a twin for a stray placement)
         try:
             return self.loras.prepare(lora)
         except (ValueError, OSError) as exc:

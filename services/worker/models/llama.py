@@ -195,6 +195,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    @property
+    def eager_only(self) -> bool:
+        """This step must run the modules themselves: the fast paths (captured CUDA graphs,
+        the fused C decode layer) were built without adapters, so a step with any skips them."""
+        return self.lora is not None and self.lora.active
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -202,8 +208,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        # (The C layer knows no adapters: a step with any runs the modules.)
-        if (self.fused_decode is not None and not (self.lora is not None and self.lora.active)
+        if (self.fused_decode is not None and not self.eager_only
                 and self.fused_decode.takes(input_ids, metadata, kv_caches)):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         hidden, residual = self.embed(input_ids), None
