@@ -86,6 +86,25 @@ def test_bench_serve_compares_structured_and_plain_on_the_same_lengths(served):
     assert lines[-1].startswith("over 2 pairs") and "structured/plain" in lines[-1]
 
 
+def test_neither_serve_itself_nor_the_scheduler_loads_torch(served):
+    """`llmbus`'s parser once imported torch through the benchmarks, in every process:
+    seconds of start-up and ~200 MB each. The supervisor and the scheduler need none; a
+    worker does (the gateway and tokenizers load it with transformers' tokenizer)."""
+    proc, _, children = served
+
+    def loads_torch(process: psutil.Process) -> bool:
+        return any("libtorch" in m.path for m in process.memory_maps())
+
+    by_service = {}
+    for child in children:
+        argv = child.cmdline()
+        if argv[1:3] == ["-m", "llmbus"]:
+            by_service.setdefault(argv[3], set()).add(loads_torch(child))
+    assert not loads_torch(psutil.Process(proc.pid))
+    assert by_service["scheduler"] == {False}
+    assert by_service["worker"] == {True}
+
+
 def test_sigterm_stops_everything(served):
     proc, _, children = served
     proc.send_signal(signal.SIGTERM)

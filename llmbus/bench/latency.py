@@ -10,12 +10,14 @@ import json
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
-from llmbus.bench.roofline import measure_runner
 from llmbus.bench.workload import W0, BenchRequest, random_workload
+
+if TYPE_CHECKING:  # torch is imported where it is used: every `llmbus` command imports this module
+    import torch
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +49,7 @@ def llmbus_itls(llm, requests: list[BenchRequest]) -> list[float]:
 
 def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchRequest],
                       device: torch.device | None = None) -> list[float]:
+    import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
 
@@ -76,7 +79,10 @@ def transformers_itls(model_path, dtype: torch.dtype, requests: list[BenchReques
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from llmbus import LLM
+    from llmbus.bench.roofline import measure_runner
     from llmbus.args import engine_kwargs
     from llmbus.model_fetch import resolve_model
     from services.worker.loader import parse_dtype

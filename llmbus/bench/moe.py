@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 from llmbus.bench.workload import W1, random_workload
 
@@ -47,8 +46,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and workloads, to test the bench itself")
 
 
+# (torch is imported where it is used: every `llmbus` command imports this module)
 def random_qwen3_moe(folder: Path, tokenizer_from: Path, shape: dict, seed: int) -> Path:
     """A Qwen3-MoE-shaped checkpoint with random weights and a real tokenizer."""
+    import torch
     import shutil
 
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -88,6 +89,7 @@ def llmbus_decode(llm, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 
 def hf_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
+    import torch
     ids = torch.tensor([prompt])
 
     def timed(tokens: int):
@@ -103,6 +105,7 @@ def hf_decode(model, prompt: list[int], n: int) -> tuple[float, list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
     from transformers import AutoModelForCausalLM
 
     from llmbus import LLM

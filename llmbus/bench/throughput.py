@@ -7,12 +7,14 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import torch
 from tqdm import tqdm
 
-from llmbus.bench.roofline import measure_runner
 from llmbus.bench.workload import W1, BenchRequest, random_workload
+
+if TYPE_CHECKING:  # torch is imported where it is used: every `llmbus` command imports this module
+    import torch
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,7 @@ def run_llmbus(llm, requests: list[BenchRequest]) -> dict:
 
 def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int,
                      device: torch.device | None = None) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
@@ -81,7 +84,10 @@ def _rates(name: str, requests: list[BenchRequest], num_out: int, elapsed: float
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from llmbus import LLM
+    from llmbus.bench.roofline import measure_runner
     from llmbus.args import engine_kwargs
     from llmbus.model_fetch import resolve_model
     from services.worker.loader import parse_dtype
