@@ -158,9 +158,10 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         print(f"llmbus: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        # Front to back: the gateway stops taking requests, workers drain, then the
-        # scheduler and tokenizers; NATS last, so nobody's drain finds it gone.
-        supervisor.stop(["gateway", "worker", "scheduler", "tokenizer"])  # then NATS, last
+        # Front to back: the gateway stops taking requests; workers drain (the scheduler
+        # moves their requests) while the tokenizers, whom only the gateway asks, go too;
+        # then the scheduler; NATS last, so nobody's drain finds it gone.
+        supervisor.stop([("gateway",), ("worker", "tokenizer"), ("scheduler",)])  # then NATS, last
         for node in nats:
             node.stop()
         shutil.rmtree(run_dir, ignore_errors=True)

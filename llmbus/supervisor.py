@@ -109,11 +109,11 @@ class Supervisor:
         replica.started_at = now
         replica.restart_at = None
 
-    def stop(self, groups: list[str], timeout_s: float = 10.0) -> None:
-        """Stop the replicas whose names start with each prefix in turn (the last group:
-        everything left), each group SIGTERMed together and waited for."""
-        for prefix in groups:
-            stop_all([r.proc for r in self.replicas if r.name.startswith(prefix) and r.proc is not None],
+    def stop(self, groups: list[tuple[str, ...]], timeout_s: float = 10.0) -> None:
+        """Stop the replicas whose names start with a group's prefixes, group after group,
+        each group SIGTERMed together and waited for; then everything left."""
+        for prefixes in groups:
+            stop_all([r.proc for r in self.replicas if r.name.startswith(prefixes) and r.proc is not None],
                      timeout_s)
         stop_all(self.processes(), timeout_s)
 

@@ -1,6 +1,10 @@
 """The tokenizer's spec check: compiles in a child process, remembers good specs, says why
 a bad one is bad, and kills a compile that outlives its timeout (the next starts afresh)."""
 
+import threading
+import time
+
+import psutil
 import pytest
 
 from services.tokenizer.grammar_check import GrammarChecker
@@ -60,3 +64,23 @@ def test_a_compile_timeout_the_gateway_cannot_wait_for_is_refused_at_start(comma
         .structured_outputs_compile_timeout == 12.0
     monkeypatch.setenv("LLMBUS_STRUCTURED_OUTPUTS_COMPILE_TIMEOUT", "7.5")  # as llmbus serve hands it on
     assert build_parser().parse_args([command]).structured_outputs_compile_timeout == 7.5
+
+
+def test_closing_ends_a_child_still_starting_at_once(tiny_llama):
+    """A shutdown does not wait out the child's start (xgrammar, torch and transformers to
+    import: many seconds on a busy host): the warm-up returns and the child is gone."""
+    checker = GrammarChecker(str(tiny_llama))
+    checker._child_init = (time.sleep, (120,))  # a start that would take two minutes
+    warming = threading.Thread(target=checker.warm_up)
+    warming.start()
+    deadline = time.monotonic() + 30
+    while checker._pool is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = [psutil.Process(p.pid) for p in checker._pool._pool]  # (the pool's workers)
+    assert children, "the child never started"
+    checker.close()
+    warming.join(10)
+    assert not warming.is_alive()
+    psutil.wait_procs(children, timeout=10)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert checker.check(StructuredOutputsParams(regex="x")) == "structured_outputs: the tokenizer is shutting down"

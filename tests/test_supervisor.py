@@ -102,8 +102,8 @@ def test_stop_goes_group_by_group():
     sup = Supervisor()
     for name in ("scheduler", "tokenizer-1", "worker-1", "worker-2", "gateway"):
         sup.add(name, make(log, name)[0], now=0.0)
-    sup.stop(["gateway", "worker", "scheduler", "tokenizer"], timeout_s=1)
-    assert [name for name, _ in log] == ["gateway", "worker-1", "worker-2", "scheduler", "tokenizer-1"]
+    sup.stop([("gateway",), ("worker", "tokenizer"), ("scheduler",)], timeout_s=1)
+    assert [name for name, _ in log] == ["gateway", "tokenizer-1", "worker-1", "worker-2", "scheduler"]
     assert {sig for _, sig in log} == {signal.SIGTERM}
 
 

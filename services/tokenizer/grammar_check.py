@@ -45,20 +45,33 @@ class GrammarChecker:
         self._known_good: set[bytes] = set()
         self._lock = threading.Lock()  # one compile at a time: the child has one core's worth
         self._pool = None
+        self._closed = threading.Event()
+        self._child_init = (_init_child, (model_path,))  # (what the child runs first: loads the vocabulary)
 
     def _start(self):
-        """The child, started (its vocabulary loaded) outside any compile's timeout."""
-        if self._pool is None:
+        """The child, started (its vocabulary loaded) outside any compile's timeout; None
+        once closed. The start can take many seconds on a busy host (it imports xgrammar,
+        torch and transformers), so a shutdown must not wait for it to finish."""
+        if self._pool is None and not self._closed.is_set():
             ctx = multiprocessing.get_context("spawn")
-            self._pool = ctx.Pool(1, initializer=_init_child, initargs=(self.model_path,))
-            self._pool.apply(_compile_in_child, (msgspec.json.encode(StructuredOutputsParams(regex="x")),))
+            initializer, initargs = self._child_init
+            self._pool = ctx.Pool(1, initializer=initializer, initargs=initargs)
+            probe = self._pool.apply_async(_compile_in_child, (msgspec.json.encode(StructuredOutputsParams(regex="x")),))
+            while not probe.ready():
+                if self._closed.wait(0.1):
+                    return None  # (close() ended the child)
+            probe.get()  # the child's own failure, raised here
         return self._pool
 
     def warm_up(self) -> None:
-        """Start the child now (blocking: ~2 s for SmolLM2's vocabulary), so the first
-        request with a spec does not wait for it."""
+        """Start the child now (blocking: ~2 s for SmolLM2's vocabulary on an idle host), so
+        the first request with a spec does not wait for it."""
         with self._lock:
-            self._start()
+            try:
+                self._start()
+            except ValueError:  # "Pool not running": closed between creating the child and asking it
+                if not self._closed.is_set():
+                    raise
 
     def check(self, spec: StructuredOutputsParams) -> str | None:
         """None if the spec compiles, else why not (blocking: call it off the event loop)."""
@@ -67,6 +80,8 @@ class GrammarChecker:
             return None
         with self._lock:
             pool = self._start()
+            if pool is None:
+                return "structured_outputs: the tokenizer is shutting down"
             pending = pool.apply_async(_compile_in_child, (key,))
             try:
                 error = pending.get(self.timeout_s)
@@ -82,6 +97,8 @@ class GrammarChecker:
         return error
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
+        """End the child, even one still starting (a warm-up under way returns at once)."""
+        self._closed.set()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.terminate()

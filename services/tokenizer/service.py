@@ -103,6 +103,6 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     if checking:  # answer the checks under way (each ends within the compile timeout)
         await asyncio.wait(checking, timeout=compile_timeout_s + 1)
     await close(nc)
+    grammars.close()  # (a warm-up still under way ends with it)
     await warming
-    grammars.close()
     shutdown_tracing()
