@@ -43,8 +43,8 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
-def products(repeats: int, dtype: torch.dtype) -> None:
-    shapes = LAYER_SHAPES * 30 + [(49152, 576)]
+def products(repeats: int, dtype: torch.dtype, layers: int) -> None:
+    shapes = LAYER_SHAPES * layers + [(49152, 576)]
     weights = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in shapes]
     ours = [cpu_kernels.pack_weight(w) for w in weights]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
@@ -62,7 +62,7 @@ def products(repeats: int, dtype: torch.dtype) -> None:
             line += f", {name} {t * 1e3:6.2f} ms ({nbytes / t / 1e9:4.1f} GB/s): {t / t_ours:.2f}x"
         print(line)
     if dtype == torch.bfloat16:
-        quantized(repeats)
+        quantized(repeats, layers)
     print("products, 576 -> 3072:")
     for rows in (128, 512, 2048):
         x = torch.randn(rows, 576).to(dtype)
@@ -74,12 +74,12 @@ def products(repeats: int, dtype: torch.dtype) -> None:
         print(line)
 
 
-def quantized(repeats: int) -> None:
+def quantized(repeats: int, layers: int) -> None:
     """The layers' products in int4 and int8 (linear_int4.cpp, linear_int8.cpp) against the
     same in bfloat16: the LM head is left out (int4 keeps it in bfloat16)."""
     from services.worker.layers.quantized_linear import int4_grid
 
-    shapes = LAYER_SHAPES * 30
+    shapes = LAYER_SHAPES * layers
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
     bf16 = [cpu_kernels.pack_weight(w.bfloat16()) for w in weights]
     int4 = [cpu_kernels.pack_int4(*int4_grid(w)) for w in weights]
@@ -139,7 +139,8 @@ def attention(repeats: int, monkey_off, dtype: torch.dtype) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one repeat each (a smoke run)")
+    parser.add_argument("--quick", action="store_true",
+                        help="one repeat each, 2 layers' weights (a smoke run: its figures mean nothing)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -147,7 +148,7 @@ def main() -> None:
         sys.exit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     repeats = 1 if args.quick else 3
     print(f"threads {torch.get_num_threads()}, {args.dtype}")
-    products(repeats, dtype)
+    products(repeats, dtype, 2 if args.quick else 30)
 
     from contextlib import contextmanager
 

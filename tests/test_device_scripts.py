@@ -30,13 +30,16 @@ def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
 
 def test_gpu_check_passes_every_check_on_cpu(tmp_path):
     """The same cases as on the GPU, on CPU: a case that cannot pass (one that checks
-    nothing, a broken import) is found here, not in a lease."""
-    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path)],
+    nothing, a broken import) is found here, not in a lease. Two of its models (a dense
+    one and the MoE one) run every case's code; the GPU runs all four."""
+    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--cpu", "--models", "llama_hd16", "qwen3_moe",
+                             "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     assert [r for r in rows if r.get("identical") is False or "error" in r] == []
     assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager", "penalized"}
+    assert {r.get("model") for r in rows} >= {"llama_hd16", "qwen3_moe"}
 
 
 def test_host_step_times_writes_each_batch_phases(smollm2, tmp_path):
