@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import nats
 
 from llmbus.serve import NatsServer, free_port, spawn_service, start_serve, stop_all
 
@@ -71,3 +72,19 @@ def llmbus_serve(args: list[str], log: Path, env: dict[str, str] | None = None) 
     proc, url = start_serve(args, log, env)
     proc.log = log
     return proc, url
+
+
+async def login(url: str, user: str | None = None, password: str | None = None, **options):
+    """A connection that reports its errors instead of retrying: (client or None, errors)."""
+    errors: list[str] = []
+
+    async def on_error(exc):
+        errors.append(str(exc))
+
+    try:
+        nc = await nats.connect(url, user=user, password=password, allow_reconnect=False, connect_timeout=3,
+                                error_cb=on_error, **options)
+    except Exception as exc:  # noqa: BLE001 - nats-py raises its own kinds
+        errors.append(str(exc))
+        return None, errors
+    return nc, errors

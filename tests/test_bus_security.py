@@ -1,6 +1,8 @@
 """A closed bus: the NATS that `llmbus serve` starts takes only the deployment's own
 identities, and each may use only its role's subjects (llmbus/nats_auth.py). Checked on
-real nats-servers; a refusal is seen as NATS's own error, not as a timeout."""
+real nats-servers; a refusal is seen as NATS's own error, not as a timeout. `llmbus serve
+--nats-tls --nats-cluster 3` is checked on tests/test_serve_faults.py's deployment (the
+same flags), before its faults."""
 
 from __future__ import annotations
 
@@ -13,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import nats
 import openai
 import pytest
 
-from deployment import llmbus_serve
+from deployment import llmbus_serve, login
 from llmbus.nats_auth import authorization_config, new_identity, permission_table
 from llmbus.nats_server import NatsServer, cluster_nodes
 from llmbus.supervisor import stop_all
@@ -28,22 +29,6 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[1]
 SUBJECTS = Subjects("tiny")
 P = SUBJECTS.prefix
-
-
-async def login(url: str, user: str | None = None, password: str | None = None, **options):
-    """A connection that reports its errors instead of retrying: (client or None, errors)."""
-    errors: list[str] = []
-
-    async def on_error(exc):
-        errors.append(str(exc))
-
-    try:
-        nc = await nats.connect(url, user=user, password=password, allow_reconnect=False, connect_timeout=3,
-                                error_cb=on_error, **options)
-    except Exception as exc:  # noqa: BLE001 - nats-py raises its own kinds
-        errors.append(str(exc))
-        return None, errors
-    return nc, errors
 
 
 async def violations(nc, errors: list[str], subscribe=(), publish=()) -> list[str]:
@@ -281,42 +266,6 @@ def test_the_tls_files_are_a_ca_and_a_certificate_it_signed(tmp_path):
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     assert names.get_values_for_type(x509.DNSName) == ["localhost"]
-
-
-def test_llmbus_serve_over_tls_in_a_cluster(tiny_llama, tmp_path):
-    """--nats-tls --nats-cluster 3: clients and routes speak only TLS; the deployment
-    serves; a client that does not trust the deployment's CA cannot even reach the login."""
-    import psutil
-
-    proc, base_url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--nats-tls",
-                                   "--nats-cluster", "3", "--max-model-len", "256", "--num-kv-blocks", "64"],
-                                  tmp_path / "serve.log")
-    try:
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
-        out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
-        assert out.usage.completion_tokens == 4
-        urls = re.search(r"\(NATS (\S+)\)", proc.banner).group(1).split(",")
-        assert len(urls) == 3 and all(u.startswith("tls://127.0.0.1:") for u in urls)
-        configs = [Path(c.cmdline()[c.cmdline().index("-c") + 1]).read_text()
-                   for c in psutil.Process(proc.pid).children() if "nats-server" in c.name()]
-        assert len(configs) == 3 and all(c.count("tls {") == 2 for c in configs)  # clients and routes
-        ca = re.search(r'ca_file: "([^"]+)"', configs[0]).group(1)
-        run_dir = Path(ca).parents[1]
-        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
-
-        async def attempts():
-            untrusting, errors = await login(urls[0])  # the system's CAs only
-            assert untrusting is None and any("certificate verify failed" in e for e in errors), errors
-            import ssl as ssl_module
-
-            trusting = ssl_module.create_default_context(cafile=ca)
-            anonymous, errors = await login(urls[0], tls=trusting)  # TLS fine, but no credentials
-            assert anonymous is None and any("authorization violation" in e.lower() for e in errors), errors
-
-        asyncio.run(attempts())
-    finally:
-        stop_all([proc])
-    assert not run_dir.exists()  # the deployment's secrets go with it
 
 
 def _compose(name: str) -> dict:

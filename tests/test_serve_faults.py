@@ -12,9 +12,13 @@ import asyncio
 import concurrent.futures
 import json
 import random
+import re
 import signal
+import ssl
+import stat
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -23,7 +27,7 @@ import psutil
 import pytest
 
 from llmbus.nats_server import node_with_client
-from deployment import llmbus_serve
+from deployment import llmbus_serve, login
 from llmbus.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -93,6 +97,36 @@ def wait_until(check, timeout_s: float, what: str) -> None:
     while not check():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
+
+
+def nats_run_dir(proc: subprocess.Popen) -> Path:
+    """The deployment's own folder of secrets (its TLS files), 0700: where a node's CA is."""
+    node = next(c for c in psutil.Process(proc.pid).children() if "nats-server" in c.name())
+    config = Path(node.cmdline()[node.cmdline().index("-c") + 1]).read_text()
+    return Path(re.search(r'ca_file: "([^"]+)"', config).group(1)).parents[1]
+
+
+def test_its_bus_speaks_only_tls_and_takes_no_anonymous_client(served):
+    """--nats-tls --nats-cluster 3: clients and routes speak only TLS; a client that does
+    not trust the deployment's CA cannot even reach the login, one that does has no
+    credentials. (Before the faults below: the deployment as it started.)"""
+    proc, _ = served
+    urls = re.search(r"\(NATS (\S+)\)", proc.banner).group(1).split(",")
+    assert len(urls) == 3 and all(u.startswith("tls://127.0.0.1:") for u in urls)
+    configs = [Path(c.cmdline()[c.cmdline().index("-c") + 1]).read_text()
+               for c in psutil.Process(proc.pid).children() if "nats-server" in c.name()]
+    assert len(configs) == 3 and all(c.count("tls {") == 2 for c in configs)  # clients and routes
+    ca = re.search(r'ca_file: "([^"]+)"', configs[0]).group(1)
+    assert stat.S_IMODE(nats_run_dir(proc).stat().st_mode) == 0o700
+
+    async def attempts():
+        untrusting, errors = await login(urls[0])  # the system's CAs only
+        assert untrusting is None and any("certificate verify failed" in e for e in errors), errors
+        trusting = ssl.create_default_context(cafile=ca)
+        anonymous, errors = await login(urls[0], tls=trusting)  # TLS fine, but no credentials
+        assert anonymous is None and any("authorization violation" in e.lower() for e in errors), errors
+
+    asyncio.run(attempts())
 
 
 @pytest.mark.parametrize("kind", ["worker", "tokenizer", "scheduler", "nats"])
@@ -227,6 +261,7 @@ def test_a_gateway_the_host_does_not_run_for_a_while_answers_what_came_meanwhile
 def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     proc, _ = served
     children = psutil.Process(proc.pid).children(recursive=True)
+    run_dir = nats_run_dir(proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     stderr = proc.log.read_text()
@@ -235,3 +270,4 @@ def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     assert "permissions violation" not in stderr and "could not log in" not in stderr, stderr[-3000:]
     wait_until(lambda: not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE], 10,
                "children left behind")
+    assert not run_dir.exists()  # the deployment's secrets go with it
