@@ -235,6 +235,7 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     generates: bool = True  # False: a model without an LM head, which only embeds
     # LoRA adapters it can run in one step (--max-loras with --enable-lora); 0: none.
     max_loras: int = 0
+    max_lora_rank: int = 0  # the largest adapter rank it takes (--max-lora-rank); 0: none
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):
@@ -253,3 +254,6 @@ class SchedulerInfo(msgspec.Struct, **_WIRE):
     num_workers: int
     max_model_len: int
     stats: SchedulerStats | None = None
+    # The largest LoRA rank a worker of the fleet takes (0: none serves adapters), so a
+    # gateway refuses a runtime adapter load no worker could run with a 400, at the load.
+    max_lora_rank: int = 0

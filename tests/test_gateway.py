@@ -25,6 +25,7 @@ class FakeEngine:
 
     reply_subject = "llmbus.tiny.outputs.test"
     max_model_len = 256
+    max_lora_rank = 16  # the fleet's, as --max-lora-rank's default
     script = SCRIPT  # what every request is answered with
 
     def __init__(self, tokenizer: Tokenizer, finish: FinishReason | None = None) -> None:
@@ -38,7 +39,8 @@ class FakeEngine:
         return tokenize(self.tokenizer, request).token_ids
 
     async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
-        return SchedulerInfo("s1", "tiny", 1, self.max_model_len, SchedulerStats(num_running_reqs=len(self.queues)))
+        return SchedulerInfo("s1", "tiny", 1, self.max_model_len, SchedulerStats(num_running_reqs=len(self.queues)),
+                             max_lora_rank=self.max_lora_rank)
 
     def scheduler_silent(self) -> bool:
         return False

@@ -317,6 +317,9 @@ def test_llmbus_serve_with_lora_modules_answers_each_adapter_as_peft_does(tiny_l
             assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name", again.text
             nowhere = await lora_call("load", lora_name="nowhere", lora_path=str(tmp_path / "nowhere"))
             assert nowhere.status_code == 400 and "adapter_config.json" in nowhere.text, nowhere.text
+            big = _adapter_with(tmp_path, tiny_llama, "big", r=32)  # the workers take rank 16 at most
+            over = await lora_call("load", lora_name="big", lora_path=big.lora_path)
+            assert over.status_code == 400 and "rank 32, above --max-lora-rank 16" in over.text, over.text
             shutil.copy(f"{a2.lora_path}/adapter_config.json", late)
             shutil.copy(f"{a2.lora_path}/adapter_model.safetensors", late)
             ok = await lora_call("load", lora_name="late", lora_path=str(late), load_inplace=True)
@@ -370,6 +373,15 @@ def test_runtime_loading_is_off_unless_asked_and_each_bad_call_is_a_4xx(tokenize
                             ({"lora_name": "c"}, "lora_path")]:
             bad = load(**body)
             assert (bad.status_code, bad.json()["error"]["param"]) == (400, param), bad.text
+        # The workers' limits, as the scheduler reports them: refused at the load, not at a request.
+        engine.max_lora_rank = 4
+        over = load(lora_name="c", lora_path=a1.lora_path)
+        assert (over.status_code, over.json()["error"]["param"]) == (400, "lora_path"), over.text
+        assert "rank 8, above --max-lora-rank 4" in over.json()["error"]["message"]
+        engine.max_lora_rank = 0
+        none = load(lora_name="c", lora_path=a1.lora_path)
+        assert none.status_code == 400 and "no worker serves adapters" in none.json()["error"]["message"], none.text
+        engine.max_lora_rank = 16
         wrong_id = client.post("/v1/unload_lora_adapter", json={"lora_name": "a1", "lora_int_id": 7})
         assert wrong_id.status_code == 404, wrong_id.text
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 200

@@ -108,7 +108,13 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request):
             s = serving(request)
-            lora = s.loras.load(parse_body(await s.read_body(request), LoadLoRAAdapterRequest))
+            body = parse_body(await s.read_body(request), LoadLoRAAdapterRequest)
+            try:
+                info = await s.client.scheduler_info()
+                max_rank = info.max_lora_rank if info.num_workers >= 1 else None
+            except Unavailable:
+                max_rank = None  # (no worker to ask: the first to run it checks)
+            lora = s.loras.load(body, max_rank)
             log.warning("LoRA adapter %r loaded from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
             return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' added successfully.")
 

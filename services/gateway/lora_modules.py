@@ -43,15 +43,20 @@ class LoRAModules:
     def items(self):
         return list(self._modules.items())
 
-    def load(self, body: LoadLoRAAdapterRequest) -> LoRARequest:
+    def load(self, body: LoadLoRAAdapterRequest, max_rank: int | None = None) -> LoRARequest:
+        """`max_rank`: the workers' largest (None where no worker has said: the worker
+        that first runs it refuses it then)."""
         name = body.lora_name
         if not name or name == self.base_model:
             raise BadRequest(f"lora_name {name!r} would hide the base model's name", "lora_name")
         if name in self._modules and not body.load_inplace:
             raise BadRequest(f"the LoRA adapter {name!r} has already been loaded (load_inplace replaces it)",
                              "lora_name")
+        if max_rank == 0:
+            raise BadRequest(f"LoRA adapter {name!r}: no worker serves adapters (start them with --enable-lora)",
+                             "lora_name")
         try:
-            path = check_adapter(name, body.lora_path)
+            path = check_adapter(name, body.lora_path, max_rank)
         except ValueError as exc:
             raise BadRequest(str(exc), "lora_path") from None
         lora = self._modules[name] = LoRARequest(name, self._next_id, path)

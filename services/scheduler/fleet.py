@@ -196,6 +196,10 @@ class Fleet:
     def max_model_len(self) -> int:
         return min((h.core.max_model_len for h in self.workers.values()), default=0)
 
+    @property
+    def max_lora_rank(self) -> int:
+        return max((h.info.max_lora_rank for h in self.workers.values()), default=0)
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
 

@@ -113,6 +113,7 @@ class SchedulerService:
             num_workers=len(fleet.workers),
             max_model_len=fleet.max_model_len,
             stats=fleet.stats() if fleet.workers else None,
+            max_lora_rank=fleet.max_lora_rank,
         )
         await msg.respond(encode(info))
 

@@ -71,6 +71,7 @@ async def serve(
         long_rope_threshold=runner.model_config.long_rope_threshold,
         generates=runner.model.generates,
         max_loras=lora_config.max_loras if lora_config else 0,
+        max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
     )
     steps = ServedSteps(executor, tracer)
 
