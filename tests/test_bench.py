@@ -15,7 +15,7 @@ from llmbus.bench.roofline import matmul_flops, model_weights
 from llmbus.cli import main
 from services.worker.model_runner import ModelRunner
 from services.worker.loader import iter_weights
-from tiny_models import build_tiny_model
+from tiny_models import build_lora_adapter, build_tiny_model
 
 
 def last_json(out: str):
@@ -83,6 +83,27 @@ def test_bench_throughput_reports_both_engines_and_the_compute_bound(tiny_llama,
     llmbus, hf = last_json(out)
     assert llmbus["output_tokens"] == hf["output_tokens"] > 0
     assert llmbus["compute_bound_tok_s"] > 0
+
+
+def test_bench_throughput_with_lora_path_runs_the_adapters_against_the_base(tiny_llama, tmp_path, capsys):
+    """vLLM's --enable-lora --lora-path: the same workload over 2 adapters and on the base
+    model, alternated in one run; the adapters' requests really ran on adapters."""
+    adapter = build_lora_adapter(tiny_llama, tmp_path / "adapter")
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--num-requests", "4", "--input-len", "8", "16",
+                 "--output-len", "4", "8", "--skip-hf", "--enable-lora", "--max-loras", "2",
+                 "--lora-path", str(adapter)]) == 0
+    out = capsys.readouterr().out
+    assert "ratio lora/base" in out and "over 2 adapter(s)" in out
+    base, lora = last_json(out)
+    assert (base["engine"], lora["engine"]) == ("llmbus", "llmbus+lora")
+    assert lora["output_tokens"] == base["output_tokens"] > 0
+    assert lora["adapters_run"] == ["lora1", "lora2"]
+    assert lora["lora_over_base"] > 0
+
+
+def test_bench_throughput_refuses_lora_path_without_enable_lora(tiny_llama):
+    with pytest.raises(SystemExit, match="--lora-path needs --enable-lora"):
+        main(["bench", "throughput", "--model", str(tiny_llama), "--skip-hf", "--lora-path", str(tiny_llama)])
 
 
 def test_bench_latency_reports_itls_against_the_bandwidth_bound(tiny_llama, capsys):

@@ -28,17 +28,39 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="run transformers on only the first N requests (default: all); rates stay comparable",
     )
     parser.add_argument("--skip-hf", action="store_true", help="measure llmbus only")
+    parser.add_argument(
+        "--lora-path", default=None,
+        help="with --enable-lora (vLLM's benchmark flag): also run the workload with the requests spread over "
+             "--max-loras adapters (this folder under as many ids), alternated with the base model; prints lora/base",
+    )
 
 
-def run_llmbus(llm, requests: list[BenchRequest]) -> dict:
+def run_llmbus(llm, requests: list[BenchRequest], loras: list | None = None) -> dict:
+    """`loras`: request i runs on loras[i % len(loras)] (None: the base model)."""
     from llmbus import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    lora_request = [loras[i % len(loras)] for i in range(len(requests))] if loras else None
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True)
+    outputs = llm.generate([r.prompt_token_ids for r in requests], params, use_tqdm=True, lora_request=lora_request)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return _rates("llmbus", requests, num_out, elapsed)
+    return _rates("llmbus+lora" if loras else "llmbus", requests, num_out, elapsed)
+
+
+def lora_against_base(llm, requests: list[BenchRequest], path: str, max_loras: int) -> tuple[dict, dict]:
+    """The workload on adapters and on the base model, alternated twice in one engine (the
+    machine's speed drifts), each side's best: what the adapters' products cost."""
+    from llmbus import LoRARequest
+
+    loras = [LoRARequest(f"lora{i + 1}", i + 1, path) for i in range(max_loras)]
+    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+    for _ in range(2):
+        runs["lora"].append(run_llmbus(llm, requests, loras))
+        runs["base"].append(run_llmbus(llm, requests))
+    best = {side: max(results, key=lambda r: r["output_tok_s"]) for side, results in runs.items()}
+    best["lora"]["adapters_run"] = sorted(lora.lora_name for lora in llm.runner.loras.in_slots)
+    return best["lora"], best["base"]
 
 
 def run_transformers(model_path, dtype: torch.dtype, requests: list[BenchRequest], batch_size: int,
@@ -93,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     from services.worker.loader import parse_dtype
 
     path = resolve_model(args.model)
+    if args.lora_path and not args.enable_lora:
+        raise SystemExit("llmbus bench throughput: --lora-path needs --enable-lora")
     llm = LLM(str(path), **engine_kwargs(args))
     requests = random_workload(
         args.num_requests, tuple(args.input_len), tuple(args.output_len),
@@ -104,6 +128,14 @@ def run(args: argparse.Namespace) -> int:
     roofline = llm.executor.call(measure_runner, llm.runner)  # torch on the runner's thread
     print(roofline.describe())
     results = [run_llmbus(llm, requests)]
+    lora = None
+    if args.lora_path:
+        lora, base = lora_against_base(llm, requests, args.lora_path, args.max_loras)
+        print(f"{'llmbus+lora':>13}: {lora['requests']} req over {args.max_loras} adapter(s), "
+              f"{lora['output_tokens']} out tok in {lora['seconds']} s -> {lora['output_tok_s']} output tok/s; "
+              f"base {base['output_tok_s']} output tok/s in the same run")
+        lora["lora_over_base"] = round(lora["output_tok_s"] / base["output_tok_s"], 3)
+        print(f"ratio lora/base (best of 2 each, alternated): output {lora['lora_over_base']:.2f}x")
     if not args.skip_hf:
         device = llm.runner.device  # transformers runs where the engine ran
         del llm  # free its KV cache before transformers loads its own copy
@@ -119,5 +151,5 @@ def run(args: argparse.Namespace) -> int:
         ratio = results[0]["output_tok_s"] / results[1]["output_tok_s"]
         total_ratio = results[0]["total_tok_s"] / results[1]["total_tok_s"]
         print(f"ratio llmbus/transformers: output {ratio:.2f}x, total {total_ratio:.2f}x")
-    print(json.dumps(results))
+    print(json.dumps(results + ([lora] if lora else [])))
     return 0

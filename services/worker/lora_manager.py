@@ -49,6 +49,11 @@ class LoRAManager:
         self._read: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()  # on the host, most recent last
         self._slots: OrderedDict[LoRARequest, int] = OrderedDict()  # in slots, most recently used last
 
+    @property
+    def in_slots(self) -> list[LoRARequest]:
+        """The adapters in the slots now, least recently used first."""
+        return list(self._slots)
+
     def prepare(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter, read from disk the first time; a ValueError says why it cannot be."""
         adapter = self._read.get(lora)
