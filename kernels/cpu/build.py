@@ -2,9 +2,9 @@
 
 The sources are a few hundred lines of C++ with AVX-512 intrinsics and no PyTorch headers,
 so g++ builds them in seconds, one source per core at once (a PyTorch C++ extension would
-spend most of a minute on torch's headers). The library is built for the CPU it runs on (-march=native) and kept
-under $LLMBUS_HOME/kernels, named by a hash of the sources, the flags, the compiler and
-the CPU, so a changed source or another machine gets its own build.
+spend most of a minute on torch's headers). The library is built for the CPU it runs on
+(-march=native) and kept under $LLMBUS_HOME/kernels, named by a hash of the sources, the
+flags, the compiler and the CPU, so a changed source or another machine gets its own build.
 
 OpenMP: the library asks for libgomp.so.1, and PyTorch (imported first) has already loaded
 its own copy under that name, so both share one thread pool instead of fighting over the

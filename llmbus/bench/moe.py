@@ -24,7 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 from llmbus.bench.workload import W1, random_workload
 
 SHAPE = {"hidden_size": 768, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
@@ -49,8 +48,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 # (torch is imported where it is used: every `llmbus` command imports this module)
 def random_qwen3_moe(folder: Path, tokenizer_from: Path, shape: dict, seed: int) -> Path:
     """A Qwen3-MoE-shaped checkpoint with random weights and a real tokenizer."""
-    import torch
     import shutil
+
+    import torch
 
     from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
