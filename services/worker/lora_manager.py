@@ -70,26 +70,22 @@ class LoRAManager:
     def map_step(self, adapters: list[LoRAAdapter | None], token_starts: np.ndarray, token_ends: np.ndarray) -> None:
         """Map this step's tokens onto slots: request i (adapter `adapters[i]`) owns tokens
         [token_starts[i], token_ends[i]) of the flat batch."""
-        self.mapping.segments = []
-        loras = [adapter.request if adapter is not None else None for adapter in adapters]
         of = {adapter.request: adapter for adapter in adapters if adapter is not None}
         used = list(of)
         if not used:
+            self.mapping.clear()
             return
         if len(used) > self.config.max_loras:
             raise RuntimeError(f"a step with {len(used)} LoRA adapters, more than max_loras {self.config.max_loras}")
         slots = {lora: self._slot(of[lora], used) for lora in used}
+        slot_of_token = np.full(int(token_ends[-1]) if len(token_ends) else 0, -1, dtype=np.int64)
+        for adapter, start, end in zip(adapters, token_starts, token_ends):
+            if adapter is not None:
+                slot_of_token[start:end] = slots[adapter.request]
+        whole = slot_of_token[0] if len(used) == 1 and (slot_of_token >= 0).all() else None
         device = self.stacks[next(iter(self.stacks))].a.device
-        for lora in used:
-            mine = [i for i, other in enumerate(loras) if other == lora]
-            if len(mine) == len(loras):
-                self.mapping.segments.append((slots[lora], None))  # the whole step
-                continue
-            rows = np.concatenate([np.arange(token_starts[i], token_ends[i]) for i in mine])
-            self.mapping.segments.append((slots[lora], torch.from_numpy(rows).to(device, non_blocking=True)))
-
-    def clear_step(self) -> None:
-        self.mapping.segments = []
+        self.mapping.set(torch.from_numpy(slot_of_token).to(device, non_blocking=True), max(slots.values()) + 1,
+                         None if whole is None else int(whole))
 
     def _slot(self, adapter: LoRAAdapter, used: list[LoRARequest]) -> int:
         lora = adapter.request
@@ -115,4 +111,4 @@ class LoRAManager:
             for piece in adapter.pieces.get((layer, fused), ()):
                 lo, r = piece.shard * rank, adapter.rank
                 stack.a[slot, lo:lo + r].copy_(piece.a)
-                stack.b[slot, piece.start:piece.start + piece.size, lo:lo + r].copy_(piece.b)
+                stack.b[slot, lo:lo + r, piece.start:piece.start + piece.size].copy_(piece.b.T)

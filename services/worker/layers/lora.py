@@ -1,12 +1,20 @@
 """The LoRA product of one linear map for a batch that mixes adapters.
 
 Each adapted module keeps every slot's adapter stacked (`LoRAStack`: A as [slots, rank,
-in], B as [slots, out, rank], a fused module's shards side by side along the rank, zeros
-where an adapter lacks a piece) and adds `B @ (A @ x)` to the base product's output, for
-each adapter of the step over its own tokens. A step's `LoRAMapping` says which tokens
-are whose: segments of (slot, token rows), one per adapter in the step, none for the
-base model's tokens. A model with no adapter in its step does nothing more than look at
-an empty list, and its decode steps keep the fused C layer and CUDA graphs.
+in], B as [slots, rank, out], a fused module's shards side by side along the rank, zeros
+where an adapter lacks a piece) and adds `B(A x)` to the base product's output. A step's
+`LoRAMapping` says which slot each token takes (-1: the base model's).
+
+The slots in use are the first few (the manager fills them from 0), so a module does two
+dense products for the whole step whatever its mix of adapters: x against every used
+slot's A at once ([tokens, slots * rank]), a mask that keeps each token's own slot's
+columns, then that against every slot's B. That wastes the products of other slots'
+columns (a few per cent of the base product's at vLLM's default rank 16), where a
+gather, two small products and a scatter per adapter cost more on a CPU than the base
+product itself, and it has fixed shapes and no index arithmetic for a captured graph. A
+step on one adapter alone skips the mask. A model with no adapter in its step does
+nothing more than look at `active`, and its decode steps keep the fused C layer and CUDA
+graphs.
 """
 
 from __future__ import annotations
@@ -18,34 +26,57 @@ class LoRAMapping:
     """Which slot's adapter each of a step's tokens takes, set by the runner each step."""
 
     def __init__(self) -> None:
-        # (slot, the rows of its tokens in the step's flat batch, or None for all of them)
-        self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.slot_of_token: torch.Tensor | None = None  # [tokens] int64, -1 for the base model's
+        self.num_slots = 0  # slots 0 .. num_slots-1 hold this step's adapters
+        self.whole_step: int | None = None  # the slot every token takes, where one does
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     @property
     def active(self) -> bool:
-        return bool(self.segments)
+        return self.num_slots > 0
+
+    def set(self, slot_of_token: torch.Tensor, num_slots: int, whole_step: int | None) -> None:
+        self.slot_of_token, self.num_slots, self.whole_step = slot_of_token, num_slots, whole_step
+        self._masks = {}
+
+    def clear(self) -> None:
+        self.set(None, 0, None)
+
+    def mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[tokens, num_slots * rank]: 1 where a column is of the token's own slot (one per
+        rank width and dtype in a step; the modules of every layer share it)."""
+        key = (rank, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            column_slot = torch.arange(self.num_slots, device=self.slot_of_token.device).repeat_interleave(rank)
+            mask = (self.slot_of_token[:, None] == column_slot[None, :]).to(dtype)
+            self._masks[key] = mask
+        return mask
 
 
 class LoRAStack:
     def __init__(self, mapping: LoRAMapping, slots: int, in_size: int, out_size: int, rank: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.mapping = mapping
+        self.rank = rank
         self.a = torch.zeros(slots, rank, in_size, dtype=dtype, device=device)
-        self.b = torch.zeros(slots, out_size, rank, dtype=dtype, device=device)
+        self.b = torch.zeros(slots, rank, out_size, dtype=dtype, device=device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base product of x) plus each adapter's product on its tokens, in place."""
-        for slot, rows in self.mapping.segments:
-            if rows is None:
-                y.add_((x @ self.a[slot].T) @ self.b[slot].T)
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.a[slot].T) @ self.b[slot].T)
-        return y
+        """y (the base product of x) plus each token's adapter's product, in place."""
+        mapping = self.mapping
+        if mapping.whole_step is not None:
+            slot = mapping.whole_step
+            return y.addmm_(x @ self.a[slot].T, self.b[slot])
+        n = mapping.num_slots
+        shrunk = x @ self.a[:n].reshape(n * self.rank, -1).T
+        shrunk.mul_(mapping.mask(self.rank, shrunk.dtype))
+        return y.addmm_(shrunk, self.b[:n].reshape(n * self.rank, -1))
 
 
 def adapted(linear, lora: LoRAStack | None, x: torch.Tensor) -> torch.Tensor:
     """A linear map's output with its LoRA, where the model has adapters and the step any."""
     y = linear(x)
-    if lora is not None and lora.mapping.segments:
+    if lora is not None and lora.mapping.active:
         lora.add(x, y)
     return y
