@@ -78,14 +78,11 @@ class LoRAManager:
         if len(used) > self.config.max_loras:
             raise RuntimeError(f"a step with {len(used)} LoRA adapters, more than max_loras {self.config.max_loras}")
         slots = {lora: self._slot(of[lora], used) for lora in used}
-        slot_of_token = np.full(int(token_ends[-1]) if len(token_ends) else 0, -1, dtype=np.int64)
+        slot_of_token = np.full(int(token_ends[-1]), -1, dtype=np.int64)
         for adapter, start, end in zip(adapters, token_starts, token_ends):
             if adapter is not None:
                 slot_of_token[start:end] = slots[adapter.request]
-        whole = slot_of_token[0] if len(used) == 1 and (slot_of_token >= 0).all() else None
-        device = self.stacks[next(iter(self.stacks))].a.device
-        self.mapping.set(torch.from_numpy(slot_of_token).to(device, non_blocking=True), max(slots.values()) + 1,
-                         None if whole is None else int(whole))
+        self.mapping.set(slot_of_token, self.stacks[next(iter(self.stacks))].a.device)
 
     def _slot(self, adapter: LoRAAdapter, used: list[LoRARequest]) -> int:
         lora = adapter.request

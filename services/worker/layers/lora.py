@@ -8,17 +8,18 @@ where an adapter lacks a piece) and adds `B(A x)` to the base product's output. 
 The slots in use are the first few (the manager fills them from 0), so a module does two
 dense products for the whole step whatever its mix of adapters: x against every used
 slot's A at once ([tokens, slots * rank]), a mask that keeps each token's own slot's
-columns, then that against every slot's B. That wastes the products of other slots'
-columns (a few per cent of the base product's at vLLM's default rank 16), where a
-gather, two small products and a scatter per adapter cost more on a CPU than the base
-product itself, and it has fixed shapes and no index arithmetic for a captured graph. A
-step on one adapter alone skips the mask. A model with no adapter in its step does
-nothing more than look at `active`, and its decode steps keep the fused C layer and CUDA
-graphs.
+columns, then that against every slot's B. It computes every used slot's columns for
+every token (4 slots of rank 16 on SmolLM2: ~27% of the base products' arithmetic) for
+fixed shapes, no index arithmetic and two launches a module, what graphs and a
+launch-bound GPU step want; on this CPU it runs as fast as a gather, two products and a
+scatter per adapter did (docs/performance.md, "LoRA adapters"). A step on one adapter
+alone skips the mask. A model with no adapter in its step does nothing more than look at
+`active`, and its decode steps keep the fused C layer and CUDA graphs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -35,12 +36,17 @@ class LoRAMapping:
     def active(self) -> bool:
         return self.num_slots > 0
 
-    def set(self, slot_of_token: torch.Tensor, num_slots: int, whole_step: int | None) -> None:
-        self.slot_of_token, self.num_slots, self.whole_step = slot_of_token, num_slots, whole_step
+    def set(self, slot_of_token: np.ndarray, device: torch.device) -> None:
+        """`slot_of_token`: [tokens], each token's slot or -1. What the modules branch on is
+        read from this host copy, never from the device's."""
+        self.num_slots = int(slot_of_token.max()) + 1 if len(slot_of_token) else 0
+        first = int(slot_of_token[0]) if self.num_slots else -1
+        self.whole_step = first if first >= 0 and (slot_of_token == first).all() else None
+        self.slot_of_token = torch.from_numpy(slot_of_token).to(device, non_blocking=True)
         self._masks = {}
 
     def clear(self) -> None:
-        self.set(None, 0, None)
+        self.slot_of_token, self.num_slots, self.whole_step, self._masks = None, 0, None, {}
 
     def mask(self, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """[tokens, num_slots * rank]: 1 where a column is of the token's own slot (one per
