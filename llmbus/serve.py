@@ -110,8 +110,8 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         # Instance ids fixed for the deployment's life, so a replica the supervisor restarts
-        # comes back as the same identity, with the same grants (a worker with a new
-        # incarnation, which the scheduler treats as a fresh one).
+        # comes back as the same identity, with the same grants (a worker with a new,
+        # random incarnation, which the scheduler treats as a fresh one).
         identities = deployment_identities(args.workers)
         nats_url = args.nats_url
         bus_env: dict[str, str] = {}  # what every service needs of our NATS besides its identity

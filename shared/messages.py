@@ -227,8 +227,9 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     vocab_size: int
     eos_token_id: int | None = None
     draining: bool = False  # leaving: take no new requests, move the running ones away
-    # Counts the worker's reconnections to NATS: a step or its answer may have been lost
-    # in the gap, so the scheduler takes it back as a new worker (a reset, recompute).
+    # Random at the worker's start, +1 at each reconnection to NATS: a step or its answer
+    # may have been lost in the gap, or died with the process before (a restart keeps the
+    # id), so the scheduler takes a changed one back as a new worker (a reset, recompute).
     incarnation: int = 0
     # The model's longrope threshold (Phi-3), which decides how its prompts' blocks hash.
     long_rope_threshold: int | None = None

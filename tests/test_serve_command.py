@@ -1,6 +1,7 @@
-"""`llmbus serve` starts a whole deployment, serves (`llmbus bench serve` included), and
-leaves no process behind on SIGTERM."""
+"""`llmbus serve` starts a whole deployment, serves (`llmbus bench serve` included), takes
+a restarted worker back as a new one, and leaves no process behind on SIGTERM."""
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -8,10 +9,12 @@ import sys
 import time
 
 import httpx
+import openai
 import psutil
 import pytest
 
 from deployment import llmbus_serve
+from llmbus.serve import live_children
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,6 +25,9 @@ def served(tiny_llama, tmp_path_factory):
         ["--model", str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
          "--kv-cache-dtype", "fp8_e5m2"],
         tmp_path_factory.mktemp("serve") / "stderr.log",
+        # A worker restarted by the supervisor is always back before the scheduler would
+        # miss its heartbeats (test_a_restarted_worker_...).
+        env={"LLMBUS_HEARTBEAT_TIMEOUT": "60"},
     )
     yield proc, url, psutil.Process(proc.pid).children(recursive=True)
     if proc.poll() is None:
@@ -105,8 +111,47 @@ def test_neither_serve_itself_nor_the_scheduler_loads_torch(served):
     assert by_service["worker"] == {True}
 
 
+def test_a_restarted_worker_is_a_new_one_and_its_streams_go_on_at_once(served):
+    """The supervisor restarts a killed worker under its old id (its bus identity). Back
+    before the scheduler misses its heartbeats (60 s here), it must still be taken as a
+    new worker, its streams resumed on it from their tokens: it once announced itself as
+    the old one, alive, and the scheduler waited out the dead one's step (120 s)."""
+    proc, url, _ = served
+    prompts = [f"restart {i}: the quick brown fox" for i in range(4)]
+    request = {"model": "tiny", "max_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    with openai.OpenAI(base_url=url + "/v1", api_key="none") as client:
+        expected = [client.completions.create(prompt=p, **request).choices[0].text for p in prompts]
+    victim = live_children(proc.pid, "worker")[0]
+    unfinished_at_kill = []
+
+    async def stream_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=30)
+        texts = [""] * len(prompts)
+        done = set()
+
+        async def one(i: int) -> None:
+            stream = await client.completions.create(prompt=prompts[i], stream=True, **request)
+            async for chunk in stream:
+                texts[i] += chunk.choices[0].text
+                if all(texts) and not unfinished_at_kill:
+                    unfinished_at_kill.append(len(prompts) - len(done))
+                    victim.kill()
+            done.add(i)
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        finally:
+            await client.close()
+        return texts
+
+    assert asyncio.run(stream_all()) == expected
+    assert unfinished_at_kill[0] > 0  # (streams were cut)
+    assert [w.pid for w in live_children(proc.pid, "worker")] not in ([], [victim.pid])
+
+
 def test_sigterm_stops_everything(served):
-    proc, _, children = served
+    proc, _, _ = served
+    children = psutil.Process(proc.pid).children(recursive=True)  # (a restarted worker among them)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     deadline = time.monotonic() + 10

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 
@@ -72,6 +73,9 @@ async def serve(
         generates=runner.model.generates,
         max_loras=lora_config.max_loras if lora_config else 0,
         max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
+        # Random per process: one restarted under the same id (as `llmbus serve` and compose
+        # restart it) is a new incarnation to the scheduler, however soon it is back.
+        incarnation=secrets.randbits(48),
     )
     steps = ServedSteps(executor, tracer)
 
