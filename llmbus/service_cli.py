@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 
 from llmbus.args import (
     add_model_args,
@@ -130,10 +131,23 @@ def _setup(args) -> tuple[str, str]:
     return path, args.served_model_name
 
 
+def _without_torch() -> None:
+    """For the gateway and the tokenizers, which need transformers' tokenizer and chat
+    templates and nothing of torch: transformers 5 imports torch whenever it is installed,
+    ~190 MB and a second or more of CPU a process for nothing. `None` in sys.modules makes
+    Python, and transformers' `is_torch_available`, take torch as absent in this process;
+    a tokenizer's grammar-check child (spawned afresh) imports it as usual. After the
+    model is resolved: converting a fetched checkpoint needs torch."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" notice
+
+
 def cmd_tokenizer(args) -> int:
     from services.tokenizer.service import serve
 
     path, name = _setup(args)
+    _without_torch()
     asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout,
                       tool_chat_template=args.tool_chat_template, auth=bus_auth(args)))
     return 0
@@ -171,6 +185,7 @@ def cmd_gateway(args) -> int:
     from services.gateway.service import serve
 
     path, name = _setup(args)
+    _without_torch()
     serve(path, args.nats_url, gateway_config(args, name, path), args.host, args.port, bus_auth(args),
           args.gateway_id)
     return 0

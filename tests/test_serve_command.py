@@ -92,10 +92,11 @@ def test_bench_serve_compares_structured_and_plain_on_the_same_lengths(served):
     assert lines[-1].startswith("over 2 pairs") and "structured/plain" in lines[-1]
 
 
-def test_neither_serve_itself_nor_the_scheduler_loads_torch(served):
+def test_only_the_workers_load_torch(served):
     """`llmbus`'s parser once imported torch through the benchmarks, in every process:
-    seconds of start-up and ~200 MB each. The supervisor and the scheduler need none; a
-    worker does (the gateway and tokenizers load it with transformers' tokenizer)."""
+    seconds of start-up and ~200 MB each; the gateway and tokenizers then loaded it with
+    transformers' tokenizer. Only a worker needs it (and a tokenizer's grammar-check
+    child, a process of its own)."""
     proc, _, children = served
 
     def loads_torch(process: psutil.Process) -> bool:
@@ -107,7 +108,7 @@ def test_neither_serve_itself_nor_the_scheduler_loads_torch(served):
         if argv[1:3] == ["-m", "llmbus"]:
             by_service.setdefault(argv[3], set()).add(loads_torch(child))
     assert not loads_torch(psutil.Process(proc.pid))
-    assert by_service["scheduler"] == {False}
+    assert by_service["scheduler"] == by_service["gateway"] == by_service["tokenizer"] == {False}
     assert by_service["worker"] == {True}
 
 
