@@ -2,6 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Two processes, a test file each at a time (a file's deployments and fixtures stay in
+# one): most served tests wait on processes and timeouts, so two run in about 60% of
+# one's time even on two cores. PYTEST_WORKERS=0 runs the suite in this process.
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: install test test-fast serve fetch bench clean
 
@@ -17,10 +22,10 @@ fetch: install
 	$(VENV)/bin/llmbus model fetch
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
 serve: fetch
 	$(VENV)/bin/llmbus serve
