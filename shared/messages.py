@@ -11,6 +11,7 @@ seen (`NewRequestData`) and only deltas for the ones it holds (`CachedRequestDat
 from __future__ import annotations
 
 import enum
+import itertools
 
 import msgspec
 
@@ -171,17 +172,31 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             setattr(total, name, getattr(total, name) + sum(getattr(p, name) for p in parts))
         if parts:
             total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
-        per_pos = [p.spec_decode_num_accepted_tokens_per_pos for p in parts]
-        total.spec_decode_num_accepted_tokens_per_pos = [sum(c) for c in zip(*per_pos)] if per_pos else []
+        total.spec_decode_num_accepted_tokens_per_pos = _sum_by_position(
+            p.spec_decode_num_accepted_tokens_per_pos for p in parts)
         total.running_lora_adapters = sorted({n for p in parts for n in p.running_lora_adapters})
         total.waiting_lora_adapters = sorted({n for p in parts for n in p.waiting_lora_adapters})
         return total
+
+    def add_counts(self, other: "SchedulerStats") -> None:
+        """Add `other`'s cumulative counts to these (its gauges are left out): a fleet keeps
+        the counts of the workers it lost, so that its counters never go back."""
+        for name in CUMULATIVE_STATS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.spec_decode_num_accepted_tokens_per_pos = _sum_by_position(
+            [self.spec_decode_num_accepted_tokens_per_pos, other.spec_decode_num_accepted_tokens_per_pos])
+
+
+def _sum_by_position(lists) -> list[int]:
+    return [sum(c) for c in itertools.zip_longest(*lists, fillvalue=0)]
 
 
 # Every count of SchedulerStats (the int fields): what `combine` adds up.
 _SUMMED_STATS = [
     f.name for f in msgspec.structs.fields(SchedulerStats) if f.type is int
 ]
+# The counts that only grow (the rest are gauges: what runs and waits now, adapter slots).
+CUMULATIVE_STATS = [name for name in _SUMMED_STATS if name not in ("num_running_reqs", "num_waiting_reqs", "max_lora")]
 
 
 class EngineCoreOutputs(msgspec.Struct, **_WIRE):

@@ -8,7 +8,7 @@ import pytest
 
 from services.scheduler.fleet import Fleet
 from shared.config import SchedulerConfig
-from shared.messages import EngineCoreRequest, FinishReason, WorkerInfo
+from shared.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput, WorkerInfo
 from shared.sampling_params import SamplingParams
 from services.scheduler.wakefulness import Wakefulness
 
@@ -152,6 +152,30 @@ def test_stats_add_up_over_workers():
     per_worker = [h.core.make_stats() for h in fleet.workers.values()]
     assert stats.kv_cache_usage == sum(s.kv_cache_usage for s in per_worker) / 2
     assert stats.prefix_cache_queries == sum(s.prefix_cache_queries for s in per_worker) > 0
+
+
+def test_the_counts_of_a_removed_worker_stay_counted():
+    """Cumulative counts only grow: a gateway takes a drop for a new scheduler and counts
+    everything again (they once fell with every worker lost, and /metrics doubled)."""
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    fleet.submit(request("a"), now=0.0)
+    fleet.submit(request("b", prompt=[50, 51, 52]), now=0.0)
+    for handle in fleet.workers.values():
+        core = handle.core
+        step = core.schedule()
+        [req_id] = step.num_scheduled_tokens
+        core.update_from_output(step, ModelRunnerOutput(step.step_id, [req_id], [[7]]))
+        core.spec_accepted_per_pos = [2, 1] if handle.worker_id == "w2" else [1]
+    before = fleet.stats()
+    assert (before.num_generation_tokens, before.prefix_cache_queries) == (2, 12)
+    assert before.spec_decode_num_accepted_tokens_per_pos == [3, 1]
+    fleet.remove(fleet.owner["b"].worker_id, "dead")
+    after = fleet.stats()
+    assert (after.num_generation_tokens, after.prefix_cache_queries) == (2, 12)
+    assert after.spec_decode_num_accepted_tokens_per_pos == [3, 1]
+    assert (after.num_running_reqs, after.num_waiting_reqs) == (1, 1)  # gauges: b waits on the other
 
 
 def test_a_request_sent_twice_is_placed_once():

@@ -54,6 +54,10 @@ class Fleet:
         self.owner: dict[str, WorkerHandle] = {}
         # Requests no worker can take yet, with when they started waiting.
         self.unplaced: deque[tuple[EngineCoreRequest | Request, float]] = deque()
+        # The cumulative counts of removed workers' cores (tokens generated, prefix-cache
+        # lookups, drafts, ...): the fleet's counters must never go back, or a gateway
+        # would take the drop for a new scheduler and count everything again.
+        self.retired_counts = SchedulerStats()
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -88,6 +92,7 @@ class Fleet:
         if handle is None:
             return []
         moved = handle.core.take_unfinished()
+        self.retired_counts.add_counts(handle.core.make_stats())
         log.warning("worker %s removed (%s); moving %d request(s); %d worker(s) left",
                     worker_id, reason, len(moved), len(self.workers))
         rejected = []
@@ -201,7 +206,9 @@ class Fleet:
         return max((h.info.max_lora_rank for h in self.workers.values()), default=0)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
+        total = SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
+        total.add_counts(self.retired_counts)
+        return total
 
 
 def _error(item: EngineCoreRequest | Request, reason: str, finish=FinishReason.ERROR) -> Rejection:
