@@ -29,15 +29,15 @@ from shared.bus import Subjects, inbox_of
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
-        ("requests", "abort", "tokenize", "scheduler.info"),
-        ("outputs.{id}", "scheduler.heartbeat", "scheduler.stats", "{inbox}.>"),
+        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat"),
+        ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "{inbox}.>"),
         False,
     ),
     "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),
     "scheduler": (
-        ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*", "workers.*.step",
+        ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*.*", "workers.*.step",
          "_INBOX.gateway.>"),
-        ("requests", "abort", "workers.announce", "scheduler.info", "{inbox}.>"),
+        ("requests", "abort", "workers.announce", "scheduler.info", "gateways.heartbeat", "{inbox}.>"),
         True,
     ),
     "worker": (("workers.announce", "_INBOX.scheduler.>"), ("workers.{id}.step", "scheduler.hello"), True),

@@ -173,6 +173,7 @@ def cmd_scheduler(args) -> int:
         args.nats_url, args.served_model_name, scheduler_config(args),
         step_timeout_s=args.step_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        gateway_timeout_s=args.gateway_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
         max_waiting_requests=args.max_waiting_requests,
         async_scheduling=not args.no_async_scheduling,
@@ -236,6 +237,9 @@ def add_service_commands(sub) -> None:
                    help="seconds a worker may take for one step before it is declared dead")
     p.add_argument("--heartbeat-timeout", type=float, default=env("--heartbeat-timeout", 2.0),
                    help="seconds without a worker heartbeat before it is declared dead")
+    p.add_argument("--gateway-timeout", type=float, default=env("--gateway-timeout", 10.0),
+                   help="seconds without a gateway heartbeat before its requests are dropped (their clients "
+                        "went with it); one that speaks again resumes them")
     p.add_argument("--no-worker-timeout", type=float, default=env("--no-worker-timeout", 30.0),
                    help="seconds a request may wait while no worker is up")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0),
@@ -247,7 +251,8 @@ def add_service_commands(sub) -> None:
     add_model_args(p)
     add_gateway_args(p)
     p.add_argument("--gateway-id", default=env("--gateway-id", None),
-                   help="this gateway's outputs subject (default: random; `llmbus serve` keeps one across restarts)")
+                   help="this gateway's id, its bus identity and the first token of its outputs subject (default: "
+                        "random; `llmbus serve` keeps one across restarts)")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")

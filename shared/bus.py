@@ -36,12 +36,16 @@ class Subjects:
         self.scheduler_info = f"{self.prefix}.scheduler.info"  # request/reply: SchedulerInfo
         self.scheduler_heartbeat = f"{self.prefix}.scheduler.heartbeat"  # SchedulerHeartbeat
         self.scheduler_stats = f"{self.prefix}.scheduler.stats"  # SchedulerStats, steadily and on change
+        self.gateway_heartbeat = f"{self.prefix}.gateways.heartbeat"  # gateway -> scheduler: GatewayHeartbeat
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput
 
-    def outputs(self, gateway_id: str) -> str:
-        return f"{self.prefix}.outputs.{gateway_id}"  # scheduler -> gateway: EngineCoreOutputs
+    def outputs(self, gateway_id: str, incarnation: str) -> str:
+        """scheduler -> gateway: EngineCoreOutputs. The gateway's id (its bus identity, kept
+        across restarts by `llmbus serve`) and its process's own token: a restarted gateway
+        reads none of its dead predecessor's outputs, whose requests the scheduler drops."""
+        return f"{self.prefix}.outputs.{gateway_id}.{incarnation}"
 
 
 def subject_token(name: str) -> str:

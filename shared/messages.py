@@ -203,6 +203,9 @@ class EngineCoreOutputs(msgspec.Struct, **_WIRE):
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    # The scheduler dropped this gateway's requests while it was silent (--gateway-timeout)
+    # and now hears it again: it sends every open request again, resumed.
+    resume_all: bool = False
 
 
 # ---- service-to-service messages on the bus ---------------------------------------------
@@ -252,6 +255,13 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # LoRA adapters it can run in one step (--max-loras with --enable-lora); 0: none.
     max_loras: int = 0
     max_lora_rank: int = 0  # the largest adapter rank it takes (--max-lora-rank); 0: none
+
+
+class GatewayHeartbeat(msgspec.Struct, **_WIRE):
+    """A gateway's sign of life, twice a second: the scheduler drops the requests of one
+    it has not heard for --gateway-timeout (their clients went with it)."""
+
+    reply_subject: str  # its outputs subject, one per gateway process
 
 
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import random
 import re
@@ -34,6 +35,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NUM_STREAMS = 24
 MAX_TOKENS = 48
+GATEWAY_TIMEOUT_S = 3.0  # the scheduler's --gateway-timeout here (10 s by default)
+LONG_REQUEST = {"max_tokens": 900, "extra_body": {"ignore_eos": True}}  # ~12 s for 32 of them on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,7 @@ def served(tiny_llama, tmp_path_factory):
         ["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2", "--tokenizers", "2",
          "--nats-cluster", "3", "--nats-tls", "--nats-monitor", "--num-kv-blocks", "256", "--max-model-len", "1024"],
         tmp_path_factory.mktemp("serve") / "stderr.log",
+        env={"LLMBUS_GATEWAY_TIMEOUT": str(GATEWAY_TIMEOUT_S)},
     )
     yield proc, url
     if proc.poll() is None:
@@ -256,6 +260,95 @@ def test_a_gateway_the_host_does_not_run_for_a_while_answers_what_came_meanwhile
             assert [future.result(timeout=60) for future in pending] == expected
     finally:
         gateway.resume()
+
+
+def scheduler_stats(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=5).json()["stats"]
+
+
+def test_a_killed_gateway_s_requests_are_dropped_not_run_to_their_end(served):
+    """Its clients went with it: the scheduler stops generating for them once it has not
+    heard the gateway for --gateway-timeout, instead of running all 32 to their 900th
+    token while the restarted gateway's requests wait behind them."""
+    proc, url = served
+    generated_before = scheduler_stats(url)["num_generation_tokens"]
+    gateway = replicas(proc, "gateway")[0]
+    logged = len(proc.log.read_text())
+
+    async def stream_then_kill() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+        async def one(prompt: str) -> None:
+            with contextlib.suppress(openai.APIError):
+                stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
+                                                         **LONG_REQUEST)
+                async for _ in stream:
+                    pass
+
+        streams = [asyncio.ensure_future(one(f"long {i}: once upon a time")) for i in range(32)]
+        async with httpx.AsyncClient(timeout=5) as http:
+            while True:  # until the scheduler holds all 32
+                stats = (await http.get(url + "/health")).json()["stats"]
+                if stats["num_running_reqs"] + stats["num_waiting_reqs"] == 32:
+                    break
+                await asyncio.sleep(0.05)
+        gateway.kill()
+        await asyncio.gather(*streams)
+        await client.close()
+
+    asyncio.run(stream_then_kill())
+
+    def answers() -> bool:
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:  # (not listening yet)
+            return False
+
+    wait_until(answers, 60, "the gateway did not come back")
+    wait_until(lambda: scheduler_stats(url)["num_running_reqs"] + scheduler_stats(url)["num_waiting_reqs"] == 0,
+               60, "the dead gateway's requests still run")
+    generated = scheduler_stats(url)["num_generation_tokens"] - generated_before
+    assert 0 < generated < 32 * 900
+    assert re.search(r"silent for 3 s: dropping its [1-9]\d* request", proc.log.read_text()[logged:])
+
+
+def test_a_gateway_the_host_stops_past_the_timeout_gets_its_streams_back(served):
+    """Its requests are dropped while it is silent, and it is told to send them again when
+    it speaks: every stream ends with the text of a run without the stop."""
+    proc, url = served
+    prompts_ = [f"stopped {i}: once upon a time" for i in range(16)]  # two rounds of 8 (the KV cache's)
+    with openai.OpenAI(base_url=url + "/v1", api_key="none") as client:
+        expected = [client.completions.create(model="tiny", prompt=p, temperature=0, **LONG_REQUEST).choices[0].text
+                    for p in prompts_]
+    gateway = replicas(proc, "gateway")[0]
+    logged = len(proc.log.read_text())
+
+    async def stream_all_with_a_stop() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        stopped = []
+
+        async def one(prompt: str) -> str:
+            text = ""
+            stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
+                                                     **LONG_REQUEST)
+            async for chunk in stream:
+                text += chunk.choices[0].text
+                if not stopped:
+                    stopped.append(True)
+                    gateway.suspend()
+                    await asyncio.sleep(GATEWAY_TIMEOUT_S + 2)  # (the streams' reads wait too)
+                    gateway.resume()
+            return text
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts_))
+        finally:
+            gateway.resume()
+            await client.close()
+
+    assert asyncio.run(stream_all_with_a_stop()) == expected
+    log = proc.log.read_text()[logged:]
+    assert "request(s)" in log and "speaks again: it resumes its requests" in log, log[-2000:]
 
 
 def test_sigterm_stops_everything_in_order_without_tracebacks(served):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
@@ -22,6 +23,7 @@ from shared.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    GatewayHeartbeat,
     SchedulerHeartbeat,
     SchedulerInfo,
     SchedulerStats,
@@ -40,7 +42,10 @@ class EngineClient:
         self.nc = nc
         self.subjects = subjects
         self.gateway_id = gateway_id
-        self.reply_subject = subjects.outputs(gateway_id)
+        # This process's own: a gateway restarted under the same id (its bus identity)
+        # reads none of the dead one's outputs, and the scheduler tells the two apart.
+        self.reply_subject = subjects.outputs(gateway_id, uuid.uuid4().hex[:8])
+        self._heartbeat = encode(GatewayHeartbeat(self.reply_subject))
         self.timeout_s = timeout_s
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
@@ -68,7 +73,7 @@ class EngineClient:
         await self.nc.flush()
         # Counted from now: a scheduler that never speaks is as silent as one that stopped.
         self._last_heartbeat = time.monotonic()
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_scheduler())
+        self._watchdog = asyncio.get_running_loop().create_task(self._keep_watch())
 
     # ---- scheduler liveness -------------------------------------------------------------
 
@@ -91,11 +96,17 @@ class EngineClient:
         """True when no scheduler has been heard for too long (or at all since start)."""
         return self._last_heartbeat is not None and time.monotonic() - self._last_heartbeat > self.scheduler_timeout_s
 
-    async def _watch_scheduler(self) -> None:
-        """Requests in flight wait for a scheduler to come back (and resume them) for a
-        bounded time; past it they end with a clear error rather than hang."""
+    async def _keep_watch(self) -> None:
+        """This gateway's heartbeat, twice a second: the scheduler drops the requests of a
+        gateway it no longer hears (gateways.py). And requests in flight wait for a
+        scheduler to come back (and resume them) for a bounded time; past it they end with
+        a clear error rather than hang."""
         bound = self.scheduler_timeout_s + self.resume_timeout_s
+        beat_at = 0.0
         while True:
+            if time.monotonic() - beat_at >= 0.5 and self.nc.is_connected:
+                beat_at = time.monotonic()
+                await self.nc.publish(self.subjects.gateway_heartbeat, self._heartbeat)
             await asyncio.sleep(0.25)
             silent_for = time.monotonic() - self._last_heartbeat
             if silent_for > bound and self._queues:
@@ -131,6 +142,8 @@ class EngineClient:
         except msgspec.DecodeError:
             log.warning("dropped malformed outputs")
             return
+        if outputs.resume_all:  # (after every output sent before it: the ledger is up to date)
+            await self._resume(None, "the scheduler dropped this gateway's requests while it did not hear it")
         if outputs.scheduler_stats is not None:
             if self._on_stats is not None:
                 self._on_stats(outputs.scheduler_stats)

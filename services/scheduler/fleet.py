@@ -195,6 +195,12 @@ class Fleet:
     def finished(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
 
+    def requests_of(self, reply_subject: str) -> list[str]:
+        """The ids of the requests a gateway (its outputs subject) has here."""
+        ids = [rid for rid, handle in self.owner.items()
+               if getattr(handle.core.requests.get(rid), "reply_subject", None) == reply_subject]
+        return ids + [item.request_id for item, _ in self.unplaced if item.reply_subject == reply_subject]
+
     # ---- views -----------------------------------------------------------------------
 
     @property

@@ -6,7 +6,7 @@ touched concurrently with itself). Each worker gets an engine core of its own
 a NATS request to that worker, so workers never wait for each other; every landed step's
 `EngineCoreOutputs` go to each request's gateway. A monitor declares dead a worker that
 misses its step deadline or its heartbeats, cancels its engine core, and its requests
-move to the others.
+move to the others; it drops the requests of a gateway gone silent (gateways.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import msgspec
 
 from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.fleet import Fleet, Rejection, WorkerHandle
+from services.scheduler.gateways import Gateways
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
 from services.scheduler.wakefulness import Wakefulness
@@ -29,6 +30,7 @@ from shared.messages import (
     AbortRequests,
     EngineCoreOutputs,
     EngineCoreRequest,
+    GatewayHeartbeat,
     SchedulerHeartbeat,
     SchedulerInfo,
     WorkerInfo,
@@ -49,6 +51,7 @@ class SchedulerService:
         no_worker_timeout_s: float = 30.0,
         max_waiting_requests: int = 0,
         async_scheduling: bool = True,
+        gateway_timeout_s: float = 10.0,
     ) -> None:
         self.nc = nc
         self.async_scheduling = async_scheduling
@@ -56,6 +59,7 @@ class SchedulerService:
         self.step_timeout_s = step_timeout_s
         self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
                            max_waiting_requests)
+        self.gateways = Gateways(gateway_timeout_s)
         self.scheduler_id = uuid.uuid4().hex[:8]
         tracer = setup_tracing("scheduler")
         self.step_tracer = StepTracer(tracer if tracing_enabled() else None)
@@ -66,6 +70,7 @@ class SchedulerService:
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
         self._worker_decoder = msgspec.msgpack.Decoder(WorkerInfo)
+        self._gateway_decoder = msgspec.msgpack.Decoder(GatewayHeartbeat)
 
     async def start(self) -> None:
         s = self.subjects
@@ -73,6 +78,7 @@ class SchedulerService:
         await self.nc.subscribe(s.abort, cb=self.on_abort)
         await self.nc.subscribe(s.announce, cb=self.on_announce)
         await self.nc.subscribe(s.scheduler_info, cb=self.on_info)
+        await self.nc.subscribe(s.gateway_heartbeat, cb=self.on_gateway_heartbeat)
         await self.nc.flush()
         await self.nc.publish(s.scheduler_hello, b"")  # workers already up announce themselves
 
@@ -104,6 +110,15 @@ class SchedulerService:
             return
         await self._publish_rejections(self.fleet.heard_from(info, time.monotonic()))
         self._wake_all()
+
+    async def on_gateway_heartbeat(self, msg) -> None:
+        try:
+            subject = self._gateway_decoder.decode(msg.data).reply_subject
+        except msgspec.DecodeError:
+            return
+        if self.gateways.heard(subject, time.monotonic()):
+            log.warning("gateway %s speaks again: it resumes its requests", subject)
+            await self.nc.publish(subject, encode(EngineCoreOutputs([], resume_all=True)))
 
     async def on_info(self, msg) -> None:
         fleet = self.fleet
@@ -156,6 +171,7 @@ class SchedulerService:
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
                     await self._publish_stats()  # idle included: gauges come back to 0
                 await self._publish_rejections(self.fleet.check(now, awake))
+                self._drop_silent_gateways(now, awake)
                 for worker_id, (handle, task) in list(tasks.items()):
                     if self.fleet.workers.get(worker_id) is not handle:
                         task.cancel()  # removed (dead, drained) or rejoined as a new handle
@@ -168,6 +184,15 @@ class SchedulerService:
         finally:
             for _, task in tasks.values():
                 task.cancel()
+
+    def _drop_silent_gateways(self, now: float, awake: Wakefulness) -> None:
+        for subject in self.gateways.silent(now, awake):
+            ids = self.fleet.requests_of(subject)
+            log.warning("gateway %s silent for %.0f s: dropping its %d request(s)", subject,
+                        self.gateways.timeout_s, len(ids))
+            if ids:
+                self.fleet.abort(ids)
+                self._wake_all()
 
     async def _drive(self, handle: WorkerHandle) -> None:
         executor = NatsExecutor(self.nc, self.subjects.step(handle.worker_id), handle.worker_id, self.step_timeout_s)
