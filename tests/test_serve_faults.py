@@ -3,8 +3,9 @@ faults, as a user runs it — a closed bus: every service logged in as its own i
 its role's subjects, over TLS, routes included (tests/test_bus_security.py): replicas SIGKILLed one kind at a time under 24 concurrent streams (the real
 openai client) — a worker, a tokenizer, the scheduler, the NATS node the scheduler is
 connected to — every stream finishing with the text of a fault-free run and the killed
-replica back; metrics that come back to 0 after 100 streams are dropped; and a SIGTERM
-that stops everything cleanly."""
+replica back; metrics that come back to 0 after 100 streams are dropped; a killed
+gateway's requests dropped by the scheduler, a stopped one's resumed; and a SIGTERM that
+stops everything cleanly."""
 
 from __future__ import annotations
 
