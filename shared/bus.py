@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import signal
 import ssl
+import threading
 from dataclasses import dataclass
 
 import msgspec
@@ -161,23 +163,65 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
     return nc
 
 
-async def close(nc: Client) -> None:
-    """Drain on the way out; a bus that is already gone (stopped first, or restarting) is
-    no error at shutdown, and no traceback."""
-    try:
-        await nc.drain()
-    except Exception as exc:  # noqa: BLE001 - nats-py raises several kinds here
-        log.debug("NATS drain at shutdown: %s: %s", type(exc).__name__, exc)
-        try:
-            await nc.close()
-        except Exception:  # noqa: BLE001
-            pass
+# How long a drain of the bus, then a close, may take at shutdown.
+DRAIN_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 2.0
+# How long a whole shutdown may take before the process ends without finishing it, and
+# what is left of it once the bus is closed (or would not close).
+SHUTDOWN_LIMIT_S = 30.0
+AFTER_CLOSE_S = 5.0
+
+
+async def close_for_exit(nc: Client) -> None:
+    """A service process's last use of the bus: drain it; a bus that is already gone
+    (stopped first, or restarting) is no error at shutdown, and no traceback.
+
+    Bounded: a drain while every node is going away (a whole `llmbus serve` killed at
+    once) can wait on reconnection forever, and nats-py's drain swallows a cancellation,
+    so one that overruns is left behind. Even a closed client may leave its reconnection
+    task behind (it can outlive a cancellation), which asyncio.run would wait for at exit:
+    so what is left of the process's shutdown gets a few seconds from here, and then it
+    ends (`exit_if_stuck`). Only for a process on its way out."""
+    for attempt, timeout_s in ((nc.drain, DRAIN_TIMEOUT_S), (nc.close, CLOSE_TIMEOUT_S)):
+        task = asyncio.ensure_future(attempt())
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            log.debug("NATS %s at shutdown: not done in %.0f s", attempt.__name__, timeout_s)
+        elif task.cancelled() or task.exception() is not None:  # nats-py raises several kinds here
+            log.debug("NATS %s at shutdown: %s", attempt.__name__, "cancelled" if task.cancelled() else
+                      f"{type(task.exception()).__name__}: {task.exception()}")
+        else:
+            break
+    exit_if_stuck(AFTER_CLOSE_S)
 
 
 def stop_on_signals() -> asyncio.Event:
-    """An event set by SIGINT/SIGTERM, so a service can drain and exit cleanly."""
+    """An event set by SIGINT/SIGTERM, so a service can drain and exit cleanly; the first
+    signal also sets a limit on the shutdown (`exit_if_stuck`)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            exit_if_stuck()
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     return stop
+
+
+def exit_if_stuck(limit_s: float = SHUTDOWN_LIMIT_S) -> None:
+    """From now, a shutdown that has not ended within `limit_s` ends the process. nats-py's
+    reconnection to a bus that is gone can outlive its cancellation (Python 3.11's
+    wait_for may swallow it), and asyncio.run waits for every task at exit: a service
+    whose parent and NATS nodes were killed together was seen still running 15 min on."""
+
+    def give_up() -> None:
+        log.warning("shutdown did not finish within %.0f s; exiting without it", limit_s)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(limit_s, give_up)
+    timer.daemon = True  # (a shutdown that finishes does not wait for it)
+    timer.start()

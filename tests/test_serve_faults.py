@@ -352,6 +352,33 @@ def test_a_gateway_the_host_stops_past_the_timeout_gets_its_streams_back(served)
     assert "request(s)" in log and "speaks again: it resumes its requests" in log, log[-2000:]
 
 
+def test_a_sigkill_of_llmbus_serve_leaves_no_process_behind(tiny_llama, tmp_path):
+    """Its children are told to stop when it dies (PR_SET_PDEATHSIG), the NATS nodes
+    with the services: a service draining into a cluster that is going away waited on
+    nats-py's reconnection, and some were seen running 15 minutes later. Each stops within
+    its drain's and close's bounds and the few seconds it gives the rest (shared/bus.py),
+    well before the last resort (30 s)."""
+    proc, _ = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--workers", "2",
+                            "--nats-cluster", "3", "--nats-tls", "--num-kv-blocks", "64"], tmp_path / "stderr.log")
+    children = psutil.Process(proc.pid).children(recursive=True)
+    assert len(children) >= 8  # 3 nodes, the scheduler, a tokenizer, 2 workers, the gateway
+    proc.kill()
+    proc.wait()
+
+    def left() -> list[str]:
+        running = []
+        for child in children:
+            with contextlib.suppress(psutil.Error):  # (gone meanwhile)
+                if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                    running.append(" ".join(child.cmdline()[2:4]) or child.name())
+        return running
+
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left() == []
+
+
 def test_sigterm_stops_everything_in_order_without_tracebacks(served):
     proc, _ = served
     children = psutil.Process(proc.pid).children(recursive=True)

@@ -10,7 +10,7 @@ import uvicorn
 from services.gateway.app import create_app
 from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import BusAuth, Subjects, close, connect
+from shared.bus import BusAuth, Subjects, close_for_exit, connect, exit_if_stuck
 from shared.config import GatewayConfig
 from shared.tracing import setup_tracing, shutdown_tracing
 
@@ -36,7 +36,7 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
         await client.start()
 
         async def aclose():
-            await close(nc)
+            await close_for_exit(nc)
 
         client.aclose = aclose  # type: ignore[attr-defined]
         return client
@@ -49,5 +49,12 @@ def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port
     app = build_app(model_path, nats_url, config, auth=auth, gateway_id=gateway_id)
     log.info("gateway on http://%s:%d", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
     shutdown_tracing()
+
+
+class _Server(uvicorn.Server):
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:  # the first signal: the shutdown it starts is bounded too
+            exit_if_stuck()
+        super().handle_exit(sig, frame)

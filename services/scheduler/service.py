@@ -24,7 +24,7 @@ from services.scheduler.gateways import Gateways
 from services.scheduler.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
 from services.scheduler.wakefulness import Wakefulness
-from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
     AbortRequests,
@@ -267,5 +267,5 @@ async def serve(
     if ready is not None:
         ready.set()
     await service.run(stop)
-    await close(nc)
+    await close_for_exit(nc)
     shutdown_tracing()

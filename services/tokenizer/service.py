@@ -14,7 +14,7 @@ import msgspec
 
 from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.tokenizer import Tokenizer
-from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.messages import TokenizeRequest, TokenizeResponse
 from shared.sampling_params import StructuredOutputsParams
 from shared.tracing import SpanKind, extract, setup_tracing, shutdown_tracing
@@ -102,7 +102,7 @@ async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.
     await stop.wait()
     if checking:  # answer the checks under way (each ends within the compile timeout)
         await asyncio.wait(checking, timeout=compile_timeout_s + 1)
-    await close(nc)
+    await close_for_exit(nc)
     grammars.close()  # (a warm-up still under way ends with it)
     await warming
     shutdown_tracing()

@@ -19,7 +19,7 @@ import uuid
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from services.worker.served_steps import ServedSteps
-from shared.bus import BusAuth, Subjects, close, connect, encode, stop_on_signals
+from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
 from shared.messages import WorkerInfo
 from shared.tracing import setup_tracing, shutdown_tracing
@@ -120,6 +120,6 @@ async def serve(
         await asyncio.sleep(0.1)
     answering.cancel()
     await asyncio.gather(answering, return_exceptions=True)
-    await close(nc)
+    await close_for_exit(nc)
     executor.close()
     shutdown_tracing()
