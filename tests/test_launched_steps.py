@@ -44,6 +44,11 @@ def outputs(llm: LLM, params) -> list:
             for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def flat(outs) -> list[float]:
+    """Every logprob of every request, in order (pytest.approx takes flat sequences)."""
+    return [value for _, lps in outs for position in lps for value in position]
+
+
 def overlapping(folder, **kwargs) -> LLM:
     """An LLM whose runner overlaps steps (the default on CUDA only)."""
     llm = LLM(str(folder), **kwargs)
@@ -98,7 +103,13 @@ def test_every_kind_of_request_as_when_each_step_finishes_at_once(tiny_llama, ov
         before = overlaps["device_reads"]
         results[overlap] = outputs(llm, seeded), outputs(llm, mixed)
         assert (overlaps["device_reads"] > before) == overlap
-    assert results[True] == results[False]
+    # Tokens exactly; logprobs to a few ulps: the constrained request's matcher compiles on
+    # a thread of its own, and when it is late the request is computed a step later - a
+    # batch of another size, whose CPU matmuls round the other rows' last bits otherwise.
+    # A draw at a wrong position or a ban left on would move them by far more.
+    for with_overlap, finished_at_once in zip(results[True], results[False]):
+        assert [tokens for tokens, _ in with_overlap] == [tokens for tokens, _ in finished_at_once]
+        assert flat(with_overlap) == pytest.approx(flat(finished_at_once), rel=1e-5, abs=1e-6)
     for prompt, param, expected in zip(PROMPTS, mixed, results[True][1]):  # alone, the tokens it had in the crowd
         [out] = llm.generate([prompt], param, use_tqdm=False)
         assert out.outputs[0].token_ids == expected[0]
