@@ -28,6 +28,7 @@ class Deployment:
         self.start("scheduler", ["scheduler", *common, *scheduler_args])
         self.start("tokenizer", ["tokenizer", *common])
         self.worker_argv = ["worker", *common, *worker_args]
+        self.num_workers = num_workers
         for i in range(num_workers):
             self.start("worker" if i == 0 else f"worker{i + 1}", self.worker_argv)
         self.start("gateway", ["gateway", *common, "--port", str(self.port), *gateway_args])
@@ -43,6 +44,8 @@ class Deployment:
         return f"http://127.0.0.1:{port}"
 
     def wait_healthy(self, base_url: str | None = None, timeout_s: float = 120.0) -> dict:
+        """Until /health is green with every worker it started joined (requests sent while
+        only the first had joined would all stay on it), as `llmbus serve` waits."""
         url = (base_url or self.base_url) + "/health"
         deadline = time.monotonic() + timeout_s
         last = None
@@ -51,7 +54,7 @@ class Deployment:
                 assert proc.poll() is None, f"{key} exited with {proc.returncode}"
             try:
                 last = httpx.get(url, timeout=2)
-                if last.status_code == 200:
+                if last.status_code == 200 and last.json()["workers"] >= self.num_workers:
                     return last.json()
             except httpx.HTTPError:
                 pass
