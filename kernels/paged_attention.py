@@ -13,6 +13,12 @@ cache blocks: more bytes in flight per program than one block at a time (on an H
 16-key tile left decode at 0.67 of the memory bandwidth where contiguous SDPA reached
 0.95; docs/kernels.md).
 
+Gemma 2's two options are constexpr switches, so other models' kernels are unchanged:
+SOFTCAP caps each scaled score at softcap * tanh(score / softcap) before the softmax,
+and WINDOW > 0 lets a query see only its last WINDOW positions (transformers' sliding
+window: key > query - WINDOW); a windowed program starts at the first tile its queries
+can see, so it reads a window's keys, not the whole context's.
+
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one slice of the
 keys and writes an unnormalised partial (acc, max, sum); `_reduce_splits_kernel` merges
 the slices. It pays when few sequences with long contexts leave the GPU idle.
@@ -43,6 +49,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [num_reqs + 1] int32
     seq_lens_ptr,  # [num_reqs] int32
     scale,
+    softcap,  # read when SOFTCAP
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head,
@@ -56,6 +63,8 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     FP32_DOT: tl.constexpr,  # products in exact float32 (no tf32): float32 queries, interpreter
+    SOFTCAP: tl.constexpr,  # whether scores are soft-capped
+    WINDOW: tl.constexpr,  # > 0: the sliding window, in positions
 ):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -80,10 +89,13 @@ def _paged_attention_kernel(
         q_offs = (q_start + q_tok)[:, None] * stride_q_tok + head[:, None] * stride_q_head + d[None, :]
         q = tl.load(query_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
 
-        # Keys this program covers: its split's slice, cut at the tile's last position.
+        # Keys this program covers: its split's slice of those its tile can see, cut at the tile's last position.
         kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), TILE_KEYS) * TILE_KEYS
-        kv_start = split * split_len
+        kv_lo = 0
+        if WINDOW > 0:  # from the tile holding the first key the tile's first query sees
+            kv_lo = tl.maximum(context_len + q_tile * BLOCK_Q - WINDOW + 1, 0) // TILE_KEYS * TILE_KEYS
+        split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, NUM_SPLITS), TILE_KEYS) * TILE_KEYS
+        kv_start = kv_lo + split * split_len
         kv_end = tl.minimum(kv_end, kv_start + split_len)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -109,7 +121,11 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * scale  # [BLOCK_M, TILE_KEYS]
+            if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (1 - 2 / (e^2x + 1): no overflow to nan)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             visible = (key_pos[None, :] <= q_pos[:, None]) & key_valid[None, :] & row_valid[:, None]
+            if WINDOW > 0:
+                visible = visible & (key_pos[None, :] > q_pos[:, None] - WINDOW)
             s = tl.where(visible, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -178,6 +194,8 @@ def paged_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     tile_keys: int | None = None,
+    window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -207,6 +225,7 @@ def paged_attention(
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
         scale,
+        1.0 if softcap is None else softcap,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -222,6 +241,8 @@ def paged_attention(
         # Triton's interpreter computes bf16 dots on the raw bits, so there the products run
         # in float32 too; on a GPU a bf16 cache uses bf16 tensor-core dots.
         FP32_DOT=query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
+        SOFTCAP=softcap is not None,
+        WINDOW=window,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](

@@ -118,6 +118,49 @@ def test_cache_write_puts_each_token_in_its_slot_and_skips_padding(dtype):
     assert int((cache != 0).flatten(2).any(-1).sum()) == 2 * 4  # K and V, four real tokens
 
 
+def windowed_reference(query, kv_cache, md, scale, window, softcap):
+    """Gemma 2's attention written out per token in float32: every key of the request
+    gathered through its block table, scores capped, then masked causally and to the window."""
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    out = torch.zeros(num_tokens, num_heads, head_dim)
+    starts = md.query_start_loc.tolist()
+    for i, seq_len in enumerate(md.seq_lens.tolist()):
+        blocks = md.block_table[i, : -(-seq_len // block_size)].long()
+        k, v = (kv_cache[j][blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float() for j in (0, 1))
+        k, v = (x.repeat_interleave(num_heads // num_kv_heads, dim=1) for x in (k, v))  # [seq_len, heads, d]
+        for t in range(starts[i], starts[i + 1]):
+            pos = seq_len - (starts[i + 1] - t)
+            scores = torch.einsum("hd,khd->hk", query[t].float(), k) * scale
+            if softcap is not None:
+                scores = softcap * torch.tanh(scores / softcap)
+            keys = torch.arange(seq_len)
+            hidden = (keys > pos) | ((keys <= pos - window) if window else False)
+            out[t] = torch.einsum("hk,khd->hd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window, softcap", [(5, None), (24, None), (0, 2.0), (24, 2.0)])
+@pytest.mark.parametrize("tile_keys, num_splits", [(16, 1), (64, 2)])
+def test_sliding_window_and_soft_cap_match_the_written_out_attention(window, softcap, tile_keys, num_splits):
+    """Both backends, on decodes with contexts far past the window, chunks starting
+    mid-sequence and a whole prompt; windows inside a block and across blocks."""
+    query, kv_cache, md = make_batch([1, 1, 1, 7, 20], [3, 45, 140, 60, 20], 6, 2, 64, 16, torch.float32, seed=7)
+    scale = 0.3  # scores wide enough for a cap of 2 to bend them
+    expected = windowed_reference(query, kv_cache, md, scale, window, softcap)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc, md.seq_lens,
+                          md.max_query_len, scale, num_splits=num_splits, tile_keys=tile_keys, window=window,
+                          softcap=softcap)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    unused = torch.zeros(query.shape[0], 2, 64)
+    for cache in (kv_cache, heads_first(kv_cache)):
+        md.backend_state = None
+        got = TorchAttentionBackend().forward(query, unused, unused, cache, md, scale, window, softcap)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    plain = windowed_reference(query, kv_cache, md, scale, 0, None)
+    assert not torch.allclose(plain, expected, atol=1e-3)  # the window or cap changed the output
+
+
 # (batch, context) -> the split count that was fastest (or within 3%) for the 64-key tile
 # on an H200, 8 KV heads (docs/kernels.md, second GPU run).
 MEASURED_BEST_SPLITS = {

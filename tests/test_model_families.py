@@ -3,7 +3,8 @@ models under every way the scheduler slices the work. Qwen3: a per-head RMSNorm 
 queries and keys before rotary (q_norm, k_norm). Phi-3: q/k/v and gate/up fused in the
 checkpoint, longrope, partial rotary. Granite: embedding, residual and attention
 multipliers and a logits divisor. Gemma: GeGLU, norms by 1 + w, scaled and tied
-embeddings. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
+embeddings. Gemma 2: Gemma's, with norms after attention and the MLP, a sliding window
+on every other layer, soft-capped scores and logits. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
 top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
@@ -29,7 +30,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -64,7 +65,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "mixtral": 2, "qwen3_moe": 1}[name]
+    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "gemma2": 0, "mixtral": 2,
+                           "qwen3_moe": 1}[name]
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -100,13 +102,17 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "mixtral": (0, 1),
-                                 "qwen3_moe": (0,)}[name]
-    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0)}  # 0.8 / sqrt(16); sqrt(64)
+    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "gemma2": (),
+                                 "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    # 0.8 / sqrt(16); sqrt(64); Gemma 2's scale from query_pre_attn_scalar 24, not head_dim 16
+    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
-    assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == (
-        ("gelu_pytorch_tanh", 1.0, True) if name == "gemma" else ("silu", 0.0, False))
+    assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
+        "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False)}.get(name, ("silu", 0.0, False))
+    assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
+            config.sandwich_norms, config.sliding_window) == (
+        ((24, 0, 24), 5.0, 10.0, True, None) if name == "gemma2" else ((), None, None, False, None))
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 
@@ -129,6 +135,40 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture .*DeepseekV3ForCausalLM"):
         LLM(str(folder))
+
+
+def test_a_gemma2_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "gemma2", seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    for change, message in [({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+                             "layer_types must name sliding_attention or full_attention for each of 3 layers"),
+                            ({"layer_types": ["full_attention"]}, "for each of 3 layers"),
+                            ({"attn_logit_softcapping": 0}, "attn_logit_softcapping 0 must be positive"),
+                            ({"sliding_window": 0}, "sliding_window 0 must be at least 1")]:
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder))
+
+
+def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monkeypatch):
+    """The context is max_position_embeddings, not the window; a long prompt's decodes on
+    a windowed layer gather only the blocks the window covers (4 of 16-token blocks for a
+    window of 24 ending mid-block), the full layer all of them; output equals transformers'."""
+    from services.worker.attention import torch_backend
+
+    folder = build_tiny_model(tmp_path / "m", "gemma2", seed=2)
+    llm = LLM(str(folder), block_size=16)
+    assert llm.max_model_len == 1024
+    gathered = []
+    gather = torch_backend.gather_kv
+    monkeypatch.setattr(torch_backend, "gather_kv", lambda cache, ids, *a: gathered.append(len(ids)) or gather(cache, ids, *a))
+    prompt = random_prompts([300], seed=9)
+    assert generate_ids(llm, prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)) == hf_greedy(
+        folder, prompt, 4)
+    # decodes at positions 300..302 (seq_len 301..303): a window of 24 from 277..279 starts in block 17
+    # and ends in block 18 - two blocks of K and two of V per windowed layer (layers 0 and 2); 19 blocks for layer 1
+    decodes = gathered[-3 * 3 * 2:]
+    assert sorted(set(decodes)) == [2, 19], decodes
 
 
 def test_qwen3_with_head_dim_64_keeps_to_the_module_path_and_matches(tmp_path):

@@ -56,6 +56,8 @@ def build_tiny_model(
 ) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
         GemmaConfig,
         GemmaForCausalLM,
         GraniteConfig,
@@ -129,6 +131,21 @@ def build_tiny_model(
         head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
         model = GemmaForCausalLM(GemmaConfig(**{**common, "head_dim": head_dim, "tie_word_embeddings": True,
                                                 "hidden_act": "gelu"}))
+        with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    elif arch == "gemma2":
+        # Windows of 24 (not a block's multiple) on layers 0 and 2 of 3, so every prompt's
+        # outputs slide; caps low enough to bend these weights' scores and logits (without
+        # the window 6 of 7 test prompts' outputs change, without the cap 7). Untied: tied,
+        # the last token's own row (times 8) wins every step here and outputs repeat one
+        # token (Gemma's case tests the tied head).
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        gemma2 = {"num_hidden_layers": 3, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+                  "sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                  "final_logit_softcapping": 10.0}
+        model = Gemma2ForCausalLM(Gemma2Config(**{**common, **gemma2, **overrides}))
         with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

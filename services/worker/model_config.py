@@ -24,7 +24,11 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "llama",
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
+    # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
+    # attending over a sliding window, and attention scores and logits soft-capped (tanh).
+    "Gemma2ForCausalLM": "llama",
 }
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -52,8 +56,21 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    # Sliding-window attention is not implemented, so the context stops at the window.
+    # A sliding window this family's loader does not implement (Mistral's, Qwen2's): the
+    # context stops at the window. Gemma 2's windows are implemented: `layer_windows`.
     sliding_window: int | None = None
+    # Each layer's attention window (a query sees the keys of its last `window` positions,
+    # itself included, as transformers' sliding-window mask; 0: every earlier key); empty
+    # when no layer is windowed.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2's soft caps, cap * tanh(x / cap): on every attention score (after the scale)
+    # and on the logits. None: no cap.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 2: a norm on the attention's output and on the MLP's output too, before each
+    # joins the residual stream (post_attention_layernorm, post_feedforward_layernorm), the
+    # MLP's input normed by pre_feedforward_layernorm.
+    sandwich_norms: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
     rotary_dim: int = 0  # the leading dims of a head that rotate (partial_rotary_factor); 0 = all
     # longrope: a sequence longer than this (original_max_position_embeddings) rotates with
@@ -95,8 +112,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))}"
             )
-        hidden_act = raw.get("hidden_act") or "silu"
-        if arch == "GemmaForCausalLM" and hidden_act == "gelu":
+        # Gemma 2's config names it hidden_activation (Gemma's carries both, hidden_act first)
+        hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+        if arch in GEMMAS and hidden_act == "gelu":
             # Gemma's first releases say "gelu" and mean the tanh approximation (transformers
             # and vLLM read it so)
             hidden_act = "gelu_pytorch_tanh"
@@ -143,13 +161,14 @@ class ModelConfig:
             rope_theta=float(theta),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # transformers' default where config.json leaves it out: Gemma's config ties
-            tie_word_embeddings=raw.get("tie_word_embeddings", arch == "GemmaForCausalLM"),
+            tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
             qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             o_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
             rope_scaling=rope,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
-            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
+                            and arch != "Gemma2ForCausalLM" else None),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
@@ -161,10 +180,35 @@ class ModelConfig:
 
 
 def _gemma_fields(arch: str, raw: dict) -> dict:
-    if arch != "GemmaForCausalLM":
+    if arch not in GEMMAS:
         return {}
-    return dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
-                norm_weight_offset=1.0)
+    fields = dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
+                  norm_weight_offset=1.0)
+    if arch == "Gemma2ForCausalLM":
+        fields.update(_gemma2_fields(raw))
+    return fields
+
+
+def _gemma2_fields(raw: dict) -> dict:
+    """Which layers slide (`layer_types`, or transformers' default: every even layer), the
+    caps, and the attention scale from query_pre_attn_scalar rather than head_dim."""
+    num_layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
+    kinds = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                       for i in range(num_layers)]
+    if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window {window} must be at least 1")
+    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in kinds)
+    caps = {}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = raw.get(name)
+        if cap is not None and cap <= 0:
+            raise ValueError(f"{name} {cap} must be positive (or null: no cap)")
+        caps[name] = None if cap is None else float(cap)
+    scalar = raw.get("query_pre_attn_scalar") or raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    return dict(layer_windows=windows if any(windows) else (), sandwich_norms=True,
+                attention_scale=float(scalar) ** -0.5, **caps)
 
 
 def _granite_fields(arch: str, raw: dict) -> dict:

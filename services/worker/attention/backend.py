@@ -26,9 +26,12 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,  # > 0: a query sees only the keys of its last `window` positions
+        softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new keys/values into their cache slots, then attend over the cache. (The
-        Triton backend also takes key and value None: its caller wrote them already.)"""
+        Triton backend also takes key and value None: its caller wrote them already.)
+        `window` and `softcap` are Gemma 2's; a window reads only the blocks it covers."""
         ...
 
 

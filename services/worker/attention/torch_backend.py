@@ -144,12 +144,16 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         state = metadata.backend_state
         if not isinstance(state, _StepState):
             state = metadata.backend_state = self._step_state(metadata, query, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, state.slots_padded)
+        if window or softcap is not None:
+            return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
         if state.kernel_decodes:
             decodes = cpu_kernels.paged_decode_attention(
                 query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale
@@ -242,3 +246,51 @@ class TorchAttentionBackend:
         scores.masked_fill_(group.pad, float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(size, num_heads, head_dim)
+
+
+def capped_or_windowed(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim], written
+    metadata: AttentionMetadata,
+    scale: float,
+    window: int,  # 0: none
+    softcap: float | None,
+) -> torch.Tensor:
+    """Gemma 2's attention, one request at a time, decodes and prefill chunks alike: scores
+    in float32, soft-capped, masked causally and to the window, as transformers' eager
+    attention computes them. A windowed request reads only the blocks from its first
+    query's window on, so a long context costs a window's reading, not the context's.
+    Neither the CPU kernels nor SDPA take a soft cap: this is the module path's own loop
+    (a request's product is [kv_heads, q_per_kv * query_len, keys], batched over heads)."""
+    block_size = kv_cache.shape[2]
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    out = torch.empty_like(query)
+    qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    for i in range(metadata.num_reqs):
+        start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
+        query_len = end - start
+        if query_len == 0:
+            continue
+        first_query = seq_len - query_len  # the position of the request's first new token
+        first_key = max(0, first_query - window + 1) if window else 0
+        first_block = first_key // block_size
+        block_ids = metadata.block_table[i, first_block : -(-seq_len // block_size)]
+        offset = first_block * block_size  # the position of the first gathered key
+        k = widen(gather_kv(kv_cache[0], block_ids)[:, : seq_len - offset], query.dtype)  # [kv_heads, keys, d]
+        v = widen(gather_kv(kv_cache[1], block_ids)[:, : seq_len - offset], query.dtype)
+        # [kv_heads, q_per_kv * query_len, d]: a KV head's query heads stacked as rows
+        q = query[start:end].view(query_len, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)
+        scores = torch.matmul(q.reshape(num_kv_heads, -1, head_dim), k.transpose(-1, -2)).float().mul_(scale)
+        if softcap is not None:
+            scores = scores.div_(softcap).tanh_().mul_(softcap)
+        q_pos = torch.arange(first_query, seq_len, device=query.device)
+        k_pos = torch.arange(offset, seq_len, device=query.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if window:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        scores = scores.view(num_kv_heads, -1, query_len, seq_len - offset).masked_fill_(~visible, float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads, -1, seq_len - offset)
+        o = torch.matmul(probs, v).view(num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
+        out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
+    return out

@@ -50,14 +50,16 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        window: int = 0,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if key is not None:  # (None: the caller wrote them, kernels/elementwise.py's rotary_and_cache)
             reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
-        num_splits = choose_num_splits(
-            metadata.num_reqs, key_cache.shape[2], metadata.max_query_len, metadata.max_seq_len
-        )
+        # A windowed layer's queries see at most `window` keys: split by those.
+        keys_seen = min(metadata.max_seq_len, window) if window else metadata.max_seq_len
+        num_splits = choose_num_splits(metadata.num_reqs, key_cache.shape[2], metadata.max_query_len, keys_seen)
         return paged_attention(
             query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
-            metadata.seq_lens, metadata.max_query_len, scale, num_splits=num_splits,
+            metadata.seq_lens, metadata.max_query_len, scale, num_splits=num_splits, window=window, softcap=softcap,
         )

@@ -47,9 +47,11 @@ class FusedDecode:
             return None  # another attention backend was asked for (Triton): keep to it
         if config.hidden_act != "silu":
             return None  # the C layer's MLP is SwiGLU
-        if config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold:
+        if (config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold
+                or config.sandwich_norms or config.layer_windows or config.attn_logit_softcapping is not None):
             # The C layer has no per-head query/key norm (Qwen3), no experts, rotates whole
-            # heads by their position: the module path for these.
+            # heads by their position, has two norms a layer, attends to every earlier key
+            # uncapped (not Gemma 2's): the module path for these.
             return None
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite, Gemma;
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2;
 Mixtral and Qwen3-MoE with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
@@ -48,7 +48,8 @@ def triton_elementwise(backend: AttentionBackend) -> bool:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, triton: bool = False):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, triton: bool = False,
+                 window: int = 0):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -65,6 +66,9 @@ class Attention(nn.Module):
         self.o_lora: LoRAStack | None = None
         self.rotary = rotary
         self.backend = backend
+        # Gemma 2's: this layer's sliding window (0: none) and the scores' soft cap
+        self.window = window
+        self.softcap = config.attn_logit_softcapping
         # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
         # keys and writes keys and values into the cache (kernels/elementwise.py), then the
         # backend attends over the cache. A partial rotary rotates in PyTorch.
@@ -96,10 +100,10 @@ class Attention(nn.Module):
         if self.rotary_writes_cache:
             q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
                                                 kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads)
-            out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale)
+            out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale, self.window, self.softcap)
         else:
             q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
-            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap)
         return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
 
 
@@ -142,8 +146,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         triton = triton_elementwise(backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
-        self.self_attn = Attention(config, rotary, backend, triton)
+        window = config.layer_windows[index] if config.layer_windows else 0
+        self.self_attn = Attention(config, rotary, backend, triton, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+        if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+        else:
+            self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton")
@@ -158,8 +168,13 @@ class DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        if self.pre_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden), residual
+        # Gemma 2 norms each branch's output before the residual add (which the next norm
+        # does, as above): attention -> norm -> add -> norm -> MLP -> norm.
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class LlamaModel(nn.Module):
@@ -240,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        if self.config.final_logit_softcapping is not None:  # Gemma 2 (in float32; transformers: the model's dtype)
+            cap = self.config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
     @torch.no_grad()
