@@ -4,7 +4,8 @@ queries and keys before rotary (q_norm, k_norm). Phi-3: q/k/v and gate/up fused 
 checkpoint, longrope, partial rotary. Granite: embedding, residual and attention
 multipliers and a logits divisor. Gemma: GeGLU, norms by 1 + w, scaled and tied
 embeddings. Gemma 2: Gemma's, with norms after attention and the MLP, a sliding window
-on every other layer, soft-capped scores and logits. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
+on every other layer, soft-capped scores and logits. Gemma 3: Gemma 2's without caps,
+with query/key norms and the windowed layers' own rotary base. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
 top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
@@ -30,7 +31,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,8 +66,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "gemma2": 0, "mixtral": 2,
-                           "qwen3_moe": 1}[name]
+    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "gemma2": 0, "gemma3": 0,
+                           "mixtral": 2, "qwen3_moe": 1}[name]
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -101,18 +102,23 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe"))
-    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "gemma2": (),
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
+    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "gemma2": (), "gemma3": (),
                                  "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
-    # 0.8 / sqrt(16); sqrt(64); Gemma 2's scale from query_pre_attn_scalar 24, not head_dim 16
-    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0)}
+    # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
+    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
+               "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
-        "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False)}.get(name, ("silu", 0.0, False))
+        "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
+        "gemma3": ("gelu_pytorch_tanh", 1.0, False)}.get(name, ("silu", 0.0, False))
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
-            config.sandwich_norms, config.sliding_window) == (
-        ((24, 0, 24), 5.0, 10.0, True, None) if name == "gemma2" else ((), None, None, False, None))
+            config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
+        "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
+        "gemma3": ((24, 0, 24), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
+    if name == "gemma3":  # the global layer's rope, as any family's
+        assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 
@@ -148,6 +154,27 @@ def test_a_gemma2_config_the_loader_would_mishandle_is_refused_by_name(tmp_path)
         (folder / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             LLM(str(folder))
+
+
+def test_gemma3_config_as_its_checkpoints_ship_it_reads_as_transformers_5_writes_it(tmp_path):
+    """gemma-3-1b's config.json predates rope_parameters by layer type: rope_theta and
+    rope_scaling are the global layers', rope_local_base_freq the windowed ones', and
+    sliding_window_pattern says which layers slide (here 2: layers 0 and 2, as the new
+    format's layer_types). Read either way, the same config, and transformers' tokens."""
+    folder = build_tiny_model(tmp_path / "m", "gemma3", seed=2)
+    new = LLM(str(folder)).runner.model_config
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("layer_types", "rope_parameters"):
+        del config[key]
+    config.update(rope_theta=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, rope_local_base_freq=10000.0,
+                  sliding_window_pattern=2)
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder))
+    assert llm.runner.model_config == new
+    assert generate_ids(llm, PROMPTS[4:]) == hf_greedy(folder, PROMPTS[4:], MAX_NEW)
+    (folder / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": True}))
+    with pytest.raises(ValueError, match="use_bidirectional_attention"):
+        LLM(str(folder))
 
 
 def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monkeypatch):

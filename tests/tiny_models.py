@@ -56,6 +56,8 @@ def build_tiny_model(
 ) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         Gemma2Config,
         Gemma2ForCausalLM,
         GemmaConfig,
@@ -147,6 +149,21 @@ def build_tiny_model(
                   "final_logit_softcapping": 10.0}
         model = Gemma2ForCausalLM(Gemma2Config(**{**common, **gemma2, **overrides}))
         with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    elif arch == "gemma3":
+        # Gemma 2's shape without caps, query/key norms, and the windowed layers (0 and 2)
+        # rotating with a base of their own, apart from the full layer's (with linear
+        # scaling): bases far apart, so a layer on the other's table changes the outputs.
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        gemma3 = {"num_hidden_layers": 3, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+                  "sliding_window": 24, "query_pre_attn_scalar": 24,
+                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                  "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, **gemma3, **overrides}))
+        with torch.no_grad():  # as Gemma 2's, the q/k norms' weights too
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)

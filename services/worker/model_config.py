@@ -27,8 +27,13 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
     # attending over a sliding window, and attention scores and logits soft-capped (tanh).
     "Gemma2ForCausalLM": "llama",
+    # Gemma 3 (text): Gemma 2's layer without the caps, with Qwen3's query/key norms, five
+    # windowed layers to one global, and the windowed ones rotating with a base of their own.
+    "Gemma3ForCausalLM": "llama",
 }
-GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Sliding windows implemented (layer_windows); other families' windows cap the context.
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -63,6 +68,9 @@ class ModelConfig:
     # itself included, as transformers' sliding-window mask; 0: every earlier key); empty
     # when no layer is windowed.
     layer_windows: tuple[int, ...] = ()
+    # Gemma 3: the windowed layers rotate with this base (default rope), the others with
+    # rope_theta and rope_scaling. None: every layer alike.
+    local_rope_theta: float | None = None
     # Gemma 2's soft caps, cap * tanh(x / cap): on every attention score (after the scale)
     # and on the logits. None: no cap.
     attn_logit_softcapping: float | None = None
@@ -112,6 +120,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))}"
             )
+        local_rope_theta = None
+        if arch == "Gemma3ForCausalLM":
+            raw, local_rope_theta = _gemma3_ropes(raw)
         # Gemma 2's config names it hidden_activation (Gemma's carries both, hidden_act first)
         hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if arch in GEMMAS and hidden_act == "gelu":
@@ -168,8 +179,9 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
-                            and arch != "Gemma2ForCausalLM" else None),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+                            and arch not in WINDOWED else None),
+            local_rope_theta=local_rope_theta,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
@@ -184,16 +196,39 @@ def _gemma_fields(arch: str, raw: dict) -> dict:
         return {}
     fields = dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
                   norm_weight_offset=1.0)
-    if arch == "Gemma2ForCausalLM":
-        fields.update(_gemma2_fields(raw))
+    if arch in WINDOWED:
+        fields.update(_windowed_gemma_fields(raw, pattern=2 if arch == "Gemma2ForCausalLM" else 6))
     return fields
 
 
-def _gemma2_fields(raw: dict) -> dict:
-    """Which layers slide (`layer_types`, or transformers' default: every even layer), the
-    caps, and the attention scale from query_pre_attn_scalar rather than head_dim."""
+def _gemma3_ropes(raw: dict) -> tuple[dict, float]:
+    """Gemma 3's two rotary setups: the global layers' (rope_theta, default 1e6, with
+    rope_scaling) as every family's, the windowed layers' base apart (rope_local_base_freq,
+    default 1e4). transformers 5 writes both in rope_parameters, by layer type."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
+    by_type = raw.get("rope_parameters") or {}
+    if "full_attention" in by_type or "sliding_attention" in by_type:
+        full = dict(by_type.get("full_attention") or {})
+        local = dict(by_type.get("sliding_attention") or {})
+    else:
+        full = dict(raw.get("rope_scaling") or {})
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ValueError(f"unsupported rope_type {local.get('rope_type')!r} for Gemma 3's sliding layers: default")
+    raw = {**raw, "rope_parameters": full}
+    raw.pop("rope_scaling", None)
+    return raw, float(local.get("rope_theta", 10000.0))
+
+
+def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
+    """Which layers slide (`layer_types`, or transformers' default from the pattern: all but
+    every `pattern`-th layer - Gemma 2 every other, Gemma 3 five in six), the caps, and the
+    attention scale from query_pre_attn_scalar rather than head_dim."""
     num_layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
-    kinds = raw.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+    pattern = raw.get("sliding_window_pattern", pattern)
+    kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                        for i in range(num_layers)]
     if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
         raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")

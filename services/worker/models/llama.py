@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite, Gemma, Gemma 2;
+"""Llama-family decoder (Llama, Mistral-style configs, Qwen2, Qwen3, Phi-3, Granite, Gemma 1-3;
 Mixtral and Qwen3-MoE with sparse MLPs) over a paged KV cache.
 
 The module tree mirrors Hugging Face's so checkpoints load by name, except that q/k/v
@@ -142,11 +142,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
+                 local_rotary: RotaryEmbedding | None = None):
         super().__init__()
         triton = triton_elementwise(backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         window = config.layer_windows[index] if config.layer_windows else 0
+        if window and local_rotary is not None:  # Gemma 3: the windowed layers' own base
+            rotary = local_rotary
         self.self_attn = Attention(config, rotary, backend, triton, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
@@ -186,8 +189,10 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling,
                                  config.rotary_dim)
         self.rotary = rotary
+        self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, max_position, config.local_rope_theta, {"rope_type": "default"}, config.rotary_dim)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, backend, i, self.local_rotary) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton=triton_elementwise(backend))
 
