@@ -177,6 +177,22 @@ def test_gemma3_config_as_its_checkpoints_ship_it_reads_as_transformers_5_writes
         LLM(str(folder))
 
 
+def test_gemma3_windowed_layers_take_the_plain_path_while_the_window_holds_every_key(tmp_path, monkeypatch):
+    """A step whose sequences all fit in the window attends as if unwindowed (the CPU
+    kernels' path); past the window the windowed loop runs, and both equal transformers."""
+    from services.worker.attention import torch_backend
+
+    folder = build_tiny_model(tmp_path / "m", "gemma3", seed=2)
+    calls = []
+    windowed = torch_backend.capped_or_windowed
+    monkeypatch.setattr(torch_backend, "capped_or_windowed", lambda *a: calls.append(a[4]) or windowed(*a))
+    llm = LLM(str(folder))
+    short, long = PROMPTS[:2], PROMPTS[5:]  # 1 and 5 tokens + 8 new stay under 24; 64 and 100 do not
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert generate_ids(llm, short, params) == hf_greedy(folder, short, 8) and calls == []
+    assert generate_ids(llm, long, params) == hf_greedy(folder, long, 8) and set(calls) == {24}
+
+
 def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monkeypatch):
     """The context is max_position_embeddings, not the window; a long prompt's decodes on
     a windowed layer gather only the blocks the window covers (4 of 16-token blocks for a

@@ -152,6 +152,10 @@ class TorchAttentionBackend:
         if not isinstance(state, _StepState):
             state = metadata.backend_state = self._step_state(metadata, query, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, state.slots_padded)
+        if window >= metadata.max_seq_len:
+            # The window holds every key of the step: plain causal attention, on the CPU
+            # kernels (Gemma 3's windowed layers while its requests are shorter than it).
+            window = 0
         if window or softcap is not None:
             return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
         if state.kernel_decodes:
