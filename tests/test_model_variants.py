@@ -28,11 +28,31 @@ def engine_ids(folder, **kwargs):
         pytest.param("llama", {"tie_word_embeddings": True}, id="tied-embeddings"),
         pytest.param("llama", {"attention_bias": True}, id="llama-attention-bias"),
         pytest.param("mistral", {}, id="mistral"),
+        pytest.param("mistral", {"sliding_window": 24}, id="mistral-sliding-window"),  # the 100-token prompt slides
     ],
 )
 def test_variant_matches_transformers(tmp_path, arch, overrides):
     folder = build_tiny_model(tmp_path, arch, seed=3, **overrides)
     assert engine_ids(folder) == hf_greedy(folder, PROMPTS, 16)
+
+
+def test_mistral_window_lifts_the_context_cap_and_the_fused_decode_takes_steps_within_it(tmp_path, monkeypatch):
+    """Mistral's window is attention's, not a cap on the context; the CPU kernels' one-call
+    decode layer (which sees every earlier key) takes the steps whose sequences fit in the
+    window and leaves the others to the windowed module path; both equal transformers."""
+    folder = build_tiny_model(tmp_path, "mistral", seed=3, sliding_window=40, hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=64, intermediate_size=256, initializer_range=0.08)
+    llm = LLM(str(folder))
+    assert llm.max_model_len == 1024 and llm.runner.model_config.layer_windows == (40, 40)
+    fused = llm.runner.model.fused_decode
+    taken = []
+    takes = fused.takes
+    monkeypatch.setattr(fused, "takes", lambda *a: taken.append(takes(*a)) or taken[-1])
+    expected = hf_greedy(folder, PROMPTS, 16)
+    for prompt, want in zip(PROMPTS, expected):  # 7 + 16 tokens fit in 40; 100 do not
+        taken.clear()
+        assert [o.outputs[0].token_ids for o in llm.generate([prompt], GREEDY)] == [want]
+        assert taken.count(True) == (15 if len(prompt) == 7 else 0), taken
 
 
 def test_sharded_checkpoint_loads_through_its_index(tmp_path):

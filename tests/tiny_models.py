@@ -168,7 +168,7 @@ def build_tiny_model(
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:
         raise ValueError(arch)
     if max_shard_size is not None:

@@ -32,8 +32,9 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "llama",
 }
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Sliding windows implemented (layer_windows); other families' windows cap the context.
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# Sliding windows implemented (layer_windows); other families' windows (Qwen2's, Qwen3's,
+# a Llama config's, which transformers' Llama ignores) cap the context.
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM")
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -61,8 +62,8 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    # A sliding window this family's loader does not implement (Mistral's, Qwen2's): the
-    # context stops at the window. Gemma 2's windows are implemented: `layer_windows`.
+    # A sliding window this family's loader does not implement (Qwen2's): the context
+    # stops at the window. Mistral's and Gemma 2's and 3's are implemented: `layer_windows`.
     sliding_window: int | None = None
     # Each layer's attention window (a query sees the keys of its last `window` positions,
     # itself included, as transformers' sliding-window mask; 0: every earlier key); empty
@@ -188,7 +189,19 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
+            **_mistral_fields(arch, raw),
         )
+
+
+def _mistral_fields(arch: str, raw: dict) -> dict:
+    """Mistral's window (7B v0.1: 4096 of a 32768 context) on every layer, as transformers'
+    Mistral applies it."""
+    window = raw.get("sliding_window")
+    if arch != "MistralForCausalLM" or not window:
+        return {}
+    if window < 1:
+        raise ValueError(f"sliding_window {window} must be at least 1")
+    return dict(layer_windows=(window,) * raw["num_hidden_layers"])
 
 
 def _gemma_fields(arch: str, raw: dict) -> dict:

@@ -33,6 +33,9 @@ class FusedDecode:
         self.dtype = dtype
         self._cache_key: tuple[int, ...] | None = None
         self._layers: list[cpu_kernels.LayerSpec] = []
+        # The C layer attends to every earlier key: with a sliding window (Mistral's) it
+        # takes the steps whose sequences all fit in the narrowest window.
+        self.max_seq_len = min((w for w in model.config.layer_windows if w), default=None)
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
@@ -48,10 +51,10 @@ class FusedDecode:
         if config.hidden_act != "silu":
             return None  # the C layer's MLP is SwiGLU
         if (config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold
-                or config.sandwich_norms or config.layer_windows or config.attn_logit_softcapping is not None):
+                or config.sandwich_norms or config.attn_logit_softcapping is not None):
             # The C layer has no per-head query/key norm (Qwen3), no experts, rotates whole
-            # heads by their position, has two norms a layer, attends to every earlier key
-            # uncapped (not Gemma 2's): the module path for these.
+            # heads by their position, has two norms a layer, does not cap scores (Gemma 2):
+            # the module path for these.
             return None
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
@@ -73,6 +76,7 @@ class FusedDecode:
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
             and metadata.num_reqs > 0
+            and (self.max_seq_len is None or metadata.max_seq_len <= self.max_seq_len)
             and cpu_kernels.kv_format(self.dtype, kv_caches[0].dtype) is not None and kv_caches[0].stride(-1) == 1
         )
 
