@@ -193,6 +193,46 @@ def test_gemma3_windowed_layers_take_the_plain_path_while_the_window_holds_every
     assert generate_ids(llm, long, params) == hf_greedy(folder, long, 8) and set(calls) == {24}
 
 
+def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_leaves_the_vision_tower_unread(tmp_path):
+    """gemma-3-4b/12b/27b-it ship as Gemma3ForConditionalGeneration: text_config and
+    language_model.* weights beside a vision tower. Their language model serves text as
+    the text-only checkpoint's would, equal to transformers' multimodal model on text."""
+    from safetensors import safe_open
+
+    from services.worker.loader import iter_weights
+
+    folder = build_tiny_model(tmp_path / "mm", "gemma3_multimodal", seed=2)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert any(name.startswith("vision_tower.") for name in f.keys())
+    assert not any("vision" in name or "projector" in name for name, _ in iter_weights(folder))
+    llm = LLM(str(folder))
+    text_only = build_tiny_model(tmp_path / "text", "gemma3", seed=2)
+    assert llm.runner.model_config == LLM(str(text_only)).runner.model_config
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_gemma3_multimodal_config_as_the_hub_ships_it_gets_transformers_defaults(tmp_path):
+    """gemma-3-4b-it's config.json names 6 keys of its text_config; the rest are
+    transformers' Gemma3TextConfig defaults (8 heads of 256 over 4, a window every layer
+    but each sixth, the local base 1e4, 131072 positions) and the LM head is tied."""
+    from services.worker.model_config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model"}}))
+    config = ModelConfig.from_folder(tmp_path)
+    assert (config.architecture, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (
+        "Gemma3ForCausalLM", 8, 4, 256)
+    assert config.layer_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == (
+        1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+    assert (config.max_position_embeddings, config.tie_word_embeddings, config.eos_token_id, config.qk_norm,
+            config.attention_scale) == (131072, True, 1, True, 256**-0.5)
+
+
 def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monkeypatch):
     """The context is max_position_embeddings, not the window; a long prompt's decodes on
     a windowed layer gather only the blocks the window covers (4 of 16-token blocks for a

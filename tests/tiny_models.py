@@ -51,13 +51,27 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
     return tokenizer
 
 
+def build_config_of_tiny_gemma3(common: dict, overrides: dict):
+    from transformers import Gemma3TextConfig
+
+    head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+    gemma3 = {"num_hidden_layers": 3, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
+              "sliding_window": 24, "query_pre_attn_scalar": 24,
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+              "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    return Gemma3TextConfig(**{**common, **gemma3, **overrides})
+
+
 def build_tiny_model(
     folder: Path, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **overrides
 ) -> Path:
     """A 2-layer GQA model; weights drawn wide enough that greedy picks are not near-ties."""
     from transformers import (
+        Gemma3Config,
         Gemma3ForCausalLM,
-        Gemma3TextConfig,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
         Gemma2Config,
         Gemma2ForCausalLM,
         GemmaConfig,
@@ -152,17 +166,26 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+    elif arch == "gemma3_multimodal":
+        # Gemma 3's language model inside the multimodal checkpoint (gemma-3-4b-it's shape
+        # of files: text_config, language_model.* weights, a vision tower and projector).
+        text = build_config_of_tiny_gemma3(common, overrides)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        vocab = common["vocab_size"]
+        model = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+            image_token_index=vocab - 1, boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+            tie_word_embeddings=common["tie_word_embeddings"]))  # the outer config's says
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight") and "language_model" in name:
+                    param.normal_(0.0, 0.3)
     elif arch == "gemma3":
         # Gemma 2's shape without caps, query/key norms, and the windowed layers (0 and 2)
         # rotating with a base of their own, apart from the full layer's (with linear
         # scaling): bases far apart, so a layer on the other's table changes the outputs.
-        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
-        gemma3 = {"num_hidden_layers": 3, "head_dim": head_dim, "hidden_activation": "gelu_pytorch_tanh",
-                  "sliding_window": 24, "query_pre_attn_scalar": 24,
-                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
-                  "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
-                                      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**{**common, **gemma3, **overrides}))
+        model = Gemma3ForCausalLM(build_config_of_tiny_gemma3(common, overrides))
         with torch.no_grad():  # as Gemma 2's, the q/k norms' weights too
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

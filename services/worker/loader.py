@@ -15,7 +15,7 @@ from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
-from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.llama import MULTIMODAL_PARTS, LlamaForCausalLM
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +45,8 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not name.startswith(MULTIMODAL_PARTS):  # a vision tower is left on disk, unread
+                    yield name, f.get_tensor(name)
 
 
 def load_model(

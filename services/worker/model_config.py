@@ -39,6 +39,10 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM")
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
                "Qwen3Model": "Qwen3ForCausalLM"}
+# Multimodal checkpoints whose language model serves alone: its config is `text_config`, its
+# weights `language_model.*`; the vision tower and projector are not loaded (a request
+# with an image part is refused at the gateway, as any non-text part).
+TEXT_MODELS_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # transformers' names for the MLP's gate activation
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -114,6 +118,9 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"{folder} is not a model folder: it has no config.json")
         raw = json.loads(path.read_text())
+        multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)
+        if multimodal is not None:
+            raw = _text_config(raw, TEXT_MODELS_OF[multimodal])
         archs = [BASE_MODELS.get(a, a) for a in raw.get("architectures") or []]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -191,6 +198,24 @@ class ModelConfig:
             **_gemma_fields(arch, raw),
             **_mistral_fields(arch, raw),
         )
+
+
+def _text_config(raw: dict, architecture: str) -> dict:
+    """A multimodal config's language model, as a config of its own. Its `text_config`
+    names only what differs from transformers' defaults (gemma-3-4b-it's: 6 keys), so
+    transformers' config class fills in the rest, as transformers reads it."""
+    from transformers import CONFIG_MAPPING
+
+    text = raw.get("text_config") or {}
+    model_type = text.get("model_type") or "gemma3_text"
+    full = CONFIG_MAPPING[model_type](**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
+    for key in ("bos_token_id", "eos_token_id"):  # the checkpoints put the ids beside text_config
+        if raw.get(key) is not None:
+            full[key] = raw[key]
+    # Whether the LM head is the embedding is the outer config's say (transformers ties by
+    # it, whatever text_config holds; its default, as transformers', is tied)
+    full["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+    return {**full, "architectures": [architecture]}
 
 
 def _mistral_fields(arch: str, raw: dict) -> dict:

@@ -36,6 +36,11 @@ PACKED_WEIGHTS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# A multimodal checkpoint's language model (Gemma 3's), as the Hub's checkpoints and
+# transformers 5's in-memory layout name it, and the parts the loader leaves unread.
+LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                           "model.language_model.": "model."}
+MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # Mixtral's names for the parts that Qwen3-MoE and our modules call otherwise.
 ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 
@@ -271,6 +276,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
+            for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs):]
             if not name.startswith(("model.", "lm_head.")):
                 name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
             if ".experts." in name or ".block_sparse_moe." in name:
