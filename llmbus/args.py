@@ -16,7 +16,7 @@ import os
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, LoRAConfig,
                            SchedulerConfig, SpeculativeConfig)
-from shared.generation_config import SOURCES_HELP, default_sampling
+from shared.generation_config import SOURCES_HELP, default_sampling, model_eos_ids
 from shared.lora_request import LoRARequest, parse_lora_modules
 from shared.pooling_config import unsupported_pooling
 
@@ -204,7 +204,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          tool_call_parser=args.tool_call_parser,
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                          reasoning_parser=args.reasoning_parser,
-                         default_sampling=defaults, unsupported_pooling=unsupported_pooling(model_path),
+                         default_sampling=defaults, model_eos_ids=model_eos_ids(model_path, args.generation_config),
+                         unsupported_pooling=unsupported_pooling(model_path),
                          lora_modules=lora_modules(args.lora_modules),
                          allow_runtime_lora_updating=runtime_lora_updating())
 

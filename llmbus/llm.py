@@ -28,7 +28,7 @@ from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
-from shared.generation_config import default_sampling
+from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
@@ -75,6 +75,7 @@ class LLM:
     ) -> None:
         path = resolve_model(model)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
+        self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
         speculative = SpeculativeConfig.of(speculative_config)
         lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
@@ -302,6 +303,7 @@ class LLM:
         try:
             for (text, token_ids), params, rank, lora in zip(encoded, params_list, priority or [0] * len(prompts),
                                                              loras):
+                params = stop_at_model_eos(params, self.model_eos_ids, self.eos_token_id)
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
                 if params.prompt_logprobs is not None:
                     result.prompt_logprobs = [None]

@@ -88,6 +88,8 @@ class GatewayConfig:
     reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (reasoning_parsers.py)
     # The model's sampling defaults for fields a request leaves out (generation_config.py)
     default_sampling: dict = field(default_factory=dict)
+    # The file's eos_token_id: those beyond the tokenizer's EOS end a request (generation_config.py)
+    model_eos_ids: tuple[int, ...] = ()
     # Why /v1/embeddings cannot serve this model as it asks (shared/pooling_config.py), or None
     unsupported_pooling: str | None = None
     # vLLM's --lora-modules: the adapters clients may name as their `model` (name -> LoRARequest)

@@ -11,7 +11,7 @@ import pytest
 from deployment import llmbus_serve
 from llmbus import LLM, SamplingParams
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
-from shared.generation_config import default_sampling
+from shared.generation_config import default_sampling, stop_at_model_eos
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -75,8 +75,40 @@ def test_offline_generate_without_params_uses_the_model_s_defaults(tmp_path):
     assert (ignored.temperature, ignored.max_tokens) == (SamplingParams().temperature, SamplingParams().max_tokens)
 
 
-def test_llmbus_serve_applies_the_file_and_the_override_to_what_a_chat_leaves_out(tmp_path):
-    folder = write_config(build_tiny_model(tmp_path / "m", "llama"), {"temperature": 0.0, "max_new_tokens": 64})
+def ends_the_turn(folder, prompt) -> int:
+    """A token greedy output reaches at its third step (the first two are other tokens):
+    for a model whose generation config names it an EOS, as Gemma's names <end_of_turn>."""
+    tokens = hf_greedy(folder, [prompt], 6)[0]
+    assert tokens[2] not in tokens[:2]
+    return tokens[2]
+
+
+def test_the_file_s_eos_ids_end_a_request_as_stop_token_ids_unless_it_ignores_eos(tmp_path):
+    """As vLLM's update_from_generation_config: the ids beyond the tokenizer's EOS join a
+    request's stop_token_ids (finish_reason stop, the token last), not with ignore_eos,
+    nor with --generation-config vllm."""
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    llm = LLM(str(folder))
+    turn_end = ends_the_turn(folder, PROMPTS[0])
+    write_config(folder, {"eos_token_id": [llm.eos_token_id, turn_end]})
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    [out] = LLM(str(folder)).generate([PROMPTS[0]], greedy)
+    assert (out.outputs[0].token_ids[-1], len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (
+        turn_end, 3, "stop")
+    [ignoring] = LLM(str(folder)).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    [without] = LLM(str(folder), generation_config="vllm").generate([PROMPTS[0]], greedy)
+    assert len(ignoring.outputs[0].token_ids) == len(without.outputs[0].token_ids) == 6
+    params = SamplingParams(stop_token_ids=[7])
+    assert stop_at_model_eos(params, (llm.eos_token_id, turn_end, 7), llm.eos_token_id).stop_token_ids == [7, turn_end]
+    write_config(folder, {"eos_token_id": "2"})
+    with pytest.raises(ValueError, match="eos_token_id"):
+        LLM(str(folder))
+
+
+def test_llmbus_serve_applies_the_file_and_the_override_to_what_a_chat_leaves_out_and_ends_at_its_eos(tmp_path):
+    folder = build_tiny_model(tmp_path / "m", "llama")
+    turn_end = ends_the_turn(folder, PROMPTS[0])
+    write_config(folder, {"temperature": 0.0, "max_new_tokens": 64, "eos_token_id": [2, turn_end]})
     proc, url = llmbus_serve(["--model", str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "64",
                               "--override-generation-config", '{"max_new_tokens": 4}'], tmp_path / "serve.log")
     try:
@@ -87,6 +119,8 @@ def test_llmbus_serve_applies_the_file_and_the_override_to_what_a_chat_leaves_ou
                                                   extra_body={"ignore_eos": True})
         assert left_out.usage.completion_tokens == 4  # the override's, over the file's 64
         assert left_out.choices[0].message.content == explicit.choices[0].message.content  # the file's greedy
+        ended = client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=0, max_tokens=6)
+        assert (ended.choices[0].finish_reason, ended.usage.completion_tokens) == ("stop", 3)  # the file's EOS
     finally:
         proc.terminate()
         proc.wait(60)

@@ -27,6 +27,7 @@ from services.gateway.protocol import (
 )
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
+from shared.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import TokenizeRequest
 from shared.tracing import SpanKind, inject
@@ -119,7 +120,8 @@ class OpenAIServing:
                 raise BadRequest(f"tool_choice {tools.kind} and {spec_field} both constrain the output: give one",
                                  spec_field)
             spec, spec_field = forced, "tools"
-        params = to_sampling_params(body, spec, self.config.default_sampling)
+        params = stop_at_model_eos(to_sampling_params(body, spec, self.config.default_sampling),
+                                   self.config.model_eos_ids, self.tokenizer.eos_token_id)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
             validate_chat_options(body)
