@@ -1,7 +1,7 @@
 """Time the CPU kernels (kernels/cpu) against the PyTorch ops they replace, on SmolLM2's
 shapes: the kernel figures in docs/performance.md ("Third pass").
 
-    python scripts/cpu_kernels_bench.py [--quick] [--dtype float32]
+    python scripts/cpu_kernels_bench.py [--quick] [--dtype float32] [--attention-only --heads 4,1,256]
 
 - products: every layer weight of a decode step in a row (30 layers + the tied head,
   270 MB in bfloat16, so nothing stays in cache), llmbus's packed product against
@@ -11,6 +11,7 @@ shapes: the kernel figures in docs/performance.md ("Third pass").
 - decode attention: 128 decodes over 400 tokens with shuffled blocks, 8 layers' caches in
   turn (GB/s of K/V), against the PyTorch backend's gathered matmuls;
 - prefill attention: one 512-token prompt (9 heads over 3), against PyTorch's SDPA.
+`--heads Q,KV,D` times the attention with other heads (4,1,256: gemma-3-1b's).
 Best of a few repeats each, the two sides alternated; the machine's speed drifts, so
 compare within one run.
 """
@@ -98,41 +99,42 @@ def quantized(repeats: int, layers: int) -> None:
         print(line)
 
 
-def paged_batch(query_lens, seq_lens, seed, dtype):
-    """A random step over SmolLM2's heads (9 over 3, head_dim 64) in a heads-first cache."""
-    query, cache, md = make_batch(query_lens, seq_lens, 9, 3, 64, 16, dtype, seed)
+def paged_batch(query_lens, seq_lens, seed, dtype, heads=(9, 3, 64)):
+    """A random step over SmolLM2's heads (9 over 3, head_dim 64; or `heads`) in a heads-first cache."""
+    query, cache, md = make_batch(query_lens, seq_lens, *heads, 16, dtype, seed)
     return query, heads_first(cache), md
 
 
-def attention(repeats: int, monkey_off, dtype: torch.dtype) -> None:
+def attention(repeats: int, monkey_off, dtype: torch.dtype, heads=(9, 3, 64)) -> None:
     batch, length = 128, 400
-    layers = [paged_batch([1] * batch, [length] * batch, seed, dtype) for seed in range(8)]
+    num_heads, num_kv_heads, head_dim = heads
+    layers = [paged_batch([1] * batch, [length] * batch, seed, dtype, heads) for seed in range(8)]
     backend = TorchAttentionBackend()
-    unused = torch.zeros(batch, 3, 64).to(dtype)
+    unused = torch.zeros(batch, num_kv_heads, head_dim).to(dtype)
 
     def run_all():
         for query, cache, md in layers:
             md.backend_state = None
-            backend.forward(query, unused, unused, cache, md, 0.125)
+            backend.forward(query, unused, unused, cache, md, head_dim**-0.5)
 
     t_kernel = best(run_all, repeats) / len(layers)
     with monkey_off():
         t_torch = best(run_all, repeats) / len(layers)
-    nbytes = batch * length * 3 * 64 * 2 * unused.element_size()
+    nbytes = batch * length * num_kv_heads * head_dim * 2 * unused.element_size()
     print(f"decode attention, {batch} x {length} tokens, a layer: llmbus {t_kernel * 1e3:.2f} ms "
           f"({nbytes / t_kernel / 1e9:.1f} GB/s of K/V), PyTorch backend {t_torch * 1e3:.2f} ms: {t_torch / t_kernel:.2f}x")
 
-    query, cache, md = paged_batch([512], [512], 0, dtype)
-    unused = torch.zeros(512, 3, 64).to(dtype)
+    query, cache, md = paged_batch([512], [512], 0, dtype, heads)
+    unused = torch.zeros(512, num_kv_heads, head_dim).to(dtype)
 
     def prefill():
         md.backend_state = None
-        backend.forward(query, unused, unused, cache, md, 0.125)
+        backend.forward(query, unused, unused, cache, md, head_dim**-0.5)
 
     t_kernel = best(prefill, repeats)
     with monkey_off():
         t_torch = best(prefill, repeats)
-    flops = 9 * 512 * 513 / 2 * 64 * 4
+    flops = num_heads * 512 * 513 / 2 * head_dim * 4
     print(f"prefill attention, one 512-token prompt, a layer: llmbus {t_kernel * 1e3:.2f} ms "
           f"({flops / t_kernel / 1e9:.0f} GFLOP/s), SDPA {t_torch * 1e3:.2f} ms ({flops / t_torch / 1e9:.0f} GFLOP/s)")
 
@@ -142,13 +144,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="one repeat each, 2 layers' weights (a smoke run: its figures mean nothing)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--attention-only", action="store_true", help="the attention kernels alone")
+    parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim of the attention timed")
     args = parser.parse_args()
+    heads = tuple(int(x) for x in args.heads.split(","))
     dtype = getattr(torch, args.dtype)
     if not cpu_kernels.available():
         sys.exit(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
     repeats = 1 if args.quick else 3
     print(f"threads {torch.get_num_threads()}, {args.dtype}")
-    products(repeats, dtype, 2 if args.quick else 30)
+    if not args.attention_only:
+        products(repeats, dtype, 2 if args.quick else 30)
 
     from contextlib import contextmanager
 
@@ -161,7 +167,7 @@ def main() -> None:
         finally:
             cpu_kernels.attention_supported = saved
 
-    attention(repeats, kernels_off, dtype)
+    attention(repeats, kernels_off, dtype, heads)
 
 
 if __name__ == "__main__":

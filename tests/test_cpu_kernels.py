@@ -40,7 +40,8 @@ DECODE_TOLERANCE = {torch.bfloat16: dict(atol=4e-3, rtol=2**-7), torch.float32: 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", ["token-major", "heads-first"])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 128)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 128),
+                                                              (4, 1, 256), (8, 4, 256)])  # Gemma's
 def test_decode_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, dtype):
     # Lengths on and off block and 16-lane boundaries, one past 1000 tokens.
     seq_lens = [1, 15, 16, 17, 100, 1037]
@@ -213,7 +214,8 @@ def test_silu_mul_kernel_matches_pytorch(num_tokens):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("layout", ["token-major", "heads-first"])
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 64), (6, 2, 128)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 64), (6, 2, 128),
+                                                              (4, 1, 256)])
 @pytest.mark.parametrize("query_len, seq_len", [(1, 1), (7, 7), (33, 33), (100, 100), (5, 40), (70, 301)])
 def test_prefill_attention_matches_float64(layout, num_heads, num_kv_heads, head_dim, query_len, seq_len, dtype):
     """Whole prompts and chunks that start mid-sequence (the cached prefix visible to all,
@@ -260,3 +262,6 @@ def test_the_kernel_benchmark_script_runs():
     assert result.returncode == 0, result.stderr[-2000:]
     for what in ("1 rows: llmbus", "2048 rows: llmbus", "decode attention", "prefill attention"):
         assert what in result.stdout
+    gemma = subprocess.run([sys.executable, str(script), "--quick", "--attention-only", "--heads", "4,1,256"],
+                           capture_output=True, text=True, timeout=300)
+    assert gemma.returncode == 0 and "decode attention" in gemma.stdout and "rows: llmbus" not in gemma.stdout, gemma

@@ -256,7 +256,7 @@ def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     head_dim = query.shape[-1]
     return (
         kv_format(query.dtype, kv_cache.dtype) is not None and query.device.type == "cpu"
-        and head_dim in (64, 128) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
+        and head_dim in (64, 128, 256) and kv_cache.stride(-1) == 1 and query.stride(-1) == 1
         and query.shape[1] % kv_cache.shape[3] == 0 and query.shape[1] // kv_cache.shape[3] <= 64 and available()
     )
 

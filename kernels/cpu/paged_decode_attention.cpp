@@ -93,7 +93,7 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const E* k_cache, const 
             const E* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, T* out,
             int64_t o_head_stride, std::vector<float>& scores) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
-  constexpr int kHeadsPerPass = D <= 64 ? 4 : 2;  // value accumulators: at most 16 registers
+  constexpr int kHeadsPerPass = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators: at most 16 registers
   const int64_t padded = (len + 15) / 16 * 16;
   scores.resize((size_t)qpk * padded);
   auto row = [&](const E* cache, int64_t t) { return cache + offsets[t]; };
@@ -204,7 +204,7 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
                      int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out,
                      int64_t o_token_stride, int64_t o_head_stride, int threads) {
-  if (head_dim != 64 && head_dim != 128) return -1;
+  if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
   // Sequences differ in length: hand them out one at a time. A sequence's KV heads are
@@ -239,8 +239,11 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
         if (head_dim == 64)
           attend<64, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                      o_head_stride, scores);
-        else
+        else if (head_dim == 128)
           attend<128, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
+                      o_head_stride, scores);
+        else  // Gemma's 256
+          attend<256, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
                       o_head_stride, scores);
       }
     }

@@ -186,7 +186,7 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E*
              const int32_t* blocks, int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads,
              int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
              int threads) {
-  constexpr int RB = D <= 64 ? 4 : 2;  // accumulators: RB x D/16 vectors
+  constexpr int RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // accumulators: RB x D/16 vectors (at most 16)
   const int64_t qpk = num_heads / num_kv_heads;
   const int64_t tiles = (seq_len + kTile - 1) / kTile;
   const int64_t per_head = tiles * kTile * D;
@@ -233,6 +233,10 @@ int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride,
                 threads);
   else if (head_dim == 128)
     prefill<128, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
+                 query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
+                 threads);
+  else if (head_dim == 256)  // Gemma's
+    prefill<256, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                  query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
                  threads);
   else
