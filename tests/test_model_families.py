@@ -185,7 +185,7 @@ def test_gemma3_windowed_layers_take_the_plain_path_while_the_window_holds_every
     folder = build_tiny_model(tmp_path / "m", "gemma3", seed=2)
     calls = []
     windowed = torch_backend.capped_or_windowed
-    monkeypatch.setattr(torch_backend, "capped_or_windowed", lambda *a: calls.append(a[4]) or windowed(*a))
+    monkeypatch.setattr(torch_backend, "capped_or_windowed", lambda *a, **kw: calls.append(a[4]) or windowed(*a, **kw))
     llm = LLM(str(folder))
     short, long = PROMPTS[:2], PROMPTS[5:]  # 1 and 5 tokens + 8 new stay under 24; 64 and 100 do not
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -203,7 +203,7 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
                      int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,
                      int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out,
-                     int64_t o_token_stride, int64_t o_head_stride, int threads) {
+                     int64_t o_token_stride, int64_t o_head_stride, int threads, int64_t window) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
@@ -220,14 +220,17 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_seqs * tasks_per_seq; ++task) {
       const int64_t s = task / tasks_per_seq, g0 = task % tasks_per_seq * heads_per_task;
-      const int64_t len = seq_lens[s];
+      // A sliding window (> 0) sees the last `window` keys, the new one's included.
+      const int64_t first = window > 0 && seq_lens[s] > window ? seq_lens[s] - window : 0;
+      const int64_t len = seq_lens[s] - first;
       // Each key's offset in the cache, once for the task's heads: a division per lookup
       // (four lookups a key, with the prefetches) cost more than the arithmetic on the key.
       offsets.resize((size_t)len);
       const int32_t* blocks = block_table + s * table_stride;
-      for (int64_t b = 0, t = 0; t < len; ++b)
-        for (int64_t j = 0; j < block_size && t < len; ++j, ++t)
-          offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
+      for (int64_t t = 0, b = first / block_size, j = first % block_size; t < len; ++t) {
+        offsets[t] = (int64_t)blocks[b] * block_stride + j * slot_stride;
+        if (++j == block_size) j = 0, ++b;
+      }
       for (int64_t g = g0; g < g0 + heads_per_task; ++g) {
         const T* qs = q + s * q_token_stride + g * qpk * q_head_stride;
         T* os = out + s * o_token_stride + g * qpk * o_head_stride;
@@ -264,13 +267,13 @@ extern "C" {
       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,                  \
       int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
       int64_t head_dim, int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,    \
-      int threads, int64_t kv_format) {                                                                           \
+      int threads, int64_t kv_format, int64_t window) {                                                           \
     return with_format(kv_format, [&](auto format) {                                                              \
       using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
       return decode_attention<T, decltype(format)::value>(                                                        \
           q, q_token_stride, q_head_stride, (const E*)k_cache, (const E*)v_cache, block_stride, slot_stride,       \
           head_stride, block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,          \
-          block_size, scale, out, o_token_stride, o_head_stride, threads);                                        \
+          block_size, scale, out, o_token_stride, o_head_stride, threads, window);                                \
     });                                                                                                           \
   }
 LLMBUS_DECODE_ATTENTION(uint16_t, bf16)

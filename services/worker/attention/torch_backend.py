@@ -156,6 +156,13 @@ class TorchAttentionBackend:
             # The window holds every key of the step: plain causal attention, on the CPU
             # kernels (Gemma 3's windowed layers while its requests are shorter than it).
             window = 0
+        if window and softcap is None and state.kernel_decodes:
+            # Decodes on the CPU kernel, which reads only the window's keys; prefill chunks
+            # (which it does not take) in the loop.
+            out = capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, first=metadata.num_decodes)
+            out[: metadata.num_decodes] = cpu_kernels.paged_decode_attention(
+                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window)
+            return out
         if window or softcap is not None:
             return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
         if state.kernel_decodes:
@@ -259,6 +266,7 @@ def capped_or_windowed(
     scale: float,
     window: int,  # 0: none
     softcap: float | None,
+    first: int = 0,  # the first request to attend for (a kernel took those before it)
 ) -> torch.Tensor:
     """Gemma 2's attention, one request at a time, decodes and prefill chunks alike: scores
     in float32, soft-capped, masked causally and to the window, as transformers' eager
@@ -277,7 +285,7 @@ def capped_or_windowed(
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
     qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    for i in range(metadata.num_reqs):
+    for i in range(first, metadata.num_reqs):
         start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         query_len = end - start
         if query_len == 0:
