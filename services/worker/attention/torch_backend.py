@@ -268,18 +268,19 @@ def capped_or_windowed(
     softcap: float | None,
     first: int = 0,  # the first request to attend for (a kernel took those before it)
 ) -> torch.Tensor:
-    """Gemma 2's attention, one request at a time, decodes and prefill chunks alike: scores
-    in float32, soft-capped, masked causally and to the window, as transformers' eager
+    """Attention with a sliding window or a soft cap, one request at a time: scores in
+    float32, soft-capped, masked causally and to the window, as transformers' eager
     attention computes them. A windowed request reads only the blocks from its first
     query's window on, so a long context costs a window's reading, not the context's.
-    Neither the CPU kernels nor SDPA take a soft cap: this is the module path's own loop
-    (a request's product is [kv_heads, q_per_kv * query_len, keys], batched over heads).
-    Decodes in padded groups of 16, as the unwindowed path runs them, were tried and were
-    slower at 32 decodes over 1024 keys (median of 30 alternated calls): 0.72x in bfloat16
-    with Gemma-2-2B's heads (8 query heads of 256 dims, 4 KV heads), 0.37x with Mistral's
-    (32 of 128, 8 KV heads);
-    a request's K/V stays in cache here, a group's does not. Only with one KV head
-    (gemma-3-1b) did groups win (3x in bfloat16, 0.5x in float32)."""
+    Neither SDPA nor the CPU kernels take a soft cap, nor the prefill kernel a window:
+    this loop runs Gemma 2's layers, and prefill chunks past a window (the decode kernel
+    takes windowed decodes). A request's product is [kv_heads, q_per_kv * query_len,
+    keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
+    them, were tried and were slower at 32 decodes over 1024 keys (median of 30
+    alternated calls): 0.72x in bfloat16 with Gemma-2-2B's heads (8 query heads of 256
+    dims, 4 KV heads), 0.37x with Mistral's (32 of 128, 8 KV heads); a request's K/V
+    stays in cache here, a group's does not. Only with one KV head (gemma-3-1b) did
+    groups win (3x in bfloat16, 0.5x in float32)."""
     block_size = kv_cache.shape[2]
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
