@@ -12,8 +12,8 @@ shapes: the kernel figures in docs/performance.md ("Third pass").
   turn (GB/s of K/V), against the PyTorch backend's gathered matmuls;
 - prefill attention: one 512-token prompt (9 heads over 3), against PyTorch's SDPA.
 `--heads Q,KV,D` times the attention with other heads (4,1,256: gemma-3-1b's); `--window W`
-the decodes with a sliding window of W keys (over 2W: the kernel against the PyTorch
-backend's windowed loop).
+the decodes with a sliding window of W keys (over 2W), `--softcap C` with scores capped
+(Gemma 2's 50): the kernel against the PyTorch backend's loop.
 Best of a few repeats each, the two sides alternated; the machine's speed drifts, so
 compare within one run.
 """
@@ -107,7 +107,8 @@ def paged_batch(query_lens, seq_lens, seed, dtype, heads=(9, 3, 64)):
     return query, heads_first(cache), md
 
 
-def attention(repeats: int, monkey_off, dtype: torch.dtype, heads=(9, 3, 64), window: int = 0) -> None:
+def attention(repeats: int, monkey_off, dtype: torch.dtype, heads=(9, 3, 64), window: int = 0,
+              softcap: float | None = None) -> None:
     batch, length = 128, 2 * window if window else 400
     num_heads, num_kv_heads, head_dim = heads
     layers = [paged_batch([1] * batch, [length] * batch, seed, dtype, heads) for seed in range(8)]
@@ -117,13 +118,14 @@ def attention(repeats: int, monkey_off, dtype: torch.dtype, heads=(9, 3, 64), wi
     def run_all():
         for query, cache, md in layers:
             md.backend_state = None
-            backend.forward(query, unused, unused, cache, md, head_dim**-0.5, window)
+            backend.forward(query, unused, unused, cache, md, head_dim**-0.5, window, softcap)
 
     t_kernel = best(run_all, repeats) / len(layers)
     with monkey_off():
         t_torch = best(run_all, repeats) / len(layers)
     nbytes = batch * (window or length) * num_kv_heads * head_dim * 2 * unused.element_size()
-    print(f"decode attention, {batch} x {length} tokens{f', window {window}' if window else ''}, a layer: llmbus {t_kernel * 1e3:.2f} ms "
+    print(f"decode attention, {batch} x {length} tokens{f', window {window}' if window else ''}"
+          f"{f', softcap {softcap}' if softcap else ''}, a layer: llmbus {t_kernel * 1e3:.2f} ms "
           f"({nbytes / t_kernel / 1e9:.1f} GB/s of K/V), PyTorch backend {t_torch * 1e3:.2f} ms: {t_torch / t_kernel:.2f}x")
 
     query, cache, md = paged_batch([512], [512], 0, dtype, heads)
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--attention-only", action="store_true", help="the attention kernels alone")
     parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head dim of the attention timed")
     parser.add_argument("--window", type=int, default=0, help="a sliding window for the decodes timed")
+    parser.add_argument("--softcap", type=float, default=None, help="a soft cap on the decodes' scores")
     args = parser.parse_args()
     heads = tuple(int(x) for x in args.heads.split(","))
     dtype = getattr(torch, args.dtype)
@@ -170,7 +173,7 @@ def main() -> None:
         finally:
             cpu_kernels.attention_supported = saved
 
-    attention(repeats, kernels_off, dtype, heads, args.window)
+    attention(repeats, kernels_off, dtype, heads, args.window, args.softcap)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
     "pack": ([_P, _I, _I, _P], None),
     "linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
     "paged_decode_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I,
-                                _I], _C),
+                                _I, _F], _C),
     "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I],
                                 _C),
     "write_kv": ([_P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I], _C),
@@ -280,6 +280,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [>= num_seqs] int32: tokens to attend over, the new one included
     scale: float,
     window: int = 0,  # > 0: only the last `window` of them (a sliding window)
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -293,7 +294,7 @@ def paged_decode_attention(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(),
         k.stride(0), k.stride(1), k.stride(2), block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(),
         num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale, out.data_ptr(), out.stride(0), out.stride(1),
-        torch.get_num_threads(), code, window,
+        torch.get_num_threads(), code, window, softcap or 0.0,
     )
     if status == -1:
         raise ValueError(f"paged_decode_attention: head_dim {head_dim} has no compiled variant")

@@ -79,7 +79,7 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   status = K::decode_attention(qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride,
                                L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows, L->num_heads,
                                L->num_kv_heads, d, L->block_size, (float)L->scale, attn, q_size, d, threads,
-                               L->kv_format, /*window=*/0);
+                               L->kv_format, /*window=*/0, /*softcap=*/0.0f);
   if (status != 0) return status;
   product(L, attn, rows, q_size, L->o, h, L->o_bias, hidden, threads);
   K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);

@@ -12,7 +12,7 @@ extern "C" {
       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,                  \
       int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
       int64_t head_dim, int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,    \
-      int threads, int64_t kv_format, int64_t window);                                                              \
+      int threads, int64_t kv_format, int64_t window, float softcap);                                               \
   int llmbus_write_kv_##SUFFIX(const T* key, const T* value, int64_t row_stride, const int64_t* slots,            \
                                int64_t rows, int64_t num_kv_heads, int64_t head_dim, void* k_cache, void* v_cache,  \
                                int64_t block_stride, int64_t slot_stride, int64_t head_stride, int64_t block_size,   \

@@ -90,7 +90,7 @@ struct QueryRegs<float, D> {
 // An 8-bit cache's keys are widened to T, 16 rows at a time, once for all the query heads.
 template <int D, typename T, int F, typename E = typename CacheOf<T, F>::E>
 void attend(const T* q, int64_t q_head_stride, int qpk, const E* k_cache, const E* v_cache, const E* next_k,
-            const E* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, T* out,
+            const E* next_v, const int64_t* offsets, int64_t len, bool warm, float scale, float softcap, T* out,
             int64_t o_head_stride, std::vector<float>& scores) {
   constexpr int kLanes = D / 16;                // float32 vectors per head row
   constexpr int kHeadsPerPass = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // value accumulators: at most 16 registers
@@ -148,8 +148,9 @@ void attend(const T* q, int64_t q_head_stride, int qpk, const E* k_cache, const 
         }
         acc[j] = j < n ? qv.dot(key_rows[j]) : _mm512_setzero_ps();
       }
-      _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n),
-                            _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+      __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+      if (softcap > 0.0f) s = softcap512(s, softcap);  // Gemma 2's, after the scale
+      _mm512_mask_storeu_ps(scores.data() + i * padded + t0, tail_mask(n), s);
     }
   }
 
@@ -203,7 +204,7 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
                      int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,
                      int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out,
-                     int64_t o_token_stride, int64_t o_head_stride, int threads, int64_t window) {
+                     int64_t o_token_stride, int64_t o_head_stride, int threads, int64_t window, float softcap) {
   if (head_dim != 64 && head_dim != 128 && head_dim != 256) return -1;
   const int qpk = (int)(num_heads / num_kv_heads);
   if (qpk > kMaxQueryPerKv || qpk * num_kv_heads != num_heads) return -2;
@@ -240,14 +241,14 @@ int decode_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride, 
         const E* next_k = last ? nullptr : kc + head_stride;
         const E* next_v = last ? nullptr : vc + head_stride;
         if (head_dim == 64)
-          attend<64, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
-                     o_head_stride, scores);
+          attend<64, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, softcap,
+                     os, o_head_stride, scores);
         else if (head_dim == 128)
-          attend<128, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
-                      o_head_stride, scores);
+          attend<128, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale,
+                      softcap, os, o_head_stride, scores);
         else  // Gemma's 256
-          attend<256, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale, os,
-                      o_head_stride, scores);
+          attend<256, T, F>(qs, q_head_stride, qpk, kc, vc, next_k, next_v, offsets.data(), len, g > g0, scale,
+                      softcap, os, o_head_stride, scores);
       }
     }
   }
@@ -267,13 +268,13 @@ extern "C" {
       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* block_table,                  \
       int64_t table_stride, const int32_t* seq_lens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,    \
       int64_t head_dim, int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,    \
-      int threads, int64_t kv_format, int64_t window) {                                                           \
+      int threads, int64_t kv_format, int64_t window, float softcap) {                                            \
     return with_format(kv_format, [&](auto format) {                                                              \
       using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
       return decode_attention<T, decltype(format)::value>(                                                        \
           q, q_token_stride, q_head_stride, (const E*)k_cache, (const E*)v_cache, block_stride, slot_stride,       \
           head_stride, block_table, table_stride, seq_lens, num_seqs, num_heads, num_kv_heads, head_dim,          \
-          block_size, scale, out, o_token_stride, o_head_stride, threads, window);                                \
+          block_size, scale, out, o_token_stride, o_head_stride, threads, window, softcap);                       \
     });                                                                                                           \
   }
 LLMBUS_DECODE_ATTENTION(uint16_t, bf16)

@@ -31,6 +31,17 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// cap * tanh(x / cap), Gemma 2's soft cap on attention scores: tanh(|y|) as
+// (1 - e) / (1 + e) with e = exp512(-2|y|) (within exp512's domain), the sign put back.
+static inline __m512 softcap512(__m512 x, float cap) {
+  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+  const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.0f)));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+}
+
 // What a bfloat16 PyTorch op does to a float32 intermediate: round it to bfloat16.
 static inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));

@@ -156,12 +156,12 @@ class TorchAttentionBackend:
             # The window holds every key of the step: plain causal attention, on the CPU
             # kernels (Gemma 3's windowed layers while its requests are shorter than it).
             window = 0
-        if window and softcap is None and state.kernel_decodes:
-            # Decodes on the CPU kernel, which reads only the window's keys; prefill chunks
-            # (which it does not take) in the loop.
+        if (window or softcap is not None) and state.kernel_decodes:
+            # Decodes on the CPU kernel, which reads only the window's keys and caps the
+            # scores; prefill chunks (the prefill kernel does neither) in the loop.
             out = capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, first=metadata.num_decodes)
             out[: metadata.num_decodes] = cpu_kernels.paged_decode_attention(
-                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window)
+                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window, softcap)
             return out
         if window or softcap is not None:
             return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
@@ -272,9 +272,9 @@ def capped_or_windowed(
     float32, soft-capped, masked causally and to the window, as transformers' eager
     attention computes them. A windowed request reads only the blocks from its first
     query's window on, so a long context costs a window's reading, not the context's.
-    Neither SDPA nor the CPU kernels take a soft cap, nor the prefill kernel a window:
-    this loop runs Gemma 2's layers, and prefill chunks past a window (the decode kernel
-    takes windowed decodes). A request's product is [kv_heads, q_per_kv * query_len,
+    Neither SDPA nor the CPU prefill kernel takes a soft cap or a window: this loop runs
+    the prefill chunks of Gemma 2's layers and those past a window (the decode kernel
+    takes the decodes, capped and windowed), and everything where the kernels do not load. A request's product is [kv_heads, q_per_kv * query_len,
     keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
     them, were tried and were slower at 32 decodes over 1024 keys (median of 30
     alternated calls): 0.72x in bfloat16 with Gemma-2-2B's heads (8 query heads of 256
