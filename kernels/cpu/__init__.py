@@ -49,7 +49,7 @@ class LayerSpec(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
-        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I)]
+        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I), ("window", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -80,8 +80,8 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
     "linear": ([_P, _I, _I, _I, _P, _I, _P, _P, _I, _C], None),
     "paged_decode_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _P, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I,
                                 _I, _F], _C),
-    "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I],
-                                _C),
+    "paged_prefill_attention": ([_P, _I, _I, _P, _P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _F, _P, _I, _I, _C, _I,
+                                 _I, _F], _C),
     "write_kv": ([_P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I], _C),
     "add_rms_norm": ([_P, _P, _P, _F, _P, _I, _I, _C], None),
     "rotary": ([_P, _I, _I, _I, _I, _P, _P, _P, _C], None),
@@ -309,6 +309,8 @@ def paged_prefill_attention(
     blocks: torch.Tensor,  # [>= ceil(seq_len / block_size)] int32: the request's block table row
     seq_len: int,  # cached + new tokens; the new ones are the last query_len
     scale: float,
+    window: int = 0,  # > 0: each token sees its last `window` positions only
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [query_len, num_heads, head_dim]
     query_len, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -320,7 +322,7 @@ def paged_prefill_attention(
     status = entry(
         query.data_ptr(), query.stride(0), query.stride(1), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
         k.stride(2), blocks.data_ptr(), query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale,
-        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(), code,
+        out.data_ptr(), out.stride(0), out.stride(1), torch.get_num_threads(), code, window, softcap or 0.0,
     )
     if status == -1:
         raise ValueError(f"paged_prefill_attention: head_dim {head_dim} has no compiled variant")

@@ -25,6 +25,7 @@ struct LlmbusLayer {
   int64_t weight_format;  // qkv, o, gate_up, down: 0 packed in T, 4 by llmbus_pack_int4, 8 by
                           // llmbus_pack_int8 (the last two in bfloat16 layers only)
   int64_t kv_format;      // the caches: 0 in T, 1 float8 e4m3, 2 float8 e5m2 (fp8.h)
+  int64_t window;         // > 0: attention over the last `window` keys (Mistral's sliding window)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -79,7 +80,7 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   status = K::decode_attention(qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride,
                                L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows, L->num_heads,
                                L->num_kv_heads, d, L->block_size, (float)L->scale, attn, q_size, d, threads,
-                               L->kv_format, /*window=*/0, /*softcap=*/0.0f);
+                               L->kv_format, L->window, /*softcap=*/0.0f);
   if (status != 0) return status;
   product(L, attn, rows, q_size, L->o, h, L->o_bias, hidden, threads);
   K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);

@@ -143,9 +143,12 @@ void rearrange(const E* k_cache, const E* v_cache, int64_t block_stride, int64_t
   }
 }
 
-// RB query rows (any tokens and heads of one KV head) over keys [0, last_pos of each row].
+// RB query rows (any tokens and heads of one KV head) over keys [0, last_pos of each row],
+// or with a sliding window (> 0) its last `window` of them; scores soft-capped where
+// softcap > 0 (Gemma 2's).
 template <int D, int RB, typename T>
-void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* kt, const T* vt, float scale) {
+void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* kt, const T* vt, float scale,
+                int64_t window, float softcap) {
   constexpr int kChunks = D / 16;
   __m512 o[RB][kChunks], m[RB], l[RB];
   for (int r = 0; r < RB; ++r) {
@@ -153,21 +156,33 @@ void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* 
     m[r] = _mm512_set1_ps(-INFINITY);
     l[r] = _mm512_setzero_ps();
   }
-  int64_t max_last = 0;
-  for (int r = 0; r < RB; ++r) max_last = last[r] > max_last ? last[r] : max_last;
+  int64_t max_last = 0, min_last = last[0];
+  for (int r = 0; r < RB; ++r) {
+    max_last = last[r] > max_last ? last[r] : max_last;
+    min_last = last[r] < min_last ? last[r] : min_last;
+  }
+  // With a window, from the tile of the first key any row sees.
+  const int64_t first_tile = window > 0 && min_last - window + 1 > 0 ? (min_last - window + 1) / kTile : 0;
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t t = 0; t * kTile <= max_last; ++t) {
+  for (int64_t t = first_tile; t * kTile <= max_last; ++t) {
     __m512 s[RB], p[RB];
     Tiles<T, D>::template scores<RB>(q, kt + t * kTile * D, s);
     const __m512 key_pos = _mm512_add_ps(lane, _mm512_set1_ps((float)(t * kTile)));
     for (int r = 0; r < RB; ++r) {
       __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
-      // Keys after this row's token (and past the sequence) do not count.
-      const __mmask16 visible = _mm512_cmp_ps_mask(key_pos, _mm512_set1_ps((float)last[r]), _CMP_LE_OQ);
+      if (softcap > 0.0f) sc = softcap512(sc, softcap);
+      // Keys after this row's token (and past the sequence), or before its window, do not count.
+      __mmask16 visible = _mm512_cmp_ps_mask(key_pos, _mm512_set1_ps((float)last[r]), _CMP_LE_OQ);
+      if (window > 0)
+        visible &= _mm512_cmp_ps_mask(key_pos, _mm512_set1_ps((float)(last[r] - window)), _CMP_GT_OQ);
       sc = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY), sc);
       const __m512 m_new = _mm512_max_ps(m[r], _mm512_set1_ps(_mm512_reduce_max_ps(sc)));
-      const __m512 correction = exp512(_mm512_sub_ps(m[r], m_new));
-      p[r] = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(sc, m_new)));
+      // A row that has seen no key yet (a window starting past this tile) keeps nothing:
+      // subtract 0 rather than -inf, so no inf - inf.
+      const __m512 m_safe = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                                 m_new, _mm512_setzero_ps());
+      const __m512 correction = exp512(_mm512_sub_ps(m[r], m_safe));
+      p[r] = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(sc, m_safe)));
       m[r] = m_new;
       l[r] = _mm512_fmadd_ps(l[r], correction, _mm512_set1_ps(_mm512_reduce_add_ps(p[r])));
       for (int c = 0; c < kChunks; ++c) o[r][c] = _mm512_mul_ps(o[r][c], correction);
@@ -185,7 +200,7 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E*
              const E* v_cache, int64_t block_stride, int64_t slot_stride, int64_t head_stride,
              const int32_t* blocks, int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads,
              int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
-             int threads) {
+             int threads, int64_t window, float softcap) {
   constexpr int RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // accumulators: RB x D/16 vectors (at most 16)
   const int64_t qpk = num_heads / num_kv_heads;
   const int64_t tiles = (seq_len + kTile - 1) / kTile;
@@ -214,7 +229,8 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E*
         orow[r] = out + i * o_token_stride + h * o_head_stride;
         last[r] = first_pos + i;
       }
-      rows_block<D, RB, T>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, scale);
+      rows_block<D, RB, T>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, scale, window,
+                           softcap);
     }
   }
 }
@@ -225,20 +241,20 @@ int prefill_attention(const T* q, int64_t q_token_stride, int64_t q_head_stride,
                       int64_t block_stride, int64_t slot_stride, int64_t head_stride, const int32_t* blocks,
                       int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                       int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride,
-                      int threads) {
+                      int threads, int64_t window, float softcap) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads || query_len > seq_len || query_len <= 0) return -2;
   if (head_dim == 64)
     prefill<64, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                 query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
-                threads);
+                threads, window, softcap);
   else if (head_dim == 128)
     prefill<128, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                  query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
-                 threads);
+                 threads, window, softcap);
   else if (head_dim == 256)  // Gemma's
     prefill<256, T, F>(q, q_token_stride, q_head_stride, k_cache, v_cache, block_stride, slot_stride, head_stride, blocks,
                  query_len, seq_len, num_heads, num_kv_heads, block_size, scale, out, o_token_stride, o_head_stride,
-                 threads);
+                 threads, window, softcap);
   else
     return -1;
   return 0;
@@ -256,13 +272,13 @@ extern "C" {
       const int32_t* blocks, /* this request's block table row */                                                 \
       int64_t query_len, int64_t seq_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
       int64_t block_size, float scale, T* out, int64_t o_token_stride, int64_t o_head_stride, int threads,         \
-      int64_t kv_format) {                                                                                        \
+      int64_t kv_format, int64_t window, float softcap) {                                                         \
     return with_format(kv_format, [&](auto format) {                                                              \
       using E = typename CacheOf<T, decltype(format)::value>::E;                                                  \
       return prefill_attention<T, decltype(format)::value>(                                                       \
           q, q_token_stride, q_head_stride, (const E*)k_cache, (const E*)v_cache, block_stride, slot_stride,       \
           head_stride, blocks, query_len, seq_len, num_heads, num_kv_heads, head_dim, block_size, scale, out,     \
-          o_token_stride, o_head_stride, threads);                                                                \
+          o_token_stride, o_head_stride, threads, window, softcap);                                               \
     });                                                                                                           \
   }
 LLMBUS_PREFILL_ATTENTION(uint16_t, bf16)

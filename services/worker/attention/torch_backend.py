@@ -156,18 +156,12 @@ class TorchAttentionBackend:
             # The window holds every key of the step: plain causal attention, on the CPU
             # kernels (Gemma 3's windowed layers while its requests are shorter than it).
             window = 0
-        if (window or softcap is not None) and state.kernel_decodes:
-            # Decodes on the CPU kernel, which reads only the window's keys and caps the
-            # scores; prefill chunks (the prefill kernel does neither) in the loop.
-            out = capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, first=metadata.num_decodes)
-            out[: metadata.num_decodes] = cpu_kernels.paged_decode_attention(
-                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window, softcap)
-            return out
-        if window or softcap is not None:
+        if (window or softcap is not None) and not state.kernel_prefills:
+            # (the CPU kernels, where they load, take windows and caps below)
             return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
         if state.kernel_decodes:
             decodes = cpu_kernels.paged_decode_attention(
-                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale
+                query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window, softcap
             )
             if metadata.num_decodes == metadata.num_reqs:
                 return decodes
@@ -185,7 +179,8 @@ class TorchAttentionBackend:
             num_blocks = -(-seq_len // block_size)
             block_ids = metadata.block_table[i, :num_blocks]
             if state.kernel_prefills:
-                out[start:end] = cpu_kernels.paged_prefill_attention(query[start:end], kv_cache, block_ids, seq_len, scale)
+                out[start:end] = cpu_kernels.paged_prefill_attention(query[start:end], kv_cache, block_ids, seq_len, scale,
+                                                                     window, softcap)
                 continue
             k = widen(gather_kv(kv_cache[0], block_ids)[:, :seq_len], query.dtype)  # [num_kv_heads, seq_len, d]
             v = widen(gather_kv(kv_cache[1], block_ids)[:, :seq_len], query.dtype)
@@ -266,15 +261,13 @@ def capped_or_windowed(
     scale: float,
     window: int,  # 0: none
     softcap: float | None,
-    first: int = 0,  # the first request to attend for (a kernel took those before it)
 ) -> torch.Tensor:
     """Attention with a sliding window or a soft cap, one request at a time: scores in
     float32, soft-capped, masked causally and to the window, as transformers' eager
     attention computes them. A windowed request reads only the blocks from its first
     query's window on, so a long context costs a window's reading, not the context's.
-    Neither SDPA nor the CPU prefill kernel takes a soft cap or a window: this loop runs
-    the prefill chunks of Gemma 2's layers and those past a window (the decode kernel
-    takes the decodes, capped and windowed), and everything where the kernels do not load. A request's product is [kv_heads, q_per_kv * query_len,
+    SDPA takes neither a soft cap nor a window: where the CPU kernels (which take both)
+    do not load - another dtype, another head size - this loop runs such layers. A request's product is [kv_heads, q_per_kv * query_len,
     keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
     them, were tried and were slower at 32 decodes over 1024 keys (median of 30
     alternated calls): 0.72x in bfloat16 with Gemma-2-2B's heads (8 query heads of 256
@@ -286,7 +279,7 @@ def capped_or_windowed(
     num_kv_heads = kv_cache.shape[3]
     out = torch.empty_like(query)
     qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    for i in range(first, metadata.num_reqs):
+    for i in range(metadata.num_reqs):
         start, end, seq_len = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
         query_len = end - start
         if query_len == 0:

@@ -33,9 +33,7 @@ class FusedDecode:
         self.dtype = dtype
         self._cache_key: tuple[int, ...] | None = None
         self._layers: list[cpu_kernels.LayerSpec] = []
-        # The C layer attends to every earlier key: with a sliding window (Mistral's) it
-        # takes the steps whose sequences all fit in the narrowest window.
-        self.max_seq_len = min((w for w in model.config.layer_windows if w), default=None)
+
 
     @classmethod
     def build(cls, model) -> FusedDecode | None:
@@ -76,7 +74,6 @@ class FusedDecode:
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
             and metadata.num_reqs > 0
-            and (self.max_seq_len is None or metadata.max_seq_len <= self.max_seq_len)
             and cpu_kernels.kv_format(self.dtype, kv_caches[0].dtype) is not None and kv_caches[0].stride(-1) == 1
         )
 
@@ -102,6 +99,7 @@ class FusedDecode:
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
                 weight_format=_WEIGHT_FORMATS[type(attn.qkv_proj)],
                 kv_format=cpu_kernels.kv_format(self.dtype, cache.dtype),
+                window=attn.window,  # Mistral's sliding window, on the decode kernel
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs
