@@ -29,11 +29,19 @@ def engine_ids(folder, **kwargs):
         pytest.param("llama", {"attention_bias": True}, id="llama-attention-bias"),
         pytest.param("mistral", {}, id="mistral"),
         pytest.param("mistral", {"sliding_window": 24}, id="mistral-sliding-window"),  # the 100-token prompt slides
+        # transformers' Qwen2: windowed from layer max_window_layers on, where use_sliding_window says
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1},
+                     id="qwen2-sliding-window"),
+        pytest.param("phi3", {"sliding_window": 24}, id="phi3-sliding-window"),  # Phi-3-mini-4k's is 2047
+        pytest.param("mixtral", {"sliding_window": 24}, id="mixtral-sliding-window"),
     ],
 )
 def test_variant_matches_transformers(tmp_path, arch, overrides):
     folder = build_tiny_model(tmp_path, arch, seed=3, **overrides)
     assert engine_ids(folder) == hf_greedy(folder, PROMPTS, 16)
+    if "sliding_window" in overrides:  # windowed as transformers windows it, not capped
+        config = LLM(str(folder)).runner.model_config
+        assert config.layer_windows == ((0, 24) if arch == "qwen2" else (24, 24)) and config.max_model_len == 1024
 
 
 def test_mistral_window_lifts_the_context_cap_and_the_fused_decode_takes_its_steps(tmp_path, monkeypatch):

@@ -32,9 +32,12 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "llama",
 }
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-# Sliding windows implemented (layer_windows); other families' windows (Qwen2's, Qwen3's,
-# a Llama config's, which transformers' Llama ignores) cap the context.
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "MistralForCausalLM")
+# Sliding windows as transformers applies them (layer_windows): on every layer, where the
+# config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
+# by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
+EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *EVERY_LAYER_WINDOWED, *QWENS)
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -66,8 +69,8 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    # A sliding window this family's loader does not implement (Qwen2's): the context
-    # stops at the window. Mistral's and Gemma 2's and 3's are implemented: `layer_windows`.
+    # A sliding window this family's loader does not implement (a Llama config's): the
+    # context stops at the window. Mistral's, Qwen's and Gemma's are: `layer_windows`.
     sliding_window: int | None = None
     # Each layer's attention window (a query sees the keys of its last `window` positions,
     # itself included, as transformers' sliding-window mask; 0: every earlier key); empty
@@ -196,7 +199,7 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **_mistral_fields(arch, raw),
+            **_sliding_window_fields(arch, raw),
         )
 
 
@@ -218,15 +221,29 @@ def _text_config(raw: dict, architecture: str) -> dict:
     return {**full, "architectures": [architecture]}
 
 
-def _mistral_fields(arch: str, raw: dict) -> dict:
-    """Mistral's window (7B v0.1: 4096 of a 32768 context) on every layer, as transformers'
-    Mistral applies it."""
-    window = raw.get("sliding_window")
-    if arch != "MistralForCausalLM" or not window:
-        return {}
-    if window < 1:
+def _sliding_window_fields(arch: str, raw: dict) -> dict:
+    """Mistral's, Mixtral's and Phi-3's window on every layer; Qwen's where
+    `use_sliding_window` says, on the layers from `max_window_layers` on (or as
+    `layer_types` names them): as transformers applies them."""
+    window, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
+    if arch in EVERY_LAYER_WINDOWED and window:
+        return dict(layer_windows=_layer_windows(["sliding_attention"] * num_layers, window, num_layers))
+    if arch in QWENS and window and raw.get("use_sliding_window"):
+        first = raw.get("max_window_layers", num_layers)
+        kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                           for i in range(num_layers)]
+        return dict(layer_windows=_layer_windows(kinds, window, num_layers))
+    return {}
+
+
+def _layer_windows(kinds: list[str], window: int | None, num_layers: int) -> tuple[int, ...]:
+    """Each layer's window from transformers' `layer_types` (empty when none slides)."""
+    if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")
+    if window is not None and window < 1:
         raise ValueError(f"sliding_window {window} must be at least 1")
-    return dict(layer_windows=(window,) * raw["num_hidden_layers"])
+    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in kinds)
+    return windows if any(windows) else ()
 
 
 def _gemma_fields(arch: str, raw: dict) -> dict:
@@ -234,7 +251,7 @@ def _gemma_fields(arch: str, raw: dict) -> dict:
         return {}
     fields = dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
                   norm_weight_offset=1.0)
-    if arch in WINDOWED:
+    if arch != "GemmaForCausalLM":
         fields.update(_windowed_gemma_fields(raw, pattern=2 if arch == "Gemma2ForCausalLM" else 6))
     return fields
 
@@ -268,11 +285,7 @@ def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
     pattern = raw.get("sliding_window_pattern", pattern)
     kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                        for i in range(num_layers)]
-    if len(kinds) != num_layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of {num_layers} layers")
-    if window is not None and window < 1:
-        raise ValueError(f"sliding_window {window} must be at least 1")
-    windows = tuple(window if kind == "sliding_attention" and window else 0 for kind in kinds)
+    windows = _layer_windows(kinds, window, num_layers)
     caps = {}
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = raw.get(name)
@@ -280,7 +293,7 @@ def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
             raise ValueError(f"{name} {cap} must be positive (or null: no cap)")
         caps[name] = None if cap is None else float(cap)
     scalar = raw.get("query_pre_attn_scalar") or raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    return dict(layer_windows=windows if any(windows) else (), sandwich_norms=True,
+    return dict(layer_windows=windows, sandwich_norms=True,
                 attention_scale=float(scalar) ** -0.5, **caps)
 
 
