@@ -114,16 +114,21 @@ struct Tiles<float, D> {
   }
 };
 
-// The request's keys and values, paged, into tiles of kTile keys (zeros past len); rows of
-// an 8-bit cache are widened to T on the way (exactly).
+// The tile holding the first key a query at `pos` sees: 0, or its sliding window's first.
+inline int64_t first_tile_seen(int64_t pos, int64_t window) {
+  return window > 0 && pos - window + 1 > 0 ? (pos - window + 1) / kTile : 0;
+}
+
+// The request's keys and values from tile `first_tile` on, paged, into tiles of kTile keys
+// (zeros past len); rows of an 8-bit cache are widened to T on the way (exactly).
 template <int D, typename T, int F, typename E = typename CacheOf<T, F>::E>
 void rearrange(const E* k_cache, const E* v_cache, int64_t block_stride, int64_t slot_stride, const int32_t* blocks,
-               int64_t block_size, int64_t len, T* kt, T* vt) {
-  const int64_t tiles = (len + kTile - 1) / kTile;
+               int64_t block_size, int64_t len, int64_t first_tile, T* kt, T* vt) {
+  const int64_t tiles = (len + kTile - 1) / kTile - first_tile;
   alignas(64) T key_row[D], value_row[D];
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t j = 0; j < kTile; ++j) {
-      const int64_t pos = t * kTile + j;
+      const int64_t pos = (first_tile + t) * kTile + j;
       const T* key = nullptr;
       const T* value = nullptr;
       if (pos < len) {
@@ -145,10 +150,10 @@ void rearrange(const E* k_cache, const E* v_cache, int64_t block_stride, int64_t
 
 // RB query rows (any tokens and heads of one KV head) over keys [0, last_pos of each row],
 // or with a sliding window (> 0) its last `window` of them; scores soft-capped where
-// softcap > 0 (Gemma 2's).
+// softcap > 0 (Gemma 2's). kt and vt hold the tiles from `base_tile` on.
 template <int D, int RB, typename T>
-void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* kt, const T* vt, float scale,
-                int64_t window, float softcap) {
+void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* kt, const T* vt, int64_t base_tile,
+                float scale, int64_t window, float softcap) {
   constexpr int kChunks = D / 16;
   __m512 o[RB][kChunks], m[RB], l[RB];
   for (int r = 0; r < RB; ++r) {
@@ -161,12 +166,12 @@ void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* 
     max_last = last[r] > max_last ? last[r] : max_last;
     min_last = last[r] < min_last ? last[r] : min_last;
   }
-  // With a window, from the tile of the first key any row sees.
-  const int64_t first_tile = window > 0 && min_last - window + 1 > 0 ? (min_last - window + 1) / kTile : 0;
   const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  for (int64_t t = first_tile; t * kTile <= max_last; ++t) {
+  // With a window, from the tile of the first key any row sees.
+  for (int64_t t = first_tile_seen(min_last, window); t * kTile <= max_last; ++t) {
     __m512 s[RB], p[RB];
-    Tiles<T, D>::template scores<RB>(q, kt + t * kTile * D, s);
+    const int64_t at = (t - base_tile) * kTile * D;
+    Tiles<T, D>::template scores<RB>(q, kt + at, s);
     const __m512 key_pos = _mm512_add_ps(lane, _mm512_set1_ps((float)(t * kTile)));
     for (int r = 0; r < RB; ++r) {
       __m512 sc = _mm512_mul_ps(s[r], _mm512_set1_ps(scale));
@@ -187,7 +192,7 @@ void rows_block(const T* const* q, const int64_t* last, T* const* out, const T* 
       l[r] = _mm512_fmadd_ps(l[r], correction, _mm512_set1_ps(_mm512_reduce_add_ps(p[r])));
       for (int c = 0; c < kChunks; ++c) o[r][c] = _mm512_mul_ps(o[r][c], correction);
     }
-    Tiles<T, D>::template accumulate<RB>(p, vt + t * kTile * D, o);
+    Tiles<T, D>::template accumulate<RB>(p, vt + at, o);
   }
   for (int r = 0; r < RB; ++r) {
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l[r]);
@@ -203,15 +208,18 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E*
              int threads, int64_t window, float softcap) {
   constexpr int RB = D <= 64 ? 4 : D <= 128 ? 2 : 1;  // accumulators: RB x D/16 vectors (at most 16)
   const int64_t qpk = num_heads / num_kv_heads;
-  const int64_t tiles = (seq_len + kTile - 1) / kTile;
+  const int64_t first_pos = seq_len - query_len;  // the new tokens are the last query_len
+  // Only the keys some new token sees are laid out: with a sliding window, from the first
+  // token's window on, not the whole context.
+  const int64_t first_tile = first_tile_seen(first_pos, window);
+  const int64_t tiles = (seq_len + kTile - 1) / kTile - first_tile;
   const int64_t per_head = tiles * kTile * D;
   std::vector<T> kt((size_t)(num_kv_heads * per_head)), vt((size_t)(num_kv_heads * per_head));
 #pragma omp parallel for num_threads(threads)
   for (int64_t g = 0; g < num_kv_heads; ++g)
     rearrange<D, T, F>(k_cache + g * head_stride, v_cache + g * head_stride, block_stride, slot_stride, blocks, block_size,
-                 seq_len, kt.data() + g * per_head, vt.data() + g * per_head);
+                 seq_len, first_tile, kt.data() + g * per_head, vt.data() + g * per_head);
   const int64_t query_tiles = (query_len + kQueryTile - 1) / kQueryTile;
-  const int64_t first_pos = seq_len - query_len;  // the new tokens are the last query_len
   // Later query tiles see more keys: hand them out first.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t task = 0; task < num_kv_heads * query_tiles; ++task) {
@@ -229,8 +237,8 @@ void prefill(const T* q, int64_t q_token_stride, int64_t q_head_stride, const E*
         orow[r] = out + i * o_token_stride + h * o_head_stride;
         last[r] = first_pos + i;
       }
-      rows_block<D, RB, T>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, scale, window,
-                           softcap);
+      rows_block<D, RB, T>(qr, last, orow, kt.data() + g * per_head, vt.data() + g * per_head, first_tile, scale,
+                           window, softcap);
     }
   }
 }
