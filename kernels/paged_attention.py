@@ -13,8 +13,8 @@ cache blocks: more bytes in flight per program than one block at a time (on an H
 16-key tile left decode at 0.67 of the memory bandwidth where contiguous SDPA reached
 0.95; docs/kernels.md).
 
-Gemma 2's two options are constexpr switches, so other models' kernels are unchanged:
-SOFTCAP caps each scaled score at softcap * tanh(score / softcap) before the softmax,
+A sliding window and Gemma 2's soft cap are constexpr switches, so other models' kernels
+are unchanged: SOFTCAP caps each scaled score at softcap * tanh(score / softcap) before the softmax,
 and WINDOW > 0 lets a query see only its last WINDOW positions (transformers' sliding
 window: key > query - WINDOW); a windowed program starts at the first tile its queries
 can see, so it reads a window's keys, not the whole context's.

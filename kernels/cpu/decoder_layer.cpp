@@ -25,7 +25,7 @@ struct LlmbusLayer {
   int64_t weight_format;  // qkv, o, gate_up, down: 0 packed in T, 4 by llmbus_pack_int4, 8 by
                           // llmbus_pack_int8 (the last two in bfloat16 layers only)
   int64_t kv_format;      // the caches: 0 in T, 1 float8 e4m3, 2 float8 e5m2 (fp8.h)
-  int64_t window;         // > 0: attention over the last `window` keys (Mistral's sliding window)
+  int64_t window;         // > 0: attention over the last `window` keys (a sliding window)
 };
 
 // What one step gives every layer, and its scratch space.

@@ -31,7 +31,8 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new keys/values into their cache slots, then attend over the cache. (The
         Triton backend also takes key and value None: its caller wrote them already.)
-        `window` and `softcap` are Gemma 2's; a window reads only the blocks it covers."""
+        `window`: a sliding window (Mistral's, Qwen's, Gemma's), which reads only the blocks
+        it covers; `softcap`: Gemma 2's."""
         ...
 
 

@@ -153,8 +153,8 @@ class TorchAttentionBackend:
             state = metadata.backend_state = self._step_state(metadata, query, kv_cache)
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping, state.slots_padded)
         if window >= metadata.max_seq_len:
-            # The window holds every key of the step: plain causal attention, on the CPU
-            # kernels (Gemma 3's windowed layers while its requests are shorter than it).
+            # The window holds every key of the step: plain causal attention (the SDPA and
+            # grouped paths where the CPU kernels do not load, not the per-request loop).
             window = 0
         if (window or softcap is not None) and not state.kernel_prefills:
             # (the CPU kernels, where they load, take windows and caps below)
@@ -267,8 +267,8 @@ def capped_or_windowed(
     attention computes them. A windowed request reads only the blocks from its first
     query's window on, so a long context costs a window's reading, not the context's.
     SDPA takes neither a soft cap nor a window: where the CPU kernels (which take both)
-    do not load - another dtype, another head size - this loop runs such layers. A request's product is [kv_heads, q_per_kv * query_len,
-    keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
+    do not load - another dtype, another head size - this loop runs such layers. A
+    request's product is [kv_heads, q_per_kv * query_len, keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
     them, were tried and were slower at 32 decodes over 1024 keys (median of 30
     alternated calls): 0.72x in bfloat16 with Gemma-2-2B's heads (8 query heads of 256
     dims, 4 KV heads), 0.37x with Mistral's (32 of 128, 8 KV heads); a request's K/V

@@ -34,7 +34,6 @@ class FusedDecode:
         self._cache_key: tuple[int, ...] | None = None
         self._layers: list[cpu_kernels.LayerSpec] = []
 
-
     @classmethod
     def build(cls, model) -> FusedDecode | None:
         """The fused path for `model` (a LlamaForCausalLM), or None where it does not apply."""
@@ -99,7 +98,7 @@ class FusedDecode:
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
                 weight_format=_WEIGHT_FORMATS[type(attn.qkv_proj)],
                 kv_format=cpu_kernels.kv_format(self.dtype, cache.dtype),
-                window=attn.window,  # Mistral's sliding window, on the decode kernel
+                window=attn.window,  # a sliding window (Mistral's, Phi-3's), on the decode kernel
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs

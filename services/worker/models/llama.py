@@ -71,7 +71,7 @@ class Attention(nn.Module):
         self.o_lora: LoRAStack | None = None
         self.rotary = rotary
         self.backend = backend
-        # Gemma 2's: this layer's sliding window (0: none) and the scores' soft cap
+        # This layer's sliding window (0: none) and Gemma 2's soft cap on the scores
         self.window = window
         self.softcap = config.attn_logit_softcapping
         # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
