@@ -97,10 +97,11 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            # Norms as rows of head_dim (their kernels take 2-D rows), then side by side again for rotary.
-            qk = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.num_heads, self.head_dim),
-                            self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.num_kv_heads, self.head_dim)),
-                           dim=1)
+            # Norms as contiguous rows of head_dim (what their kernels take: with one KV head
+            # the key's reshape is a strided view), then side by side again for rotary.
+            q, k = (x.reshape(-1, self.head_dim).contiguous() for x in (q, k))
+            qk = torch.cat((self.q_norm(q).view(num_tokens, self.num_heads, self.head_dim),
+                            self.k_norm(k).view(num_tokens, self.num_kv_heads, self.head_dim)), dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary_writes_cache:
             q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
