@@ -192,19 +192,33 @@ def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens, dty
         rope(torch.tensor([4096] * num_tokens), qk)
 
 
+GATES = {"silu": torch.nn.functional.silu,
+         "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh")}
+
+
 @needs_kernels
+@pytest.mark.parametrize("activation", GATES)
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
-def test_silu_mul_kernel_matches_pytorch(num_tokens):
+def test_act_and_mul_kernel_matches_pytorch(num_tokens, activation):
     gen = torch.Generator().manual_seed(num_tokens)
     gate_up = (torch.randn(num_tokens, 2 * 1536, generator=gen) * 6).bfloat16()
-    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).bfloat16()  # exp's range ends
+    gate_up[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, -3e38, 3e38]).bfloat16()  # exp's range ends, g^3 past it
+    gate_up[0, 6:14] = torch.tensor([1e-3, -1e-3, 0.5, -0.5, 2.0, -2.0, 5.0, -5.0]).bfloat16()  # the curve's bend
     gate, up = gate_up.split(1536, dim=-1)
-    # float32: the exponential's last bits differ from PyTorch's, a few roundings at most.
-    out32 = cpu_kernels.silu_mul(gate_up.float())
+    act = GATES[activation]
+    # float32: the exponential's last bits differ from PyTorch's, a few roundings at most:
+    # of SiLU's value; of g * up for GELU, whose 1 + tanh(y) loses its own bits below g = -4
+    # in both (the bfloat16 check below holds it to PyTorch's there).
+    out32 = cpu_kernels.act_and_mul(gate_up.float(), activation)
     assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32, torch.nn.functional.silu(gate.float()) * up.float(), rtol=2.0**-20, atol=1e-30)
-    out = cpu_kernels.silu_mul(gate_up)
-    expected = torch.nn.functional.silu(gate) * up
+    expected32 = act(gate.float()) * up.float()
+    if activation == "silu":
+        torch.testing.assert_close(out32, expected32, rtol=2.0**-20, atol=1e-30)
+    else:
+        near = (out32 - expected32).abs() <= 2.0**-21 * (gate.float() * up.float()).abs()
+        assert bool((near | (out32 == expected32)).all())  # (== for the infinities)
+    out = cpu_kernels.act_and_mul(gate_up, activation)
+    expected = act(gate) * up
     differ = out != expected
     assert int(differ.sum()) <= max(2, differ.numel() // 1000)  # exp's last bits, rarely visible
     relative = (out.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)

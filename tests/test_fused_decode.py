@@ -1,8 +1,9 @@
 """Decode-only steps through one C call per layer (services/worker/models/fused_decode.py)
 give the same bits as the module path that calls the same kernels one by one: the same
-greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64
-and 128, over block boundaries, for a batch whose requests finish at different steps, in
-bfloat16, float32, int4 and int8 weights, and with a float8 KV cache."""
+greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64,
+128 and 256, over block boundaries, for a batch whose requests finish at different steps, in
+bfloat16, float32, int4 and int8 weights, and with a float8 KV cache; for Llama, Qwen2,
+Qwen3 and Gemma 1-3."""
 
 import pytest
 import torch
@@ -22,15 +23,25 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
 
 
-@pytest.mark.parametrize("dtype, quantization, kv_cache_dtype", [
-    ("bfloat16", None, "auto"), ("float32", None, "auto"), ("bfloat16", "int4", "auto"), ("bfloat16", "int8", "auto"),
-    ("bfloat16", None, "fp8_e4m3"), ("float32", None, "fp8_e5m2"),
-])
-@pytest.mark.parametrize("arch, overrides", [
+LAYOUTS = [("bfloat16", None, "auto"), ("float32", None, "auto"), ("bfloat16", "int4", "auto"),
+           ("bfloat16", "int8", "auto"), ("bfloat16", None, "fp8_e4m3"), ("float32", None, "fp8_e5m2")]
+TWO_HEADS = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+# Every layout on Llama and Qwen2 (biases); the other families' own parts (Qwen3's query/key
+# norms, Gemma's GeGLU, Gemma 2's and 3's norms of each branch, soft cap, windows of 24 that
+# these prompts pass, Gemma 3's rotary base per layer) in both dtypes and one quantized.
+CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
                    tie_word_embeddings=True)),
     ("qwen2", dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, intermediate_size=320)),
-])
+] for layout in LAYOUTS] + [(arch, overrides, *layout) for arch, overrides in [
+    ("qwen3", dict(TWO_HEADS, head_dim=64)),
+    ("gemma", TWO_HEADS),
+    ("gemma2", TWO_HEADS),
+    ("gemma3", dict(TWO_HEADS, head_dim=256)),
+] for layout in LAYOUTS[:2] + [("bfloat16", "int8", "auto")]]
+
+
+@pytest.mark.parametrize("arch, overrides, dtype, quantization, kv_cache_dtype", CASES)
 def test_fused_decode_gives_the_module_paths_bits(tmp_path, arch, overrides, dtype, quantization, kv_cache_dtype):
     folder = build_tiny_model(tmp_path, arch, **overrides)
     fused = LLM(str(folder), dtype=dtype, block_size=16, quantization=quantization, kv_cache_dtype=kv_cache_dtype)

@@ -271,17 +271,20 @@ def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monke
     assert sorted(set(decodes)) == [2, 19], decodes
 
 
-def test_qwen3_with_head_dim_64_keeps_to_the_module_path_and_matches(tmp_path):
-    """Where the CPU kernels' one-call decode layer would take a Llama, Qwen3's query/key
-    norms are not in it: the module path runs, in float32 and bfloat16."""
-    folder = build_tiny_model(tmp_path / "hd64", "qwen3", seed=5, hidden_size=256, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=64, intermediate_size=256, initializer_range=0.08)
+@pytest.mark.parametrize("arch, head_dim", [("qwen3", 64), ("gemma2", 256), ("gemma3", 256)])
+def test_qwen3_and_gemma_run_the_cpu_kernels_one_call_decode_layer_and_match(tmp_path, arch, head_dim):
+    """Where the CPU kernels take their heads, Qwen3's query/key norms and Gemma's GeGLU,
+    norms of each branch, soft caps, windows and rotary bases per layer run in the one-call
+    decode layer: float32 equals transformers; bfloat16's first tokens do too."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=5, hidden_size=256, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=head_dim, intermediate_size=256, initializer_range=0.08)
     f32 = LLM(str(folder))
-    assert f32.runner.model.fused_decode is None
+    assert f32.runner.model.fused_decode is not None
     reference = hf_greedy(folder, PROMPTS, MAX_NEW)
     assert generate_ids(f32, PROMPTS) == reference
-    bf16 = generate_ids(LLM(str(folder), dtype="bfloat16"), PROMPTS)
-    assert [ids[0] for ids in bf16] == [ids[0] for ids in reference]  # a near-tie may flip later on
+    bf16 = LLM(str(folder), dtype="bfloat16")
+    assert bf16.runner.model.fused_decode is not None
+    assert [ids[0] for ids in generate_ids(bf16, PROMPTS)] == [ids[0] for ids in reference]  # a near-tie may flip later on
 
 
 def test_granite_runs_the_cpu_kernels_one_call_decode_layer_and_matches(tmp_path):

@@ -13,10 +13,11 @@
   Both attention kernels read such a cache too, for queries of either dtype.
 - `paged_prefill_attention`: causal attention of one request's new tokens over its paged
   cache, flash-attention style (kernels/cpu/paged_prefill_attention.cpp).
-- `add_rms_norm`, `rotary`, `silu_mul`: the elementwise steps between the products, one
+- `add_rms_norm`, `rotary`, `act_and_mul`: the elementwise steps between the products, one
   pass each, with the roundings of the PyTorch ops they replace (kernels/cpu/elementwise.cpp).
-- `decoder_layer`: all of the above for one Llama layer of a decode-only step in one call
-  (kernels/cpu/decoder_layer.cpp), described by `LayerSpec` and `StepSpec`.
+- `decoder_layer`: all of the above for one Llama-family layer (Qwen3's and Gemma's
+  additions included) of a decode-only step in one call (kernels/cpu/decoder_layer.cpp),
+  described by `LayerSpec` and `StepSpec`.
 
 Each takes bfloat16 or float32 (one C++ template, an entry point per dtype). They need
 x86-64 with AVX-512 BF16 and a C++ compiler at run time; `available()` says whether they
@@ -49,7 +50,9 @@ class LayerSpec(ctypes.Structure):
         ("eps", ctypes.c_double), ("scale", ctypes.c_double)] + [(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "o_bias", "k_cache", "v_cache")] + [
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
-        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I), ("window", _I)]
+        ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I), ("window", _I)] + [
+        (name, _P) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")] + [
+        ("activation", _I), ("softcap", ctypes.c_double)]
 
 
 class StepSpec(ctypes.Structure):
@@ -85,7 +88,7 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
     "write_kv": ([_P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I], _C),
     "add_rms_norm": ([_P, _P, _P, _F, _P, _I, _I, _C], None),
     "rotary": ([_P, _I, _I, _I, _I, _P, _P, _P, _C], None),
-    "silu_mul": ([_P, _P, _I, _I, _C], None),
+    "act_and_mul": ([_P, _P, _I, _I, _I, _C], None),
     "decoder_layer": ([ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I], _C),
 }
 _INT_SIGNATURES = {  # one of each: int4 and int8 weights take bfloat16 activations only
@@ -435,12 +438,18 @@ def rotary(
     return x
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [rows, 2n] (gate, then up) -> [rows, n]
+# The gate activations `act_and_mul` applies (kernels/cpu/elementwise.cpp), by transformers' names.
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """gate_up [rows, 2n] (gate, then up) -> act(gate) * up [rows, n]: SwiGLU, or GeGLU with
+    "gelu_pytorch_tanh"."""
     _rows(gate_up, "gate_up")
     n = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
-    _entry("silu_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
-                                      torch.get_num_threads())
+    _entry("act_and_mul", gate_up.dtype)(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // max(2 * n, 1), n,
+                                         ACTIVATIONS[activation], torch.get_num_threads())
     return out
 
 

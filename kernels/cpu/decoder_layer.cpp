@@ -1,5 +1,7 @@
-// A whole Llama decoder layer for a decode-only step, in one call from Python, in
-// bfloat16 or float32 (one template).
+// A whole Llama-family decoder layer for a decode-only step, in one call from Python, in
+// bfloat16 or float32 (one template): Llama's layer, with what Qwen3 and Gemma 1-3 add to
+// it where the layer's description asks (per-head query/key norms, GeGLU, a norm on each
+// branch's output, a soft cap on the scores, each layer's own rotary table).
 //
 // At one token per step the layer's ten kernels each take microseconds, and calling them
 // one by one from PyTorch modules cost more than they did (ctypes, tensor allocation,
@@ -26,6 +28,13 @@ struct LlmbusLayer {
                           // llmbus_pack_int8 (the last two in bfloat16 layers only)
   int64_t kv_format;      // the caches: 0 in T, 1 float8 e4m3, 2 float8 e5m2 (fp8.h)
   int64_t window;         // > 0: attention over the last `window` keys (a sliding window)
+  const void *q_norm, *k_norm;              // [head_dim] each: RMSNorm of every query and key head before
+                                            // rotary (Qwen3, Gemma 3), or null
+  const void *post_attn_norm, *post_mlp_norm;  // [hidden] each: Gemma 2's and 3's norms of the attention's
+                                               // and the MLP's output before the residual add, or null; with
+                                               // them post_norm is the norm before the MLP
+  int64_t activation;     // the MLP's gate: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU)
+  double softcap;         // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -71,6 +80,14 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
     K::add_rms_norm(hidden, residual, input_norm, (float)L->eps, normed, rows, h, threads);
   }
   product(L, normed, rows, h, L->qkv, qkv_size, L->qkv_bias, qkv, threads);
+  if (L->q_norm) {  // each head a row of head_dim, normed in place (the module path's rows, the same bits)
+#pragma omp parallel for num_threads(rows >= 16 ? threads : 1)
+    for (int64_t r = 0; r < rows; ++r) {
+      T* q = qkv + r * qkv_size;
+      K::add_rms_norm(q, nullptr, (const T*)L->q_norm, (float)L->eps, q, L->num_heads, d, 1);
+      K::add_rms_norm(q + q_size, nullptr, (const T*)L->k_norm, (float)L->eps, q + q_size, L->num_kv_heads, d, 1);
+    }
+  }
   K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table, L->sin_table,
             threads);
   int status = K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d,
@@ -80,14 +97,18 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
   status = K::decode_attention(qkv, qkv_size, d, L->k_cache, L->v_cache, L->block_stride, L->slot_stride,
                                L->head_stride, S->block_table, S->table_stride, S->seq_lens, rows, L->num_heads,
                                L->num_kv_heads, d, L->block_size, (float)L->scale, attn, q_size, d, threads,
-                               L->kv_format, L->window, /*softcap=*/0.0f);
+                               L->kv_format, L->window, (float)L->softcap);
   if (status != 0) return status;
   product(L, attn, rows, q_size, L->o, h, L->o_bias, hidden, threads);
+  if (L->post_attn_norm)  // the attention's output normed alone, then added to the stream
+    K::add_rms_norm(hidden, nullptr, (const T*)L->post_attn_norm, (float)L->eps, hidden, rows, h, threads);
   K::add_rms_norm(hidden, residual, post_norm, (float)L->eps, normed, rows, h, threads);
   const int64_t inter = L->intermediate_size;
   product(L, normed, rows, h, L->gate_up, 2 * inter, nullptr, gate_up, threads);
-  K::silu_mul(gate_up, act, rows, inter, threads);
+  K::act_and_mul(gate_up, act, rows, inter, L->activation, threads);
   product(L, act, rows, inter, L->down, h, nullptr, hidden, threads);
+  if (L->post_mlp_norm)  // the next layer's input norm adds it to the stream
+    K::add_rms_norm(hidden, nullptr, (const T*)L->post_mlp_norm, (float)L->eps, hidden, rows, h, threads);
   return 0;
 }
 

@@ -6,7 +6,7 @@
 // Each reproduces the roundings of the PyTorch ops it replaces (transformers' Llama):
 // float32 arithmetic, rounded to bfloat16 wherever a bfloat16 PyTorch op stores a tensor
 // (round_as<T>, a no-op in float32). The order of the float32 sum of squares in RMSNorm
-// and the exponential in SiLU differ from PyTorch's in the last bits.
+// and the exponential in the activations differ from PyTorch's in the last bits.
 #include <math.h>
 
 #include "simd.h"
@@ -79,8 +79,13 @@ void rotary(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_strid
   }
 }
 
+// What act_and_mul applies to the gate: vLLM's SiluAndMul and GeluAndMul(approximate="tanh").
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
 template <typename T>
-void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int threads) {
+void act_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t activation, int threads) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f);
+  const __m512 beta = _mm512_set1_ps(0.7978845608028654f), kappa = _mm512_set1_ps(0.044715f);  // sqrt(2/pi)
 #pragma omp parallel for num_threads(threads_for(rows, threads))
   for (int64_t r = 0; r < rows; ++r) {
     const T* gate = gate_up + r * 2 * n;
@@ -89,15 +94,24 @@ void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int threads) {
     for (int64_t i = 0; i < n; i += 16) {
       const __mmask16 m = tail_mask(n - i);
       const __m512 g = load16(gate + i, m);
-      // silu(g) = g / (1 + e^-g); e^-g for g < 0 can overflow exp512's range, so use
-      // e^-|g| and g * sigmoid written for both signs.
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-      const __m512 one = _mm512_set1_ps(1.0f);
-      const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-      const __m512 sigmoid = _mm512_mask_div_ps(_mm512_div_ps(one, _mm512_add_ps(one, e)), negative,
-                                                e, _mm512_add_ps(one, e));
-      const __m512 silu = round_as<T>(_mm512_mul_ps(g, sigmoid));
-      store16(o + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+      __m512 act;
+      if (activation == kSilu) {
+        // silu(g) = g / (1 + e^-g); e^-g for g < 0 can overflow exp512's range, so use
+        // e^-|g| and g * sigmoid written for both signs.
+        const __m512 e = exp512(_mm512_sub_ps(zero, _mm512_abs_ps(g)));
+        const __mmask16 negative = _mm512_cmp_ps_mask(g, zero, _CMP_LT_OQ);
+        const __m512 sigmoid = _mm512_mask_div_ps(_mm512_div_ps(one, _mm512_add_ps(one, e)), negative,
+                                                  e, _mm512_add_ps(one, e));
+        act = _mm512_mul_ps(g, sigmoid);
+      } else {
+        // PyTorch's own form, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), not the
+        // equal g * sigmoid(2y): for g below about -4 both lose the value to 1 + tanh's
+        // cancellation, and rounding as PyTorch does keeps bfloat16 results its bits.
+        const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        const __m512 y = _mm512_mul_ps(beta, _mm512_add_ps(g, _mm512_mul_ps(kappa, g3)));
+        act = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh512(y)));
+      }
+      store16(o + i, _mm512_mul_ps(round_as<T>(act), load16(up + i, m)), m);
     }
   }
 }
@@ -128,12 +142,15 @@ void llmbus_rotary_f32(float* x, int64_t rows, int64_t heads, int64_t head_dim, 
   rotary(x, rows, heads, head_dim, x_stride, positions, cos_table, sin_table, threads);
 }
 
-// out [rows, n] = round(silu(gate)) * up, from gate_up [rows, 2n] (gate first): SwiGLU.
-void llmbus_silu_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n, int threads) {
-  silu_mul(gate_up, out, rows, n, threads);
+// out [rows, n] = round(act(gate)) * up, from gate_up [rows, 2n] (gate first): SwiGLU
+// (activation 0, SiLU) or GeGLU (1, GELU's tanh form, transformers' gelu_pytorch_tanh).
+void llmbus_act_and_mul_bf16(const uint16_t* gate_up, uint16_t* out, int64_t rows, int64_t n, int64_t activation,
+                             int threads) {
+  act_and_mul(gate_up, out, rows, n, activation, threads);
 }
-void llmbus_silu_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n, int threads) {
-  silu_mul(gate_up, out, rows, n, threads);
+void llmbus_act_and_mul_f32(const float* gate_up, float* out, int64_t rows, int64_t n, int64_t activation,
+                            int threads) {
+  act_and_mul(gate_up, out, rows, n, activation, threads);
 }
 
 }  // extern "C"

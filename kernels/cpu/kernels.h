@@ -22,7 +22,8 @@ extern "C" {
   void llmbus_rotary_##SUFFIX(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride,              \
                               const int64_t* positions, const float* cos_table, const float* sin_table,           \
                               int threads);                                                                       \
-  void llmbus_silu_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t n, int threads);
+  void llmbus_act_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t activation,       \
+                                   int threads);
 LLMBUS_DECLARE(uint16_t, bf16)
 void llmbus_linear_int4_bf16(const uint16_t* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* packed,
                              int64_t n, const float* bias, uint16_t* y, int64_t y_stride, int threads);
@@ -43,7 +44,7 @@ struct Kernels;
     static constexpr auto write_kv = llmbus_write_kv_##SUFFIX;           \
     static constexpr auto add_rms_norm = llmbus_add_rms_norm_##SUFFIX;   \
     static constexpr auto rotary = llmbus_rotary_##SUFFIX;               \
-    static constexpr auto silu_mul = llmbus_silu_mul_##SUFFIX;           \
+    static constexpr auto act_and_mul = llmbus_act_and_mul_##SUFFIX;     \
   };
 LLMBUS_KERNELS(uint16_t, bf16)
 LLMBUS_KERNELS(float, f32)

@@ -31,15 +31,23 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// cap * tanh(x / cap), Gemma 2's soft cap on attention scores: tanh(|y|) as
-// (1 - e) / (1 + e) with e = exp512(-2|y|) (within exp512's domain), the sign put back.
-static inline __m512 softcap512(__m512 x, float cap) {
-  const __m512 y = _mm512_div_ps(x, _mm512_set1_ps(cap));
+// tanh(y) for |y| as 1 - 2e / (1 + e), e = exp512(-2|y|) (within exp512's domain), the sign
+// put back: near +-1 the small 2e / (1 + e) is exact to a few of its own roundings, so the
+// one rounding of 1 - it gives tanh's nearest float32 nearly always; from |y| > 8.664 (25 ln 2 / 2)
+// exactly +-1, as PyTorch's (Sleef's) tanh. Written as (1 - e) / (1 + e) it was a float32
+// rounding off there, and GELU's 1 + tanh(y) in its left tail (below -4) showed it.
+static inline __m512 tanh512(__m512 y) {
   const __m512 e = exp512(_mm512_mul_ps(_mm512_abs_ps(y), _mm512_set1_ps(-2.0f)));
   const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_add_ps(e, e), _mm512_add_ps(one, e)));
+  t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(_mm512_abs_ps(y), _mm512_set1_ps(8.664339742f), _CMP_GT_OQ), one);
   const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
-  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign)), _mm512_set1_ps(cap));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t), sign));
+}
+
+// cap * tanh(x / cap), Gemma 2's soft cap on attention scores.
+static inline __m512 softcap512(__m512 x, float cap) {
+  return _mm512_mul_ps(tanh512(_mm512_div_ps(x, _mm512_set1_ps(cap))), _mm512_set1_ps(cap));
 }
 
 // What a bfloat16 PyTorch op does to a float32 intermediate: round it to bfloat16.

@@ -1,4 +1,5 @@
-"""Decode-only steps of a bfloat16 or float32 Llama on CPU, one C call per decoder layer.
+"""Decode-only steps of a bfloat16 or float32 Llama-family model on CPU, one C call per
+decoder layer.
 
 At one token per request a layer's ten kernels each take microseconds, and driving them
 from PyTorch modules (module calls, ctypes, tensor allocation, views) cost about 3 ms of a
@@ -7,11 +8,13 @@ once (weight, cache and table pointers, in a `LayerSpec`), and each step once (a
 `StepSpec`: positions, slots, block table, scratch), then makes one call per layer.
 
 The kernels are the ones the module path calls (packed products, fused add-norm, rotary,
-cache write, decode attention, SiLU-mul), so both paths compute the same bits
-(tests/test_fused_decode.py). Layers packed for llmbus's kernels take part: bfloat16 and
-float32, and int4 or int8 weights on llmbus's kernels (with bfloat16 activations). Steps
-with prefill chunks, weights on PyTorch's kernels or other attention backends take the
-module path.
+cache write, decode attention, SiLU- or GELU-mul), so both paths compute the same bits
+(tests/test_fused_decode.py). The families: Llama's layer, Qwen3's query/key norms, and
+Gemma's (1-3) GeGLU, norms of each branch's output, soft-capped scores and per-layer rotary
+bases and windows. Layers packed for llmbus's kernels take part: bfloat16 and float32, and
+int4 or int8 weights on llmbus's kernels (with bfloat16 activations). Steps with prefill
+chunks, weights on PyTorch's kernels, other attention backends, experts, partial or
+longrope rotary and exact GELU take the module path.
 """
 
 from __future__ import annotations
@@ -38,20 +41,18 @@ class FusedDecode:
     def build(cls, model) -> FusedDecode | None:
         """The fused path for `model` (a LlamaForCausalLM), or None where it does not apply."""
         config = model.config
-        if not cpu_kernels.available() or config.head_dim not in (64, 128) or config.num_hidden_layers == 0:
+        if not cpu_kernels.available() or config.head_dim not in (64, 128, 256) or config.num_hidden_layers == 0:
             return None
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if heads % kv_heads or heads // kv_heads > 64:  # what the attention kernel splits
             return None
         if model.attention_backend.name != "torch":
             return None  # another attention backend was asked for (Triton): keep to it
-        if config.hidden_act != "silu":
-            return None  # the C layer's MLP is SwiGLU
-        if (config.qk_norm or config.moe_layers or config.rotary_dim or config.long_rope_threshold
-                or config.sandwich_norms or config.attn_logit_softcapping is not None):
-            # The C layer has no per-head query/key norm (Qwen3), no experts, rotates whole
-            # heads by their position, has two norms a layer, does not cap scores (Gemma 2):
-            # the module path for these.
+        if config.hidden_act not in cpu_kernels.ACTIVATIONS:
+            return None  # exact GELU: the C layer's gates are SiLU and GELU's tanh form
+        if config.moe_layers or config.rotary_dim or config.long_rope_threshold:
+            # The C layer has no experts, rotates whole heads by one table per layer (no
+            # partial rotary, no longrope switch of tables by length): the module path for these.
             return None
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
@@ -64,7 +65,9 @@ class FusedDecode:
                 return None  # on PyTorch's quantized kernels, or oneDNN-packed weights
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
-            if {layer.input_layernorm.weight.dtype, layer.post_attention_layernorm.weight.dtype} != {dtype}:
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
+            if {norm.weight.dtype for norm in norms if norm is not None} != {dtype}:
                 return None
         return cls(model, dtype)
 
@@ -80,16 +83,20 @@ class FusedDecode:
         key = tuple(cache.data_ptr() for cache in kv_caches)
         if key == self._cache_key:
             return self._layers
-        config, rotary = self.model.config, self.model.model.rotary
+        config = self.model.config
         specs = []
         for layer, cache in zip(self.model.model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn, mlp, rotary = layer.self_attn, layer.mlp, layer.self_attn.rotary  # Gemma 3: a base per layer kind
+            # Gemma 2 and 3: post_attention_layernorm norms the attention's output alone, and
+            # pre_feedforward_layernorm is the add-norm before the MLP (the module path's order).
+            sandwich = layer.pre_feedforward_layernorm is not None
+            pre_mlp_norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
             k, v = cache[0], cache[1]  # [num_blocks, block_size, num_kv_heads, head_dim]
             specs.append(cpu_kernels.LayerSpec(
                 hidden_size=config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_dim=attn.head_dim, intermediate_size=mlp.intermediate_size, block_size=cache.shape[2],
                 eps=layer.input_layernorm.eps, scale=attn.scale,
-                input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=pre_mlp_norm.weight.data_ptr(),
                 qkv=attn.qkv_proj.weight_packed.data_ptr(), o=attn.o_proj.weight_packed.data_ptr(),
                 gate_up=mlp.gate_up_proj.weight_packed.data_ptr(), down=mlp.down_proj.weight_packed.data_ptr(),
                 qkv_bias=_ptr(attn.qkv_proj.bias), o_bias=_ptr(attn.o_proj.bias),
@@ -98,7 +105,12 @@ class FusedDecode:
                 cos_table=rotary.cos_cache.data_ptr(), sin_table=rotary.sin_signed_cache.data_ptr(),
                 weight_format=_WEIGHT_FORMATS[type(attn.qkv_proj)],
                 kv_format=cpu_kernels.kv_format(self.dtype, cache.dtype),
-                window=attn.window,  # a sliding window (Mistral's, Phi-3's), on the decode kernel
+                window=attn.window,  # a sliding window (Mistral's, Phi-3's, Gemma's), on the decode kernel
+                q_norm=None if attn.q_norm is None else attn.q_norm.weight.data_ptr(),
+                k_norm=None if attn.k_norm is None else attn.k_norm.weight.data_ptr(),
+                post_attn_norm=layer.post_attention_layernorm.weight.data_ptr() if sandwich else None,
+                post_mlp_norm=layer.post_feedforward_layernorm.weight.data_ptr() if sandwich else None,
+                activation=cpu_kernels.ACTIVATIONS[mlp.hidden_act], softcap=attn.softcap or 0.0,
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs

@@ -114,8 +114,8 @@ class Attention(nn.Module):
 
 
 # The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
-# ACT2FN names them; SiLU has its own kernels.
-GATE_ACTS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+# ACT2FN names them, where the kernels do not take it (off the CPU, or GELU's exact form).
+GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
 
 
 class MLP(nn.Module):
@@ -124,8 +124,8 @@ class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu"):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_act = GATE_ACTS.get(hidden_act)  # None: SiLU
-        self.triton = triton  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
+        self.hidden_act = hidden_act
+        self.triton = triton and hidden_act == "silu"  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.shard_sizes = (intermediate_size, intermediate_size)
@@ -134,16 +134,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = adapted(self.gate_up_proj, self.gate_up_lora, x)
-        if self.gate_act is not None:
-            gate, up = gate_up.split(self.shard_sizes, dim=-1)
-            act = self.gate_act(gate) * up
-        elif self.triton and gate_up.is_contiguous():
+        if self.triton and gate_up.is_contiguous():
             act = triton_kernels.silu_mul(gate_up)
-        elif cpu_kernels.supports(gate_up) and gate_up.is_contiguous():
-            act = cpu_kernels.silu_mul(gate_up)  # one pass, the same roundings
+        elif (self.hidden_act in cpu_kernels.ACTIVATIONS and cpu_kernels.supports(gate_up)
+              and gate_up.is_contiguous()):
+            act = cpu_kernels.act_and_mul(gate_up, self.hidden_act)  # one pass, the same roundings
         else:
             gate, up = gate_up.split(self.shard_sizes, dim=-1)
-            act = F.silu(gate) * up
+            act = GATE_ACTS[self.hidden_act](gate) * up
         return adapted(self.down_proj, self.down_lora, act)
 
 
