@@ -66,6 +66,8 @@ def shaped_folder(assets: Path, dest: Path, overrides: dict) -> Path:
             shutil.copy(f, dest / f.name)
     config = json.loads((assets / "config.json").read_text())
     config.update(overrides)
+    if "hidden_activation" in overrides:  # Gemma's name for it: SmolLM2's hidden_act would be read first
+        config.pop("hidden_act", None)
     (dest / "config.json").write_text(json.dumps(config))
     return dest
 
