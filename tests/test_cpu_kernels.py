@@ -170,13 +170,15 @@ def test_a_built_library_is_reused_and_a_changed_source_rebuilds(monkeypatch, tm
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
-def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens, dtype):
+@pytest.mark.parametrize("rotary_dim", [0, 24], ids=["whole", "partial"])
+def test_rotary_kernel_gives_pytorchs_bits_in_place(monkeypatch, num_tokens, dtype, rotary_dim):
     """Query and key heads inside a wider fused qkv row, rotated in place, against the
-    PyTorch ops on a copy."""
+    PyTorch ops on a copy; a partial rotary (a half of 12: a masked vector) keeps the rest
+    of each head."""
     from services.worker.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(num_tokens)
-    rope = RotaryEmbedding(64, 4096, 10000.0, {})
+    rope = RotaryEmbedding(64, 4096, 10000.0, {}, rotary_dim)
     qkv = torch.randn(num_tokens, (9 + 3 + 3) * 64, generator=gen).to(dtype)
     positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
     qk = qkv[:, : 12 * 64].unflatten(-1, (12, 64))

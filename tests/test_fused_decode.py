@@ -26,9 +26,21 @@ def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
 LAYOUTS = [("bfloat16", None, "auto"), ("float32", None, "auto"), ("bfloat16", "int4", "auto"),
            ("bfloat16", "int8", "auto"), ("bfloat16", None, "fp8_e4m3"), ("float32", None, "fp8_e5m2")]
 TWO_HEADS = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+
+
+def longrope(rotating: int, partial: float = 1.0) -> dict:
+    """Phi-3's longrope past 32 positions (these prompts cross it) over `rotating` dims of a head."""
+    half = rotating // 2
+    return dict(max_position_embeddings=256, original_max_position_embeddings=32, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": partial,
+        "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)]})
+
+
+
 # Every layout on Llama and Qwen2 (biases); the other families' own parts (Qwen3's query/key
 # norms, Gemma's GeGLU, Gemma 2's and 3's norms of each branch, soft cap, windows of 24 that
-# these prompts pass, Gemma 3's rotary base per layer) in both dtypes and one quantized.
+# these prompts pass, Gemma 3's rotary base per layer, Phi-3's longrope rows and a partial
+# rotary) in both dtypes and one quantized.
 CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("llama", dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
                    tie_word_embeddings=True)),
@@ -38,6 +50,8 @@ CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("gemma", TWO_HEADS),
     ("gemma2", TWO_HEADS),
     ("gemma3", dict(TWO_HEADS, head_dim=256)),
+    ("phi3", dict(TWO_HEADS, **longrope(64))),
+    ("phi3", dict(TWO_HEADS, **longrope(32, partial=0.5))),
 ] for layout in LAYOUTS[:2] + [("bfloat16", "int8", "auto")]]
 
 

@@ -416,6 +416,19 @@ def test_phi3_longrope_crossing_under_other_scheduling(tmp_path, options):
     assert generate_ids(llm, PHI3_PROMPTS) == hf_greedy(folder, PHI3_PROMPTS, MAX_NEW)
 
 
+def test_phi3_longrope_with_partial_rotary_runs_the_one_call_decode_layer_and_matches(tmp_path):
+    """Phi-4-mini's kind of layer (longrope over a partial rotary) at a head size the CPU
+    kernels take: the one-call decode layer rotates each head's leading dims by the long or
+    short rows the positions pick, and equals transformers across the threshold."""
+    rope = {**LONGROPE, "partial_rotary_factor": 0.5, "short_factor": [1.0 + 0.1 * i for i in range(16)],
+            "long_factor": [1.5 + 0.5 * i for i in range(16)]}
+    folder = phi3(tmp_path, rope_parameters=rope, original_max_position_embeddings=32, hidden_size=128,
+                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
+    llm = LLM(str(folder))
+    assert llm.runner.model.fused_decode is not None and llm.runner.model_config.rotary_dim == 32
+    assert generate_ids(llm, PHI3_PROMPTS) == hf_greedy(folder, PHI3_PROMPTS, MAX_NEW)
+
+
 def test_phi3_unsupported_rope_configs_are_refused_by_name(tmp_path):
     folder = phi3(tmp_path, rope_parameters=LONGROPE, original_max_position_embeddings=32)
     config = json.loads((folder / "config.json").read_text())

@@ -52,7 +52,7 @@ class LayerSpec(ctypes.Structure):
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
         ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I), ("window", _I)] + [
         (name, _P) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")] + [
-        ("activation", _I), ("softcap", ctypes.c_double)]
+        ("activation", _I), ("softcap", ctypes.c_double), ("rotary_dim", _I)]
 
 
 class StepSpec(ctypes.Structure):
@@ -87,7 +87,7 @@ _SIGNATURES = {  # each entry point exists as llmbus_<name>_bf16 and llmbus_<nam
                                  _I, _F], _C),
     "write_kv": ([_P, _P, _I, _P, _I, _I, _I, _P, _P, _I, _I, _I, _I, _I], _C),
     "add_rms_norm": ([_P, _P, _P, _F, _P, _I, _I, _C], None),
-    "rotary": ([_P, _I, _I, _I, _I, _P, _P, _P, _C], None),
+    "rotary": ([_P, _I, _I, _I, _I, _I, _P, _P, _P, _C], None),
     "act_and_mul": ([_P, _P, _I, _I, _I, _C], None),
     "decoder_layer": ([ctypes.POINTER(LayerSpec), ctypes.POINTER(StepSpec), _P, _P, _I], _C),
 }
@@ -411,30 +411,36 @@ def add_rms_norm(
 
 
 def check_rotary_args(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor,
-                      sin_table: torch.Tensor, dtypes=None) -> None:
+                      sin_table: torch.Tensor, dtypes=None, partial: bool = False) -> None:
     """What a rotary kernel (this one, kernels/elementwise.py's) takes; a ValueError naming
-    what is wrong otherwise."""
+    what is wrong otherwise. With `partial`, tables narrower than a head (an even width):
+    its leading dims rotate."""
     rows, heads, head_dim = x.shape
     if (dtypes is not None and x.dtype not in dtypes) or x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
         raise ValueError(f"rotary takes {'' if dtypes is None else 'bfloat16 or float32 '}[rows, heads, head_dim] "
                          f"with contiguous heads, got {x.dtype} {x.stride()}")
     if positions.dtype != torch.int64 or not positions.is_contiguous() or positions.numel() != rows:
         raise ValueError("rotary: positions must be contiguous int64, one per row")
+    width = cos_table.shape[-1]
     for table in (cos_table, sin_table):
-        if table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != head_dim:
-            raise ValueError("rotary: cos/sin tables must be contiguous float32 [max_position, head_dim]")
+        if (table.dtype != torch.float32 or not table.is_contiguous() or table.shape[-1] != width
+                or not (width == head_dim or (partial and 0 < width < head_dim and width % 2 == 0))):
+            raise ValueError(f"rotary: cos/sin tables must be contiguous float32 [max_position, "
+                             f"{'an even width up to ' if partial else ''}head_dim]")
 
 
 def rotary(
     x: torch.Tensor,  # [rows, heads, head_dim], head_dim contiguous, heads adjacent; rotated in place
     positions: torch.Tensor,  # [rows] int64, each < the tables' length (the caller checks once per step)
-    cos_table: torch.Tensor,  # [max_position, head_dim] float32
-    sin_table: torch.Tensor,  # [max_position, head_dim] float32, first half negated
+    cos_table: torch.Tensor,  # [max_position, rotary_dim] float32: rotary_dim <= head_dim (partial rotary)
+    sin_table: torch.Tensor,  # [max_position, rotary_dim] float32, first half negated
 ) -> torch.Tensor:
-    check_rotary_args(x, positions, cos_table, sin_table, _SUFFIX)
+    """Each head's leading rotary_dim dims rotated by its row's position; the rest kept."""
+    check_rotary_args(x, positions, cos_table, sin_table, _SUFFIX, partial=True)
     rows, heads, head_dim = x.shape
-    _entry("rotary", x.dtype)(x.data_ptr(), rows, heads, head_dim, x.stride(0), positions.data_ptr(),
-                              cos_table.data_ptr(), sin_table.data_ptr(), torch.get_num_threads())
+    _entry("rotary", x.dtype)(x.data_ptr(), rows, heads, head_dim, cos_table.shape[-1], x.stride(0),
+                              positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
+                              torch.get_num_threads())
     return x
 
 

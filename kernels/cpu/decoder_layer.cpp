@@ -23,7 +23,7 @@ struct LlmbusLayer {
   const float *qkv_bias, *o_bias;                            // float32 or null
   void *k_cache, *v_cache;                                   // one layer's cache
   int64_t block_stride, slot_stride, head_stride;            // in elements
-  const float *cos_table, *sin_table;                        // [max_position, head_dim]
+  const float *cos_table, *sin_table;                        // [max_position, rotary_dim]
   int64_t weight_format;  // qkv, o, gate_up, down: 0 packed in T, 4 by llmbus_pack_int4, 8 by
                           // llmbus_pack_int8 (the last two in bfloat16 layers only)
   int64_t kv_format;      // the caches: 0 in T, 1 float8 e4m3, 2 float8 e5m2 (fp8.h)
@@ -35,6 +35,7 @@ struct LlmbusLayer {
                                                // them post_norm is the norm before the MLP
   int64_t activation;     // the MLP's gate: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU)
   double softcap;         // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
+  int64_t rotary_dim;     // the leading dims of each head that rotate: head_dim, or fewer (a partial rotary)
 };
 
 // What one step gives every layer, and its scratch space.
@@ -88,8 +89,8 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
       K::add_rms_norm(q + q_size, nullptr, (const T*)L->k_norm, (float)L->eps, q + q_size, L->num_kv_heads, d, 1);
     }
   }
-  K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, qkv_size, S->positions, L->cos_table, L->sin_table,
-            threads);
+  K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, L->rotary_dim, qkv_size, S->positions, L->cos_table,
+            L->sin_table, threads);
   int status = K::write_kv(qkv + q_size, qkv + q_size + kv_size, qkv_size, S->slots, rows, L->num_kv_heads, d,
                            L->k_cache, L->v_cache, L->block_stride, L->slot_stride, L->head_stride, L->block_size,
                            L->kv_format);

@@ -51,13 +51,13 @@ void add_rms_norm(const T* x, T* residual, const T* weight, float eps, T* out, i
 }
 
 template <typename T>
-void rotary(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride, const int64_t* positions,
-            const float* cos_table, const float* sin_table, int threads) {
-  const int64_t half = head_dim / 2;
+void rotary(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim, int64_t x_stride,
+            const int64_t* positions, const float* cos_table, const float* sin_table, int threads) {
+  const int64_t half = rotary_dim / 2;  // a partial rotary turns each head's leading rotary_dim only
 #pragma omp parallel for num_threads(threads_for(rows, threads))
   for (int64_t r = 0; r < rows; ++r) {
-    const float* cos_row = cos_table + positions[r] * head_dim;
-    const float* sin_row = sin_table + positions[r] * head_dim;
+    const float* cos_row = cos_table + positions[r] * rotary_dim;
+    const float* sin_row = sin_table + positions[r] * rotary_dim;
     for (int64_t h = 0; h < heads; ++h) {
       T* v = x + r * x_stride + h * head_dim;
       for (int64_t i = 0; i < half; i += 16) {
@@ -131,15 +131,18 @@ void llmbus_add_rms_norm_f32(const float* x, float* residual, const float* weigh
   add_rms_norm(x, residual, weight, eps, out, rows, hidden, threads);
 }
 
-// In place on x [rows, heads, head_dim] (row stride x_stride): x * cos + swap_halves(x) * sin,
-// cos/sin the float32 tables of each row's position, rounded as the dtype's PyTorch ops do.
-void llmbus_rotary_bf16(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride,
-                        const int64_t* positions, const float* cos_table, const float* sin_table, int threads) {
-  rotary(x, rows, heads, head_dim, x_stride, positions, cos_table, sin_table, threads);
+// In place on x [rows, heads, head_dim] (row stride x_stride): each head's leading rotary_dim
+// (all of it, or a partial rotary's) becomes x * cos + swap_halves(x) * sin, cos/sin the
+// float32 tables [positions, rotary_dim] at each row's position, rounded as the dtype's
+// PyTorch ops do; the rest of the head is left alone.
+void llmbus_rotary_bf16(uint16_t* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim,
+                        int64_t x_stride, const int64_t* positions, const float* cos_table, const float* sin_table,
+                        int threads) {
+  rotary(x, rows, heads, head_dim, rotary_dim, x_stride, positions, cos_table, sin_table, threads);
 }
-void llmbus_rotary_f32(float* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride,
+void llmbus_rotary_f32(float* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim, int64_t x_stride,
                        const int64_t* positions, const float* cos_table, const float* sin_table, int threads) {
-  rotary(x, rows, heads, head_dim, x_stride, positions, cos_table, sin_table, threads);
+  rotary(x, rows, heads, head_dim, rotary_dim, x_stride, positions, cos_table, sin_table, threads);
 }
 
 // out [rows, n] = round(act(gate)) * up, from gate_up [rows, 2n] (gate first): SwiGLU

@@ -19,9 +19,9 @@ extern "C" {
                                int64_t kv_format);                                                                \
   void llmbus_add_rms_norm_##SUFFIX(const T* x, T* residual, const T* weight, float eps, T* out, int64_t rows,    \
                                     int64_t hidden, int threads);                                                 \
-  void llmbus_rotary_##SUFFIX(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t x_stride,              \
-                              const int64_t* positions, const float* cos_table, const float* sin_table,           \
-                              int threads);                                                                       \
+  void llmbus_rotary_##SUFFIX(T* x, int64_t rows, int64_t heads, int64_t head_dim, int64_t rotary_dim,          \
+                              int64_t x_stride, const int64_t* positions, const float* cos_table,                \
+                              const float* sin_table, int threads);                                               \
   void llmbus_act_and_mul_##SUFFIX(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t activation,       \
                                    int threads);
 LLMBUS_DECLARE(uint16_t, bf16)

@@ -94,16 +94,17 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Rotate every head of `x` by its token's position. Query and key heads go
         through in one call (they are adjacent in the fused qkv output): half the calls.
-        On CPU, kernels/cpu rotates `x` in place in one pass (the same bits). (With the
+        On CPU, kernels/cpu rotates `x` in place in one pass (the same bits), a partial
+        rotary's leading dims too. (With the
         Triton backend the attention layer rotates in kernels/elementwise.py's
         rotary_and_cache instead, the cache write with it, from these tables.)"""
-        if self.head_dim < self.full_head_dim:  # partial: rotate the leading dims, keep the rest
-            return torch.cat((self._rotate(positions, x[..., : self.head_dim]), x[..., self.head_dim :]), dim=-1)
-        if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.head_dim:
+        if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.full_head_dim:
             if self._checked is not positions:  # once per step, not per layer
                 self.check_positions(positions)
                 self._checked = positions
-            return cpu_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)
+            return cpu_kernels.rotary(x, positions, self.cos_cache, self.sin_signed_cache)  # partial too
+        if self.head_dim < self.full_head_dim:  # partial: rotate the leading dims, keep the rest
+            return torch.cat((self._rotate(positions, x[..., : self.head_dim]), x[..., self.head_dim :]), dim=-1)
         return self._rotate(positions, x)
 
     def _rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

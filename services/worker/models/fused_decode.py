@@ -11,10 +11,10 @@ The kernels are the ones the module path calls (packed products, fused add-norm,
 cache write, decode attention, SiLU- or GELU-mul), so both paths compute the same bits
 (tests/test_fused_decode.py). The families: Llama's layer, Qwen3's query/key norms, and
 Gemma's (1-3) GeGLU, norms of each branch's output, soft-capped scores and per-layer rotary
-bases and windows. Layers packed for llmbus's kernels take part: bfloat16 and float32, and
+bases and windows, Phi-3's longrope and partial rotary. Layers packed for llmbus's kernels take part: bfloat16 and float32, and
 int4 or int8 weights on llmbus's kernels (with bfloat16 activations). Steps with prefill
-chunks, weights on PyTorch's kernels, other attention backends, experts, partial or
-longrope rotary and exact GELU take the module path.
+chunks, weights on PyTorch's kernels, other attention backends, experts and exact GELU
+take the module path.
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ class FusedDecode:
             return None  # another attention backend was asked for (Triton): keep to it
         if config.hidden_act not in cpu_kernels.ACTIVATIONS:
             return None  # exact GELU: the C layer's gates are SiLU and GELU's tanh form
-        if config.moe_layers or config.rotary_dim or config.long_rope_threshold:
-            # The C layer has no experts, rotates whole heads by one table per layer (no
-            # partial rotary, no longrope switch of tables by length): the module path for these.
-            return None
+        if config.moe_layers:
+            return None  # the C layer has no experts: the module path for these
+        # (A partial rotary turns each head's leading rotary_dim; longrope's long rows are
+        # picked by the positions themselves, offset in the step's inputs: both as on the
+        # module path.)
         dtype = model.model.embed_tokens.weight.dtype
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -111,6 +112,7 @@ class FusedDecode:
                 post_attn_norm=layer.post_attention_layernorm.weight.data_ptr() if sandwich else None,
                 post_mlp_norm=layer.post_feedforward_layernorm.weight.data_ptr() if sandwich else None,
                 activation=cpu_kernels.ACTIVATIONS[mlp.hidden_act], softcap=attn.softcap or 0.0,
+                rotary_dim=rotary.head_dim,  # the dims that rotate (fewer than head_dim: Phi-4-mini's partial rotary)
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs
