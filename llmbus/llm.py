@@ -180,12 +180,17 @@ class LLM:
                         pending.discard(done)
                         bar.update()
 
-        running = self.executor.submit(self._loop.run_until_complete, steps())
+        # The hand-over inside the try: a Ctrl-C that lands between it and the wait (a busy
+        # machine can leave this thread unscheduled while the engine's lands steps) must stop
+        # the steps too, not leave them running to their last token.
+        running: concurrent.futures.Future | None = None
         try:
+            running = self.executor.submit(self._loop.run_until_complete, steps())
             running.result()
         except BaseException:
-            stop.set()
-            concurrent.futures.wait([running])
+            stop.set()  # (set before the steps began, none runs)
+            if running is not None:
+                concurrent.futures.wait([running])
             raise
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
