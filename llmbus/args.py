@@ -65,6 +65,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=env("--generation-config", "auto"), help=SOURCES_HELP)
     parser.add_argument("--override-generation-config", default=env("--override-generation-config", None),
                         help='JSON on top of the generation config, e.g. \'{"temperature": 0.5}\'')
+    # vLLM's, so its command lines run as typed: llmbus runs no code from a checkpoint (an
+    # architecture it does not implement is refused by name), so there is nothing to trust.
+    parser.add_argument("--trust-remote-code", action="store_true", default=env_flag("--trust-remote-code"),
+                        help="accepted for vLLM's command lines; llmbus runs no code from the checkpoint")
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +87,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="default: triton on a GPU, torch on CPU")
     parser.add_argument("--threads", type=int, default=env("--threads"),
                         help="torch threads for the model (default: torch's, one per core)")
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+        parser.add_argument(flag, short, type=one_device, default=env(flag, 1),
+                            help="vLLM's; 1 only: a worker runs on one device (--workers adds replicas)")
     parser.add_argument("--enforce-eager", action="store_true", default=env_flag("--enforce-eager"),
                         help="no CUDA graphs for decode steps (a GPU's default)")
     parser.add_argument("--max-cudagraph-capture-size", type=int, default=env("--max-cudagraph-capture-size", 256),
@@ -108,6 +115,13 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", action="store_true", default=env_flag("--no-chunked-prefill"),
                         help="prefill each prompt in one step (then --max-num-batched-tokens must cover "
                              "--max-model-len)")
+    # vLLM's spellings of the two switches (both on by default); the defaults stay the flags' above.
+    for feature in ("prefix-caching", "chunked-prefill"):
+        dest = f"no_{feature.replace('-', '_')}"
+        parser.add_argument(f"--enable-{feature}", dest=dest, action="store_false", default=argparse.SUPPRESS,
+                            help=f"vLLM's spelling: {feature.replace('-', ' ')} on (the default)")
+        parser.add_argument(f"--no-enable-{feature}", dest=dest, action="store_true", default=argparse.SUPPRESS,
+                            help=f"vLLM's spelling of --no-{feature}")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
     parser.add_argument("--scheduling-policy", default=env("--scheduling-policy", "fcfs"), choices=SCHEDULING_POLICIES,
                         help="priority: a request's `priority` (lower first) orders admission and preemption")
@@ -124,6 +138,16 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
         help='vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'',
     )
+
+
+def one_device(value: str) -> int:
+    """--tensor-parallel-size, --pipeline-parallel-size: vLLM's, where only 1 holds here."""
+    size = int(value)
+    if size != 1:
+        raise argparse.ArgumentTypeError(
+            f"{size}: a worker runs its model on one device (no tensor or pipeline parallelism); serve more "
+            f"requests with more replicas (--workers N, or `llmbus worker` on other machines)")
+    return size
 
 
 def _or_exit(check, *args):
@@ -207,7 +231,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          default_sampling=defaults, model_eos_ids=model_eos_ids(model_path, args.generation_config),
                          unsupported_pooling=unsupported_pooling(model_path),
                          lora_modules=lora_modules(args.lora_modules),
-                         allow_runtime_lora_updating=runtime_lora_updating())
+                         allow_runtime_lora_updating=runtime_lora_updating(),
+                         chat_template=args.chat_template)
 
 
 def runtime_lora_updating() -> bool:

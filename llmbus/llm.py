@@ -212,15 +212,18 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: `continue_final_message` goes on from a last assistant message (with
         add_generation_prompt=False); `chat_template_kwargs` are the template's own
-        variables (Qwen3's enable_thinking)."""
+        variables (Qwen3's enable_thinking); `chat_template`, a Jinja template's text, in
+        place of the model's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message,
-                                               chat_template_kwargs=chat_template_kwargs)
+                                               chat_template_kwargs=chat_template_kwargs,
+                                               chat_template=chat_template)
             for conv in conversations  # type: ignore[union-attr]
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

@@ -63,6 +63,12 @@ def bus_auth(args) -> BusAuth:
                    tls_key=args.nats_tls_key, inbox=args.nats_inbox_prefix)
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """The tokenizers render chats with it and the gateway shows it (/tokenizer_info)."""
+    parser.add_argument("--chat-template", default=env("--chat-template", None),
+                        help="vLLM's: the chat template, a file or the Jinja text itself, in place of the model's")
+
+
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=env("--host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("--port", 8000)))
@@ -92,6 +98,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=env("--tool-call-parser", "hermes"),
                         choices=sorted(TOOL_CALL_PARSERS),
                         help="how tool_choice auto reads the calls the model writes")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_flag("--enable-auto-tool-choice"),
+                        help="vLLM's; accepted as typed: tool_choice auto is always on, read by --tool-call-parser")
 
 
 # A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
@@ -112,6 +120,7 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
                         default=env("--structured-outputs-compile-timeout", "5"),
                         help="seconds a structured-output spec may take to compile before the request is a 400 "
                              f"(at most {MAX_COMPILE_TIMEOUT_S:g})")
+    add_chat_template_arg(parser)
     parser.add_argument("--tool-chat-template", default=env("--tool-chat-template", None),
                         help="a Jinja chat template for conversations with tools (default: the model's own when "
                              "it renders tools, else Hermes-style tool messages through the model's template)")
@@ -149,7 +158,8 @@ def cmd_tokenizer(args) -> int:
     path, name = _setup(args)
     _without_torch()
     asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout,
-                      tool_chat_template=args.tool_chat_template, auth=bus_auth(args)))
+                      tool_chat_template=args.tool_chat_template, chat_template=args.chat_template,
+                      auth=bus_auth(args)))
     return 0
 
 
@@ -194,12 +204,14 @@ def cmd_gateway(args) -> int:
 
 # Flags of `serve` itself, not of any service it starts.
 _SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "nats_monitor", "tokenizers",
-               "workers", "startup_timeout"}
+               "workers", "startup_timeout", "model_tag"}
 
 
 def cmd_serve(args) -> int:
     from llmbus.serve import run_serve
 
+    if args.model_tag:  # `llmbus serve MODEL`, as `vllm serve MODEL` (over --model, as vLLM's)
+        args.model = args.model_tag
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("llmbus serve: --lora-modules needs --enable-lora (the workers serve the adapters)")
     lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
@@ -250,12 +262,14 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_gateway_args(p)
+    add_chat_template_arg(p)
     p.add_argument("--gateway-id", default=env("--gateway-id", None),
                    help="this gateway's id, its bus identity and the first token of its outputs subject (default: "
                         "random; `llmbus serve` keeps one across restarts)")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` (or --model)")
     p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
     p.add_argument("--served-model-name", default=env("--served-model-name", None))

@@ -96,6 +96,9 @@ class GatewayConfig:
     lora_modules: dict = field(default_factory=dict)
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
     allow_runtime_lora_updating: bool = False
+    # vLLM's --chat-template (a file or the template): the tokenizers render with it, and
+    # /tokenizer_info shows it
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -96,6 +96,11 @@ def test_chat_renders_the_template(llm):
     [out] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))
     expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", False)
     assert out.prompt_token_ids == expected
+    # vLLM's chat_template: this call's own template in place of the model's
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %} [assistant]"
+    [own] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),
+                     chat_template=template)
+    assert own.prompt_token_ids == llm.tokenizer.encode("[user] hello [assistant]", False)
 
 
 def test_chat_goes_on_from_a_final_assistant_message(llm):

@@ -19,12 +19,21 @@ from llmbus.serve import live_children
 pytestmark = pytest.mark.timeout(300)
 
 
+# A chat template of the deployment's own (vLLM's --chat-template), unlike the model's.
+CHAT_TEMPLATE = "{% for m in messages %}### {{ m.role }} says:\n{{ m.content }}\n{% endfor %}### assistant says:\n"
+
+
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
     proc, url = llmbus_serve(
-        ["--model", str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
-         "--kv-cache-dtype", "fp8_e5m2"],
-        tmp_path_factory.mktemp("serve") / "stderr.log",
+        # As a vLLM user types it: the model first, and vLLM's flags that change nothing here.
+        [str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
+         "--kv-cache-dtype", "fp8_e5m2", "--chat-template", str(folder / "chat.jinja"),
+         "--enable-tokenizer-info-endpoint", "--trust-remote-code", "-tp", "1", "--enable-prefix-caching",
+         "--enable-auto-tool-choice"],
+        folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).
         env={"LLMBUS_HEARTBEAT_TIMEOUT": "60"},
@@ -49,6 +58,22 @@ def test_serve_starts_everything_and_answers(served):
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_chat_template_of_the_command_line_renders_chats(served, tiny_llama):
+    """Both tokenizer replicas render with --chat-template (a chat's prompt tokens are its
+    rendering's, not the model's template's), and /tokenizer_info shows it."""
+    from services.tokenizer.tokenizer import Tokenizer
+
+    _, url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    messages = [{"role": "user", "content": "what is two and two"}]
+    own = len(Tokenizer(tiny_llama, chat_template=CHAT_TEMPLATE).apply_chat_template(messages))
+    assert own != len(Tokenizer(tiny_llama).apply_chat_template(messages))
+    for _ in range(4):  # over both replicas (a queue group)
+        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert answer.usage.prompt_tokens == own
+    assert httpx.get(f"{url}/tokenizer_info", timeout=10).json()["chat_template"] == CHAT_TEMPLATE
 
 
 def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):

@@ -125,3 +125,27 @@ def test_serve_hands_its_children_repeated_and_json_flags_as_they_parse_back(mon
     scheduler = build_parser().parse_args(["scheduler"])
     assert scheduler.speculative_config == args.speculative_config
     assert scheduler.speculative_config.num_speculative_tokens == 2
+
+
+def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
+    """`vllm serve MODEL ...`'s flags: the model as a positional, vLLM's spellings of the
+    prefix caching and chunked prefill switches (reaching the scheduler as ours do), flags
+    that change nothing here accepted, a parallelism llmbus lacks refused by name."""
+    from llmbus.args import as_env
+    from llmbus.cli import build_parser
+
+    argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
+            "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--chat-template", "{{ x }}"]
+    args = build_parser().parse_args(argv)
+    assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
+    for name, value in as_env(args, ["no_prefix_caching", "no_chunked_prefill", "chat_template"]).items():
+        monkeypatch.setenv(name, value)
+    scheduler = build_parser().parse_args(["scheduler"])
+    assert (scheduler.no_prefix_caching, scheduler.no_chunked_prefill) == (False, True)
+    assert build_parser().parse_args(["tokenizer"]).chat_template == "{{ x }}"
+    assert build_parser().parse_args(["gateway"]).chat_template == "{{ x }}"
+    assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching is True
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert refused.value.code == 2
+    assert "one device" in capsys.readouterr().err

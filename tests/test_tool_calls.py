@@ -144,6 +144,23 @@ def test_a_template_that_renders_tools_gets_them_with_arguments_as_objects(tiny_
     assert '"name": "get_weather"' in rendered and "<tool_response>\nsunny" in rendered
 
 
+def test_chat_template_replaces_the_models_as_vllms_flag_reads_it(tiny_llama, tmp_path):
+    """--chat-template: a file, or the template on one line with its escapes read; for one
+    call (LLM.chat's chat_template), the text itself. Anything else is refused by name."""
+    one_line = "{% for m in messages %}<<{{ m.role }}>>{{ m.content }}\\n{% endfor %}<<ü中>>"
+    file = tmp_path / "chat.jinja"
+    file.write_text(one_line.replace("\\n", "\n"))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    expected = "<<user>>hi\n<<assistant>>yo\n<<ü中>>"
+    assert Tokenizer(tiny_llama, chat_template=file).render_chat(messages, False) == expected
+    assert Tokenizer(tiny_llama, chat_template=one_line).render_chat(messages, False) == expected
+    plain = Tokenizer(tiny_llama)
+    assert plain.render_chat(messages, False) != expected
+    assert plain.render_chat(messages, False, chat_template=file.read_text()) == expected
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        Tokenizer(tiny_llama, chat_template=str(tmp_path / "missing.jinja"))
+
+
 # ---- served ------------------------------------------------------------------------------
 
 

@@ -19,7 +19,8 @@ log = logging.getLogger("llmbus.gateway")
 
 def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0,
               auth: BusAuth | None = None, gateway_id: str | None = None):
-    tokenizer = Tokenizer(model_path)  # for detokenizing outputs; encoding is the tokenizers' job
+    # For detokenizing outputs and /tokenizer_info; encoding is the tokenizers' job.
+    tokenizer = Tokenizer(model_path, chat_template=config.chat_template)
     gateway_id = gateway_id or uuid.uuid4().hex[:8]
 
     async def client_factory(on_stats) -> EngineClient:

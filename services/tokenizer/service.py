@@ -43,8 +43,8 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
 
 async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
                 compile_timeout_s: float = 5.0, tool_chat_template: str | None = None,
-                auth: BusAuth | None = None) -> None:
-    tokenizer = Tokenizer(model_path, tool_chat_template)
+                chat_template: str | None = None, auth: BusAuth | None = None) -> None:
+    tokenizer = Tokenizer(model_path, tool_chat_template, chat_template)
     # Started at the first spec (a child process with the vocabulary), not by every replica.
     grammars = GrammarChecker(model_path, compile_timeout_s)
     loop = asyncio.get_running_loop()

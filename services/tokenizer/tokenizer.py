@@ -4,7 +4,8 @@ transformers' fast tokenizer for encoding and chat templates; its `tokenizers`
 backend is what the gateway's incremental detokenizer steps through. A conversation with
 tools goes through the model's template when that template renders tools (it reads a
 `tools` variable), through `--tool-chat-template` when one is given, and otherwise as
-Hermes-style messages through the model's own template (`tool_prompt.py`).
+Hermes-style messages through the model's own template (`tool_prompt.py`). vLLM's
+`--chat-template` replaces the model's template (a base model's missing one, a fixed one).
 """
 
 from __future__ import annotations
@@ -17,14 +18,34 @@ from tokenizers import Tokenizer as BackendTokenizer
 from services.tokenizer.tool_prompt import has_tool_turns, hermes_messages, with_arguments_as_objects
 
 
+def load_chat_template(value: str | Path) -> str:
+    """A chat template as vLLM's --chat-template takes it: a file's path, or the Jinja
+    template itself (on one line, its escapes such as \\n read as the characters)."""
+    try:
+        is_file = Path(value).is_file()
+    except OSError:  # a template too long to be a file's name
+        is_file = False
+    if is_file:
+        return Path(value).read_text()
+    text = str(value)
+    if "{{" in text or "{%" in text:
+        # vLLM's reading of a one-line template; latin-1 with backslashreplace first keeps
+        # every other character as it is (unicode_escape alone reads UTF-8 as latin-1).
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    raise ValueError(f"chat template {text!r} is neither a file nor a Jinja template")
+
+
 class Tokenizer:
-    def __init__(self, model_path: str | Path, tool_chat_template: str | Path | None = None) -> None:
+    def __init__(self, model_path: str | Path, tool_chat_template: str | Path | None = None,
+                 chat_template: str | Path | None = None) -> None:
         from transformers import AutoTokenizer  # heavy; only where a tokenizer is needed
 
         self.hf = AutoTokenizer.from_pretrained(str(model_path))
+        if chat_template is not None:
+            self.hf.chat_template = load_chat_template(chat_template)
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.eos_token_id: int | None = self.hf.eos_token_id
-        self.tool_template = Path(tool_chat_template).read_text() if tool_chat_template else None
+        self.tool_template = load_chat_template(tool_chat_template) if tool_chat_template else None
         self.template_renders_tools = self.tool_template is not None or _reads_tools(self.hf.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -35,16 +56,17 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> str:
         """`chat_template_kwargs`: variables the template reads besides the messages (vLLM's
-        field; Qwen3's `enable_thinking`), never the ones set here."""
-        if not self.hf.chat_template and self.tool_template is None:
-            raise ValueError("this model has no chat template")
+        field; Qwen3's `enable_thinking`), never the ones set here. `chat_template`: this
+        call's own template text (LLM.chat's), over the tokenizer's and the tool template."""
+        template = chat_template
+        if template is None and not self.hf.chat_template and self.tool_template is None:
+            raise ValueError("this model has no chat template: give one (--chat-template)")
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
-        template = None
         if tools or has_tool_turns(messages):
-            if self.template_renders_tools:
-                messages, template = with_arguments_as_objects(messages), self.tool_template
+            if _reads_tools(template) if template is not None else self.template_renders_tools:
+                messages, template = with_arguments_as_objects(messages), template or self.tool_template
             else:
                 messages, tools = hermes_messages(messages, tools), None
         try:
@@ -58,9 +80,11 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                            chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            chat_template_kwargs: dict[str, Any] | None = None,
+                            chat_template: str | None = None) -> list[int]:
         # The rendered template already holds the special tokens it wants.
-        text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs)
+        text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs,
+                                chat_template)
         return self.encode(text, add_special_tokens=False)
 
 
