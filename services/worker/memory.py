@@ -1,0 +1,45 @@
+"""How much memory a worker may still take, for a KV cache sized before it is allocated.
+
+A KV cache is allocated zeroed, so every byte is touched at start: one larger than the
+machine's free memory has the kernel's OOM killer end the worker (or a neighbour) with a
+bare SIGKILL, which `llmbus serve` can only report as a crash loop. Checked first, it is a
+one-line error naming the flag to lower.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import torch
+
+# What a step's own work (activations, logits, sampling) needs beside the cache.
+STEP_RESERVE_BYTES = 512 << 20
+
+
+def free_bytes(device: torch.device) -> int:
+    """Bytes this process can still allocate on `device`: the GPU's free memory, or the
+    host's available memory, capped by the cgroup's limit where one is set (a container's
+    limit is not the host's)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    free = psutil.virtual_memory().available
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit to read
+    return free
+
+
+def check_kv_cache_fits(kv_bytes: int, device: torch.device, asked: str) -> None:
+    """ValueError unless `kv_bytes` and a step's reserve fit in what `device` has free;
+    `asked`: the flags that sized it, for the message."""
+    free = free_bytes(device)
+    if kv_bytes + STEP_RESERVE_BYTES > free:
+        raise ValueError(
+            f"the KV cache ({kv_bytes / (1 << 30):.2f} GiB, {asked}) does not fit in the "
+            f"{free / (1 << 30):.2f} GiB {'the GPU' if device.type == 'cuda' else 'this machine'} has free after "
+            f"loading the model (with {STEP_RESERVE_BYTES >> 20} MiB kept for a step's work): lower it")
