@@ -18,11 +18,12 @@ STEP_RESERVE_BYTES = 512 << 20
 
 
 def free_bytes(device: torch.device) -> int:
-    """Bytes this process can still allocate on `device`: the GPU's free memory, or the
-    host's available memory, capped by the cgroup's limit where one is set (a container's
-    limit is not the host's)."""
+    """Bytes this process can still allocate on `device`: the GPU's free memory with what
+    PyTorch's allocator holds unused, or the host's available memory, capped by the
+    cgroup's limit where one is set (a container's limit is not the host's)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + held_unused
     free = psutil.virtual_memory().available
     cgroup = Path("/sys/fs/cgroup")
     try:
