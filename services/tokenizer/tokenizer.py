@@ -40,7 +40,11 @@ class Tokenizer:
                  chat_template: str | Path | None = None) -> None:
         from transformers import AutoTokenizer  # heavy; only where a tokenizer is needed
 
-        self.hf = AutoTokenizer.from_pretrained(str(model_path))
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(model_path))
+        except (OSError, ValueError) as exc:
+            hint = _tokenizer_hint(Path(model_path), exc)
+            raise ValueError(f"cannot read the tokenizer of {model_path}: {hint}") from exc
         if chat_template is not None:
             self.hf.chat_template = load_chat_template(chat_template)
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
@@ -108,6 +112,19 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
 _RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
                        "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
                        "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def _tokenizer_hint(folder: Path, exc: Exception) -> str:
+    """What is wrong with a folder whose tokenizer transformers could not read, in words
+    that name the file (its own message speaks of slow tokenizers and converters)."""
+    if not (folder / "tokenizer.json").exists():
+        if (folder / "tokenizer.model").exists():
+            return ("it has only sentencepiece's tokenizer.model, which needs the sentencepiece package; add the "
+                    "tokenizer.json that transformers writes (AutoTokenizer.from_pretrained(folder).save_pretrained("
+                    "folder), where sentencepiece is installed)")
+        if not any(folder.glob("vocab.*")) and not any(folder.glob("*.tiktoken")):
+            return "it has no tokenizer.json (copy the checkpoint's tokenizer files beside its config.json)"
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _reads_tools(template: str | dict | None) -> bool:
