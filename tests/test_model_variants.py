@@ -70,6 +70,20 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     assert engine_ids(folder) == hf_greedy(folder, PROMPTS, 16)
 
 
+def test_a_shard_cut_short_or_missing_is_named(tmp_path):
+    """A partial download: the file it lacks or cuts short is named in one ValueError (what
+    `llmbus serve` prints as its one line), not a safetensors traceback."""
+    folder = build_tiny_model(tmp_path, "llama", seed=4, max_shard_size="100KB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].write_bytes(shards[-1].read_bytes()[:2000])
+    with pytest.raises(ValueError, match=f"cannot read the weights in {shards[-1]}: .*a partial download"):
+        LLM(str(folder))
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=f"cannot read the weights in {shards[-1]}: .*No such file"):
+        LLM(str(folder))
+
+
 def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_llama):
     f32 = engine_ids(tiny_llama)
     bf16 = engine_ids(tiny_llama, dtype="bfloat16")

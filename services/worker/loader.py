@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
 from services.worker.models.fused_decode import FusedDecode
@@ -43,10 +43,19 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+        with open_weights(path) as f:
             for name in f.keys():
                 if not name.startswith(MULTIMODAL_PARTS):  # a vision tower is left on disk, unread
                     yield name, f.get_tensor(name)
+
+
+def open_weights(path: Path):
+    """safe_open, with a file that is missing or cut short (a partial download, a shard the
+    index names but the folder lacks) a ValueError naming it rather than a traceback."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"cannot read the weights in {path}: {exc} (a partial download?)") from exc
 
 
 def load_model(

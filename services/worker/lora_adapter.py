@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from services.worker.loader import open_weights
 from services.worker.model_config import ModelConfig
 from shared.lora_request import LoRARequest, check_options, read_adapter_config, weights_file
 
@@ -67,7 +67,7 @@ class LoRAAdapter:
         scaling = alpha / (math.sqrt(rank) if options.get("use_rslora") else rank)
         weights = weights_file(name, folder)
         halves: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-        with safe_open(str(weights), framework="pt") as f:
+        with open_weights(weights) as f:
             for key in f.keys():
                 match = _KEY.fullmatch(key)
                 if match is None or match[3] not in TARGETS:
