@@ -525,6 +525,30 @@ def test_models_and_ping_say_what_vllm_s_do(tokenizer):
     assert [p.status_code for p in pings] == [200, 200] and pings[0].json()["status"] == "ok"
 
 
+def test_a_model_is_retrieved_by_id_and_unknown_paths_answer_in_openais_shape(tokenizer):
+    """OpenAI's GET /v1/models/{id} (the openai client's models.retrieve), and routing's 404
+    and 405 in OpenAI's error shape, not FastAPI's {"detail": ...}."""
+    import openai
+
+    client, _ = gateway(tokenizer)
+    with client:
+        card = client.get("/v1/models/tiny")
+        unknown = client.get("/v1/models/org/other")
+        no_path = client.post("/v1/nonexistent", json={})
+        wrong_method = client.delete("/v1/chat/completions")
+        listed = client.get("/v1/models").json()["data"][0]
+        sdk = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="none", http_client=client)
+        assert sdk.models.retrieve("tiny").id == "tiny"
+        with pytest.raises(openai.NotFoundError, match="`org/other` does not exist"):
+            sdk.models.retrieve("org/other")
+    assert card.status_code == 200 and card.json() == listed
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert no_path.status_code == 404 and no_path.json()["error"] == {
+        "message": "Invalid URL (POST /v1/nonexistent)", "type": "invalid_request_error", "param": None, "code": 404}
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["message"] == "DELETE is not allowed on /v1/chat/completions"
+
+
 def test_allowed_token_ids_reach_the_engine_and_an_empty_list_is_a_400(tokenizer):
     client, engine = gateway(tokenizer)
     with client:

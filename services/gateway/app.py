@@ -15,10 +15,11 @@ from contextlib import asynccontextmanager
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException
 from opentelemetry import trace
 
 from services.gateway.api_keys import ApiKeys
-from services.gateway.errors import GatewayError, Unavailable, error_response
+from services.gateway.errors import GatewayError, NoRoute, NotFound, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from services.gateway.metrics import GatewayMetrics
@@ -58,8 +59,16 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     async def on_error(_request: Request, exc: Exception) -> Response:
         return error_response(exc)
 
-    # Ours, and anything unforeseen: a 500 in OpenAI's shape rather than plain text.
+    async def on_routing_error(request: Request, exc: HTTPException) -> Response:
+        message = (f"Invalid URL ({request.method} {request.url.path})" if exc.status_code == 404
+                   else f"{request.method} is not allowed on {request.url.path}" if exc.status_code == 405
+                   else str(exc.detail))
+        return error_response(NoRoute(message, exc.status_code))
+
+    # Ours, routing's (an unknown path, a wrong method: OpenAI's "Invalid URL"), and anything
+    # unforeseen: in OpenAI's shape rather than FastAPI's {"detail": ...} or plain text.
     app.add_exception_handler(GatewayError, on_error)
+    app.add_exception_handler(HTTPException, on_routing_error)
     app.add_exception_handler(Exception, on_error)
 
     def serving(request: Request) -> OpenAIServing:
@@ -89,8 +98,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
-    async def models(request: Request):
+    async def model_cards(request: Request) -> list[dict]:
         card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus",
                 "root": config.model_name, "parent": None}
         try:  # vLLM's card says the context too, once a worker has joined (it is the workers' to know)
@@ -102,7 +110,18 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         # vLLM's cards for the adapters: their own id, the base model as parent
         adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "llmbus", "root": lora.lora_path,
                      "parent": config.model_name} for name, lora in serving(request).loras.items()]
-        return {"object": "list", "data": [card, *adapters]}
+        return [card, *adapters]
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return {"object": "list", "data": await model_cards(request)}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve (an id may hold a slash: org/name)
+    async def model(request: Request, model: str):
+        for card in await model_cards(request):
+            if card["id"] == model:
+                return card
+        raise NotFound(f"the model `{model}` does not exist", "model", "model_not_found")
 
     if config.allow_runtime_lora_updating:  # vLLM's answers: plain text on success
         @app.post("/v1/load_lora_adapter")

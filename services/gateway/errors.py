@@ -31,6 +31,16 @@ class NotFound(GatewayError):
     status, type = 404, "invalid_request_error"
 
 
+class NoRoute(GatewayError):
+    """A path or method the gateway does not serve (routing's 404 or 405, in OpenAI's shape)."""
+
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class TooLarge(GatewayError):
     status, type = 413, "invalid_request_error"
 
