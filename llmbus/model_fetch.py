@@ -51,16 +51,50 @@ def is_fetched(name: str) -> bool:
 
 
 def resolve_model(model: str | None) -> Path:
-    """A known model name (fetched on first use) or a local Hugging Face folder."""
+    """A known model name (fetched on first use), a local Hugging Face folder, or a Hub
+    repository id (`org/name`, as `vllm serve` takes it: from the Hugging Face cache, or
+    downloaded into it)."""
     if model is None or model in KNOWN_MODELS:
         return fetch_model(model or DEFAULT_MODEL)
     path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}) "
-            "nor a folder with config.json"
-        )
-    return path
+    if (path / "config.json").is_file():
+        return path
+    if is_hub_id(model) and not path.exists():
+        return from_hub(model)
+    raise ValueError(
+        f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a folder with config.json, "
+        "nor a Hugging Face repository id (org/name)"
+    )
+
+
+def is_hub_id(model: str) -> bool:
+    """`org/name` as the Hub spells repositories: one slash, no path of this machine's."""
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and " " not in model
+
+
+# What a checkpoint's folder needs here: config, weights, tokenizer, chat template,
+# generation defaults (not a repository's other formats: .bin, GGUF, ONNX, images).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+
+
+def from_hub(repo_id: str) -> Path:
+    """The repository's snapshot in the Hugging Face cache (HF_HOME, HF_HUB_CACHE), downloaded
+    there first where it is not (HF_TOKEN for a gated one; HF_HUB_OFFLINE=1 only looks)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as exc:
+        raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache and the Hub could not be reached "
+                         f"(offline?): {str(exc).splitlines()[0]}") from exc
+    except (HfHubHTTPError, OSError) as exc:
+        raise ValueError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub: "
+                         f"{str(exc).splitlines()[0]}") from exc
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model {repo_id!r} on the Hugging Face Hub has no config.json")
+    return folder
 
 
 def fetch_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:

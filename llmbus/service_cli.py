@@ -26,7 +26,7 @@ from llmbus.args import (
     lora_modules,
     scheduler_config,
 )
-from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, resolve_model
+from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.generation_config import default_sampling
@@ -131,6 +131,8 @@ def served_name(args: argparse.Namespace) -> str:
         return args.served_model_name
     if args.model is None or args.model in KNOWN_MODELS:
         return args.model or DEFAULT_MODEL
+    if is_hub_id(args.model) and not os.path.exists(args.model):
+        return args.model  # as vLLM names it: clients send "org/name"
     return os.path.basename(os.path.normpath(args.model))
 
 

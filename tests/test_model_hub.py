@@ -1,0 +1,65 @@
+"""`--model org/name` as vLLM takes it: the repository's snapshot in the Hugging Face cache
+(downloaded there first where the Hub can be reached; this machine cannot, so the cache
+is laid out here as huggingface_hub lays it out, and HF_HUB_OFFLINE=1 only looks)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from llmbus.cli import build_parser
+from llmbus.model_fetch import is_hub_id
+from llmbus.service_cli import served_name
+
+
+def hub_cache(tmp_path, tiny_llama):
+    """HF_HUB_CACHE with `org/tiny` at one commit, as a download leaves it (blobs linked from
+    the snapshot, refs/main naming the commit)."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123456789abcdef"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in tiny_llama.iterdir():
+        blob = repo / "blobs" / f"blob-{f.name}"
+        shutil.copy(f, blob)
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123456789abcdef")
+    return tmp_path / "hub"
+
+
+def run_generate(model: str, cache) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "llmbus", "generate", "--model", model, "--max-tokens", "3", "hi"],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_a_hub_id_serves_from_the_hugging_face_cache(tmp_path, tiny_llama):
+    cache = hub_cache(tmp_path, tiny_llama)
+    found = run_generate("org/tiny", cache)
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.strip()
+    missing = run_generate("org/absent", cache)
+    assert missing.returncode == 2
+    assert "llmbus: error: model 'org/absent' is not in the Hugging Face cache" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_a_hub_id_is_the_served_name_as_vllm_gives_it(tmp_path):
+    assert (is_hub_id("org/name"), is_hub_id("./org/name"), is_hub_id("/abs/path"), is_hub_id("name")) == (
+        True, False, False, False)
+    assert served_name(build_parser().parse_args(["serve", "--model", "Qwen/Qwen3-0.6B"])) == "Qwen/Qwen3-0.6B"
+    local = tmp_path / "some" / "folder"
+    local.mkdir(parents=True)
+    args = build_parser().parse_args(["serve", "--model", str(local)])
+    assert served_name(args) == "folder"  # a local folder: its name, as before
+
+
+@pytest.mark.parametrize("model", ["org/name/extra", "a b/c"])
+def test_what_is_not_a_folder_nor_a_hub_id_is_refused_by_name(model):
+    from llmbus.model_fetch import resolve_model
+
+    with pytest.raises(ValueError, match="nor a Hugging Face repository id"):
+        resolve_model(model)
