@@ -76,6 +76,9 @@ def is_hub_id(model: str) -> bool:
 # What a checkpoint's folder needs here: config, weights, tokenizer, chat template,
 # generation defaults (not a repository's other formats: .bin, GGUF, ONNX, images).
 HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+# Copies of the same weights in another layout (Mistral's consolidated.safetensors beside
+# the Hugging Face shards; Llama's original/ checkpoint): twice the download, never read.
+HUB_SKIPPED = ["consolidated*.safetensors", "original/*"]
 
 
 def from_hub(repo_id: str) -> Path:
@@ -85,7 +88,7 @@ def from_hub(repo_id: str) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED))
     except LocalEntryNotFoundError as exc:
         raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache and the Hub could not be reached "
                          f"(offline?): {str(exc).splitlines()[0]}") from exc
