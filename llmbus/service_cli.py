@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 
@@ -100,6 +101,14 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="how tool_choice auto reads the calls the model writes")
     parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_flag("--enable-auto-tool-choice"),
                         help="vLLM's; accepted as typed: tool_choice auto is always on, read by --tool-call-parser")
+    # vLLM's logging flags
+    parser.add_argument("--disable-log-requests", action="store_true", default=env_flag("--disable-log-requests"),
+                        help="no line per finished request (llmbus.requests; its one line at the default level)")
+    parser.add_argument("--disable-log-stats", action="store_true", default=env_flag("--disable-log-stats"),
+                        help="vLLM's; accepted as typed: llmbus logs no periodic stats (GET /metrics has them)")
+    parser.add_argument("--uvicorn-log-level", default=env("--uvicorn-log-level", "warning"),
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's own log level; info and below add its access log (a line per HTTP request)")
 
 
 # A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
@@ -199,8 +208,10 @@ def cmd_gateway(args) -> int:
 
     path, name = _setup(args)
     _without_torch()
+    if args.disable_log_requests:
+        logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
     serve(path, args.nats_url, gateway_config(args, name, path), args.host, args.port, bus_auth(args),
-          args.gateway_id)
+          args.gateway_id, args.uvicorn_log_level)
     return 0
 
 

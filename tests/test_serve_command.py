@@ -32,7 +32,7 @@ def served(tiny_llama, tmp_path_factory):
         [str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
          "--kv-cache-dtype", "fp8_e5m2", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "--trust-remote-code", "-tp", "1", "--enable-prefix-caching",
-         "--enable-auto-tool-choice"],
+         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).
@@ -74,6 +74,19 @@ def test_the_chat_template_of_the_command_line_renders_chats(served, tiny_llama)
         answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
         assert answer.usage.prompt_tokens == own
     assert httpx.get(f"{url}/tokenizer_info", timeout=10).json()["chat_template"] == CHAT_TEMPLATE
+
+
+def test_vllms_logging_flags_reach_the_gateway(served):
+    """--disable-log-requests: no line per finished request; --uvicorn-log-level info:
+    uvicorn's access log, a line per HTTP request."""
+    proc, url, _ = served
+    httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2}, timeout=60)
+    deadline = time.monotonic() + 10
+    while "POST /v1/completions" not in proc.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = proc.log.read_text()
+    assert "POST /v1/completions" in log
+    assert "request finished" not in log
 
 
 def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):

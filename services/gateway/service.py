@@ -46,11 +46,16 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
 
 
 def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
-          auth: BusAuth | None = None, gateway_id: str | None = None) -> None:
+          auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning") -> None:
     app = build_app(model_path, nats_url, config, auth=auth, gateway_id=gateway_id)
     log.info("gateway on http://%s:%d", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
-    _Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
+    # Its access log (a line per HTTP request) only where its level asks for INFO, as vLLM's.
+    # log_config=None: its records go through our JSON lines on stderr, as every other log
+    # (its own config would print plain text, the access log on stdout beside the banner).
+    access_log = uvicorn_log_level in ("info", "debug", "trace")
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
+                           log_config=None)).run()
     shutdown_tracing()
 
 
