@@ -232,7 +232,10 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          unsupported_pooling=unsupported_pooling(model_path),
                          lora_modules=lora_modules(args.lora_modules),
                          allow_runtime_lora_updating=runtime_lora_updating(),
-                         chat_template=args.chat_template)
+                         chat_template=args.chat_template, allowed_origins=tuple(json.loads(args.allowed_origins)),
+                         allowed_methods=tuple(json.loads(args.allowed_methods)),
+                         allowed_headers=tuple(json.loads(args.allowed_headers)),
+                         allow_credentials=args.allow_credentials)
 
 
 def runtime_lora_updating() -> bool:

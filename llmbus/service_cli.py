@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
@@ -101,6 +102,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="how tool_choice auto reads the calls the model writes")
     parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_flag("--enable-auto-tool-choice"),
                         help="vLLM's; accepted as typed: tool_choice auto is always on, read by --tool-call-parser")
+    # vLLM's CORS flags, each a JSON list as there
+    for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
+        parser.add_argument(flag, type=json_strings, default=env(flag, '["*"]'),
+                            help="CORS: a JSON list (default [\"*\"], vLLM's)")
+    parser.add_argument("--allow-credentials", action="store_true", default=env_flag("--allow-credentials"),
+                        help="CORS: let a browser send cookies and HTTP auth (vLLM's)")
     # vLLM's logging flags
     parser.add_argument("--disable-log-requests", action="store_true", default=env_flag("--disable-log-requests"),
                         help="no line per finished request (llmbus.requests; its one line at the default level)")
@@ -114,6 +121,18 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
 # A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
 # for a check, the first one of a replica starting its compiling child too.
 MAX_COMPILE_TIMEOUT_S = STRUCTURED_CHECK_TIMEOUT_S - 5
+
+
+def json_strings(value: str) -> str:
+    """A JSON list of strings (vLLM's form for the CORS flags), checked and kept as text: so
+    `serve` hands it to the gateway as given (gateway_config reads it)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {value}")
+    return value
 
 
 def compile_timeout(value: str) -> float:

@@ -99,6 +99,12 @@ class GatewayConfig:
     # vLLM's --chat-template (a file or the template): the tokenizers render with it, and
     # /tokenizer_info shows it
     chat_template: str | None = None
+    # CORS, vLLM's flags and defaults (any origin, method and header; no credentials): a
+    # browser's page may call the API, with its key, as it may call vLLM's
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -563,3 +563,28 @@ def test_priority_reaches_the_engine_with_each_request(tokenizer):
     with client:
         client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "priority": -3})
     assert [r.priority for r in engine.submitted] == [-3] * 4
+
+
+def test_cors_as_vllms_defaults_and_flags_set_it(tokenizer):
+    """Any origin by default (vLLM's): a browser's preflight, which carries no API key, is
+    answered before the key check, and the answer itself names the origin; --allowed-origins
+    narrows it."""
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    client, _ = gateway(tokenizer, config=GatewayConfig("tiny", api_keys=("k",)))
+    with client:
+        allowed = client.options("/v1/completions", headers=preflight)
+        answer = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                             headers={"Origin": "https://ui.example", "Authorization": "Bearer k"})
+        keyless = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                              headers={"Origin": "https://ui.example"})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == "*"
+    assert keyless.status_code == 401  # CORS opens no door the key closes
+    narrow = GatewayConfig("tiny", allowed_origins=("https://ui.example",))
+    client, _ = gateway(tokenizer, config=narrow)
+    with client:
+        ours = client.options("/v1/completions", headers=preflight)
+        theirs = client.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert ours.headers["access-control-allow-origin"] == "https://ui.example"
+    assert theirs.status_code == 400 and "access-control-allow-origin" not in theirs.headers

@@ -131,19 +131,25 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     """`vllm serve MODEL ...`'s flags: the model as a positional, vLLM's spellings of the
     prefix caching and chunked prefill switches (reaching the scheduler as ours do), flags
     that change nothing here accepted, a parallelism llmbus lacks refused by name."""
-    from llmbus.args import as_env
+    from llmbus.args import as_env, gateway_config
     from llmbus.cli import build_parser
 
     argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
-            "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--chat-template", "{{ x }}"]
+            "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--chat-template", "{{ x }}",
+            "--allowed-origins", '["https://ui.example"]']
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
-    for name, value in as_env(args, ["no_prefix_caching", "no_chunked_prefill", "chat_template"]).items():
+    for name, value in as_env(args, ["no_prefix_caching", "no_chunked_prefill", "chat_template",
+                                     "allowed_origins"]).items():
         monkeypatch.setenv(name, value)
     scheduler = build_parser().parse_args(["scheduler"])
     assert (scheduler.no_prefix_caching, scheduler.no_chunked_prefill) == (False, True)
     assert build_parser().parse_args(["tokenizer"]).chat_template == "{{ x }}"
-    assert build_parser().parse_args(["gateway"]).chat_template == "{{ x }}"
+    gateway = build_parser().parse_args(["gateway"])
+    assert gateway.chat_template == "{{ x }}"
+    assert gateway_config(gateway, "m", ".").allowed_origins == ("https://ui.example",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--allowed-origins", "https://ui.example"])  # not a JSON list
     assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching is True
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])

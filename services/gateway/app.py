@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from opentelemetry import trace
@@ -55,6 +56,10 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
 
     app = FastAPI(title="llmbus", lifespan=lifespan)
     app.add_middleware(Limits, config=config, keys=keys)
+    # Outside the key check (added last, it runs first): a browser's preflight carries no key.
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
 
     async def on_error(_request: Request, exc: Exception) -> Response:
         return error_response(exc)
