@@ -65,6 +65,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default=env("--generation-config", "auto"), help=SOURCES_HELP)
     parser.add_argument("--override-generation-config", default=env("--override-generation-config", None),
                         help='JSON on top of the generation config, e.g. \'{"temperature": 0.5}\'')
+    parser.add_argument("--revision", default=env("--revision"),
+                        help="a Hub model's commit, branch or tag (vLLM's; default: main)")
+    parser.add_argument("--download-dir", default=env("--download-dir"),
+                        help="where Hub models are kept, in place of the Hugging Face cache (vLLM's)")
     # vLLM's, so its command lines run as typed: llmbus runs no code from a checkpoint (an
     # architecture it does not implement is refused by name), so there is nothing to trust.
     parser.add_argument("--trust-remote-code", action="store_true", default=env_flag("--trust-remote-code"),
@@ -276,4 +280,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_cpu_loras=args.max_cpu_loras,
         generation_config=args.generation_config,
         override_generation_config=json.loads(args.override_generation_config or "{}"),
+        revision=args.revision,
+        download_dir=args.download_dir,
     )

@@ -72,8 +72,11 @@ class LLM:
         max_loras: int = 1,
         max_lora_rank: int = 16,
         max_cpu_loras: int | None = None,
+        # vLLM's: a Hub model's commit, branch or tag, and the cache it is kept in
+        revision: str | None = None,
+        download_dir: str | None = None,
     ) -> None:
-        path = resolve_model(model)
+        path = resolve_model(model, revision, download_dir)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does

@@ -50,17 +50,17 @@ def is_fetched(name: str) -> bool:
     return (model_dir(name) / _DONE_MARKER).is_file()
 
 
-def resolve_model(model: str | None) -> Path:
+def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
     """A known model name (fetched on first use), a local Hugging Face folder, or a Hub
     repository id (`org/name`, as `vllm serve` takes it: from the Hugging Face cache, or
-    downloaded into it)."""
+    downloaded into it; at `revision`, in `download_dir` in place of the cache, as vLLM's)."""
     if model is None or model in KNOWN_MODELS:
         return fetch_model(model or DEFAULT_MODEL)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
     if is_hub_id(model) and not path.exists():
-        return from_hub(model)
+        return from_hub(model, revision, download_dir)
     raise ValueError(
         f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a folder with config.json, "
         "nor a Hugging Face repository id (org/name)"
@@ -81,16 +81,18 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "
 HUB_SKIPPED = ["consolidated*.safetensors", "original/*"]
 
 
-def from_hub(repo_id: str) -> Path:
+def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> Path:
     """The repository's snapshot in the Hugging Face cache (HF_HOME, HF_HUB_CACHE), downloaded
     there first where it is not (HF_TOKEN for a gated one; HF_HUB_OFFLINE=1 only looks)."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIPPED))
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES,
+                                        ignore_patterns=HUB_SKIPPED))
     except LocalEntryNotFoundError as exc:
-        raise ValueError(f"model {repo_id!r} is not in the Hugging Face cache and the Hub could not be reached "
+        raise ValueError(f"model {repo_id!r}{f' at {revision}' if revision else ''} is not in the Hugging Face "
+                         "cache and the Hub could not be reached "
                          f"(offline?): {str(exc).splitlines()[0]}") from exc
     except (HfHubHTTPError, OSError) as exc:
         raise ValueError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub: "

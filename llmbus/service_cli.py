@@ -74,8 +74,11 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=env("--host", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(env("--port", 8000)))
-    parser.add_argument("--api-key", action="append", default=[k for k in env("--api-key", "").split("\n") if k],
-                        help="require `Authorization: Bearer KEY` on /v1 (repeat for more keys)")
+    # (VLLM_API_KEY, vLLM's variable, where LLMBUS_API_KEY is not set: a deployment's carries over)
+    keys = env("--api-key", os.environ.get("VLLM_API_KEY", ""))
+    parser.add_argument("--api-key", action="append", default=[k for k in keys.split("\n") if k],
+                        help="require `Authorization: Bearer KEY` on /v1 (repeat for more keys; or LLMBUS_API_KEY, "
+                             "VLLM_API_KEY)")
     parser.add_argument("--api-key-file", default=env("--api-key-file", None),
                         help="more API keys, one per line; read again on SIGHUP")
     parser.add_argument("--metrics-require-key", action="store_true", default=env_flag("--metrics-require-key"),
@@ -165,7 +168,7 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def _setup(args) -> tuple[str, str]:
-    path = str(resolve_model(args.model))
+    path = str(resolve_model(args.model, args.revision, args.download_dir))
     args.served_model_name = served_name(args)
     return path, args.served_model_name
 

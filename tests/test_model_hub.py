@@ -14,11 +14,14 @@ from llmbus.model_fetch import is_hub_id
 from llmbus.service_cli import served_name
 
 
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot's (a full hash: what an offline look-up takes)
+
+
 def hub_cache(tmp_path, tiny_llama):
     """HF_HUB_CACHE with `org/tiny` at one commit, as a download leaves it (blobs linked from
     the snapshot, refs/main naming the commit)."""
     repo = tmp_path / "hub" / "models--org--tiny"
-    snapshot = repo / "snapshots" / "0123456789abcdef"
+    snapshot = repo / "snapshots" / COMMIT
     (repo / "blobs").mkdir(parents=True)
     snapshot.mkdir(parents=True)
     for f in tiny_llama.iterdir():
@@ -26,14 +29,16 @@ def hub_cache(tmp_path, tiny_llama):
         shutil.copy(f, blob)
         (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
     (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("0123456789abcdef")
+    (repo / "refs" / "main").write_text(COMMIT)
     return tmp_path / "hub"
 
 
-def run_generate(model: str, cache) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "llmbus", "generate", "--model", model, "--max-tokens", "3", "hi"],
-                          capture_output=True, text=True, timeout=120, env=env)
+def run_generate(model: str, cache, *flags: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if cache is not None:
+        env["HF_HUB_CACHE"] = str(cache)
+    return subprocess.run([sys.executable, "-m", "llmbus", "generate", "--model", model, "--max-tokens", "3", *flags,
+                           "hi"], capture_output=True, text=True, timeout=120, env=env)
 
 
 def test_a_hub_id_serves_from_the_hugging_face_cache(tmp_path, tiny_llama):
@@ -45,6 +50,15 @@ def test_a_hub_id_serves_from_the_hugging_face_cache(tmp_path, tiny_llama):
     assert missing.returncode == 2
     assert "llmbus: error: model 'org/absent' is not in the Hugging Face cache" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_revision_and_download_dir_pick_the_snapshot_as_vllms_flags_do(tmp_path, tiny_llama):
+    cache = hub_cache(tmp_path, tiny_llama)
+    pinned = run_generate("org/tiny", None, "--download-dir", str(cache), "--revision", COMMIT)
+    assert pinned.returncode == 0, pinned.stderr[-2000:]
+    other = run_generate("org/tiny", None, "--download-dir", str(cache), "--revision", "f" * 40)
+    assert other.returncode == 2
+    assert f"model 'org/tiny' at {'f' * 40} is not in the Hugging Face cache" in other.stderr
 
 
 def test_a_hub_id_is_the_served_name_as_vllm_gives_it(tmp_path):

@@ -155,3 +155,7 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
         build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert refused.value.code == 2
     assert "one device" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # vLLM's variable, where ours is not set
+    assert build_parser().parse_args(["gateway"]).api_key == ["from-vllm"]
+    monkeypatch.setenv("LLMBUS_API_KEY", "ours")
+    assert build_parser().parse_args(["gateway"]).api_key == ["ours"]
