@@ -226,7 +226,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
     if defaults:
         log.info("default sampling parameters from the model's generation config: %s "
                  "(--generation-config vllm to ignore them)", defaults)
-    return GatewayConfig(model_name, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
+    aliases = tuple(name for name in args.served_model_name or [] if name and name != model_name)
+    return GatewayConfig(model_name, aliases, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
                          args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
                          tool_call_parser=args.tool_call_parser,

@@ -122,7 +122,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         if not nats_url:
             # Supervised like the services: a node that dies comes back on its own ports.
             # Nothing listens unauthenticated: one user per identity, routes with a password.
-            authorization = authorization_config(list(identities.values()), Subjects(args.served_model_name))
+            authorization = authorization_config(list(identities.values()), Subjects(args.served_model_name[0]))
             tls = make_tls_files(run_dir / "tls", ["127.0.0.1", "localhost"]) if args.nats_tls else None
             if tls:
                 bus_env["LLMBUS_NATS_TLS_CA"] = str(tls.ca)
@@ -153,7 +153,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         add("gateway", "gateway", identities["gateway"])
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers)
-        print(f"llmbus is serving {args.served_model_name} at {url}/v1 (NATS {nats_url})", flush=True)
+        print(f"llmbus is serving {args.served_model_name[0]} at {url}/v1 (NATS {nats_url})", flush=True)
         while not stop_requested:
             supervisor.poll(time.monotonic())  # a replica that exited starts again
             time.sleep(0.2)

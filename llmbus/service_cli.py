@@ -37,11 +37,15 @@ from shared.generation_config import default_sampling
 def add_bus_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", default=env("--nats-url", "nats://127.0.0.1:4222"),
                         help="one NATS URL, or a cluster's, comma-separated")
-    parser.add_argument(
-        "--served-model-name", default=env("--served-model-name", None),
-        help="the name clients ask for and subjects carry (default: the model's name)",
-    )
+    add_served_model_name_arg(parser)
     add_bus_auth_args(parser)
+
+
+def add_served_model_name_arg(parser: argparse.ArgumentParser) -> None:
+    # vLLM's: one name or several; the first is the deployment's (its subjects, its
+    # responses' `model`), clients may ask for any (one line each in LLMBUS_SERVED_MODEL_NAME).
+    parser.add_argument("--served-model-name", nargs="+", default=env("--served-model-name", "").split("\n"),
+                        help="the name clients ask for (default: the model's); more names are aliases, as vLLM's")
 
 
 def add_bus_auth_args(parser: argparse.ArgumentParser) -> None:
@@ -157,9 +161,17 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
                              "it renders tools, else Hermes-style tool messages through the model's template)")
 
 
+def served_names(args: argparse.Namespace) -> list[str]:
+    """The names clients may ask for, the deployment's own first."""
+    given = [name for name in args.served_model_name or [] if name]
+    return given or [served_name(args)]
+
+
 def served_name(args: argparse.Namespace) -> str:
-    if args.served_model_name:
-        return args.served_model_name
+    """The deployment's own name: the first --served-model-name, or the model's."""
+    given = [name for name in args.served_model_name or [] if name]
+    if given:
+        return given[0]
     if args.model is None or args.model in KNOWN_MODELS:
         return args.model or DEFAULT_MODEL
     if is_hub_id(args.model) and not os.path.exists(args.model):
@@ -168,9 +180,11 @@ def served_name(args: argparse.Namespace) -> str:
 
 
 def _setup(args) -> tuple[str, str]:
+    """The model's folder (fetched or downloaded once) and the deployment's name; the names
+    are filled in where none was given."""
     path = str(resolve_model(args.model, args.revision, args.download_dir))
-    args.served_model_name = served_name(args)
-    return path, args.served_model_name
+    args.served_model_name = served_names(args)
+    return path, args.served_model_name[0]
 
 
 def _without_torch() -> None:
@@ -211,9 +225,8 @@ def cmd_worker(args) -> int:
 def cmd_scheduler(args) -> int:
     from services.scheduler.service import serve
 
-    args.served_model_name = served_name(args)
     asyncio.run(serve(
-        args.nats_url, args.served_model_name, scheduler_config(args),
+        args.nats_url, served_name(args), scheduler_config(args),
         step_timeout_s=args.step_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         gateway_timeout_s=args.gateway_timeout,
@@ -251,7 +264,7 @@ def cmd_serve(args) -> int:
         raise SystemExit("llmbus serve: --lora-modules needs --enable-lora (the workers serve the adapters)")
     lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
     lora_modules(args.lora_modules, args.max_lora_rank)
-    args.model, args.served_model_name = _setup(args)  # fetch once here, not in every child
+    args.model, _ = _setup(args)  # fetch once here, not in every child
     default_sampling(args.model, args.generation_config, args.override_generation_config)  # a bad one fails here
     # Workers on one machine share its cores: N workers with a thread per core each would
     # oversubscribe, and an OpenMP team stalls whenever one of its threads is descheduled.
@@ -307,7 +320,7 @@ def add_service_commands(sub) -> None:
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` (or --model)")
     p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
-    p.add_argument("--served-model-name", default=env("--served-model-name", None))
+    add_served_model_name_arg(p)
     add_model_args(p)
     add_worker_args(p)
     add_scheduler_args(p)

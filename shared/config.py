@@ -74,6 +74,8 @@ class CacheConfig:
 @dataclass(slots=True)
 class GatewayConfig:
     model_name: str
+    # vLLM's further --served-model-name names: clients may ask for them; answers name model_name
+    model_aliases: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # any of them opens /v1 (`Authorization: Bearer KEY`)
     api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
     metrics_require_key: bool = False  # /metrics behind the key too (/health stays open)

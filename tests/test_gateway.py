@@ -565,6 +565,17 @@ def test_priority_reaches_the_engine_with_each_request(tokenizer):
     assert [r.priority for r in engine.submitted] == [-3] * 4
 
 
+def test_further_served_model_names_are_aliases_the_first_answers_for(tokenizer):
+    client, engine = gateway(tokenizer, config=GatewayConfig("tiny", model_aliases=("gpt-4o-mini",)))
+    with client:
+        answer = client.post("/v1/completions", json={"model": "gpt-4o-mini", "prompt": "hi", "max_tokens": 2})
+        cards = [card["id"] for card in client.get("/v1/models").json()["data"]]
+        unknown = client.post("/v1/completions", json={"model": "gpt-5", "prompt": "hi"})
+    assert answer.status_code == 200 and answer.json()["model"] == "tiny" and len(engine.submitted) == 1
+    assert cards == ["tiny", "gpt-4o-mini"]
+    assert unknown.status_code == 404 and "serves `tiny`, `gpt-4o-mini`" in unknown.json()["error"]["message"]
+
+
 def test_cors_as_vllms_defaults_and_flags_set_it(tokenizer):
     """Any origin by default (vLLM's): a browser's preflight, which carries no API key, is
     answered before the key check, and the answer itself names the origin; --allowed-origins

@@ -29,7 +29,7 @@ def served(tiny_llama, tmp_path_factory):
     (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
     proc, url = llmbus_serve(
         # As a vLLM user types it: the model first, and vLLM's flags that change nothing here.
-        [str(tiny_llama), "--served-model-name", "tiny", "--tokenizers", "2", "--num-kv-blocks", "64",
+        [str(tiny_llama), "--served-model-name", "tiny", "gpt-4o-mini", "--tokenizers", "2", "--num-kv-blocks", "64",
          "--kv-cache-dtype", "fp8_e5m2", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "--trust-remote-code", "-tp", "1", "--enable-prefix-caching",
          "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
@@ -70,9 +70,9 @@ def test_the_chat_template_of_the_command_line_renders_chats(served, tiny_llama)
     messages = [{"role": "user", "content": "what is two and two"}]
     own = len(Tokenizer(tiny_llama, chat_template=CHAT_TEMPLATE).apply_chat_template(messages))
     assert own != len(Tokenizer(tiny_llama).apply_chat_template(messages))
-    for _ in range(4):  # over both replicas (a queue group)
-        answer = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
-        assert answer.usage.prompt_tokens == own
+    for name in ("tiny", "gpt-4o-mini") * 2:  # over both replicas (a queue group); by either served name
+        answer = client.chat.completions.create(model=name, messages=messages, max_tokens=2)
+        assert answer.usage.prompt_tokens == own and answer.model == "tiny"  # (the first name answers, as vLLM's)
     assert httpx.get(f"{url}/tokenizer_info", timeout=10).json()["chat_template"] == CHAT_TEMPLATE
 
 

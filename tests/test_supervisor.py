@@ -136,18 +136,19 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
 
     argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
             "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--chat-template", "{{ x }}",
-            "--allowed-origins", '["https://ui.example"]']
+            "--allowed-origins", '["https://ui.example"]', "--served-model-name", "mine", "gpt-4o-mini"]
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
     for name, value in as_env(args, ["no_prefix_caching", "no_chunked_prefill", "chat_template",
-                                     "allowed_origins"]).items():
+                                     "allowed_origins", "served_model_name"]).items():
         monkeypatch.setenv(name, value)
     scheduler = build_parser().parse_args(["scheduler"])
     assert (scheduler.no_prefix_caching, scheduler.no_chunked_prefill) == (False, True)
     assert build_parser().parse_args(["tokenizer"]).chat_template == "{{ x }}"
     gateway = build_parser().parse_args(["gateway"])
     assert gateway.chat_template == "{{ x }}"
-    assert gateway_config(gateway, "m", ".").allowed_origins == ("https://ui.example",)
+    config = gateway_config(gateway, "mine", ".")
+    assert (config.allowed_origins, config.model_aliases) == (("https://ui.example",), ("gpt-4o-mini",))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "https://ui.example"])  # not a JSON list
     assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching is True

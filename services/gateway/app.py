@@ -115,7 +115,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         # vLLM's cards for the adapters: their own id, the base model as parent
         adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "llmbus", "root": lora.lora_path,
                      "parent": config.model_name} for name, lora in serving(request).loras.items()]
-        return [card, *adapters]
+        aliases = [{**card, "id": alias} for alias in config.model_aliases]  # vLLM's: a card per served name
+        return [card, *aliases, *adapters]
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -91,9 +91,9 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         """The base model or one of its LoRA adapters (lora_modules.py). `None`: left out,
         where a route allows that (/tokenize, as vLLM's)."""
-        name = self.config.model_name
-        if model is not None and model != name and model not in self.loras:
-            served = ", ".join(f"`{m}`" for m in (name, *(n for n, _ in self.loras.items())))
+        names = (self.config.model_name, *self.config.model_aliases)
+        if model is not None and model not in names and model not in self.loras:
+            served = ", ".join(f"`{m}`" for m in (*names, *(n for n, _ in self.loras.items())))
             raise NotFound(f"the model `{model}` does not exist; this server serves {served}", "model",
                            "model_not_found")
 
