@@ -9,12 +9,12 @@ once (weight, cache and table pointers, in a `LayerSpec`), and each step once (a
 
 The kernels are the ones the module path calls (packed products, fused add-norm, rotary,
 cache write, decode attention, SiLU- or GELU-mul), so both paths compute the same bits
-(tests/test_fused_decode.py). The families: Llama's layer, Qwen3's query/key norms, and
+(tests/test_fused_decode.py). The families: Llama's layer, Qwen3's query/key norms,
 Gemma's (1-3) GeGLU, norms of each branch's output, soft-capped scores and per-layer rotary
-bases and windows, Phi-3's longrope and partial rotary. Layers packed for llmbus's kernels take part: bfloat16 and float32, and
-int4 or int8 weights on llmbus's kernels (with bfloat16 activations). Steps with prefill
-chunks, weights on PyTorch's kernels, other attention backends, experts and exact GELU
-take the module path.
+bases and windows, and Phi-3's longrope and partial rotary. Layers packed for llmbus's
+kernels take part: bfloat16 and float32, and int4 or int8 weights on llmbus's kernels (with
+bfloat16 activations). Steps with prefill chunks, weights on PyTorch's kernels, other
+attention backends, experts and exact GELU take the module path.
 """
 
 from __future__ import annotations
