@@ -30,3 +30,15 @@ def test_a_worker_asked_for_too_much_says_so_and_exits(tiny_llama):
     assert result.returncode == 2
     assert "llmbus: error: the KV cache" in result.stderr and "--kv-cache-memory-gb 100000" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_containers_limit_caps_the_free_memory_its_page_cache_not_counted(tmp_path, monkeypatch):
+    """cgroup v2: limit minus what is in use, the page cache (a checkpoint just read, which
+    the kernel gives back under the limit) not counted as in use."""
+    (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
+    (tmp_path / "memory.current").write_text(f"{7 << 30}\n")
+    (tmp_path / "memory.stat").write_text(f"anon {3 << 30}\nfile {4 << 30}\nkernel 0\n")
+    monkeypatch.setattr(memory, "CGROUP", tmp_path)
+    assert memory.free_bytes(torch.device("cpu")) == min(5 << 30, memory.psutil.virtual_memory().available)
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory.free_bytes(torch.device("cpu")) > 0  # no limit: the host's

@@ -15,6 +15,8 @@ import torch
 
 # What a step's own work (activations, logits, sampling) needs beside the cache.
 STEP_RESERVE_BYTES = 512 << 20
+# This process's cgroup (v2, as a container sees its own)
+CGROUP = Path("/sys/fs/cgroup")
 
 
 def free_bytes(device: torch.device) -> int:
@@ -25,11 +27,15 @@ def free_bytes(device: torch.device) -> int:
         held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         return torch.cuda.mem_get_info(device)[0] + held_unused
     free = psutil.virtual_memory().available
-    cgroup = Path("/sys/fs/cgroup")
+    cgroup = CGROUP
     try:
         limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            free = min(free, int(limit) - int((cgroup / "memory.current").read_text()))
+            # memory.current counts the page cache too (the checkpoint just read), which the
+            # kernel gives back under the limit: what is in use is the rest.
+            stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+            used = int((cgroup / "memory.current").read_text()) - int(stat.get("file", 0))
+            free = min(free, int(limit) - used)
     except (OSError, ValueError):
         pass  # no cgroup v2 limit to read
     return free
