@@ -162,16 +162,18 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> None:
 
 
 def served_names(args: argparse.Namespace) -> list[str]:
-    """The names clients may ask for, the deployment's own first."""
-    given = [name for name in args.served_model_name or [] if name]
-    return given or [served_name(args)]
+    """The names clients may ask for, the deployment's own first: --served-model-name's, or
+    the model's."""
+    return [name for name in args.served_model_name or [] if name] or [_model_name(args)]
 
 
 def served_name(args: argparse.Namespace) -> str:
-    """The deployment's own name: the first --served-model-name, or the model's."""
-    given = [name for name in args.served_model_name or [] if name]
-    if given:
-        return given[0]
+    """The deployment's own name (its subjects, its answers' `model`)."""
+    return served_names(args)[0]
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    """The name a model is served under when none is given, as vLLM names it."""
     if args.model is None or args.model in KNOWN_MODELS:
         return args.model or DEFAULT_MODEL
     if is_hub_id(args.model) and not os.path.exists(args.model):

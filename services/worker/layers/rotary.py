@@ -95,9 +95,9 @@ class RotaryEmbedding(nn.Module):
         """Rotate every head of `x` by its token's position. Query and key heads go
         through in one call (they are adjacent in the fused qkv output): half the calls.
         On CPU, kernels/cpu rotates `x` in place in one pass (the same bits), a partial
-        rotary's leading dims too. (With the
-        Triton backend the attention layer rotates in kernels/elementwise.py's
-        rotary_and_cache instead, the cache write with it, from these tables.)"""
+        rotary's leading dims too. (With the Triton backend the attention layer rotates in
+        kernels/elementwise.py's rotary_and_cache instead, the cache write with it, from
+        these tables.)"""
         if cpu_kernels.supports(x) and x.stride(-1) == 1 and x.stride(-2) == self.full_head_dim:
             if self._checked is not positions:  # once per step, not per layer
                 self.check_positions(positions)
