@@ -1,9 +1,10 @@
 """llmbus: an LLM serving engine in the shape of vLLM V1, cut into services over NATS."""
 
+from llmbus.inputs import TextPrompt, TokensPrompt
 from shared.lora_request import LoRARequest
 from shared.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
 
 
 def __getattr__(name: str):

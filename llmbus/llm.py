@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
+from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
 from llmbus.model_fetch import resolve_model
 from llmbus.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
@@ -35,7 +36,6 @@ from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
 from shared.sampling_params import SamplingParams, embedding_params
 
-Prompt = str | list[int]
 T = TypeVar("T")
 
 
@@ -152,7 +152,7 @@ class LLM:
         """`priority`: vLLM's, one per prompt (lower first), with scheduling_policy="priority".
         `lora_request`: vLLM's, the adapter for every prompt or one (or None) per prompt,
         with enable_lora=True."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if is_one_prompt(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
@@ -302,18 +302,17 @@ class LLM:
                 # Compiled here, before anything is queued: a bad spec is the caller's
                 # error, never a failed step that takes the batch beside it down.
                 self.executor.call(self.runner.grammars.check, params.structured_outputs)
-            if isinstance(prompt, str):
-                encoded.append((prompt, self.tokenizer.encode(prompt)))
-            else:
-                encoded.append((None, list(prompt)))
+            parsed = parse_prompt(prompt)
+            token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
+            encoded.append((parsed.text, token_ids, parsed.cache_salt))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = self._loras(lora_request, len(prompts))
         added: list[str] = []
         results = []
         try:
-            for (text, token_ids), params, rank, lora in zip(encoded, params_list, priority or [0] * len(prompts),
-                                                             loras):
+            for (text, token_ids, salt), params, rank, lora in zip(encoded, params_list,
+                                                                   priority or [0] * len(prompts), loras):
                 params = stop_at_model_eos(params, self.model_eos_ids, self.eos_token_id)
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
                 if params.prompt_logprobs is not None:
@@ -323,7 +322,7 @@ class LLM:
                 # fraction of the host's work a step.
                 parent = ParentRequest(
                     result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
-                    incremental=False, priority=rank, lora_request=lora,
+                    incremental=False, priority=rank, lora_request=lora, cache_salt=salt,
                 )
                 for index, request in enumerate(parent.engine_requests):
                     self.scheduler.add_request(request)

@@ -52,6 +52,9 @@ class EngineCoreRequest(msgspec.Struct, **_WIRE):
     resume: bool = False
     priority: int = 0  # vLLM's; lower first, with --scheduling-policy priority only
     lora_request: LoRARequest | None = None  # the adapter that serves it; None: the base model
+    # vLLM's: its prefix-cache hits only come from requests with the same salt (a tenant's
+    # own), so another tenant cannot time a hit to learn what it sent.
+    cache_salt: str | None = None
 
 
 class NewRequestData(msgspec.Struct, **_WIRE):

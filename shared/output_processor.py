@@ -63,6 +63,7 @@ class ParentRequest:
         incremental: bool = True,  # False: each choice's text comes whole, with its finish
         priority: int = 0,  # the scheduler's, under its priority policy
         lora_request: LoRARequest | None = None,  # the adapter that serves it (None: the base model)
+        cache_salt: str | None = None,  # its prefix-cache hits are the same salt's only
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -82,6 +83,7 @@ class ParentRequest:
                 trace_headers=trace_headers or {},
                 priority=priority,
                 lora_request=lora_request,
+                cache_salt=cache_salt,
             ))
             self._choices[child_id] = _Choice(
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,

@@ -58,6 +58,20 @@ def test_a_request_goes_where_its_prefix_is_cached():
     assert owner_of(fleet, "d") != owner_of(fleet, "a")
 
 
+def test_a_salted_request_goes_where_its_own_salt_s_prefix_is_cached():
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    fleet.submit(msgspec.structs.replace(request("a"), cache_salt="t1"), now=0.0)
+    fleet.owner["a"].core.schedule()  # prefill: the two full blocks registered under t1's salt
+    # a's worker is the busier one: only its cached prefix can draw the same salt there.
+    fleet.submit(msgspec.structs.replace(request("same"), cache_salt="t1"), now=0.0)
+    assert owner_of(fleet, "same") == owner_of(fleet, "a")
+    # t2 finds nothing cached anywhere, so the least loaded (not a's) worker takes it.
+    fleet.submit(msgspec.structs.replace(request("other"), cache_salt="t2"), now=0.0)
+    assert owner_of(fleet, "other") != owner_of(fleet, "a")
+
+
 def test_a_dead_worker_s_requests_move_to_the_others_with_their_tokens():
     fleet = make_fleet()
     fleet.heard_from(worker("w1"), now=0.0)

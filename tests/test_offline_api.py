@@ -92,6 +92,26 @@ def test_offline_runs_two_steps_in_flight_and_leaves_none_when_idle(llm):
     assert llm.runner.requests == {}
 
 
+def test_prompt_dicts_as_vllm_s_with_a_cache_salt_per_tenant(llm):
+    """vLLM's TextPrompt/TokensPrompt: the same completion as the bare prompt; a prompt's
+    cached blocks serve only prompts with its salt; keys llmbus lacks are refused by name."""
+    from llmbus import TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [(7 * i + 3) % 384 for i in range(40)]  # two full blocks of 16 to share, used nowhere else here
+    [bare] = llm.generate(ids, params)
+    [as_text] = llm.generate(TextPrompt(prompt="naïve tenants"), params)
+    assert as_text.prompt_token_ids == llm.tokenizer.encode("naïve tenants")
+    salted = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt=s) for s in ("t1", "t2")], params)
+    again = llm.generate([{"prompt_token_ids": ids, "cache_salt": "t1"}, ids], params)
+    assert [o.num_cached_tokens for o in (bare, *salted, *again)] == [0, 0, 0, 32, 32]
+    assert all(o.outputs[0].token_ids == bare.outputs[0].token_ids for o in (*salted, *again))
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "a cat", "multi_modal_data": {"image": None}}, params)
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate({"prompt": "a cat", "cache_salt": ""}, params)
+
+
 def test_chat_renders_the_template(llm):
     [out] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))
     expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", False)

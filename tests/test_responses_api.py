@@ -58,7 +58,7 @@ def test_a_response_is_the_chat_answer_streamed_and_not(tiny_llama):
 
 def test_input_items_become_the_conversation_a_chat_would_render(tiny_llama):
     """developer is system; a function_call item the assistant's call, its output a tool
-    turn; a past reasoning item is dropped."""
+    turn; a past reasoning item is dropped; a cache salt goes with it."""
     test_client, client, engine, tokenizer = serve(tiny_llama)
     items = [{"role": "developer", "content": "Use tools."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in Paris?"}]},
@@ -66,7 +66,9 @@ def test_input_items_become_the_conversation_a_chat_would_render(tiny_llama):
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
     with test_client:
-        client.responses.create(model="tiny", input=items, tools=[WEATHER], max_output_tokens=5)
+        client.responses.create(model="tiny", input=items, tools=[WEATHER], max_output_tokens=5,
+                                extra_body={"cache_salt": "tenant-1"})
+    assert engine.submitted[0].cache_salt == "tenant-1"  # (vLLM's, as on chat)
     chat = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
                 "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

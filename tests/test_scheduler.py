@@ -609,6 +609,21 @@ def test_a_prefix_hit_is_reported_as_cached_tokens():
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (21, 8)
 
 
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: another tenant's salt (or none) finds none of a salted prompt's
+    blocks; the same salt finds them all; placement counts the same way."""
+    scheduler = make_scheduler()
+    prompt = list(range(20))
+    cases = [("a", "tenant-1", 0), ("b", "tenant-2", 0), ("c", None, 0), ("d", "tenant-1", 16), ("e", None, 16)]
+    for rid, salt, cached in cases:
+        req = make_request(rid, prompt)
+        req.cache_salt = salt
+        scheduler.add_request(req)
+        _, outputs = step(scheduler)
+        assert only_output(outputs, rid).num_cached_tokens == cached, rid
+    assert [scheduler.num_cached_prefix_blocks(prompt, cache_salt=s) for s in ("tenant-1", "tenant-3", None)] == [4, 0, 4]
+
+
 # ---- the block leak invariant ---------------------------------------------------------------
 
 

@@ -81,6 +81,28 @@ def test_a_batch_of_prompts_and_logit_bias_served_as_offline(client, offline):
     assert biased.choices[0].text == offline_biased[0].outputs[0].text != expected[0].text
 
 
+def test_a_cache_salt_keeps_prefix_hits_within_a_tenant(client, offline):
+    """vLLM's cache_salt through the openai client: a salted prompt's blocks are found
+    again under its salt only (usage's cached_tokens), on completions and chat alike."""
+    prompt = "Tenant isolation: " + " ".join(f"w{i}" for i in range(40))
+    cacheable = (len(offline.tokenizer.encode(prompt)) - 1) // 16 * 16
+    assert cacheable >= 32
+
+    def cached(salt: str | None) -> int:
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                        extra_body={} if salt is None else {"cache_salt": salt})
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(s) for s in ("t1", "t2", None, "t1", None)] == [0, 0, 0, cacheable, cacheable]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    hits = [client.chat.completions.create(**chat, extra_body={"cache_salt": "t3"}).usage
+            .prompt_tokens_details.cached_tokens for _ in range(2)]
+    assert hits[0] == 0 and hits[1] >= 32
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**chat, extra_body={"cache_salt": ""})
+    assert refused.value.body["param"] == "cache_salt"
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},

@@ -80,7 +80,7 @@ class Answer:
             serving.client, serving.tokenizer.backend, self.request_id, prompts, self.params,
             serving.tokenizer.eos_token_id, self.usage, serving.config.idle_timeout_s, trace_headers=inject(ctx),
             incremental=bool(body.stream),  # a body sent whole needs each text once, at its end
-            priority=body.priority, lora_request=serving.lora_of(body.model),
+            priority=body.priority, lora_request=serving.lora_of(body.model), cache_salt=body.cache_salt,
         )
         # Echo: each prompt's text before its choices (as the client sent it, when it sent text).
         # With logprobs the prompt's tokens have theirs too; they come with each choice's

@@ -71,6 +71,7 @@ async def generate(
     incremental: bool = True,
     priority: int = 0,
     lora_request: LoRARequest | None = None,
+    cache_salt: str | None = None,
 ) -> AsyncIterator[list[ChoiceDelta]]:
     """One ParentRequest per prompt (a completions batch has several), their choices
     numbered prompt by prompt. Not `incremental` (a response sent whole): each choice's
@@ -81,7 +82,7 @@ async def generate(
         ParentRequest(
             base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
             now, client.reply_subject, trace_headers, first_index=p * params.n, incremental=incremental,
-            priority=priority, lora_request=lora_request,
+            priority=priority, lora_request=lora_request, cache_salt=cache_salt,
         )
         for p, token_ids in enumerate(prompts)
     ]

@@ -85,6 +85,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     allowed_token_ids: list[Int] | None = None  # vLLM's: sample only among these
     priority: Int = 0  # vLLM's: lower is served first, under --scheduling-policy priority
+    # vLLM's: prefix-cache hits only from requests with the same salt (one per tenant:
+    # another's cannot time a hit to learn what this one sent)
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1)] | None = None
     # Structured outputs, as OpenAI spells them (response_format) and vLLM (structured_outputs,
     # and its older guided_* fields): at most one of them per request.
     response_format: ResponseFormat | None = None

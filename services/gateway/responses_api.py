@@ -77,6 +77,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None
+    cache_salt: str | None = None  # vLLM's, as on chat
 
     # A chat request's field, as the client named it here (for a 400's param).
     PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
@@ -94,7 +95,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                                 "instructions": self.instructions}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
-                            ("user", self.user), ("metadata", self.metadata)):
+                            ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt)):
             if value is not None:
                 chat[name] = value
         if self.tools is not None:

@@ -170,8 +170,8 @@ class Fleet:
         # prefix cached; then the least loaded.
         handle = max(
             self.workers.values(),
-            key=lambda h: (lora is None or h.info.max_loras > 0, h.core.num_cached_prefix_blocks(tokens, lora),
-                           -h.core.load()),
+            key=lambda h: (lora is None or h.info.max_loras > 0,
+                           h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt), -h.core.load()),
         )
         try:
             if isinstance(item, EngineCoreRequest):

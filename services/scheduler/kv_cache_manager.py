@@ -14,15 +14,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_root(long_rope: bool, lora: LoRARequest | None) -> BlockHash | None:
+def hash_root(long_rope: bool, lora: LoRARequest | None, cache_salt: str | None = None) -> BlockHash | None:
     """What a request's chain of block hashes starts from: the same tokens hold other keys
     and values rotated with longrope's long factors (Phi-3), or under a LoRA adapter
     (named with its id and path: an adapter reloaded under the same name, even from the
     same folder, takes a new id, and its weights may be new), so they are other blocks.
-    None for the base model's short ones, as before either existed."""
+    A cache salt (vLLM's) starts another chain too, so only requests with the same salt
+    share blocks; it goes last, with its length, so no salt a client picks can spell
+    another root. None for the base model's short ones, as before any of them existed."""
     root = b"longrope:long" if long_rope else b""
     if lora is not None:
         root += b"|lora:%d:" % lora.lora_int_id + lora.lora_name.encode() + b"\0" + lora.lora_path.encode()
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        root += b"|salt:%d:" % len(salt) + salt
     return root or None
 
 
@@ -57,7 +62,7 @@ class KVCacheManager:
     def update_block_hashes(self, request: Request) -> None:
         """Extend the request's chained hashes to every block its tokens fill."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
-        root = hash_root(self.runs_long(request), request.lora_request)
+        root = hash_root(self.runs_long(request), request.lora_request, request.cache_salt)
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else root
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
@@ -82,11 +87,12 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None) -> int:
+    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
+                                 cache_salt: str | None = None) -> int:
         """How many leading full blocks of these tokens are cached here (for placement)."""
         if not self.enable_caching:
             return 0
-        parent, bs = hash_root(False, lora), self.block_size
+        parent, bs = hash_root(False, lora, cache_salt), self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
             if self.block_pool.get_cached_block(parent) is None:

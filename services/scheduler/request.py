@@ -59,6 +59,7 @@ class Request:
     num_discarded_tokens: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
+    cache_salt: str | None = None  # its prefix-cache hits are the same salt's only (vLLM's)
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once
     queue_time_reported: bool = False

@@ -117,6 +117,7 @@ class Scheduler:
             all_token_ids=[*req.prompt_token_ids, *req.output_token_ids],
             output_token_ids=list(req.output_token_ids),
             lora_request=req.lora_request,
+            cache_salt=req.cache_salt,
         )
         self.requests[request.request_id] = request
         self._enqueue(request)
@@ -167,9 +168,10 @@ class Scheduler:
     def load(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None) -> int:
+    def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
+                                 cache_salt: str | None = None) -> int:
         """How many leading full blocks of these tokens this core's prefix cache holds."""
-        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids, lora)
+        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids, lora, cache_salt)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
