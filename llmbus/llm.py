@@ -34,7 +34,7 @@ from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
-from shared.sampling_params import SamplingParams, embedding_params
+from shared.sampling_params import SamplingParams, embedding_params, with_bad_words_tokenized
 
 T = TypeVar("T")
 
@@ -314,6 +314,7 @@ class LLM:
             for (text, token_ids, salt), params, rank, lora in zip(encoded, params_list,
                                                                    priority or [0] * len(prompts), loras):
                 params = stop_at_model_eos(params, self.model_eos_ids, self.eos_token_id)
+                params = with_bad_words_tokenized(params, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
                 if params.prompt_logprobs is not None:
                     result.prompt_logprobs = [None]

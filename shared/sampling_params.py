@@ -7,6 +7,7 @@ message) with a `ValueError` that names the parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -63,6 +64,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     # vLLM's: sample only among these token ids (the rest masked, greedy too).
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain. A word's last token is masked wherever
+    # the output's last tokens are the ones before it (its first, from the start), with
+    # and without a leading space. `bad_words_token_ids` are the words' token ids, set from
+    # `bad_words` by `with_bad_words_tokenized` where the tokenizer is (gateway, LLM); the
+    # sampler reads only them.
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     # An embedding request (vLLM's embed task; `embedding_params()`): the model's final
     # hidden state at the prompt's last token, L2-normalized, comes back with one
@@ -116,6 +124,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
         if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
             raise ValueError("logit_bias maps non-negative token ids to biases in [-100, 100]")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must not contain empty (or blank) words")
+        if self.bad_words_token_ids is not None and any(not w or min(w) < 0 for w in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of non-negative token ids")
 
     @property
     def greedy(self) -> bool:
@@ -128,6 +140,29 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling reads output tokens before the latest one: penalties count them,
+        a bad word of several tokens compares them."""
+        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids or ())
+
+
+def with_bad_words_tokenized(params: SamplingParams, encode: Callable[[str], list[int]]) -> SamplingParams:
+    """`params` with its bad words' token ids (vLLM's rule): each word as written with its
+    leading space stripped, and with one space before it where that is a word of its own
+    (another first token, as many tokens: "Paris" and " Paris" in a BPE vocabulary, not
+    a SentencePiece one's extra "▁"). `encode`: text to ids, no special tokens added."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return params
+    token_ids: list[list[int]] = []
+    for word in params.bad_words:
+        bare = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        token_ids.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            token_ids.append(spaced)
+    return msgspec.structs.replace(params, bad_words_token_ids=token_ids)
 
 
 def embedding_params() -> SamplingParams:

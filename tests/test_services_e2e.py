@@ -81,6 +81,24 @@ def test_a_batch_of_prompts_and_logit_bias_served_as_offline(client, offline):
     assert biased.choices[0].text == offline_biased[0].outputs[0].text != expected[0].text
 
 
+def test_bad_words_served_as_offline(client, offline):
+    """vLLM's bad_words through the openai client: words the free output has (the gateway
+    tokenizes them as LLM does) are avoided, the same tokens as offline; a blank word is a
+    400 naming the field."""
+    prompt = PROMPTS[0]
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    free = offline.generate(prompt, plain)[0].outputs[0]
+    words = [offline.tokenizer.decode(free.token_ids[2:4]).strip() or "the", free.text.split()[-1]]
+    [want] = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=words))
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True, "bad_words": words})
+    assert want.outputs[0].token_ids != free.token_ids
+    assert out.choices[0].text == want.outputs[0].text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"bad_words": [" "]})
+    assert refused.value.body["param"] == "bad_words"
+
+
 def test_a_cache_salt_keeps_prefix_hits_within_a_tenant(client, offline):
     """vLLM's cache_salt through the openai client: a salted prompt's blocks are found
     again under its salt only (usage's cached_tokens), on completions and chat alike."""

@@ -84,6 +84,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     truncate_prompt_tokens: Annotated[int, msgspec.Meta(ge=-1)] | None = None
     logit_bias: dict[str, float] | None = None  # token id (as OpenAI writes it, a string) -> bias
     allowed_token_ids: list[Int] | None = None  # vLLM's: sample only among these
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
     priority: Int = 0  # vLLM's: lower is served first, under --scheduling-policy priority
     # vLLM's: prefix-cache hits only from requests with the same salt (one per tenant:
     # another's cannot time a hit to learn what this one sent)
@@ -262,6 +263,7 @@ def to_sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         allowed_token_ids=request.allowed_token_ids,
+        bad_words=list(request.bad_words or []),
         structured_outputs=structured_outputs,
         prompt_logprobs=prompt_logprobs,
     )

@@ -30,6 +30,7 @@ from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import TokenizeRequest
+from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
 
 
@@ -122,6 +123,8 @@ class OpenAIServing:
             spec, spec_field = forced, "tools"
         params = stop_at_model_eos(to_sampling_params(body, spec, self.config.default_sampling),
                                    self.config.model_eos_ids, self.tokenizer.eos_token_id)
+        # (a few short words: encoded here, not sent to a tokenizer replica)
+        params = with_bad_words_tokenized(params, lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
             validate_chat_options(body)

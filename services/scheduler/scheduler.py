@@ -93,7 +93,12 @@ class Scheduler:
         if not (self.generates or params.embed):
             raise ValueError("this model has no LM head: it serves embeddings (/v1/embeddings, LLM.embed), "
                              "not generation")
-        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ())):
+        if params.bad_words and params.bad_words_token_ids is None:
+            raise ValueError("bad_words reached the scheduler untokenized (shared.sampling_params."
+                             "with_bad_words_tokenized sets their token ids)")
+        bad_word_ids = [t for word in params.bad_words_token_ids or () for t in word]
+        for field, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or ()),
+                           ("bad_words", bad_word_ids)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")

@@ -68,13 +68,14 @@ def reads_device_tokens_only(requests: dict[str, RequestState], so: SchedulerOut
     """Whether this step can run beside the launched ones: each request with tokens
     still on the device only feeds its latest one back as a decode, and nothing reads
     its history on the host (penalties count the latest token on the device too, the one
-    before it only once it has landed: penalty_counts.py)."""
+    before it only once it has landed: penalty_counts.py; bad words compare it there:
+    bad_words.py)."""
     for rid, n in so.num_scheduled_tokens.items():
         state = requests.get(rid)
         if state is None or not state.num_pending:
             continue
         if (n != 1 or rid in so.num_draft_slots or state.matcher is not None
-                or (state.sampling_params.needs_penalties and state.num_pending > 1)
+                or (state.sampling_params.needs_output_history and state.num_pending > 1)
                 or state.num_computed_tokens != len(state.token_ids) + state.num_pending - 1):
             return False
     return True

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.worker.bad_words import apply_bad_words, has_bad_words
 from services.worker.host_values import to_device
 from services.worker.penalty_counts import PenaltyCounts
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
@@ -146,9 +147,9 @@ class Sampler:
         return self._samples(raw, sampled, params)
 
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
-        """Penalties, logit bias, min_tokens and allowed_token_ids, which change the
-        distribution greedy picks from too: each for all the rows that ask for it at once, in
-        that order."""
+        """Penalties, logit bias, min_tokens, allowed_token_ids and bad words, which change
+        the distribution greedy picks from too: each for all the rows that ask for it at
+        once, in that order."""
         penalized = [i for i, s in enumerate(states) if s.sampling_params.needs_penalties]
         bias_rows, bias_ids, bias_values, ban_rows, ban_ids = [], [], [], [], []
         allow_rows, allow_ids = [], []
@@ -169,7 +170,8 @@ class Sampler:
                 banned = [t for t in banned if t < logits.shape[-1]]
                 ban_rows += [i] * len(banned)
                 ban_ids += banned
-        if not (penalized or bias_rows or ban_rows or allow_rows):
+        bad_words = any(has_bad_words(s) for s in states)
+        if not (penalized or bias_rows or ban_rows or allow_rows or bad_words):
             return logits
         logits = logits.clone()
         device = logits.device
@@ -190,6 +192,8 @@ class Sampler:
             keep[to_device(sorted(set(allow_rows)), device)] = False
             keep[to_device(allow_rows, device), to_device(allow_ids, device)] = True
             logits.masked_fill_(~keep, _MASK)
+        if bad_words:
+            apply_bad_words(logits, states)
         return logits
 
     def _sample_random(
