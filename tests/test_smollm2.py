@@ -60,13 +60,15 @@ COMPILE_TIMEOUT_S = 12
 
 
 @pytest.fixture(scope="module")
-def client(smollm2, tmp_path_factory):
-    """`llmbus serve` on the real model, and the real openai client pointed at it."""
+def client(smollm2_gguf, tmp_path_factory):
+    """`llmbus serve` on the real model as llama.cpp takes it, its GGUF file (converted on
+    first use as the `smollm2` folder is: the tests below compare the two), and the real
+    openai client pointed at it."""
     import openai
 
     # A compile timeout long enough that a chat answered while a runaway spec compiles
     # is answered before the timeout even on a loaded machine (the runaway test).
-    proc, url = llmbus_serve(["--model", str(smollm2), "--served-model-name", NAME, "--max-model-len", "1024",
+    proc, url = llmbus_serve([str(smollm2_gguf), "--served-model-name", NAME, "--max-model-len", "1024",
                               "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S)],
                              tmp_path_factory.mktemp("serve") / "stderr.log")
     with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
