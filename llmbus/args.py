@@ -80,6 +80,9 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=env("--quantization"), choices=["int8", "int4"],
                         help="CPU, with --dtype bfloat16: int4 (4-bit weights in groups of 32; a GGUF Q4 "
                              "checkpoint keeps its exact grid) or int8 (per-channel int8 weights)")
+    parser.add_argument("--seed", type=int, default=env("--seed"),
+                        help="vLLM's: requests without a seed of their own draw from this one, so a run repeats "
+                             "(default: fresh randomness; benchmarks: 0, which picks their workload too)")
     parser.add_argument("--num-kv-blocks", type=int, default=env("--num-kv-blocks"), help="exact KV cache size in blocks")
     parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
                         help="KV cache budget when --num-kv-blocks is not given")
@@ -275,6 +278,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         load_format=args.load_format,
+        seed=args.seed,
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,

@@ -31,7 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed,
+        top_k=args.top_k,
     )
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, lora_request=lora)
@@ -72,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--lora-path", default=None,
                      help="a PEFT LoRA adapter folder to generate through (with --enable-lora)")
     add_engine_args(gen)
@@ -85,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         bench_module.add_args(p)
         if engine:  # it builds an in-process LLM: every engine flag applies
             add_engine_args(p)
+            # --seed picks the workload and seeds the engine (as vLLM's benchmarks): a run repeats.
+            p.set_defaults(seed=0)
         p.set_defaults(func=bench_module.run)
 
     add_service_commands(sub)

@@ -64,6 +64,7 @@ class LLM:
         enforce_eager: bool = False,
         max_cudagraph_capture_size: int | None = None,
         load_format: str = "auto",
+        seed: int | None = None,  # vLLM's: unseeded requests' draws repeat from run to run (None: fresh)
         device: str | None = None,  # "cuda" when there is one, else "cpu"
         generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/generation_config.py)
         override_generation_config: dict | None = None,
@@ -75,7 +76,17 @@ class LLM:
         # vLLM's: a Hub model's commit, branch or tag, and the cache it is kept in
         revision: str | None = None,
         download_dir: str | None = None,
+        # vLLM's, taken as its command line's are: llmbus runs no code from a checkpoint, and
+        # a model runs on one device (more requests: more replicas, `llmbus serve --workers`).
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
+        for name, size in (("tensor_parallel_size", tensor_parallel_size),
+                           ("pipeline_parallel_size", pipeline_parallel_size)):
+            if size != 1:
+                raise ValueError(f"{name}={size}: a model runs on one device here (no tensor or pipeline "
+                                 "parallelism); serve more requests with replicas (llmbus serve --workers N)")
         path = resolve_model(model, revision, download_dir)
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
@@ -95,7 +106,7 @@ class LLM:
                 max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
-                load_format=load_format, device=device, lora_config=lora_config,
+                load_format=load_format, device=device, lora_config=lora_config, seed=seed,
             ),
             threads,
         )

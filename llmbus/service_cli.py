@@ -220,7 +220,8 @@ def cmd_worker(args) -> int:
                       args.max_model_len, args.worker_id, threads=args.threads,
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-                      load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args)))
+                      load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args),
+                      seed=args.seed))
     return 0
 
 

@@ -112,6 +112,23 @@ def test_prompt_dicts_as_vllm_s_with_a_cache_salt_per_tenant(llm):
         llm.generate({"prompt": "a cat", "cache_salt": ""}, params)
 
 
+def test_vllm_s_constructor_options_seed_and_one_device(tiny_llama):
+    """LLM(seed=...): unseeded requests sample the same tokens in another LLM with that
+    seed, other ones with another; vLLM's trust_remote_code and a parallelism of one are
+    taken, more is refused before anything loads."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(str(tiny_llama), max_model_len=256, seed=seed, trust_remote_code=True, tensor_parallel_size=1)
+        return [o.outputs[0].token_ids for o in llm.generate(["naïve café", "The quick brown fox"] * 2, params)]
+
+    first = run(7)
+    assert first == run(7) and first != run(8)
+    assert first[0] != first[2]  # (a seed for the engine, not one per request)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        LLM("no/such-model", pipeline_parallel_size=2)
+
+
 def test_chat_renders_the_template(llm):
     [out] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))
     expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", False)

@@ -32,7 +32,8 @@ def served(tiny_llama, tmp_path_factory):
         [str(tiny_llama), "--served-model-name", "tiny", "gpt-4o-mini", "--tokenizers", "2", "--num-kv-blocks", "64",
          "--kv-cache-dtype", "fp8_e5m2", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "--trust-remote-code", "-tp", "1", "--enable-prefix-caching",
-         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
+         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info",
+         "--seed", "0"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).

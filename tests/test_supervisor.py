@@ -114,14 +114,15 @@ def test_serve_hands_its_children_repeated_and_json_flags_as_they_parse_back(mon
     from llmbus.cli import build_parser
 
     argv = ["serve", "--api-key", "k1", "--api-key", "k2", "--speculative-config",
-            '{"method": "ngram", "num_speculative_tokens": 2}']
+            '{"method": "ngram", "num_speculative_tokens": 2}', "--seed", "5"]
     args = build_parser().parse_args(argv)
-    env = as_env(args, ["api_key", "speculative_config", "metrics_require_key"])
+    env = as_env(args, ["api_key", "speculative_config", "metrics_require_key", "seed"])
     assert "LLMBUS_METRICS_REQUIRE_KEY" not in env
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     child = build_parser().parse_args(["gateway"])
     assert child.api_key == ["k1", "k2"]
+    assert build_parser().parse_args(["worker"]).seed == 5  # (an int again, as typed)
     scheduler = build_parser().parse_args(["scheduler"])
     assert scheduler.speculative_config == args.speculative_config
     assert scheduler.speculative_config.num_speculative_tokens == 2

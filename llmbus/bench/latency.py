@@ -24,7 +24,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=W0["num_requests"])
     parser.add_argument("--input-len", type=int, default=W0["input_len"][0])
     parser.add_argument("--output-len", type=int, default=W0["output_len"][0])
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="measure llmbus only")
 
 

@@ -40,7 +40,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128, help="decode workload: prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="decode workload: tokens timed")
     parser.add_argument("--repeat", type=int, default=2, help="alternations of the three sides")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and workloads, to test the bench itself")
 

@@ -44,7 +44,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=160, help="per copy/quote request")
     parser.add_argument("--repeat", type=int, default=2, help="pairs per workload, order alternating")
     parser.add_argument("--num-requests", type=int, default=W1["num_requests"], help="for w1")
-    parser.add_argument("--seed", type=int, default=0)
 
 
 def workload(name: str, tokenizer, args) -> tuple[list[list[int]], list[int], bool]:

@@ -21,7 +21,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=W1["num_requests"])
     parser.add_argument("--input-len", type=int, nargs=2, default=W1["input_len"], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=W1["output_len"], metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument(
         "--hf-num-requests", type=int, default=None,

@@ -67,6 +67,7 @@ class ModelRunner:
         max_cudagraph_capture_size: int = 256,
         load_format: str = "auto",
         lora_config: LoRAConfig | None = None,  # --enable-lora: serve LoRA adapters
+        seed: int | None = None,  # vLLM's --seed: unseeded requests' draws repeat from run to run
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if quantization not in (None, *QUANTIZATIONS):
@@ -115,7 +116,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         # (+1: a step's blocks may reach one past max_model_len's, for the token it samples.)
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
-        self.sampler = Sampler()
+        self.sampler = Sampler(seed)
         self.grammars = GrammarBackend(model_path, self.vocab_size)
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).

@@ -125,8 +125,12 @@ class Samples:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         self.penalty_counts = PenaltyCounts()  # penalized requests' token counts, kept between steps
+        # vLLM's engine seed: the fresh seeds of unseeded requests' draws come from it, so a
+        # run (the same requests, in the same steps) samples the same tokens again; None:
+        # from torch's global generator.
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def __call__(
         self,
@@ -217,7 +221,7 @@ class Sampler:
         probs = scaled.softmax(-1)
         # The draws' hash on the logits' device: on the host it was ~0.3 ms a step of 128
         # rows, a few tiny kernels on a GPU (the same bits: integer ops).
-        seeds, positions = draw_keys(states)
+        seeds, positions = draw_keys(states, self.generator)
         random_ids = sample_inverse_cdf(probs, uniform(to_device(seeds, device), to_device(positions, device)))
         return torch.where(to_device(greedy, device), logits.argmax(-1), random_ids)
 
@@ -235,14 +239,16 @@ class Sampler:
         return Samples(sampled, torch.cat([sampled.to(torch.float64), table.flatten()]), params, rows, max_k)
 
 
-def draw_keys(states: Sequence[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_keys(states: Sequence[RequestState],
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(seeds, positions) of each row's draw, int64 on the host: a seeded request's own
-    seed at its output position, a fresh seed from the global generator otherwise."""
+    seed at its output position, a fresh seed from `generator` (None: the global one)
+    otherwise."""
     seeded = [s.sampling_params.seed is not None for s in states]
     seeds = torch.tensor([as_int64(s.sampling_params.seed) if k else 0 for s, k in zip(states, seeded)],
                          dtype=torch.int64)
     positions = torch.tensor([s.num_output_tokens if k else 0 for s, k in zip(states, seeded)], dtype=torch.int64)
     if not all(seeded):
-        fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(states),), dtype=torch.int64)
+        fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(states),), dtype=torch.int64, generator=generator)
         seeds = torch.where(torch.tensor(seeded), seeds, fresh)
     return seeds, positions
