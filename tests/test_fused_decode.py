@@ -3,7 +3,7 @@ give the same bits as the module path that calls the same kernels one by one: th
 greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64,
 128 and 256, over block boundaries, for a batch whose requests finish at different steps, in
 bfloat16, float32, int4 and int8 weights, and with a float8 KV cache; for Llama, Qwen2,
-Qwen3 and Gemma 1-3."""
+Qwen3, Gemma 1-3, Phi-3 and SmolLM3."""
 
 import pytest
 import torch
@@ -50,6 +50,7 @@ CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("gemma", TWO_HEADS),
     ("gemma2", TWO_HEADS),
     ("gemma3", dict(TWO_HEADS, head_dim=256)),
+    ("smollm3", TWO_HEADS),
     ("phi3", dict(TWO_HEADS, **longrope(64))),
     ("phi3", dict(TWO_HEADS, **longrope(32, partial=0.5))),
 ] for layout in LAYOUTS[:2] + [("bfloat16", "int8", "auto")]]

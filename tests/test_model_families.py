@@ -5,8 +5,9 @@ checkpoint, longrope, partial rotary. Granite: embedding, residual and attention
 multipliers and a logits divisor. Gemma: GeGLU, norms by 1 + w, scaled and tied
 embeddings. Gemma 2: Gemma's, with norms after attention and the MLP, a sliding window
 on every other layer, soft-capped scores and logits. Gemma 3: Gemma 2's without caps,
-with query/key norms and the windowed layers' own rotary base. Mixtral and Qwen3-MoE: sparse MLPs of 8 experts,
-top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
+with query/key norms and the windowed layers' own rotary base. SmolLM3: layers without
+rotary (NoPE) among rotating ones, tied embeddings by its config's defaults. Mixtral and
+Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
 
@@ -31,7 +32,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -66,8 +67,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"qwen3": 0, "phi3": 0, "granite": 0, "gemma": 0, "gemma2": 0, "gemma3": 0,
-                           "mixtral": 2, "qwen3_moe": 1}[name]
+    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -103,8 +103,8 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3"))
-    assert config.moe_layers == {"qwen3": (), "phi3": (), "granite": (), "gemma": (), "gemma2": (), "gemma3": (),
-                                 "mixtral": (0, 1), "qwen3_moe": (0,)}[name]
+    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,)}.get(name, ())
+    assert config.nope_layers == {"smollm3": (1,)}.get(name, ())
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
@@ -112,7 +112,7 @@ def test_what_each_family_reads_from_its_config(family):
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
         "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
-        "gemma3": ("gelu_pytorch_tanh", 1.0, False)}.get(name, ("silu", 0.0, False))
+        "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True)}.get(name, ("silu", 0.0, False))
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
@@ -130,6 +130,21 @@ def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_pa
     llm = LLM(str(folder))
     assert llm.runner.model_config.moe_layers == (1, 3) and not llm.runner.model_config.norm_topk_prob
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_a_smollm3_config_is_read_with_its_own_defaults(tmp_path):
+    """What SmolLM3's config.json may leave out is SmolLM3's default, not a Llama's: tied
+    embeddings, a rotary base of 2e6, a NoPE layer every fourth (transformers reads the
+    same folder the same way, so greedy output still equals its)."""
+    folder = build_tiny_model(tmp_path / "m", "smollm3", seed=2, num_hidden_layers=4)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("tie_word_embeddings", "rope_parameters", "no_rope_layers", "no_rope_layer_interval"):
+        del config[key]
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder))
+    read = llm.runner.model_config
+    assert (read.tie_word_embeddings, read.rope_theta, read.nope_layers) == (True, 2e6, (3,))
+    assert generate_ids(llm, PROMPTS[:3]) == hf_greedy(folder, PROMPTS[:3], MAX_NEW)
 
 
 def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):

@@ -92,6 +92,8 @@ def build_tiny_model(
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     folder = Path(folder)
@@ -190,6 +192,11 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+    elif arch == "smollm3":
+        # Layer 1 of 2 without rotary (NoPE every second layer, where SmolLM3's is every
+        # fourth), and tied: left at SmolLM3's default, so config.json leaves it out.
+        model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "tie_word_embeddings": True,
+                                                    "no_rope_layer_interval": 2, **overrides}))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:

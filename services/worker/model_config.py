@@ -30,6 +30,9 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma 3 (text): Gemma 2's layer without the caps, with Qwen3's query/key norms, five
     # windowed layers to one global, and the windowed ones rotating with a base of their own.
     "Gemma3ForCausalLM": "llama",
+    # SmolLM3: a Llama whose every fourth layer (no_rope_layers' zeros) attends without
+    # rotary positions (NoPE), tied embeddings by default.
+    "SmolLM3ForCausalLM": "llama",
 }
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
@@ -37,7 +40,14 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
 EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *EVERY_LAYER_WINDOWED, *QWENS)
+# Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
+# default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
+BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
+# Families whose config.json may leave out what their transformers config class defaults
+# differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
+# fourth layer): read through that class, as transformers reads them.
+FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -110,6 +120,7 @@ class ModelConfig:
     embedding_multiplier_in_dtype: bool = False
     hidden_act: str = "silu"  # one of HIDDEN_ACTS
     norm_weight_offset: float = 0.0  # Gemma: its norms weigh by (offset + weight), offset 1
+    nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose queries and keys do not rotate
 
     @property
     def max_model_len(self) -> int:
@@ -131,6 +142,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))}"
             )
+        if arch in FILLED_BY_TRANSFORMERS:
+            raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM":
             raw, local_rope_theta = _gemma3_ropes(raw)
@@ -200,7 +213,26 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **_sliding_window_fields(arch, raw),
+            nope_layers=_nope_layers(arch, raw),
         )
+
+
+def _filled(raw: dict, model_type: str) -> dict:
+    """config.json with what it leaves out as transformers' config class fills it in."""
+    from transformers import CONFIG_MAPPING
+
+    given = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    return {**CONFIG_MAPPING[model_type](**given).to_dict(), "architectures": raw.get("architectures")}
+
+
+def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
+    """SmolLM3's no_rope_layers: a 1 for each layer that rotates, a 0 for each that does not."""
+    if arch != "SmolLM3ForCausalLM":
+        return ()
+    flags = raw["no_rope_layers"]
+    if len(flags) < raw["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers must name each of {raw['num_hidden_layers']} layers, got {len(flags)}")
+    return tuple(i for i in range(raw["num_hidden_layers"]) if not flags[i])
 
 
 def _text_config(raw: dict, architecture: str) -> dict:
@@ -228,7 +260,7 @@ def _sliding_window_fields(arch: str, raw: dict) -> dict:
     window, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if arch in EVERY_LAYER_WINDOWED and window:
         return dict(layer_windows=_layer_windows(["sliding_attention"] * num_layers, window, num_layers))
-    if arch in QWENS and window and raw.get("use_sliding_window"):
+    if arch in BY_LAYER_TYPE and window and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
         kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                            for i in range(num_layers)]

@@ -81,6 +81,16 @@ class RotaryEmbedding(nn.Module):
         # The positions last checked against the table (the kernel path checks once a step).
         self._checked: torch.Tensor | None = None
 
+    @classmethod
+    def identity(cls, head_dim: int, max_position: int) -> "RotaryEmbedding":
+        """A layer that does not rotate (SmolLM3's NoPE layers): cos 1 and sin 0 at every
+        position, which every path's rotation (x * cos + swapped * sin, in the C kernels,
+        PyTorch and Triton alike) returns bit for bit, so no path needs a case of its own."""
+        rotary = cls(head_dim, max_position, 10000.0, {"rope_type": "default"})
+        rotary.cos_cache.fill_(1.0)
+        rotary.sin_signed_cache.zero_()
+        return rotary
+
     def check_positions(self, positions: torch.Tensor) -> None:
         """Raise unless every position is in the table: the CPU kernels index it unchecked."""
         if positions.numel() and int(positions.max()) >= self.cos_cache.shape[0]:

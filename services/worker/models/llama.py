@@ -147,13 +147,15 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
-                 local_rotary: RotaryEmbedding | None = None):
+                 local_rotary: RotaryEmbedding | None = None, no_rotary: RotaryEmbedding | None = None):
         super().__init__()
         triton = triton_elementwise(backend)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         window = config.layer_windows[index] if config.layer_windows else 0
         if window and local_rotary is not None:  # Gemma 3: the windowed layers' own base
             rotary = local_rotary
+        if index in config.nope_layers:  # SmolLM3: no rotation at all
+            rotary = no_rotary
         self.self_attn = Attention(config, rotary, backend, triton, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
@@ -195,8 +197,10 @@ class LlamaModel(nn.Module):
         self.rotary = rotary
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.head_dim, max_position, config.local_rope_theta, {"rope_type": "default"}, config.rotary_dim)
+        self.no_rotary = RotaryEmbedding.identity(config.head_dim, max_position) if config.nope_layers else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, i, self.local_rotary) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, rotary, backend, i, self.local_rotary, self.no_rotary)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton=triton_elementwise(backend))
 
