@@ -243,7 +243,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          chat_template=args.chat_template, allowed_origins=tuple(json.loads(args.allowed_origins)),
                          allowed_methods=tuple(json.loads(args.allowed_methods)),
                          allowed_headers=tuple(json.loads(args.allowed_headers)),
-                         allow_credentials=args.allow_credentials)
+                         allow_credentials=args.allow_credentials,
+                         enable_request_id_headers=args.enable_request_id_headers)
 
 
 def runtime_lora_updating() -> bool:

@@ -113,6 +113,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
         parser.add_argument(flag, type=json_strings, default=env(flag, '["*"]'),
                             help="CORS: a JSON list (default [\"*\"], vLLM's)")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        default=env_flag("--enable-request-id-headers"),
+                        help="vLLM's: X-Request-Id on every response (the request's own, or a new one)")
     parser.add_argument("--allow-credentials", action="store_true", default=env_flag("--allow-credentials"),
                         help="CORS: let a browser send cookies and HTTP auth (vLLM's)")
     # vLLM's logging flags

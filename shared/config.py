@@ -107,6 +107,8 @@ class GatewayConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # vLLM's: X-Request-Id on every response, the request's own or a new one
+    enable_request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -599,3 +599,38 @@ def test_cors_as_vllms_defaults_and_flags_set_it(tokenizer):
         theirs = client.options("/v1/completions", headers={**preflight, "Origin": "https://evil.example"})
     assert ours.headers["access-control-allow-origin"] == "https://ui.example"
     assert theirs.status_code == 400 and "access-control-allow-origin" not in theirs.headers
+
+
+def test_a_client_s_request_id_names_the_response_not_the_engine_s_request(tokenizer, caplog):
+    """vLLM's X-Request-Id (over the body's request_id): the response's id, streamed and
+    not, and the request log's client_request_id; the engine's ids stay unique for two
+    requests sent with one id. With --enable-request-id-headers each response carries the
+    header back, the sent one or a new one, errors included; an id too long is a 400."""
+    import logging
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    client, engine = gateway(tokenizer, config=GatewayConfig("tiny", enable_request_id_headers=True))
+    with client, caplog.at_level(logging.INFO, logger="llmbus.requests"):
+        sent = client.post("/v1/chat/completions", json=chat, headers={"X-Request-Id": "trace-7"})
+        again = client.post("/v1/chat/completions", json={**chat, "request_id": "body-1"},
+                            headers={"X-Request-Id": "trace-7"})
+        by_body = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "request_id": "body-1"})
+        streamed = client.post("/v1/chat/completions", json={**chat, "stream": True}, headers={"X-Request-Id": "s-1"})
+        plain = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        refused = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "request_id": "x" * 257})
+    assert sent.json()["id"] == again.json()["id"] == "chatcmpl-trace-7"
+    assert by_body.json()["id"] == "cmpl-body-1"
+    assert {e["id"] for e in sse_events(streamed)} == {"chatcmpl-s-1"}
+    assert plain.json()["id"].startswith("cmpl-") and len(plain.json()["id"]) == 37  # ours
+    assert [r.headers["x-request-id"] for r in (sent, again, by_body, streamed)] == ["trace-7", "trace-7",
+                                                                                     by_body.headers["x-request-id"],
+                                                                                     "s-1"]
+    assert len(by_body.headers["x-request-id"]) == 32 and refused.headers["x-request-id"]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id"
+    engine_ids = [r.request_id for r in engine.submitted]
+    assert len(set(engine_ids)) == len(engine_ids) == 5 and not any("trace-7" in i for i in engine_ids)
+    logged = [r.client_request_id for r in caplog.records if r.getMessage() == "request finished"]
+    assert logged == ["trace-7", "trace-7", "body-1", "s-1", None]
+    client, _ = gateway(tokenizer)
+    with client:
+        assert "x-request-id" not in client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).headers

@@ -25,6 +25,7 @@ from services.gateway.errors import GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest, completion_prompts
 from services.gateway.reasoning_parsers import new_parser
+from services.gateway.request_ids import client_request_id
 from services.gateway.tool_parsers import parse_whole
 from services.gateway.tools import ToolChoice
 from shared.output_processor import ChoiceDelta
@@ -51,6 +52,8 @@ class Answer:
     """One request's answer: its deltas collected into a body, or framed as SSE. A batch of
     prompts has n choices for each, prompt by prompt (choice p * n + i)."""
 
+    ID_PREFIX: str | None = None  # the response id's (None: a chat's or a completion's)
+
     def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]],
                  tools: ToolChoice | None, span, ctx) -> None:
         self.s = serving
@@ -60,7 +63,10 @@ class Answer:
         self.span = span
         self.params = params
         self.model = serving.response_model(body.model)  # (an adapter's name, when one was asked for)
-        self.request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = self.ID_PREFIX or ("chatcmpl-" if chat else "cmpl-")
+        self.request_id = f"{prefix}{uuid.uuid4().hex}"  # the engine's: unique whatever a client sends
+        self.client_id = client_request_id(request.headers, body.request_id)
+        self.response_id = self.request_id if self.client_id is None else f"{prefix}{self.client_id}"
         self.created = int(time.time())
         self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
         self.object = "chat.completion" if chat else "text_completion"
@@ -131,7 +137,8 @@ class Answer:
             self.s.metrics.request_finished(usage.prompt_tokens, usage.finish_reasons, usage.ttft, usage.itls, e2e,
                                             usage.queue_time_s)
         request_log.info("request finished", extra={
-            "request_id": self.request_id, "status": status, "prompt_tokens": usage.prompt_tokens,
+            "request_id": self.request_id, "client_request_id": self.client_id, "status": status,
+            "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
             "ttft_s": None if usage.ttft is None else round(usage.ttft, 4), "e2e_s": round(e2e, 4),
             "finish_reason": ",".join(usage.finish_reasons) or None,
@@ -219,7 +226,7 @@ class Answer:
                 choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
                 if self.params.prompt_logprobs is not None:  # vLLM's field (echo with logprobs asks too)
                     choices[-1].prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[i])
-        body = r.Response(self.request_id, self.object, self.created, self.model, choices,
+        body = r.Response(self.response_id, self.object, self.created, self.model, choices,
                           self._usage())
         if self.chat and self.params.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
             body.prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[0])
@@ -227,7 +234,7 @@ class Answer:
 
     def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = r.Chunk(self.request_id, obj, self.created, self.model, choices, usage)
+        chunk = r.Chunk(self.response_id, obj, self.created, self.model, choices, usage)
         # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
         # its cost per chunk (one chunk per token per stream at 128 streams).
         return b"data: " + _json.encode(chunk) + b"\n\n"

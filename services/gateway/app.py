@@ -25,6 +25,7 @@ from services.gateway.limits import Limits
 from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from services.gateway.request_ids import RequestIdHeader
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import embeddings, tokenization
@@ -60,6 +61,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                        allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
                        allow_credentials=config.allow_credentials)
+    if config.enable_request_id_headers:  # outermost: a 401 or a preflight carries it too
+        app.add_middleware(RequestIdHeader)
 
     async def on_error(_request: Request, exc: Exception) -> Response:
         return error_response(exc)

@@ -97,6 +97,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: names the response (`chatcmpl-<id>`) unless an X-Request-Id header does (request_ids.py)
+    request_id: str | None = None
     # OpenAI's bookkeeping, accepted as it changes no output.
     user: str | None = None
     metadata: dict[str, Any] | None = None

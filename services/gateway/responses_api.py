@@ -78,6 +78,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     user: str | None = None
     service_tier: str | None = None
     cache_salt: str | None = None  # vLLM's, as on chat
+    request_id: str | None = None  # vLLM's: the response is `resp_<id>` (request_ids.py)
 
     # A chat request's field, as the client named it here (for a 400's param).
     PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
@@ -95,7 +96,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                                 "instructions": self.instructions}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
-                            ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt)):
+                            ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt),
+                            ("request_id", self.request_id)):
             if value is not None:
                 chat[name] = value
         if self.tools is not None:
@@ -167,9 +169,10 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 class ResponsesAnswer(Answer):
     """A chat's generation, answered as a Response (n is always 1 here)."""
 
+    ID_PREFIX = "resp_"
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.request_id = f"resp_{uuid.uuid4().hex}"
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.reasoning_id = f"rs_{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -188,7 +191,7 @@ class ResponsesAnswer(Answer):
         u = self.usage
         body = self.body
         return {
-            "id": self.request_id, "object": "response", "created_at": self.created, "status": status,
+            "id": self.response_id, "object": "response", "created_at": self.created, "status": status,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "error": None, "model": self.model, "output": output,
             "instructions": body.instructions, "max_output_tokens": self.params.max_tokens,

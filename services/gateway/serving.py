@@ -25,6 +25,7 @@ from services.gateway.protocol import (
     validate_chat_options,
     validate_messages,
 )
+from services.gateway.request_ids import client_request_id
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
@@ -113,6 +114,7 @@ class OpenAIServing:
         if hasattr(body, "to_chat"):  # (a Responses API request: the chat it means)
             body = body.to_chat()
         self.check_model(body.model)
+        client_request_id(request.headers, body.request_id)  # (a bad one is a 400 before anything runs)
         spec, spec_field = structured_outputs_of(body)
         tools = tool_choice_of(body) if isinstance(body, ChatCompletionRequest) else None
         forced = tools.constraint() if tools is not None else None
