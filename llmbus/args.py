@@ -14,8 +14,8 @@ import logging
 import os
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
-from shared.config import (KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig, LoRAConfig,
-                           SchedulerConfig, SpeculativeConfig)
+from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
+                           LoRAConfig, SchedulerConfig, SpeculativeConfig)
 from shared.generation_config import SOURCES_HELP, default_sampling, model_eos_ids
 from shared.lora_request import LoRARequest, parse_lora_modules
 from shared.pooling_config import unsupported_pooling
@@ -76,7 +76,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default=env("--dtype", "float32"), choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default=env("--dtype", "float32"), choices=DTYPE_CHOICES,
+                        help="default float32 (greedy output as transformers' in float32); auto: the "
+                             "checkpoint's own, as vLLM's default (float16 runs as bfloat16 on a CPU); "
+                             "half = float16, float = float32")
     parser.add_argument("--quantization", default=env("--quantization"), choices=["int8", "int4"],
                         help="CPU, with --dtype bfloat16: int4 (4-bit weights in groups of 32; a GGUF Q4 "
                              "checkpoint keeps its exact grid) or int8 (per-channel int8 weights)")

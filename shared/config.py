@@ -42,6 +42,9 @@ class SchedulerConfig:
             )
 
 
+# vLLM's --dtype values: its other spellings, and "auto" (the checkpoint's: loader.resolve_dtype)
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # The most the gateway waits for a structured-output spec's check: a tokenizer replica's

@@ -241,3 +241,30 @@ def test_quantization_needs_bfloat16_activations(tiny_llama):
     for method in ("int8", "int4"):
         with pytest.raises(ValueError, match="--dtype bfloat16"):
             ModelRunner(tiny_llama, dtype="float32", quantization=method)
+
+
+def test_vllm_s_dtype_values_auto_half_and_float(tiny_llama, tmp_path):
+    """--dtype auto is the checkpoint's own dtype (config.json's `dtype`, or transformers 4's
+    `torch_dtype`; float16 as bfloat16 on a CPU, as vLLM's CPU backend); half and float are
+    float16 and float32, by vLLM's spellings, on the command line too."""
+    import json
+    import shutil
+
+    from llmbus.cli import build_parser
+    from services.worker.loader import resolve_dtype
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert [resolve_dtype(name, folder, cpu) for name in ("auto", "half", "float")] == ["float32", "float16",
+                                                                                       "float32"]
+    for key, written, on_cpu, on_gpu in (("dtype", "float16", "bfloat16", "float16"),
+                                          ("torch_dtype", "bfloat16", "bfloat16", "bfloat16")):
+        (folder / "config.json").write_text(json.dumps({**{k: v for k, v in config.items() if k != "dtype"},
+                                                        key: written}))
+        assert (resolve_dtype("auto", folder, cpu), resolve_dtype("auto", folder, gpu)) == (on_cpu, on_gpu)
+    assert LLM(str(folder), dtype="auto").runner.dtype == torch.bfloat16
+    assert build_parser().parse_args(["worker", "--dtype", "half"]).dtype == "half"
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        resolve_dtype("int3", folder, cpu)

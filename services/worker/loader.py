@@ -16,15 +16,35 @@ from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.model_config import ModelConfig
 from services.worker.models.llama import MULTIMODAL_PARTS, LlamaForCausalLM
+from shared.config import DTYPE_ALIASES, DTYPE_CHOICES
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_dtype(name: str) -> torch.dtype:
+    name = DTYPE_ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}: {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}: {', '.join(DTYPE_CHOICES)}")
     return DTYPES[name]
+
+
+def resolve_dtype(name: str, folder: str | Path, device: torch.device) -> str:
+    """The dtype a --dtype value means, by its name in DTYPES. "auto" (vLLM's): the
+    checkpoint's own (config.json's `dtype`, or `torch_dtype` as transformers 4 wrote it;
+    float32 where it names none). float16 on a CPU runs as bfloat16, as vLLM's CPU backend
+    takes it: the same range of exponents is not, but llmbus's CPU kernels and oneDNN's
+    packed products take bfloat16 and not float16, which PyTorch runs several times slower."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name == "auto":
+        config_path = Path(folder) / "config.json"
+        raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        name = name if name in DTYPES else "float32"
+        if name == "float16" and device.type == "cpu":
+            name = "bfloat16"
+    parse_dtype(name)  # (an unknown one refused by name)
+    return name
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -29,7 +29,7 @@ from services.worker.block_table import BlockTable
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
-from services.worker.loader import load_model, parse_dtype
+from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora_adapter import LoRAAdapter
 from services.worker.lora_manager import LoRAManager
 from services.worker.memory import check_kv_cache_fits
@@ -70,6 +70,7 @@ class ModelRunner:
         seed: int | None = None,  # vLLM's --seed: unseeded requests' draws repeat from run to run
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
         if quantization is not None and self.device.type != "cpu":
