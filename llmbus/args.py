@@ -87,8 +87,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's: requests without a seed of their own draw from this one, so a run repeats "
                              "(default: fresh randomness; benchmarks: 0, which picks their workload too)")
     parser.add_argument("--num-kv-blocks", type=int, default=env("--num-kv-blocks"), help="exact KV cache size in blocks")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb", 1.0),
-                        help="KV cache budget when --num-kv-blocks is not given")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=env("--kv-cache-memory-gb"),
+                        help="KV cache budget when --num-kv-blocks is not given (default 1, or vLLM's "
+                             "VLLM_CPU_KVCACHE_SPACE; on a GPU, --gpu-memory-utilization's share where given)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=env("--gpu-memory-utilization"),
+                        help="vLLM's: on a GPU, the share of its memory the worker may hold, the KV cache taking "
+                             "what the model leaves (a CPU's cache is --kv-cache-memory-gb's, as vLLM's CPU backend)")
     parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
     parser.add_argument("--kv-cache-dtype", default=env("--kv-cache-dtype", "auto"), choices=KV_CACHE_DTYPES,
                         help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, twice "
@@ -198,11 +202,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 # ---- configs from flags ---------------------------------------------------------------------
 
 
+def kv_cache_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.kv_cache_memory_gb is None else int(args.kv_cache_memory_gb * (1 << 30))
+
+
 def cache_config(args: argparse.Namespace) -> CacheConfig:
     return CacheConfig(
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+        kv_cache_memory_bytes=kv_cache_bytes(args),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         cache_dtype=args.kv_cache_dtype,
     )
 
@@ -268,7 +277,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
+        kv_cache_memory_bytes=kv_cache_bytes(args),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,

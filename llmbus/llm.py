@@ -50,7 +50,8 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,  # None: 1 GiB (VLLM_CPU_KVCACHE_SPACE), or as below on a GPU
+        gpu_memory_utilization: float | None = None,  # vLLM's: a GPU's share this engine may hold
         block_size: int = 16,
         kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
@@ -97,6 +98,7 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             cache_dtype=kv_cache_dtype,
         )
         # An unsupported model fails in the runner's constructor, before any weight loads.

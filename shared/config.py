@@ -58,7 +58,12 @@ STRUCTURED_CHECK_TIMEOUT_S = 30.0
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact number of blocks; wins over the memory budget
-    kv_cache_memory_bytes: int = 1 << 30  # budget when num_kv_blocks is not given
+    # The budget when num_kv_blocks is not given; None: gpu_memory_utilization's share on a
+    # GPU where that is given, else the default (services/worker/memory.py: kv_cache_budget).
+    kv_cache_memory_bytes: int | None = None
+    # vLLM's: on a GPU, the share of its memory this worker may hold, the KV cache taking
+    # what the loaded model and a step's work leave of it. A CPU's cache is the budget's.
+    gpu_memory_utilization: float | None = None
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per value,
     # twice the tokens in the same memory and half the bytes for attention to read.
     cache_dtype: str = "auto"
@@ -70,8 +75,10 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.kv_cache_memory_bytes < 1:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(slots=True)

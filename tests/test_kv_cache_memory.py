@@ -42,3 +42,36 @@ def test_a_containers_limit_caps_the_free_memory_its_page_cache_not_counted(tmp_
     assert memory.free_bytes(torch.device("cpu")) == min(5 << 30, memory.psutil.virtual_memory().available)
     (tmp_path / "memory.max").write_text("max\n")
     assert memory.free_bytes(torch.device("cpu")) > 0  # no limit: the host's
+
+
+def test_vllm_s_gpu_memory_utilization_sizes_a_gpu_s_cache_and_not_a_cpu_s(monkeypatch, caplog):
+    """On a GPU (its memory faked here): the share it allows, less what the loaded model
+    holds and a step's reserve; a share the model alone fills is refused by name. A CPU's
+    cache is the budget's (1 GiB, or vLLM's VLLM_CPU_KVCACHE_SPACE), the log says why;
+    --kv-cache-memory-gb, where given, sizes either."""
+    import logging
+    from types import SimpleNamespace
+
+    gib = 1 << 30
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 16 * gib)
+    assert memory.kv_cache_budget(None, 0.5, gpu) == (24 * gib - memory.STEP_RESERVE_BYTES,
+                                                       "--gpu-memory-utilization 0.5")
+    assert memory.kv_cache_budget(2 * gib, 0.5, gpu) == (2 * gib, "--kv-cache-memory-gb 2")
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0.2 leaves no room .* holds 16.00 GiB of the "
+                                         r"16.00 GiB it allows"):
+        memory.kv_cache_budget(None, 0.2, gpu)
+    with caplog.at_level(logging.INFO, logger="llmbus.worker"):
+        assert memory.kv_cache_budget(None, 0.5, cpu) == (gib, "--kv-cache-memory-gb 1 (the default)")
+    assert "sizes a GPU's KV cache" in caplog.text
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.25")
+    assert memory.kv_cache_budget(None, None, cpu) == (gib // 4, "--kv-cache-memory-gb 0.25 (the default)")
+
+
+def test_the_cpu_cache_space_of_a_vllm_deployment_sizes_the_cache(tiny_llama, monkeypatch):
+    block_bytes = LLM(str(tiny_llama), num_kv_blocks=1).runner.kv_caches[0][0, 0].nbytes * 2 * 2  # K and V, 2 layers
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.0625")  # 64 MiB
+    assert LLM(str(tiny_llama), gpu_memory_utilization=0.9).runner.num_blocks == (64 << 20) // block_bytes
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        LLM(str(tiny_llama), gpu_memory_utilization=1.5)

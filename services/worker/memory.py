@@ -8,10 +8,14 @@ one-line error naming the flag to lower.
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import psutil
 import torch
+
+log = logging.getLogger("llmbus.worker")
 
 # What a step's own work (activations, logits, sampling) needs beside the cache.
 STEP_RESERVE_BYTES = 512 << 20
@@ -39,6 +43,44 @@ def free_bytes(device: torch.device) -> int:
     except (OSError, ValueError):
         pass  # no cgroup v2 limit to read
     return free
+
+
+def default_kv_cache_bytes() -> int:
+    """1 GiB, or vLLM's CPU backend's variable where it is set (VLLM_CPU_KVCACHE_SPACE, in
+    GiB), so a vLLM deployment's environment sizes the cache the same."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    try:
+        gib = float(space) if space else 1.0
+    except ValueError:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
+    if gib <= 0:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be positive, got {space!r}")
+    return int(gib * (1 << 30))
+
+
+def kv_cache_budget(kv_cache_memory_bytes: int | None, gpu_memory_utilization: float | None,
+                    device: torch.device) -> tuple[int, str]:
+    """(bytes for the KV cache, the flags that sized it): --kv-cache-memory-gb where given;
+    on a GPU with --gpu-memory-utilization u (vLLM's), u of the GPU's memory less what this
+    process holds already (the model, loaded) and a step's reserve; else the default. A
+    CPU's cache is never sized by the GPU's flag (as vLLM's CPU backend): said in the log."""
+    if kv_cache_memory_bytes is not None:
+        return kv_cache_memory_bytes, f"--kv-cache-memory-gb {kv_cache_memory_bytes / (1 << 30):g}"
+    if gpu_memory_utilization is not None and device.type == "cuda":
+        allowed = int(gpu_memory_utilization * torch.cuda.get_device_properties(device).total_memory)
+        held = torch.cuda.memory_reserved(device)
+        budget = allowed - held - STEP_RESERVE_BYTES
+        asked = f"--gpu-memory-utilization {gpu_memory_utilization:g}"
+        if budget <= 0:
+            raise ValueError(f"{asked} leaves no room for a KV cache: the model holds {held / (1 << 30):.2f} GiB of "
+                             f"the {allowed / (1 << 30):.2f} GiB it allows (with {STEP_RESERVE_BYTES >> 20} MiB kept "
+                             "for a step's work): raise it")
+        return budget, asked
+    if gpu_memory_utilization is not None:
+        log.info("--gpu-memory-utilization sizes a GPU's KV cache; this one is on the %s: "
+                 "--kv-cache-memory-gb (or VLLM_CPU_KVCACHE_SPACE) sizes it", device.type)
+    budget = default_kv_cache_bytes()
+    return budget, f"--kv-cache-memory-gb {budget / (1 << 30):g} (the default)"
 
 
 def check_kv_cache_fits(kv_bytes: int, device: torch.device, asked: str) -> None:

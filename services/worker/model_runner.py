@@ -32,7 +32,7 @@ from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora_adapter import LoRAAdapter
 from services.worker.lora_manager import LoRAManager
-from services.worker.memory import check_kv_cache_fits
+from services.worker.memory import check_kv_cache_fits, kv_cache_budget
 from services.worker.model_config import ModelConfig
 from services.worker.prompt_logprobs import add_chunk
 from services.worker.request_state import RequestState
@@ -141,20 +141,22 @@ class ModelRunner:
         )
 
     def _num_kv_blocks(self) -> int:
-        """The scheduler's blocks: --num-kv-blocks, or as many as --kv-cache-memory-gb holds;
-        refused (before any is allocated) where they and the pad block do not fit in memory."""
+        """The scheduler's blocks: --num-kv-blocks, or as many as the budget holds
+        (memory.kv_cache_budget: --kv-cache-memory-gb, or --gpu-memory-utilization's share on
+        a GPU); refused (before any is allocated) where they and the pad block do not fit."""
         cfg = self.model_config
         bytes_per_block = (
             2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
             * self.kv_cache_dtype.itemsize
         )
-        if self.cache_config.num_kv_blocks is not None:
-            num_blocks, asked = self.cache_config.num_kv_blocks, f"--num-kv-blocks {self.cache_config.num_kv_blocks}"
+        cc = self.cache_config
+        if cc.num_kv_blocks is not None:
+            num_blocks, asked = cc.num_kv_blocks, f"--num-kv-blocks {cc.num_kv_blocks}"
         else:
-            num_blocks = self.cache_config.kv_cache_memory_bytes // bytes_per_block
-            asked = f"--kv-cache-memory-gb {self.cache_config.kv_cache_memory_bytes / (1 << 30):g}"
+            budget, asked = kv_cache_budget(cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, self.device)
+            num_blocks = budget // bytes_per_block
             if num_blocks < 1:
-                raise ValueError("kv_cache_memory_bytes is too small for one block")
+                raise ValueError(f"the KV cache's budget ({asked}) is too small for one block")
         check_kv_cache_fits((num_blocks + 1) * bytes_per_block, self.device, asked)
         # More blocks than the longest request could use at max_num_seqs are wasted memory,
         # but we cannot know max_num_seqs here; the budget is the user's to set.
