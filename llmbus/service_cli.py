@@ -126,6 +126,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default=env("--uvicorn-log-level", "warning"),
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's own log level; info and below add its access log (a line per HTTP request)")
+    # vLLM's HTTPS flags: the API over TLS, uvicorn's own
+    parser.add_argument("--ssl-certfile", default=env("--ssl-certfile"),
+                        help="serve HTTPS with this certificate (PEM; the chain after it, as uvicorn reads it)")
+    parser.add_argument("--ssl-keyfile", default=env("--ssl-keyfile"),
+                        help="the certificate's private key (PEM), where --ssl-certfile does not hold it")
 
 
 # A spec's compile timeout the gateway can wait for: it waits STRUCTURED_CHECK_TIMEOUT_S
@@ -252,8 +257,21 @@ def cmd_gateway(args) -> int:
     if args.disable_log_requests:
         logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
     serve(path, args.nats_url, gateway_config(args, name, path), args.host, args.port, bus_auth(args),
-          args.gateway_id, args.uvicorn_log_level)
+          args.gateway_id, args.uvicorn_log_level, https(args))
     return 0
+
+
+def https(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS options from vLLM's flags ({} for plain HTTP); files it cannot read are
+    a one-line error here, not a traceback from the server's start."""
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile (the certificate it belongs to)")
+    if not args.ssl_certfile:
+        return {}
+    for flag, name in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+        if name and not os.access(name, os.R_OK):
+            raise ValueError(f"{flag} {name}: no such readable file")
+    return {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile}
 
 
 # Flags of `serve` itself, not of any service it starts.
@@ -269,6 +287,7 @@ def cmd_serve(args) -> int:
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("llmbus serve: --lora-modules needs --enable-lora (the workers serve the adapters)")
     lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
+    https(args)  # (and TLS files the gateway could not read)
     lora_modules(args.lora_modules, args.max_lora_rank)
     args.model, _ = _setup(args)  # fetch once here, not in every child
     default_sampling(args.model, args.generation_config, args.override_generation_config)  # a bad one fails here

@@ -207,15 +207,31 @@ def _routes(node: NatsServer) -> set[str]:
 
 
 def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
-    """The served path works with auth on; an anonymous client and a service without
-    credentials are refused (the service says so and exits); the config is 0600; no
-    password reaches the logs."""
+    """The served path works with auth on, its API over HTTPS (vLLM's --ssl-certfile and
+    --ssl-keyfile: a client that trusts the CA is served, plain HTTP is not); an anonymous
+    client and a service without credentials are refused (the service says so and exits);
+    the config is 0600; no password reaches the logs."""
+    import ssl
+
+    import httpx
+
+    from llmbus.nats_tls import make_tls_files
+
+    tls = make_tls_files(tmp_path / "https", ["127.0.0.1", "localhost"])
     proc, base_url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny",
-                                   "--max-model-len", "256", "--num-kv-blocks", "64"], tmp_path / "serve.log")
+                                   "--max-model-len", "256", "--num-kv-blocks", "64",
+                                   "--ssl-certfile", str(tls.cert), "--ssl-keyfile", str(tls.key)],
+                                  tmp_path / "serve.log")
     try:
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+        assert base_url.startswith("https://") and f"at {base_url}/v1" in proc.banner
+        client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=tls.ca)))
         out = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
         assert out.choices[0].text is not None and out.usage.completion_tokens == 4
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(base_url.replace("https://", "http://") + "/v1/models", timeout=5)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(base_url + "/v1/models", timeout=5)  # (a client that does not trust the CA)
         nats_url = re.search(r"\(NATS (\S+)\)", proc.banner).group(1)
 
         async def anonymous():

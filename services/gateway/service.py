@@ -46,16 +46,18 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
 
 
 def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
-          auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning") -> None:
+          auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning",
+          https: dict | None = None) -> None:
+    """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags)."""
     app = build_app(model_path, nats_url, config, auth=auth, gateway_id=gateway_id)
-    log.info("gateway on http://%s:%d", host, port)
+    log.info("gateway on %s://%s:%d", "https" if https else "http", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
     # Its access log (a line per HTTP request) only where its level asks for INFO, as vLLM's.
     # log_config=None: its records go through our JSON lines on stderr, as every other log
     # (its own config would print plain text, the access log on stdout beside the banner).
     access_log = uvicorn_log_level in ("info", "debug", "trace")
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
-                           log_config=None)).run()
+                           log_config=None, **(https or {}))).run()
     shutdown_tracing()
 
 
