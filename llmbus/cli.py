@@ -8,6 +8,7 @@ import sys
 
 from llmbus import nats_config
 from llmbus.args import add_engine_args, engine_kwargs
+from llmbus.config_file import expand_config
 from llmbus.model_fetch import DEFAULT_MODEL, ModelFetchError
 from llmbus.service_cli import add_service_commands
 from shared.bus import BusRefused
@@ -90,11 +91,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_service_commands(sub)
     nats_config.add_parser(sub)
+    for name in ("serve", "scheduler", "tokenizer", "worker", "gateway", "generate"):
+        # (read by expand_config before parsing; here for --help)
+        sub.choices[name].add_argument("--config", metavar="FILE.yaml",
+                                       help="vLLM's: this command's flags from a YAML file (the command line wins)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(expand_config(parser, sys.argv[1:] if argv is None else argv))
     setup_logging(args.verbose)
     try:
         return args.func(args)

@@ -276,7 +276,7 @@ def https(args: argparse.Namespace) -> dict:
 
 # Flags of `serve` itself, not of any service it starts.
 _SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "nats_monitor", "tokenizers",
-               "workers", "startup_timeout", "model_tag"}
+               "workers", "startup_timeout", "model_tag", "config"}
 
 
 def cmd_serve(args) -> int:

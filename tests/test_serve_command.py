@@ -27,13 +27,15 @@ CHAT_TEMPLATE = "{% for m in messages %}### {{ m.role }} says:\n{{ m.content }}\
 def served(tiny_llama, tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
+    # Some flags from vLLM's --config file (the command line wins: --num-kv-blocks 64).
+    (folder / "serve.yaml").write_text("num-kv-blocks: 8\nkv-cache-dtype: fp8_e5m2\ntrust-remote-code: true\n"
+                                       "enable-prefix-caching: true\nseed: 0\n")
     proc, url = llmbus_serve(
         # As a vLLM user types it: the model first, and vLLM's flags that change nothing here.
-        [str(tiny_llama), "--served-model-name", "tiny", "gpt-4o-mini", "--tokenizers", "2", "--num-kv-blocks", "64",
-         "--kv-cache-dtype", "fp8_e5m2", "--chat-template", str(folder / "chat.jinja"),
-         "--enable-tokenizer-info-endpoint", "--trust-remote-code", "-tp", "1", "--enable-prefix-caching",
-         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info",
-         "--seed", "0"],
+        [str(tiny_llama), "--config", str(folder / "serve.yaml"), "--served-model-name", "tiny", "gpt-4o-mini",
+         "--tokenizers", "2", "--num-kv-blocks", "64", "--chat-template", str(folder / "chat.jinja"),
+         "--enable-tokenizer-info-endpoint", "-tp", "1",
+         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).
@@ -53,8 +55,10 @@ def test_serve_starts_everything_and_answers(served):
     assert names.count("llmbus tokenizer") == 2
     worker = next(c for c in children if "llmbus worker" in " ".join(c.cmdline()))
     # The worker's flags reach it, as the LLMBUS_* variables its flags default to (a float8
-    # cache serves below).
+    # cache serves below), the --config file's (the cache's dtype) and the command line's
+    # over the file's (its blocks).
     assert worker.environ()["LLMBUS_KV_CACHE_DTYPE"] == "fp8_e5m2"
+    assert worker.environ()["LLMBUS_NUM_KV_BLOCKS"] == "64"
     resp = httpx.post(f"{url}/v1/completions",
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200

@@ -161,3 +161,35 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     assert build_parser().parse_args(["gateway"]).api_key == ["from-vllm"]
     monkeypatch.setenv("LLMBUS_API_KEY", "ours")
     assert build_parser().parse_args(["gateway"]).api_key == ["ours"]
+
+
+def test_vllm_s_config_file_gives_a_command_s_flags_and_the_command_line_wins(tmp_path, capsys):
+    """`llmbus serve --config FILE.yaml`, as vLLM's: keys are flags' long names (dashes or
+    underscores), switches true or false (their --no- form), lists one flag's values or a
+    repeated flag, mappings JSON; the command line after it wins; a key that is no flag of
+    the command is refused by name."""
+    import yaml
+
+    from llmbus.cli import build_parser
+    from llmbus.config_file import expand_config
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": "Qwen/Qwen3-0.6B", "port": 9000, "max_model_len": 4096, "enable-prefix-caching": False,
+        "served-model-name": ["qwen", "gpt-4o-mini"], "api-key": ["k1", "k2"], "trust-remote-code": True,
+        "speculative-config": {"method": "ngram", "num_speculative_tokens": 3}, "seed": None}))
+    parser = build_parser()
+    args = parser.parse_args(expand_config(parser, ["serve", "--config", str(config), "--port", "9001"]))
+    assert (args.model, args.port, args.max_model_len, args.no_prefix_caching) == ("Qwen/Qwen3-0.6B", 9001, 4096, True)
+    assert args.served_model_name == ["qwen", "gpt-4o-mini"] and args.api_key == ["k1", "k2"]
+    assert args.trust_remote_code and args.speculative_config.num_speculative_tokens == 3 and args.seed is None
+    (tmp_path / "worker.yaml").write_text("dtype: bfloat16\n")
+    worker = parser.parse_args(expand_config(parser, ["worker", f"--config={tmp_path / 'worker.yaml'}"]))
+    assert worker.dtype == "bfloat16"
+    config.write_text("port: 9000\nmax-num-whatever: 3\n")
+    with pytest.raises(SystemExit):
+        expand_config(parser, ["serve", "--config", str(config)])
+    assert "'max-num-whatever' is not a flag of llmbus serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        expand_config(parser, ["serve", "--config", str(tmp_path / "missing.yaml")])
+    assert "No such file" in capsys.readouterr().err
