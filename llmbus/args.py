@@ -55,6 +55,8 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokenizer", default=env("--tokenizer"),
+                        help="vLLM's: the tokenizer's folder or Hub id, where not the model's own")
     parser.add_argument(
         "--model", default=env("--model"),
         help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}",
@@ -301,4 +303,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         override_generation_config=json.loads(args.override_generation_config or "{}"),
         revision=args.revision,
         download_dir=args.download_dir,
+        tokenizer=args.tokenizer,
     )

@@ -21,7 +21,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
-from llmbus.model_fetch import resolve_model
+from llmbus.model_fetch import resolve_model, resolve_tokenizer
 from llmbus.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
@@ -66,6 +66,7 @@ class LLM:
         max_cudagraph_capture_size: int | None = None,
         load_format: str = "auto",
         seed: int | None = None,  # vLLM's: unseeded requests' draws repeat from run to run (None: fresh)
+        tokenizer: str | None = None,  # vLLM's: the tokenizer's folder or Hub id, where not the model's
         device: str | None = None,  # "cuda" when there is one, else "cpu"
         generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/generation_config.py)
         override_generation_config: dict | None = None,
@@ -89,6 +90,7 @@ class LLM:
                 raise ValueError(f"{name}={size}: a model runs on one device here (no tensor or pipeline "
                                  "parallelism); serve more requests with replicas (llmbus serve --workers N)")
         path = resolve_model(model, revision, download_dir)
+        tokenizer_path = None if tokenizer is None else str(resolve_tokenizer(tokenizer, download_dir=download_dir))
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
@@ -108,12 +110,12 @@ class LLM:
                 max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
-                load_format=load_format, device=device, lora_config=lora_config, seed=seed,
+                load_format=load_format, device=device, lora_config=lora_config, seed=seed, tokenizer=tokenizer_path,
             ),
             threads,
         )
         self.runner = self.executor.runner
-        self.tokenizer = Tokenizer(path)
+        self.tokenizer = Tokenizer(tokenizer_path or path)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,

@@ -86,14 +86,34 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "
 HUB_SKIPPED = ["consolidated*.safetensors", "original/*"]
 
 
-def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+# What a tokenizer needs of a repository (vLLM's --tokenizer): no weights.
+TOKENIZER_FILES = ["*.json", "*.jinja", "tokenizer.model", "*.txt", "*.tiktoken"]
+
+
+def resolve_tokenizer(tokenizer: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """vLLM's --tokenizer: a folder with a tokenizer, a known model's, or a Hub repository's
+    tokenizer files alone (downloaded into the Hugging Face cache where they are not)."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    if tokenizer in KNOWN_MODELS:
+        return fetch_model(tokenizer)
+    if is_hub_id(tokenizer):
+        return from_hub(tokenizer, revision, download_dir, TOKENIZER_FILES, required="tokenizer_config.json")
+    raise ValueError(f"tokenizer {tokenizer!r} is neither a folder, a known model ({', '.join(KNOWN_MODELS)}), "
+                     "nor a Hugging Face repository id (org/name)")
+
+
+def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None = None,
+             patterns: list[str] = HUB_FILES, required: str = "config.json") -> Path:
     """The repository's snapshot in the Hugging Face cache (HF_HOME, HF_HUB_CACHE), downloaded
-    there first where it is not (HF_TOKEN for a gated one; HF_HUB_OFFLINE=1 only looks)."""
+    there first where it is not (HF_TOKEN for a gated one; HF_HUB_OFFLINE=1 only looks):
+    its files that match `patterns`, `required` among them."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=HUB_FILES,
+        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, allow_patterns=patterns,
                                         ignore_patterns=HUB_SKIPPED))
     except LocalEntryNotFoundError as exc:
         raise ValueError(f"model {repo_id!r}{f' at {revision}' if revision else ''} is not in the Hugging Face "
@@ -102,8 +122,8 @@ def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None
     except (HfHubHTTPError, OSError) as exc:
         raise ValueError(f"model {repo_id!r} could not be fetched from the Hugging Face Hub: "
                          f"{str(exc).splitlines()[0]}") from exc
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model {repo_id!r} on the Hugging Face Hub has no config.json")
+    if not (folder / required).is_file():
+        raise ValueError(f"{repo_id!r} on the Hugging Face Hub has no {required}")
     return folder
 
 

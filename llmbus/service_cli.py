@@ -28,7 +28,7 @@ from llmbus.args import (
     lora_modules,
     scheduler_config,
 )
-from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model
+from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.generation_config import default_sampling
@@ -191,10 +191,17 @@ def _model_name(args: argparse.Namespace) -> str:
 
 def _setup(args) -> tuple[str, str]:
     """The model's folder (fetched or downloaded once) and the deployment's name; the names
-    are filled in where none was given."""
+    are filled in where none was given, and --tokenizer made a folder too."""
     path = str(resolve_model(args.model, args.revision, args.download_dir))
     args.served_model_name = served_names(args)
+    if args.tokenizer:
+        args.tokenizer = str(resolve_tokenizer(args.tokenizer, download_dir=args.download_dir))
     return path, args.served_model_name[0]
+
+
+def tokenizer_folder(args, model_path: str) -> str:
+    """Where the tokenizer is read: --tokenizer's folder (after _setup), else the model's."""
+    return args.tokenizer or model_path
 
 
 def _without_torch() -> None:
@@ -214,7 +221,8 @@ def cmd_tokenizer(args) -> int:
 
     path, name = _setup(args)
     _without_torch()
-    asyncio.run(serve(path, args.nats_url, name, compile_timeout_s=args.structured_outputs_compile_timeout,
+    asyncio.run(serve(tokenizer_folder(args, path), args.nats_url, name,
+                      compile_timeout_s=args.structured_outputs_compile_timeout,
                       tool_chat_template=args.tool_chat_template, chat_template=args.chat_template,
                       auth=bus_auth(args)))
     return 0
@@ -229,7 +237,7 @@ def cmd_worker(args) -> int:
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                       load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args),
-                      seed=args.seed))
+                      seed=args.seed, tokenizer=args.tokenizer))
     return 0
 
 
@@ -256,8 +264,8 @@ def cmd_gateway(args) -> int:
     _without_torch()
     if args.disable_log_requests:
         logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
-    serve(path, args.nats_url, gateway_config(args, name, path), args.host, args.port, bus_auth(args),
-          args.gateway_id, args.uvicorn_log_level, https(args))
+    serve(tokenizer_folder(args, path), args.nats_url, gateway_config(args, name, path), args.host, args.port,
+          bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args))
     return 0
 
 

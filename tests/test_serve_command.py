@@ -25,14 +25,22 @@ CHAT_TEMPLATE = "{% for m in messages %}### {{ m.role }} says:\n{{ m.content }}\
 
 @pytest.fixture(scope="module")
 def served(tiny_llama, tmp_path_factory):
+    import shutil
+
     folder = tmp_path_factory.mktemp("serve")
     (folder / "chat.jinja").write_text(CHAT_TEMPLATE)
+    # The checkpoint without its tokenizer's files, which vLLM's --tokenizer names elsewhere:
+    # the gateway, the tokenizers and the worker's grammars read them from there.
+    bare = folder / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / name, bare / name)
     # Some flags from vLLM's --config file (the command line wins: --num-kv-blocks 64).
     (folder / "serve.yaml").write_text("num-kv-blocks: 8\nkv-cache-dtype: fp8_e5m2\ntrust-remote-code: true\n"
                                        "enable-prefix-caching: true\nseed: 0\n")
     proc, url = llmbus_serve(
         # As a vLLM user types it: the model first, and vLLM's flags that change nothing here.
-        [str(tiny_llama), "--config", str(folder / "serve.yaml"), "--served-model-name", "tiny", "gpt-4o-mini",
+        [str(bare), "--tokenizer", str(tiny_llama), "--config", str(folder / "serve.yaml"), "--served-model-name", "tiny", "gpt-4o-mini",
          "--tokenizers", "2", "--num-kv-blocks", "64", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "-tp", "1",
          "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],

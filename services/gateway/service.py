@@ -17,10 +17,10 @@ from shared.tracing import setup_tracing, shutdown_tracing
 log = logging.getLogger("llmbus.gateway")
 
 
-def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0,
+def build_app(tokenizer_path: str, nats_url: str, config: GatewayConfig, timeout_s: float = 10.0,
               auth: BusAuth | None = None, gateway_id: str | None = None):
     # For detokenizing outputs and /tokenizer_info; encoding is the tokenizers' job.
-    tokenizer = Tokenizer(model_path, chat_template=config.chat_template)
+    tokenizer = Tokenizer(tokenizer_path, chat_template=config.chat_template)
     gateway_id = gateway_id or uuid.uuid4().hex[:8]
 
     async def client_factory(on_stats) -> EngineClient:
@@ -45,11 +45,11 @@ def build_app(model_path: str, nats_url: str, config: GatewayConfig, timeout_s: 
     return create_app(client_factory, tokenizer, config, setup_tracing("gateway"))
 
 
-def serve(model_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
+def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
           auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning",
           https: dict | None = None) -> None:
     """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags)."""
-    app = build_app(model_path, nats_url, config, auth=auth, gateway_id=gateway_id)
+    app = build_app(tokenizer_path, nats_url, config, auth=auth, gateway_id=gateway_id)
     log.info("gateway on %s://%s:%d", "https" if https else "http", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
     # Its access log (a line per HTTP request) only where its level asks for INFO, as vLLM's.

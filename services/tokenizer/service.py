@@ -41,12 +41,13 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
     return TokenizeResponse(token_ids=ids)
 
 
-async def serve(model_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
+async def serve(tokenizer_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
                 compile_timeout_s: float = 5.0, tool_chat_template: str | None = None,
                 chat_template: str | None = None, auth: BusAuth | None = None) -> None:
-    tokenizer = Tokenizer(model_path, tool_chat_template, chat_template)
+    """`tokenizer_path`: the folder the tokenizer is read from (the model's, or --tokenizer's)."""
+    tokenizer = Tokenizer(tokenizer_path, tool_chat_template, chat_template)
     # Started at the first spec (a child process with the vocabulary), not by every replica.
-    grammars = GrammarChecker(model_path, compile_timeout_s)
+    grammars = GrammarChecker(tokenizer_path, compile_timeout_s)
     loop = asyncio.get_running_loop()
     tracer = setup_tracing("tokenizer")
     subjects = Subjects(model_name)

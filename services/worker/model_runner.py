@@ -68,6 +68,7 @@ class ModelRunner:
         load_format: str = "auto",
         lora_config: LoRAConfig | None = None,  # --enable-lora: serve LoRA adapters
         seed: int | None = None,  # vLLM's --seed: unseeded requests' draws repeat from run to run
+        tokenizer: str | None = None,  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
@@ -118,7 +119,7 @@ class ModelRunner:
         # (+1: a step's blocks may reach one past max_model_len's, for the token it samples.)
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
         self.sampler = Sampler(seed)
-        self.grammars = GrammarBackend(model_path, self.vocab_size)
+        self.grammars = GrammarBackend(tokenizer or model_path, self.vocab_size)
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)

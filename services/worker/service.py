@@ -48,6 +48,7 @@ async def serve(
     auth: BusAuth | None = None,
     lora_config: LoRAConfig | None = None,
     seed: int | None = None,
+    tokenizer: str | None = None,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
@@ -56,7 +57,7 @@ async def serve(
         lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
                             speculative_config, enforce_eager=enforce_eager,
                             max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format,
-                            lora_config=lora_config, seed=seed),
+                            lora_config=lora_config, seed=seed, tokenizer=tokenizer),
         threads,
     )
     runner = executor.runner
