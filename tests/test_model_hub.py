@@ -77,3 +77,17 @@ def test_what_is_not_a_folder_nor_a_hub_id_is_refused_by_name(model):
 
     with pytest.raises(ValueError, match="nor a Hugging Face repository id"):
         resolve_model(model)
+
+
+def test_a_hub_tokenizer_serves_a_weights_only_folder(tmp_path, tiny_llama):
+    """vLLM's --tokenizer org/name: the repository's tokenizer from the cache, for a local
+    checkpoint without one."""
+    cache = hub_cache(tmp_path, tiny_llama)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama / name, bare / name)
+    found = run_generate(str(bare), cache, "--tokenizer", "org/tiny", "--temperature", "0")
+    own = run_generate(str(tiny_llama), cache, "--temperature", "0")
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout == own.stdout and found.stdout.strip()
