@@ -94,6 +94,8 @@ def build_tiny_model(
         Qwen3MoeForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
+        Olmo2Config,
+        Olmo2ForCausalLM,
     )
 
     folder = Path(folder)
@@ -197,6 +199,12 @@ def build_tiny_model(
         # fourth), and tied: left at SmolLM3's default, so config.json leaves it out.
         model = SmolLM3ForCausalLM(SmolLM3Config(**{**common, "tie_word_embeddings": True,
                                                     "no_rope_layer_interval": 2, **overrides}))
+    elif arch == "olmo2":
+        model = Olmo2ForCausalLM(Olmo2Config(**common))
+        with torch.no_grad():  # the norms' weights start at one; make them count (q/k's over all heads too)
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.3)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:

@@ -33,6 +33,9 @@ SUPPORTED_ARCHITECTURES = {
     # SmolLM3: a Llama whose every fourth layer (no_rope_layers' zeros) attends without
     # rotary positions (NoPE), tied embeddings by default.
     "SmolLM3ForCausalLM": "llama",
+    # OLMo 2: a norm on each branch's output and none before it (Gemma 2's output norms
+    # without its input norms), and query/key norms over all heads at once.
+    "Olmo2ForCausalLM": "llama",
 }
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
@@ -47,7 +50,7 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *EVERY_LAYER_WINDOWED, *BY
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
-FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3"}
+FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -98,6 +101,11 @@ class ModelConfig:
     # MLP's input normed by pre_feedforward_layernorm.
     sandwich_norms: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
+    # OLMo 2: the query and key norms span all heads of a token at once, not each head
+    qk_norm_over_heads: bool = False
+    # False (OLMo 2): no norm before attention and the MLP, only the output norms of
+    # sandwich_norms (post_attention_layernorm, post_feedforward_layernorm)
+    pre_norms: bool = True
     rotary_dim: int = 0  # the leading dims of a head that rotate (partial_rotary_factor); 0 = all
     # longrope: a sequence longer than this (original_max_position_embeddings) rotates with
     # the long factors from its first token, as transformers' Phi-3 recomputes it there
@@ -205,13 +213,16 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
+            qk_norm_over_heads=arch == "Olmo2ForCausalLM",
+            pre_norms=arch != "Olmo2ForCausalLM",
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
+            **({"sandwich_norms": True} if arch == "Olmo2ForCausalLM" else {}),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
         )

@@ -26,6 +26,17 @@ import kernels.cpu as cpu_kernels
 import kernels.elementwise as triton_kernels
 
 
+class ResidualAdd(nn.Module):
+    """Where a family has no norm before a branch (OLMo 2): RMSNorm's residual add alone, in
+    its calling convention, so the decoder layer keeps one shape."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return x
+        x = x + residual  # (a new tensor: the caller may hold `residual` as its input still)
+        return x, x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, triton: bool = False) -> None:
         super().__init__()

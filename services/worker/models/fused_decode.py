@@ -52,6 +52,8 @@ class FusedDecode:
             return None  # exact GELU: the C layer's gates are SiLU and GELU's tanh form
         if config.moe_layers:
             return None  # the C layer has no experts: the module path for these
+        if not config.pre_norms or config.qk_norm_over_heads:
+            return None  # OLMo 2's norms (none before a branch; q/k over all heads): not in the C layer yet
         # (A partial rotary turns each head's leading rotary_dim; longrope's long rows are
         # picked by the positions themselves, offset in the step's inputs: both as on the
         # module path.)

@@ -22,7 +22,7 @@ from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import SparseMoE
-from services.worker.layers.rms_norm import RMSNorm
+from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.model_config import ModelConfig
 
@@ -78,9 +78,11 @@ class Attention(nn.Module):
         # keys and writes keys and values into the cache (kernels/elementwise.py), then the
         # backend attends over the cache. A partial rotary rotates in PyTorch.
         self.rotary_writes_cache = triton and rotary.head_dim == self.head_dim
-        if config.qk_norm:  # Qwen3: over each head's head_dim, with its own weight for q and for k
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, triton=triton)
+        self.qk_norm_over_heads = config.qk_norm_over_heads
+        if config.qk_norm:  # Qwen3: over each head's head_dim (OLMo 2: over all of them), a weight for q and for k
+            over = (self.num_heads, self.num_kv_heads) if config.qk_norm_over_heads else (1, 1)
+            self.q_norm = RMSNorm(over[0] * self.head_dim, config.rms_norm_eps, triton=triton)
+            self.k_norm = RMSNorm(over[1] * self.head_dim, config.rms_norm_eps, triton=triton)
         else:
             self.q_norm = self.k_norm = None
 
@@ -95,7 +97,11 @@ class Attention(nn.Module):
         qkv = adapted(self.qkv_proj, self.qkv_lora, hidden)
         # Query and key heads are adjacent: rotate them in one pass, then split the result.
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_over_heads:  # OLMo 2: each token's queries, and keys, as one row
+            qk = torch.cat((self.q_norm(qkv[:, : self.q_size].contiguous()),
+                            self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].contiguous())),
+                           dim=1).unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
+        elif self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             # Norms as contiguous rows of head_dim (what their kernels take: with one KV head
             # the key's reshape is a strided view), then side by side again for rotary.
@@ -150,7 +156,9 @@ class DecoderLayer(nn.Module):
                  local_rotary: RotaryEmbedding | None = None, no_rotary: RotaryEmbedding | None = None):
         super().__init__()
         triton = triton_elementwise(backend)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+        # (OLMo 2 norms no branch's input: the residual add alone)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) if config.pre_norms \
+            else ResidualAdd()
         window = config.layer_windows[index] if config.layer_windows else 0
         if window and local_rotary is not None:  # Gemma 3: the windowed layers' own base
             rotary = local_rotary
@@ -159,7 +167,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, backend, triton, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) \
+                if config.pre_norms else ResidualAdd()
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
