@@ -51,6 +51,8 @@ CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("gemma2", TWO_HEADS),
     ("gemma3", dict(TWO_HEADS, head_dim=256)),
     ("smollm3", TWO_HEADS),
+    ("qwen3", dict(TWO_HEADS, head_dim=64, max_position_embeddings=128, rope_parameters={  # YaRN's scaled tables
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
     ("phi3", dict(TWO_HEADS, **longrope(64))),
     ("phi3", dict(TWO_HEADS, **longrope(32, partial=0.5))),
 ] for layout in LAYOUTS[:2] + [("bfloat16", "int8", "auto")]]

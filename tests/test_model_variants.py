@@ -1,5 +1,5 @@
 """The loader and model cover the configs real checkpoints come in: llama3 rope scaling,
-linear scaling, Mistral-style configs, tied embeddings, sharded safetensors, bfloat16."""
+linear scaling, YaRN, Mistral-style configs, tied embeddings, sharded safetensors, bfloat16."""
 
 import json
 
@@ -25,6 +25,14 @@ def engine_ids(folder, **kwargs):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}, id="llama3-rope"),
         pytest.param("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
                      id="linear-rope"),
+        # YaRN (Qwen's long-context configs, OLMo 3's): the ramp between the original and the
+        # scaled frequencies, and its attention factor from the growth or as given
+        pytest.param("qwen3", {"max_position_embeddings": 128, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}},
+                     id="yarn-rope"),
+        pytest.param("llama", {"max_position_embeddings": 128, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+            "beta_fast": 8, "beta_slow": 2, "attention_factor": 1.3}}, id="yarn-rope-own-betas-and-factor"),
         pytest.param("llama", {"tie_word_embeddings": True}, id="tied-embeddings"),
         pytest.param("llama", {"attention_bias": True}, id="llama-attention-bias"),
         pytest.param("mistral", {}, id="mistral"),

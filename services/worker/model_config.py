@@ -170,8 +170,8 @@ class ModelConfig:
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
-        if rope_type not in ("default", "linear", "llama3", "longrope"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3 or longrope")
+        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn or longrope")
         rope["rope_type"] = rope_type
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
@@ -188,6 +188,12 @@ class ModelConfig:
             rope["original_max_position_embeddings"] = long_rope_threshold = original
             # transformers' attention factor: from `factor`, or the ratio of the two lengths
             rope.setdefault("factor", raw.get("max_position_embeddings", 2048) / original)
+        if rope_type == "yarn":  # as transformers standardizes it: the pretrained length, the factor from it
+            original = raw.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+                or raw.get("max_position_embeddings", 2048)
+            rope["original_max_position_embeddings"] = original
+            if rope.get("factor") is None:
+                rope["factor"] = raw.get("max_position_embeddings", 2048) / original
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):  # several EOS ids: the first is the one we stop on
             eos = eos[0] if eos else None

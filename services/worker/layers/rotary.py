@@ -2,7 +2,7 @@
 
 cos/sin are tabulated once for every position up to the context; a step looks its
 positions up, so prefill chunks and decodes at any offset need no special case.
-Frequencies follow transformers' formulas exactly (default, linear, llama3).
+Frequencies follow transformers' formulas exactly (default, linear, llama3, yarn, longrope).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False
     if rope_type == "longrope":
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta**exponents)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, exponents)
     inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
@@ -40,12 +42,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False
     return inv_freq
 
 
-def longrope_attention_factor(scaling: dict) -> float:
-    """transformers' scale of longrope's cos and sin: given, or from the context's growth."""
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict, exponents: torch.Tensor) -> torch.Tensor:
+    """YaRN: each frequency between its extrapolated (as trained) and interpolated (divided
+    by `factor`) value, by a linear ramp over the dims whose wavelengths fall between
+    beta_fast and beta_slow rotations of the original context (transformers' formula)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (no singularity)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    pos_freqs = theta**exponents
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
+def rope_attention_factor(scaling: dict) -> float:
+    """transformers' scale of cos and sin: longrope's and YaRN's, given or from the
+    context's growth (YaRN's with DeepSeek's mscale pair where given); 1 for the others."""
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in ("longrope", "yarn"):
+        return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
     factor = scaling["factor"]
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+    if rope_type == "longrope":
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+
+    def mscale(scale: float, m: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -64,7 +99,7 @@ class RotaryEmbedding(nn.Module):
             self.long_offset = max_position
         # [rows, dim]: positions times each table's frequencies, one table after the other
         emb = torch.cat([torch.cat((positions[:, None] * f[None, :],) * 2, dim=-1) for f in tables])
-        scale = longrope_attention_factor(scaling) if self.long_offset is not None else 1.0
+        scale = rope_attention_factor(scaling)
         cos, sin = emb.cos(), emb.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale
