@@ -7,7 +7,8 @@ embeddings. Gemma 2: Gemma's, with norms after attention and the MLP, a sliding 
 on every other layer, soft-capped scores and logits. Gemma 3: Gemma 2's without caps,
 with query/key norms and the windowed layers' own rotary base. SmolLM3: layers without
 rotary (NoPE) among rotating ones, tied embeddings by its config's defaults. OLMo 2: a
-norm on each branch's output and none before it, query/key norms over all heads. Mixtral and
+norm on each branch's output and none before it, query/key norms over all heads. OLMo 3:
+OLMo 2's, windowed layers and a global one on YaRN with a base of its own. Mixtral and
 Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
 
 import json
@@ -33,7 +34,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "mixtral", "qwen3_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -103,8 +104,8 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2"))
-    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if name == "olmo2" else (False, True))
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"))
+    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,)}.get(name, ())
     assert config.nope_layers == {"smollm3": (1,)}.get(name, ())
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
@@ -119,9 +120,12 @@ def test_what_each_family_reads_from_its_config(family):
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
         "gemma3": ((24, 0, 24), None, None, True, None, 10000.0),
-        "olmo2": ((), None, None, True, None, None)}.get(name, ((), None, None, False, None, None))
+        "olmo2": ((), None, None, True, None, None),
+        "olmo3": ((24, 0), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
+    if name == "olmo3":  # its YaRN on the global layer alone
+        assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
 
 

@@ -96,6 +96,8 @@ def build_tiny_model(
         SmolLM3ForCausalLM,
         Olmo2Config,
         Olmo2ForCausalLM,
+        Olmo3Config,
+        Olmo3ForCausalLM,
     )
 
     folder = Path(folder)
@@ -202,6 +204,19 @@ def build_tiny_model(
     elif arch == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
         with torch.no_grad():  # the norms' weights start at one; make them count (q/k's over all heads too)
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.3)
+    elif arch == "olmo3":
+        # A window of 24 on layer 0 and the global layer 1 on YaRN-scaled rotary, its base
+        # apart from the windowed layer's: a layer on the other's table changes the outputs.
+        olmo3 = {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
+                 "max_position_embeddings": 256, "rope_parameters": {
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 64}}}
+        model = Olmo3ForCausalLM(Olmo3Config(**{**common, **olmo3, **overrides}))
+        with torch.no_grad():  # as OLMo 2's
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)

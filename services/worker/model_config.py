@@ -36,7 +36,13 @@ SUPPORTED_ARCHITECTURES = {
     # OLMo 2: a norm on each branch's output and none before it (Gemma 2's output norms
     # without its input norms), and query/key norms over all heads at once.
     "Olmo2ForCausalLM": "llama",
+    # OLMo 3: OLMo 2's layer, three windowed layers to one global (by layer_types), the
+    # global ones' rotary scaled apart (YaRN, in its long-context checkpoints).
+    "Olmo3ForCausalLM": "llama",
 }
+OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
+ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
@@ -46,11 +52,11 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
-FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2"}
+FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -153,8 +159,10 @@ class ModelConfig:
         if arch in FILLED_BY_TRANSFORMERS:
             raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
         local_rope_theta = None
-        if arch == "Gemma3ForCausalLM":
-            raw, local_rope_theta = _gemma3_ropes(raw)
+        if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
+        if arch in ROPES_BY_LAYER_TYPE:
+            raw, local_rope_theta = _ropes_by_layer_type(raw)
         # Gemma 2's config names it hidden_activation (Gemma's carries both, hidden_act first)
         hidden_act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
         if arch in GEMMAS and hidden_act == "gelu":
@@ -219,16 +227,16 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM"),
-            qk_norm_over_heads=arch == "Olmo2ForCausalLM",
-            pre_norms=arch != "Olmo2ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *OLMOS),
+            qk_norm_over_heads=arch in OLMOS,
+            pre_norms=arch not in OLMOS,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch == "Olmo2ForCausalLM" else {}),
+            **({"sandwich_norms": True} if arch in OLMOS else {}),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
         )
@@ -277,6 +285,8 @@ def _sliding_window_fields(arch: str, raw: dict) -> dict:
     window, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if arch in EVERY_LAYER_WINDOWED and window:
         return dict(layer_windows=_layer_windows(["sliding_attention"] * num_layers, window, num_layers))
+    if arch == "Olmo3ForCausalLM" and window:  # windowed where layer_types says, always
+        return dict(layer_windows=_layer_windows(raw["layer_types"], window, num_layers))
     if arch in BY_LAYER_TYPE and window and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
         kinds = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
@@ -305,12 +315,11 @@ def _gemma_fields(arch: str, raw: dict) -> dict:
     return fields
 
 
-def _gemma3_ropes(raw: dict) -> tuple[dict, float]:
-    """Gemma 3's two rotary setups: the global layers' (rope_theta, default 1e6, with
-    rope_scaling) as every family's, the windowed layers' base apart (rope_local_base_freq,
-    default 1e4). transformers 5 writes both in rope_parameters, by layer type."""
-    if raw.get("use_bidirectional_attention"):
-        raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
+def _ropes_by_layer_type(raw: dict) -> tuple[dict, float]:
+    """Two rotary setups: the global layers' as every family's (Gemma 3's: rope_theta,
+    default 1e6, with rope_scaling; OLMo 3's: its YaRN), the windowed layers' base apart
+    (default rope; Gemma 3's rope_local_base_freq, default 1e4). transformers 5 writes
+    both in rope_parameters, by layer type."""
     by_type = raw.get("rope_parameters") or {}
     if "full_attention" in by_type or "sliding_attention" in by_type:
         full = dict(by_type.get("full_attention") or {})
