@@ -3,7 +3,7 @@ docs/performance.md, and a torch.profiler table with --profile.
 
     python scripts/decode_steps.py --batch 32 --dtype bfloat16 [--quantization int4]
         [--kv-cache-dtype fp8] [--prompt-len 128] [--profile]
-        [--shape qwen3-0.6b | gemma-3-1b] [--compare-one-call]
+        [--shape qwen3-0.6b | gemma-3-1b | olmo-2-1b] [--compare-one-call]
 
 Each request has a 128-token prompt (--prompt-len) and 64 output tokens, all submitted at
 once; steps that still prefill (the first ceil(batch * prompt / 2048)) are reported apart.
@@ -39,6 +39,9 @@ SHAPES = {
                    "intermediate_size": 6912, "rope_theta": 1000000, "rope_local_base_freq": 10000,
                    "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
                    "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "olmo-2-1b": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 2048,
+                  "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+                  "intermediate_size": 8192, "rope_theta": 500000, "rms_norm_eps": 1e-6, "tie_word_embeddings": False},
 }
 
 

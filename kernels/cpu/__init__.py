@@ -52,7 +52,7 @@ class LayerSpec(ctypes.Structure):
         (name, _I) for name in ("block_stride", "slot_stride", "head_stride")] + [
         ("cos_table", _P), ("sin_table", _P), ("weight_format", _I), ("kv_format", _I), ("window", _I)] + [
         (name, _P) for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")] + [
-        ("activation", _I), ("softcap", ctypes.c_double), ("rotary_dim", _I)]
+        ("activation", _I), ("softcap", ctypes.c_double), ("rotary_dim", _I), ("qk_norm_over_heads", _I)]
 
 
 class StepSpec(ctypes.Structure):

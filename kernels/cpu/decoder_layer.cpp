@@ -1,7 +1,8 @@
 // A whole Llama-family decoder layer for a decode-only step, in one call from Python, in
-// bfloat16 or float32 (one template): Llama's layer, with what Qwen3 and Gemma 1-3 add to
-// it where the layer's description asks (per-head query/key norms, GeGLU, a norm on each
-// branch's output, a soft cap on the scores, each layer's own rotary table).
+// bfloat16 or float32 (one template): Llama's layer, with what Qwen3, Gemma 1-3 and OLMo 2
+// and 3 add to it where the layer's description asks (query/key norms per head or over
+// all heads, GeGLU, a norm on each branch's output and none before it, a soft cap on the
+// scores, each layer's own rotary table).
 //
 // At one token per step the layer's ten kernels each take microseconds, and calling them
 // one by one from PyTorch modules cost more than they did (ctypes, tensor allocation,
@@ -18,7 +19,7 @@ extern "C" {
 struct LlmbusLayer {
   int64_t hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, block_size;
   double eps, scale;
-  const void *input_norm, *post_norm;                        // [hidden]
+  const void *input_norm, *post_norm;                        // [hidden], or null: the residual add alone (OLMo 2)
   const void *qkv, *o, *gate_up, *down;                      // packed by llmbus_pack_* (see weight_format)
   const float *qkv_bias, *o_bias;                            // float32 or null
   void *k_cache, *v_cache;                                   // one layer's cache
@@ -36,6 +37,7 @@ struct LlmbusLayer {
   int64_t activation;     // the MLP's gate: 0 SiLU (SwiGLU), 1 GELU's tanh form (GeGLU)
   double softcap;         // > 0: scores become softcap * tanh(score / softcap) (Gemma 2)
   int64_t rotary_dim;     // the leading dims of each head that rotate: head_dim, or fewer (a partial rotary)
+  int64_t qk_norm_over_heads;  // 1: q_norm and k_norm span all of a token's heads at once (OLMo 2), [q | kv size]
 };
 
 // What one step gives every layer, and its scratch space.
@@ -81,12 +83,15 @@ int decoder_layer(const LlmbusLayer* L, const LlmbusStep* S, T* hidden, T* resid
     K::add_rms_norm(hidden, residual, input_norm, (float)L->eps, normed, rows, h, threads);
   }
   product(L, normed, rows, h, L->qkv, qkv_size, L->qkv_bias, qkv, threads);
-  if (L->q_norm) {  // each head a row of head_dim, normed in place (the module path's rows, the same bits)
+  if (L->q_norm) {  // each head a row of head_dim (or all heads one row), normed in place: the module path's rows
+    const bool over = L->qk_norm_over_heads != 0;
 #pragma omp parallel for num_threads(rows >= 16 ? threads : 1)
     for (int64_t r = 0; r < rows; ++r) {
       T* q = qkv + r * qkv_size;
-      K::add_rms_norm(q, nullptr, (const T*)L->q_norm, (float)L->eps, q, L->num_heads, d, 1);
-      K::add_rms_norm(q + q_size, nullptr, (const T*)L->k_norm, (float)L->eps, q + q_size, L->num_kv_heads, d, 1);
+      K::add_rms_norm(q, nullptr, (const T*)L->q_norm, (float)L->eps, q, over ? 1 : L->num_heads,
+                      over ? q_size : d, 1);
+      K::add_rms_norm(q + q_size, nullptr, (const T*)L->k_norm, (float)L->eps, q + q_size,
+                      over ? 1 : L->num_kv_heads, over ? kv_size : d, 1);
     }
   }
   K::rotary(qkv, rows, L->num_heads + L->num_kv_heads, d, L->rotary_dim, qkv_size, S->positions, L->cos_table,

@@ -39,9 +39,14 @@ void add_rms_norm(const T* x, T* residual, const T* weight, float eps, T* out, i
       }
       squares = _mm512_fmadd_ps(v, v, squares);
     }
+    const T* src = res ? res : xr;
+    if (!weight) {  // no norm (OLMo 2 has none before a branch): the sum, or x, as it is
+      if (o != src)
+        for (int64_t i = 0; i < hidden; ++i) o[i] = src[i];
+      continue;
+    }
     const float inv_rms = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps);
     const __m512 scale = _mm512_set1_ps(inv_rms);
-    const T* src = res ? res : xr;
     for (int64_t i = 0; i < hidden; i += 16) {
       const __mmask16 m = tail_mask(hidden - i);
       const __m512 normed = round_as<T>(_mm512_mul_ps(load16(src + i, m), scale));
@@ -121,7 +126,8 @@ void act_and_mul(const T* gate_up, T* out, int64_t rows, int64_t n, int64_t acti
 extern "C" {
 
 // residual (if given) += x, then out = weight * round(r * rsqrt(mean(r^2) + eps)) with r
-// the sum (or x alone): LlamaRMSNorm after the residual add. x and out may alias.
+// the sum (or x alone): LlamaRMSNorm after the residual add. x and out may alias. Without
+// a weight, out = r: the residual add alone.
 void llmbus_add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* weight, float eps,
                               uint16_t* out, int64_t rows, int64_t hidden, int threads) {
   add_rms_norm(x, residual, weight, eps, out, rows, hidden, threads);

@@ -25,6 +25,7 @@ import kernels.cpu as cpu_kernels
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.packed_linear import PackedLinear
 from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
+from services.worker.layers.rms_norm import RMSNorm
 
 # LlmbusLayer.weight_format for each kind of product (kernels/cpu/decoder_layer.cpp).
 _WEIGHT_FORMATS = {PackedLinear: 0, Int4Linear: 4, Int8Linear: 8}
@@ -52,8 +53,6 @@ class FusedDecode:
             return None  # exact GELU: the C layer's gates are SiLU and GELU's tanh form
         if config.moe_layers:
             return None  # the C layer has no experts: the module path for these
-        if not config.pre_norms or config.qk_norm_over_heads:
-            return None  # OLMo 2's norms (none before a branch; q/k over all heads): not in the C layer yet
         # (A partial rotary turns each head's leading rotary_dim; longrope's long rows are
         # picked by the positions themselves, offset in the step's inputs: both as on the
         # module path.)
@@ -70,7 +69,7 @@ class FusedDecode:
                 return None
             norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                      layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm]
-            if {norm.weight.dtype for norm in norms if norm is not None} != {dtype}:
+            if {norm.weight.dtype for norm in norms if isinstance(norm, RMSNorm)} != {dtype}:
                 return None
         return cls(model, dtype)
 
@@ -98,8 +97,8 @@ class FusedDecode:
             specs.append(cpu_kernels.LayerSpec(
                 hidden_size=config.hidden_size, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
                 head_dim=attn.head_dim, intermediate_size=mlp.intermediate_size, block_size=cache.shape[2],
-                eps=layer.input_layernorm.eps, scale=attn.scale,
-                input_norm=layer.input_layernorm.weight.data_ptr(), post_norm=pre_mlp_norm.weight.data_ptr(),
+                eps=config.rms_norm_eps, scale=attn.scale,
+                input_norm=_norm_ptr(layer.input_layernorm), post_norm=_norm_ptr(pre_mlp_norm),  # (OLMo 2: the add alone)
                 qkv=attn.qkv_proj.weight_packed.data_ptr(), o=attn.o_proj.weight_packed.data_ptr(),
                 gate_up=mlp.gate_up_proj.weight_packed.data_ptr(), down=mlp.down_proj.weight_packed.data_ptr(),
                 qkv_bias=_ptr(attn.qkv_proj.bias), o_bias=_ptr(attn.o_proj.bias),
@@ -115,6 +114,7 @@ class FusedDecode:
                 post_mlp_norm=layer.post_feedforward_layernorm.weight.data_ptr() if sandwich else None,
                 activation=cpu_kernels.ACTIVATIONS[mlp.hidden_act], softcap=attn.softcap or 0.0,
                 rotary_dim=rotary.head_dim,  # the dims that rotate (fewer than head_dim: Phi-4-mini's partial rotary)
+                qk_norm_over_heads=int(attn.qk_norm_over_heads),
             ))
         # The specs point into the model's parameters and these caches, which live as long as the runner.
         self._cache_key, self._layers = key, specs
@@ -149,3 +149,8 @@ class FusedDecode:
 
 def _ptr(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
+
+
+def _norm_ptr(norm) -> int | None:
+    """An RMSNorm's weight, or None for a ResidualAdd (the C layer then adds alone)."""
+    return norm.weight.data_ptr() if isinstance(norm, RMSNorm) else None
