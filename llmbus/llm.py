@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
 from llmbus.model_fetch import resolve_model, resolve_tokenizer
-from llmbus.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from llmbus.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                            ScoringRequestOutput)
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
@@ -35,6 +36,7 @@ from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
 from shared.sampling_params import SamplingParams, embedding_params, with_bad_words_tokenized
+from shared.scoring import cosine, score_pairs
 
 T = TypeVar("T")
 
@@ -210,6 +212,17 @@ class LLM:
             if running is not None:
                 concurrent.futures.wait([running])
             raise
+
+    def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's, for an embedding model: each pair's cosine similarity (one text_1 against
+        every text_2, or text_1[i] against text_2[i]), each distinct text embedded once."""
+        texts, pairs = score_pairs(text_1, text_2, limit=1 << 30)
+        embedded = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ScoringRequestOutput(f"{embedded[a].request_id}_{embedded[b].request_id}",
+                                     ScoringOutput(cosine(embedded[a].outputs.embedding, embedded[b].outputs.embedding)),
+                                     embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
+                for a, b in pairs]
 
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:

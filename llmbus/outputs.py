@@ -50,3 +50,19 @@ class RequestOutput:
     # shape), filled in with the first output token.
     prompt_logprobs: list[Logprobs | None] | None = None
     embedding: list[float] | None = None  # an embedding request's (SamplingParams.embed)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's embeddings
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns for a pair, shaped like vLLM's (its prompt token ids: the
+    first text's, then the second's)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

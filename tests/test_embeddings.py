@@ -142,6 +142,50 @@ def test_embeddings_beside_generation_leave_both_as_they_are_alone(served, tiny_
             assert_equal_embeddings([v.result().data[0].embedding], want)
 
 
+def test_score_is_the_cosine_of_the_embeddings_offline(tiny_llama):
+    """vLLM's LLM.score over an embedding model: one text_1 against each text_2, or pair
+    by pair; each pair's score the cosine of its two (normalized) embeddings."""
+    llm = LLM(str(tiny_llama))
+    query, docs = PROMPTS[1], [PROMPTS[2], PROMPTS[3], PROMPTS[1]]
+    vectors = [torch.tensor(o.outputs.embedding) for o in llm.embed([query, *docs])]
+    got = llm.score(query, docs)
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    assert [o.outputs.score for o in got] == pytest.approx(want, abs=1e-6)
+    assert got[2].outputs.score == pytest.approx(1.0, abs=1e-5) and got[0].prompt_token_ids == query + docs[0]
+    pairwise = llm.score(docs[:2], [query, query])
+    assert [o.outputs.score for o in pairwise] == pytest.approx(want[:2], abs=1e-6)
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(docs[:2], docs)
+
+
+def test_served_score_and_rerank_rank_by_transformers_embeddings(served, tiny_llama):
+    """/score and /rerank (vLLM's paths, Jina's and Cohere's rerank shape): the cosine of
+    transformers' embeddings of each text; rerank's documents by it, best first, top_n kept;
+    what cannot be scored is a 400 naming its field."""
+    root = str(served.base_url).removesuffix("/").removesuffix("/v1")
+    query, docs = "a fox jumps", ["the quick brown fox", "paged attention keeps", "a fox jumps", "3"]
+    ids = [httpx.post(root + "/tokenize", json={"prompt": t}, timeout=30).json()["tokens"] for t in [query, *docs]]
+    vectors = hf_embeddings(tiny_llama, ids)
+    want = [float(vectors[0] @ v) for v in vectors[1:]]
+    scored = httpx.post(root + "/v1/score", json={"model": "tiny", "text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["index"] for d in scored["data"]] == [0, 1, 2, 3] and scored["object"] == "list"
+    assert [d["score"] for d in scored["data"]] == pytest.approx(want, abs=1e-4)
+    assert scored["usage"]["prompt_tokens"] == sum(map(len, ids[1:]))  # each distinct text once (the query is docs[2])
+    ranked = httpx.post(root + "/rerank", json={"model": "tiny", "query": query, "documents": docs, "top_n": 2},
+                        timeout=60).json()
+    order = sorted(range(len(docs)), key=lambda i: -want[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == order and order[0] == 2
+    assert [r["document"]["text"] for r in ranked["results"]] == [docs[i] for i in order]
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[i] for i in order], abs=1e-4)
+    for path, body, param in (("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
+                              ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+                              ("/v2/rerank", {"query": "a", "documents": []}, "documents"),
+                              ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+                              ("/v1/rerank", {"query": "a", "documents": ["b"], "model": "other"}, "model")):
+        refused = httpx.post(root + path, json={"model": "tiny", **body}, timeout=30)
+        assert refused.status_code in (400, 404) and refused.json()["error"]["param"] == param, refused.text
+
+
 @pytest.mark.parametrize("body, param", [
     ({"input": "x", "dimensions": 8}, "dimensions"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),

@@ -325,6 +325,9 @@ def test_any_of_several_api_keys_opens_v1_and_metrics_can_be_guarded_too(tokeniz
         assert [client.post(path, json=tokenize if path == "/tokenize" else {"tokens": [1]}, headers=headers).status_code
                 for path in ("/tokenize", "/detokenize")
                 for headers in ({}, {"Authorization": "Bearer k-two"})] == [401, 200, 401, 200]
+        # vLLM's score and rerank paths outside /v1 embed for the caller too
+        assert {client.post(path, json={}).status_code
+                for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")} == {401}
         assert client.post("/v1/completions", json=body).json()["error"]["type"] == "authentication_error"
 
 

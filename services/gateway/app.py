@@ -28,7 +28,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 from services.gateway.request_ids import RequestIdHeader
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
-from services.gateway import embeddings, tokenization
+from services.gateway import embeddings, scoring, tokenization
 from shared.config import GatewayConfig
 
 LLMBUS_VERSION = importlib.metadata.version("llmbus")
@@ -168,6 +168,18 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request):
         return await embeddings.embeddings(serving(request), request)
+
+    # vLLM's score and rerank over an embedding model (scoring.py), at each path vLLM serves them
+    async def create_score(request: Request):
+        return await scoring.score(serving(request), request)
+
+    async def create_rerank(request: Request):
+        return await scoring.rerank(serving(request), request)
+
+    for path in ("/score", "/v1/score"):
+        app.post(path)(create_score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(create_rerank)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
