@@ -158,6 +158,8 @@ def with_bad_words_tokenized(params: SamplingParams, encode: Callable[[str], lis
     token_ids: list[list[int]] = []
     for word in params.bad_words:
         bare = encode(word.lstrip())
+        if not bare:  # (a tokenizer whose normalizer drops every character of it)
+            raise ValueError(f"bad_words: {word!r} is no tokens to this tokenizer")
         spaced = encode(" " + word.lstrip())
         token_ids.append(bare)
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):

@@ -45,10 +45,10 @@ def free_bytes(device: torch.device) -> int:
     return free
 
 
-def default_kv_cache_bytes() -> int:
-    """1 GiB, or vLLM's CPU backend's variable where it is set (VLLM_CPU_KVCACHE_SPACE, in
-    GiB), so a vLLM deployment's environment sizes the cache the same."""
-    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+def default_kv_cache_bytes(device: torch.device) -> int:
+    """1 GiB, or on a CPU vLLM's CPU backend's variable where it is set
+    (VLLM_CPU_KVCACHE_SPACE, in GiB), so a vLLM deployment's environment sizes it the same."""
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if device.type == "cpu" else None
     try:
         gib = float(space) if space else 1.0
     except ValueError:
@@ -79,7 +79,7 @@ def kv_cache_budget(kv_cache_memory_bytes: int | None, gpu_memory_utilization: f
     if gpu_memory_utilization is not None:
         log.info("--gpu-memory-utilization sizes a GPU's KV cache; this one is on the %s: "
                  "--kv-cache-memory-gb (or VLLM_CPU_KVCACHE_SPACE) sizes it", device.type)
-    budget = default_kv_cache_bytes()
+    budget = default_kv_cache_bytes(device)
     return budget, f"--kv-cache-memory-gb {budget / (1 << 30):g} (the default)"
 
 
