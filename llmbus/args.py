@@ -258,7 +258,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          allowed_methods=tuple(json.loads(args.allowed_methods)),
                          allowed_headers=tuple(json.loads(args.allowed_headers)),
                          allow_credentials=args.allow_credentials,
-                         enable_request_id_headers=args.enable_request_id_headers)
+                         enable_request_id_headers=args.enable_request_id_headers,
+                         disable_fastapi_docs=args.disable_fastapi_docs)
 
 
 def runtime_lora_updating() -> bool:

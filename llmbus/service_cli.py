@@ -109,6 +109,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help="how tool_choice auto reads the calls the model writes")
     parser.add_argument("--enable-auto-tool-choice", action="store_true", default=env_flag("--enable-auto-tool-choice"),
                         help="vLLM's; accepted as typed: tool_choice auto is always on, read by --tool-call-parser")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        default=env_flag("--enable-prompt-tokens-details"),
+                        help="vLLM's; accepted as typed: usage always has prompt_tokens_details.cached_tokens")
+    parser.add_argument("--disable-fastapi-docs", action="store_true", default=env_flag("--disable-fastapi-docs"),
+                        help="vLLM's: no /docs, /redoc or /openapi.json (which describe the API to anyone)")
     # vLLM's CORS flags, each a JSON list as there
     for flag in ("--allowed-origins", "--allowed-methods", "--allowed-headers"):
         parser.add_argument(flag, type=json_strings, default=env(flag, '["*"]'),

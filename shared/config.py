@@ -119,6 +119,8 @@ class GatewayConfig:
     allow_credentials: bool = False
     # vLLM's: X-Request-Id on every response, the request's own or a new one
     enable_request_id_headers: bool = False
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
+    disable_fastapi_docs: bool = False
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -637,3 +637,17 @@ def test_a_client_s_request_id_names_the_response_not_the_engine_s_request(token
     client, _ = gateway(tokenizer)
     with client:
         assert "x-request-id" not in client.post("/v1/completions", json={"model": "tiny", "prompt": "hi"}).headers
+
+
+def test_the_api_s_own_docs_are_served_unless_disabled(tokenizer):
+    """FastAPI's /docs and /openapi.json, as vLLM serves them; --disable-fastapi-docs takes
+    them away (a 404 in OpenAI's shape)."""
+    client, _ = gateway(tokenizer)
+    with client:
+        assert client.get("/openapi.json").json()["paths"]["/v1/chat/completions"]
+        assert client.get("/docs").status_code == 200
+    client, _ = gateway(tokenizer, config=GatewayConfig("tiny", disable_fastapi_docs=True))
+    with client:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            refused = client.get(path)
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == 404

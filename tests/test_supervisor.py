@@ -136,7 +136,7 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     from llmbus.cli import build_parser
 
     argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
-            "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--chat-template", "{{ x }}",
+            "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--enable-prompt-tokens-details", "--chat-template", "{{ x }}",
             "--allowed-origins", '["https://ui.example"]', "--served-model-name", "mine", "gpt-4o-mini"]
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)

@@ -55,7 +55,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         if close is not None:
             await close()
 
-    app = FastAPI(title="llmbus", lifespan=lifespan)
+    docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
+    app = FastAPI(title="llmbus", lifespan=lifespan, **docs)
     app.add_middleware(Limits, config=config, keys=keys)
     # Outside the key check (added last, it runs first): a browser's preflight carries no key.
     app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
@@ -82,7 +83,9 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     def serving(request: Request) -> OpenAIServing:
         return request.app.state.serving
 
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's probe): /health's answer
+    # vLLM's (SageMaker's probe): /health's answer (left out of the API's description: one
+    # function under two methods would name one operation twice)
+    @app.api_route("/ping", methods=["GET", "POST"], include_in_schema=False)
     @app.get("/health")
     async def health(request: Request):
         try:
