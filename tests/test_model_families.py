@@ -233,6 +233,35 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_leaves_the_v
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
+def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Mistral Small 3.1/3.2 ship as Mistral3ForConditionalGeneration (Pixtral's vision tower
+    beside a Mistral): its language model serves text, equal to transformers' multimodal
+    model on text, the tower unread; a text model_type it does not know is refused by name."""
+    import torch
+    from transformers import Mistral3ForConditionalGeneration
+
+    from services.worker.loader import iter_weights
+
+    folder = build_tiny_model(tmp_path / "mm", "mistral3_multimodal", seed=2)
+    assert not any("vision" in name or "projector" in name for name, _ in iter_weights(folder))
+    llm = LLM(str(folder))
+    assert llm.runner.model_config.architecture == "MistralForCausalLM"
+    model = Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+            want.append(out[0, len(prompt):].tolist())
+    assert generate_ids(llm, PROMPTS) == want
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "text_config": {**config["text_config"],
+                                                                               "model_type": "qwen2"}}))
+    with pytest.raises(ValueError, match="unsupported text_config model_type 'qwen2'"):
+        LLM(str(folder))
+
+
 def test_gemma3_multimodal_config_as_the_hub_ships_it_gets_transformers_defaults(tmp_path):
     """gemma-3-4b-it's config.json names 6 keys of its text_config; the rest are
     transformers' Gemma3TextConfig defaults (8 heads of 256 over 4, a window every layer

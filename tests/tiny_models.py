@@ -98,6 +98,9 @@ def build_tiny_model(
         Olmo2ForCausalLM,
         Olmo3Config,
         Olmo3ForCausalLM,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralVisionConfig,
     )
 
     folder = Path(folder)
@@ -220,6 +223,15 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
+    elif arch == "mistral3_multimodal":
+        # Mistral Small 3.1's shape of files: a Mistral text_config and language model beside
+        # Pixtral's vision tower and a projector; untied, as the outer config says.
+        vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     image_size=28, patch_size=14)
+        text = MistralConfig(**{"sliding_window": None, **common, **overrides})
+        model = Mistral3ForConditionalGeneration(Mistral3Config(
+            text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=common["vocab_size"] - 1,
+            tie_word_embeddings=common["tie_word_embeddings"]))
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:

@@ -64,7 +64,12 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 # Multimodal checkpoints whose language model serves alone: its config is `text_config`, its
 # weights `language_model.*`; the vision tower and projector are not loaded (a request
 # with an image part is refused at the gateway, as any non-text part).
-TEXT_MODELS_OF = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# By the text_config's model_type (its first: the default where it names none).
+TEXT_MODELS_OF = {
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    # Mistral Small 3.1 and 3.2: a Mistral behind Pixtral's vision tower
+    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"},
+}
 # transformers' names for the MLP's gate activation
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -260,14 +265,18 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
     return tuple(i for i in range(raw["num_hidden_layers"]) if not flags[i])
 
 
-def _text_config(raw: dict, architecture: str) -> dict:
+def _text_config(raw: dict, text_models: dict[str, str]) -> dict:
     """A multimodal config's language model, as a config of its own. Its `text_config`
     names only what differs from transformers' defaults (gemma-3-4b-it's: 6 keys), so
     transformers' config class fills in the rest, as transformers reads it."""
     from transformers import CONFIG_MAPPING
 
     text = raw.get("text_config") or {}
-    model_type = text.get("model_type") or "gemma3_text"
+    model_type = text.get("model_type") or next(iter(text_models))
+    if model_type not in text_models:
+        raise ValueError(f"unsupported text_config model_type {model_type!r} in {raw['architectures'][0]}: "
+                         f"{', '.join(text_models)}")
+    architecture = text_models[model_type]
     full = CONFIG_MAPPING[model_type](**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
     for key in ("bos_token_id", "eos_token_id"):  # the checkpoints put the ids beside text_config
         if raw.get(key) is not None:
