@@ -9,7 +9,8 @@ with query/key norms and the windowed layers' own rotary base. SmolLM3: layers w
 rotary (NoPE) among rotating ones, tied embeddings by its config's defaults. OLMo 2: a
 norm on each branch's output and none before it, query/key norms over all heads. OLMo 3:
 OLMo 2's, windowed layers and a global one on YaRN with a base of its own. Mixtral and
-Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer."""
+Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer; GraniteMoe: Granite's scalars over
+sparse layers whose experts come stacked, weighed by a softmax over the chosen logits."""
 
 import json
 
@@ -34,7 +35,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "mixtral", "qwen3_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "mixtral", "qwen3_moe",
+            "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -69,7 +71,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1}.get(name, 0)
+    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "granite_moe": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -106,10 +108,11 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"))
     assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else (False, True))
-    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,)}.get(name, ())
+    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
+    assert config.moe_topk_softmax == (name == "granite_moe")
     assert config.nope_layers == {"smollm3": (1,)}.get(name, ())
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
-    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
+    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))

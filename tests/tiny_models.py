@@ -101,6 +101,8 @@ def build_tiny_model(
         Mistral3Config,
         Mistral3ForConditionalGeneration,
         PixtralVisionConfig,
+        GraniteMoeConfig,
+        GraniteMoeForCausalLM,
     )
 
     folder = Path(folder)
@@ -152,6 +154,12 @@ def build_tiny_model(
         scalars = {"embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.8 / head_dim**0.5,
                    "logits_scaling": 2.5}
         model = GraniteForCausalLM(GraniteConfig(**{**scalars, **common}))
+    elif arch == "granite_moe":  # Granite's scalars, 8 experts of 32, top 2, every layer sparse
+        head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
+        scalars = {"embedding_multiplier": 3.0, "residual_multiplier": 0.6, "attention_multiplier": 0.8 / head_dim**0.5,
+                   "logits_scaling": 2.5}
+        model = GraniteMoeForCausalLM(GraniteMoeConfig(**{**scalars, "num_local_experts": 8, "num_experts_per_tok": 2,
+                                                          **common, "intermediate_size": 32, **overrides}))
     elif arch == "gemma":  # tied, as Gemma's checkpoints are, with its config's "gelu" (meaning tanh)
         head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
         model = GemmaForCausalLM(GemmaConfig(**{**common, "head_dim": head_dim, "tie_word_embeddings": True,

@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = {
     # Granite: a Llama with four scalars (embedding, residual and attention multipliers, a
     # logits divisor).
     "GraniteForCausalLM": "llama",
+    # Granite 3's MoE (granite-3.x-1b-a400m, 3b-a800m): Granite's scalars, every layer sparse,
+    # its experts stacked in the checkpoint, weighed by a softmax over the k chosen logits.
+    "GraniteMoeForCausalLM": "llama",
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
@@ -128,6 +131,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # GraniteMoe: the k chosen experts weighed by a softmax over their logits alone (the same
+    # numbers as the renormalized softmax, by its own arithmetic, as transformers runs it)
+    moe_topk_softmax: bool = False
     moe_layers: tuple[int, ...] = ()
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
@@ -365,7 +371,7 @@ def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
 
 
 def _granite_fields(arch: str, raw: dict) -> dict:
-    if arch != "GraniteForCausalLM":
+    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
         return {}
     fields = dict(embedding_multiplier=raw.get("embedding_multiplier", 1.0),
                   residual_multiplier=raw.get("residual_multiplier", 1.0),
@@ -380,7 +386,7 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
     Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
     moe_intermediate_size, renormalized if norm_topk_prob."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GraniteMoeForCausalLM"):
         return {}
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
@@ -389,9 +395,9 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     if not 0 < top_k <= num_experts:
         raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
     layers = range(raw["num_hidden_layers"])
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
-                    norm_topk_prob=True, moe_layers=tuple(layers))
+                    norm_topk_prob=True, moe_layers=tuple(layers), moe_topk_softmax=arch == "GraniteMoeForCausalLM")
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or [])
     if step < 1:
         raise ValueError(f"decoder_sparse_step {step} must be at least 1")

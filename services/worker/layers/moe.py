@@ -31,10 +31,11 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, expert: type[nn.Module], fused: bool = False) -> None:
+                 renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
+        self.topk_softmax = topk_softmax  # GraniteMoe's: a softmax over the k chosen logits
         self.gate = Router(num_experts, hidden_size)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
@@ -56,6 +57,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, k] in x's dtype, experts [num_tokens, k]) of each token."""
+        if self.topk_softmax:
+            top, chosen = F.linear(x, self.gate.weight).float().topk(self.top_k, dim=-1)
+            return top.softmax(-1).to(x.dtype), chosen
         probs = F.linear(x, self.gate.weight).softmax(-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:

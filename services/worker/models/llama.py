@@ -41,8 +41,11 @@ PACKED_WEIGHTS = {
 LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                            "model.language_model.": "model."}
 MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
-# Mixtral's names for the parts that Qwen3-MoE and our modules call otherwise.
-ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+# Mixtral's (and GraniteMoe's router's) names for the parts that Qwen3-MoE and our modules call otherwise.
+ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj.",
+           ".mlp.router.layer.": ".mlp.gate."}
+# GraniteMoe's experts stacked in one tensor each ([experts, out, in]): one expert's row each.
+STACKED_EXPERTS = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj"}
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -174,7 +177,8 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                 config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton")
+                                 config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton",
+                                 topk_softmax=config.moe_topk_softmax)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act)
 
@@ -300,6 +304,16 @@ class LlamaForCausalLM(nn.Module):
                 continue  # old checkpoints stored the table; we compute it
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves
+            stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
+            if stacked is not None:
+                prefix = name[: -len(stacked)] + ".mlp.experts"
+                for e, rows in enumerate(tensor.unbind(0)):
+                    target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
+                    if target not in params:
+                        raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
+                    _copy(params[target].data, rows, name)
+                    loaded.add(target)
+                continue
             for part, (fused, shard) in PACKED_WEIGHTS.items():
                 if f".{part}." in name:
                     target = name.replace(part, fused)
@@ -351,9 +365,10 @@ class LlamaForCausalLM(nn.Module):
         if multiplier == 1.0:
             return
         for layer in self.model.layers:
-            if not isinstance(layer.mlp, MLP):
-                raise ValueError("residual_multiplier with sparse MLPs is not supported")
-            for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            # (a sparse MLP's output is its experts' weighed sum: each expert's down_proj takes it)
+            downs = [e.down_proj for e in layer.mlp.experts] if isinstance(layer.mlp, SparseMoE) \
+                else [layer.mlp.down_proj]
+            for linear in (layer.self_attn.o_proj, *downs):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
                     linear.bias.mul_(multiplier)
