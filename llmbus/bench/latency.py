@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     roofline = llm.executor.call(measure_runner, llm.runner)  # torch on the runner's thread
     print(roofline.describe())
     bound_ms = roofline.min_decode_step_s * 1e3
-    results = {"dtype": args.dtype, "bandwidth_bound_ms": round(bound_ms, 2)}
+    # Three significant digits, not two decimals: a tiny model's bound on a fast copy is
+    # microseconds (0.4 MB at 83 GB/s: 0.005 ms), which two decimals would print as 0.
+    results = {"dtype": args.dtype, "bandwidth_bound_ms": float(f"{bound_ms:.3g}")}
     itl = statistics.median(llmbus_itls(llm, requests)) * 1e3
     results["llmbus_itl_ms"] = round(itl, 2)
     print(f"      llmbus: median inter-token latency {itl:.1f} ms = {itl / bound_ms:.2f}x the bandwidth bound")
