@@ -141,6 +141,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
     parser.add_argument("--scheduling-policy", default=env("--scheduling-policy", "fcfs"), choices=SCHEDULING_POLICIES,
                         help="priority: a request's `priority` (lower first) orders admission and preemption")
+    parser.add_argument("--max-logprobs", type=int, default=env("--max-logprobs", 20),
+                        help="vLLM's: the most logprobs a request may ask for (-1: the whole vocabulary)")
     parser.add_argument(
         "--no-async-scheduling", action="store_true", default=env_flag("--no-async-scheduling"),
         help="wait for each step's answer before building the next (default: keep two in flight)",
@@ -232,6 +234,7 @@ def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None)
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
         num_speculative_tokens=args.speculative_config.num_speculative_tokens if args.speculative_config else 0,
         speculative_disable_by_batch_size=(args.speculative_config.disable_by_batch_size
                                            if args.speculative_config else None),
@@ -288,6 +291,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         scheduling_policy=args.scheduling_policy,
+        max_logprobs=args.max_logprobs,
         attention_backend=args.attention_backend,
         threads=args.threads,
         async_scheduling=not args.no_async_scheduling,

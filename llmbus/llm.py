@@ -60,6 +60,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
+        max_logprobs: int = 20,  # vLLM's: the most logprobs a request may ask for (-1: the vocabulary)
         attention_backend: str | None = None,
         threads: int | None = None,
         async_scheduling: bool = True,
@@ -127,6 +128,7 @@ class LLM:
                 enable_chunked_prefill=enable_chunked_prefill,
                 enable_prefix_caching=enable_prefix_caching,
                 scheduling_policy=scheduling_policy,
+                max_logprobs=max_logprobs,
                 num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
                 speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
             ),

@@ -25,8 +25,13 @@ class SchedulerConfig:
     # vLLM's: "fcfs", or "priority" (a request's `priority`, lower first, then arrival, orders
     # the waiting queue, and the running request last in that order is the one preempted).
     scheduling_policy: str = "fcfs"
+    # vLLM's: the most logprobs (and prompt_logprobs) a request may ask for; -1: the whole
+    # vocabulary. Each asked for is a column of a [rows, vocab] top-k and of the copy back.
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the whole vocabulary) or non-negative, got {self.max_logprobs}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")

@@ -106,10 +106,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        # -1: the whole vocabulary (vLLM's). How many the engine gives is its --max-logprobs,
+        # which the scheduler checks (Scheduler.add_request).
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be -1 (the whole vocabulary) or non-negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise ValueError(f"prompt_logprobs must be -1 (the whole vocabulary) or non-negative, "
+                             f"got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if any(t < 0 for t in self.stop_token_ids):

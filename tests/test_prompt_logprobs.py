@@ -1,6 +1,7 @@
 """Prompt logprobs (vLLM's `prompt_logprobs`, OpenAI's completions with echo and logprobs)
 equal transformers' log-softmax over the same prompt, however the scheduler slices it:
-chunked prefill, a prompt whose blocks are cached, preemption, n choices."""
+chunked prefill, a prompt whose blocks are cached, preemption, n choices; and how many
+a request may ask for (vLLM's --max-logprobs, -1 the whole vocabulary)."""
 
 import pytest
 import torch
@@ -77,6 +78,37 @@ def test_n_choices_share_their_prompt_s_logprobs(tiny_llama, reference):
     assert all(len(o.outputs) == 2 for o in out)
 
 
-def test_prompt_logprobs_out_of_range_is_refused():
-    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
-        SamplingParams(prompt_logprobs=21)
+def test_prompt_logprobs_out_of_range_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="prompt_logprobs must be -1"):
+        SamplingParams(prompt_logprobs=-2)
+    llm = LLM(str(tiny_llama), max_logprobs=4)  # vLLM's --max-logprobs (default 20)
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match="greater than max allowed: 4"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, **{field: 5}), use_tqdm=False)
+        with pytest.raises(ValueError, match=f"logprobs of {llm.runner.vocab_size},"):  # -1: the vocabulary
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, **{field: -1}), use_tqdm=False)
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=4), use_tqdm=False)[0].outputs[0].logprobs
+
+
+def test_minus_one_gives_the_whole_vocabulary_under_max_logprobs_minus_one(tiny_llama):
+    """vLLM's -1, for prompt and sampled tokens alike: every token's logprob, equal to
+    transformers' log-softmax over the whole vocabulary, in the order of their ranks."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    out = LLM(str(tiny_llama), max_logprobs=-1).generate([prompt], params, use_tqdm=False)[0]
+    sampled = out.outputs[0]
+    tokens = prompt + sampled.token_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        want = model(torch.tensor([tokens[:-1]])).logits[0].float().log_softmax(-1)
+    entries = out.prompt_logprobs[1:] + sampled.logprobs
+    assert len(entries) == len(tokens) - 1
+    vocab = want.shape[-1]
+    for row, entry in zip(want, entries, strict=True):
+        assert len(entry.token_ids) == 1 + vocab and sorted(entry.token_ids[1:]) == list(range(vocab))
+        got = torch.full((vocab,), float("nan"), dtype=torch.float64)
+        got[torch.tensor(entry.token_ids[1:])] = torch.tensor(entry.logprobs[1:], dtype=torch.float64)
+        torch.testing.assert_close(got, row.double(), rtol=1e-4, atol=1e-4)
+        assert entry.logprobs[1:] == sorted(entry.logprobs[1:], reverse=True)

@@ -439,7 +439,7 @@ def test_logprobs_of_a_random_sample_match_its_rank():
         (dict(min_tokens=-1), "min_tokens"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(n=0), "n"),
-        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-2), "logprobs"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(stop=["ok", ""]), "stop"),
     ],

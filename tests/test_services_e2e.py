@@ -315,6 +315,9 @@ def test_logprobs_in_completions_and_chat(client, tiny_llama):
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.token_logprobs) == 4
     assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+    with pytest.raises(openai.BadRequestError, match="greater than max allowed: 20"):  # --max-logprobs
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                       logprobs=True, top_logprobs=21)
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=2,
                                           extra_body={"ignore_eos": True})

@@ -15,6 +15,8 @@ import bisect
 import time
 from collections import defaultdict, deque
 
+import msgspec
+
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from shared.config import SchedulerConfig
@@ -102,6 +104,7 @@ class Scheduler:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise ValueError(f"{field} token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        params = self._logprobs_resolved(params)
         if req.lora_request is not None and not self.max_loras:
             raise ValueError(req.lora_request.not_served())
         room = self.max_model_len - num_prompt
@@ -126,6 +129,20 @@ class Scheduler:
         )
         self.requests[request.request_id] = request
         self._enqueue(request)
+
+    def _logprobs_resolved(self, params: SamplingParams) -> SamplingParams:
+        """`params` with -1 logprobs as the vocabulary's size; a ValueError past --max-logprobs
+        (vLLM's check and message)."""
+        cap = self.vocab_size if self.config.max_logprobs == -1 else self.config.max_logprobs
+        resolved = {}
+        for field in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, field)
+            if asked == -1:
+                asked = resolved[field] = self.vocab_size
+            if asked is not None and asked > cap:
+                raise ValueError(f"Requested {'sample' if field == 'logprobs' else 'prompt'} logprobs of {asked}, "
+                                 f"which is greater than max allowed: {cap} (--max-logprobs)")
+        return msgspec.structs.replace(params, **resolved) if resolved else params
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at its back (new) or front (preempted, adopted) under
