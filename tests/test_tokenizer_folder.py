@@ -46,3 +46,18 @@ def test_vllm_s_tokenizer_option_reads_another_folder_s(tiny_llama, tmp_path):
     other = [o.outputs[0] for o in LLM(str(bare), tokenizer=str(tiny_llama)).generate(prompts, params)]
     assert [(o.token_ids, o.text) for o in other] == [(o.token_ids, o.text) for o in own]
     assert len(other[1].text) == 4 and set(other[1].text) <= set("abc")
+
+
+def test_a_template_only_in_chat_template_json_is_read(tiny_llama, tmp_path):
+    """Multimodal checkpoints may keep the chat template with their processor
+    (chat_template.json) and none with the tokenizer: chats render from it, as vLLM's."""
+    import json
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama / name, tmp_path / name)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tmp_path).render_chat(messages)
+    template = (tiny_llama / "chat_template.jinja").read_text()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert Tokenizer(tmp_path).render_chat(messages) == Tokenizer(tiny_llama).render_chat(messages)

@@ -10,6 +10,7 @@ Hermes-style messages through the model's own template (`tool_prompt.py`). vLLM'
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ class Tokenizer:
             raise ValueError(f"cannot read the tokenizer of {model_path}: {hint}") from exc
         if chat_template is not None:
             self.hf.chat_template = load_chat_template(chat_template)
+        elif not self.hf.chat_template:
+            self.hf.chat_template = _processor_chat_template(Path(model_path))
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.tool_template = load_chat_template(tool_chat_template) if tool_chat_template else None
@@ -112,6 +115,19 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
 _RESERVED = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
                        "add_generation_prompt", "continue_final_message", "return_tensors", "return_dict",
                        "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def _processor_chat_template(folder: Path) -> str | None:
+    """A multimodal checkpoint's template where its tokenizer has none: its processor's,
+    in chat_template.json (vLLM reads it there too)."""
+    path = folder / "chat_template.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"cannot read the chat template in {path}: {exc}") from exc
+    return template if isinstance(template, str) else None
 
 
 def _tokenizer_hint(folder: Path, exc: Exception) -> str:
