@@ -240,7 +240,6 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     """Mistral Small 3.1/3.2 ship as Mistral3ForConditionalGeneration (Pixtral's vision tower
     beside a Mistral): its language model serves text, equal to transformers' multimodal
     model on text, the tower unread; a text model_type it does not know is refused by name."""
-    import torch
     from transformers import Mistral3ForConditionalGeneration
 
     from services.worker.loader import iter_weights
@@ -249,20 +248,50 @@ def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
     assert not any("vision" in name or "projector" in name for name, _ in iter_weights(folder))
     llm = LLM(str(folder))
     assert llm.runner.model_config.architecture == "MistralForCausalLM"
-    model = Mistral3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            want.append(out[0, len(prompt):].tolist())
-    assert generate_ids(llm, PROMPTS) == want
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW,
+                                                   model_class=Mistral3ForConditionalGeneration)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "text_config": {**config["text_config"],
                                                                                "model_type": "qwen2"}}))
     with pytest.raises(ValueError, match="unsupported text_config model_type 'qwen2'"):
         LLM(str(folder))
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_checkpoint_serves_its_language_model(tmp_path, arch):
+    """Qwen2.5-VL and Qwen3-VL (Qwen2-VL alike): a Qwen2 (Qwen3) behind a vision tower, its
+    rotary MRoPE, which on text (a token's three positions all its index) is the ordinary
+    rotary; equal to transformers' multimodal model on text, the tower unread."""
+    import transformers
+
+    from services.worker.loader import iter_weights
+
+    folder = build_tiny_model(tmp_path / "mm", arch, seed=2)
+    assert not any("visual" in name for name, _ in iter_weights(folder))
+    llm = LLM(str(folder))
+    assert llm.runner.model_config.architecture == ("Qwen2ForCausalLM" if arch == "qwen2_5_vl" else "Qwen3ForCausalLM")
+    model_class = getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0])
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW, model_class=model_class)
+
+
+def test_qwen2_5_vl_config_as_its_first_releases_ship_it(tmp_path):
+    """Qwen2.5-VL-3B-Instruct's config.json as first published: the language model's keys
+    at the top level (no text_config), rope_scaling of type "mrope"; read as transformers
+    reads it (a Qwen2 with its qkv bias, the ordinary rotary on text, tied as it says)."""
+    from services.worker.model_config import ModelConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1000000.0, "max_position_embeddings": 128000,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "tie_word_embeddings": True,
+        "bos_token_id": 151643, "eos_token_id": 151645, "sliding_window": 32768, "use_sliding_window": False,
+        "rms_norm_eps": 1e-6, "vision_config": {"depth": 32, "out_hidden_size": 2048}}))
+    config = ModelConfig.from_folder(tmp_path)
+    assert (config.architecture, config.head_dim, config.qkv_bias, config.rope_theta, config.rope_scaling) == (
+        "Qwen2ForCausalLM", 128, True, 1e6, {"rope_type": "default"})
+    assert (config.tie_word_embeddings, config.eos_token_id, config.layer_windows, config.sliding_window,
+            config.max_model_len) == (True, 151645, (), None, 128000)
 
 
 def test_gemma3_multimodal_config_as_the_hub_ships_it_gets_transformers_defaults(tmp_path):

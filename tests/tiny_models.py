@@ -240,6 +240,28 @@ def build_tiny_model(
         model = Mistral3ForConditionalGeneration(Mistral3Config(
             text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=common["vocab_size"] - 1,
             tie_word_embeddings=common["tie_word_embeddings"]))
+    elif arch in ("qwen2_5_vl", "qwen3_vl"):
+        # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
+        # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
+                                  Qwen3VLForConditionalGeneration)
+
+        mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
+        text = {**common, "head_dim": 16, **overrides}
+        if arch == "qwen2_5_vl":
+            config = Qwen2_5_VLConfig(text_config={**text, "rope_parameters": mrope}, vision_config=vision,
+                                      tie_word_embeddings=common["tie_word_embeddings"])
+            model = Qwen2_5_VLForConditionalGeneration(config)
+        else:
+            config = Qwen3VLConfig(text_config={**text, "rope_parameters": {**mrope, "mrope_interleaved": True}},
+                                   vision_config={**vision, "deepstack_visual_indexes": [0]},
+                                   tie_word_embeddings=common["tie_word_embeddings"])
+            model = Qwen3VLForConditionalGeneration(config)
+        with torch.no_grad():  # the qkv biases start at zero and the q/k norms at one; make them count
+            for name, param in model.named_parameters():
+                if "language_model" in name and ("_proj.bias" in name or "_norm.weight" in name):
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     else:
@@ -257,13 +279,14 @@ def random_prompts(lengths, vocab_size: int = 384, seed: int = 0) -> list[list[i
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu",
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu", model_class=None,
               **generate_kwargs) -> list[list[int]]:
     """The oracle: transformers' own generate, one prompt at a time (no padding), EOS off;
+    `model_class` where not AutoModelForCausalLM's (a multimodal checkpoint's own class);
     `generate_kwargs` go to generate as they are (e.g. `sequence_bias`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    model = (model_class or AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).to(device).eval()
     results = []
     with torch.no_grad():
         for prompt in prompts:

@@ -72,6 +72,12 @@ TEXT_MODELS_OF = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     # Mistral Small 3.1 and 3.2: a Mistral behind Pixtral's vision tower
     "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"},
+    # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen2 (Qwen3) whose rotary splits each head into
+    # sections rotated by a token's time, height and width positions (MRoPE). A text token's
+    # three positions are all its index, so on text MRoPE is the ordinary rotary.
+    "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
+    "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
 }
 # transformers' names for the MLP's gate activation
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
@@ -192,6 +198,9 @@ class ModelConfig:
         if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn or longrope")
         rope["rope_type"] = rope_type
+        # Qwen-VL's MRoPE: on text, the ordinary rotary (TEXT_MODELS_OF), its sections unread
+        for key in ("type", "mrope_section", "mrope_interleaved"):
+            rope.pop(key, None)
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         rotary_dim = int(head_dim * partial)
@@ -272,25 +281,32 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
 
 
 def _text_config(raw: dict, text_models: dict[str, str]) -> dict:
-    """A multimodal config's language model, as a config of its own. Its `text_config`
-    names only what differs from transformers' defaults (gemma-3-4b-it's: 6 keys), so
-    transformers' config class fills in the rest, as transformers reads it."""
+    """A multimodal config's language model, as a config of its own, read as transformers
+    reads it: through the outer config class, whose `text_config` fills in what the file
+    leaves out (gemma-3-4b-it's names 6 keys) or, where the file has none (Qwen2.5-VL's
+    first releases), is built from the outer config's own keys."""
     from transformers import CONFIG_MAPPING
 
-    text = raw.get("text_config") or {}
-    model_type = text.get("model_type") or next(iter(text_models))
-    if model_type not in text_models:
-        raise ValueError(f"unsupported text_config model_type {model_type!r} in {raw['architectures'][0]}: "
+    architecture = raw["architectures"][0]
+    given = raw.get("text_config") or {}
+    try:
+        outer = CONFIG_MAPPING[raw["model_type"]](**{k: v for k, v in raw.items()
+                                                     if k not in ("model_type", "transformers_version")})
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"unsupported text_config model_type {given.get('model_type')!r} in {architecture}: "
+                         f"{', '.join(text_models)} ({exc})") from exc
+    full = outer.get_text_config().to_dict()
+    if full["model_type"] not in text_models:
+        raise ValueError(f"unsupported text_config model_type {full['model_type']!r} in {architecture}: "
                          f"{', '.join(text_models)}")
-    architecture = text_models[model_type]
-    full = CONFIG_MAPPING[model_type](**{k: v for k, v in text.items() if k != "model_type"}).to_dict()
-    for key in ("bos_token_id", "eos_token_id"):  # the checkpoints put the ids beside text_config
+    for key in ("bos_token_id", "eos_token_id"):  # Gemma's checkpoints put the ids beside text_config
         if raw.get(key) is not None:
             full[key] = raw[key]
-    # Whether the LM head is the embedding is the outer config's say (transformers ties by
-    # it, whatever text_config holds; its default, as transformers', is tied)
-    full["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
-    return {**full, "architectures": [architecture]}
+    # Whether the LM head is the embedding is the outer config's say, its class's default
+    # where the file is silent (Gemma 3's ties, Qwen-VL's does not): transformers ties by
+    # it, whatever text_config holds.
+    full["tie_word_embeddings"] = outer.tie_word_embeddings
+    return {**full, "architectures": [text_models[full["model_type"]]]}
 
 
 def _sliding_window_fields(arch: str, raw: dict) -> dict:

@@ -40,7 +40,8 @@ PACKED_WEIGHTS = {
 # transformers 5's in-memory layout name it, and the parts the loader leaves unread.
 LANGUAGE_MODEL_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
                            "model.language_model.": "model."}
-MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                    "visual.", "model.visual.")  # (the last two Qwen-VL's)
 # Mixtral's (and GraniteMoe's router's) names for the parts that Qwen3-MoE and our modules call otherwise.
 ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj.",
            ".mlp.router.layer.": ".mlp.gate."}
