@@ -60,10 +60,13 @@ def spy_steps(monkeypatch) -> list[list]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma", "glm4"])
 def test_each_family_under_two_adapters_and_none_in_one_batch_equals_peft(arch, tmp_path):
     base = build_tiny_model(tmp_path / "base", arch=arch, seed=4)
-    targets = LORA_TARGETS_FUSED if arch == "phi3" else None  # (Phi-3's adapters name its fused modules)
+    # (Phi-3's adapters name its fused modules; GLM's its fused gate_up_proj, its q/k/v apart,
+    # their rows reordered as the base weights' for its interleaved rotary)
+    targets = {"phi3": LORA_TARGETS_FUSED, "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
+                                                     "down_proj"]}.get(arch)
     a1 = build_lora_adapter(base, tmp_path / "a1", seed=1, target_modules=targets)
     a2 = build_lora_adapter(base, tmp_path / "a2", seed=2, r=4, lora_alpha=8,
                             target_modules=["qkv_proj"] if arch == "phi3" else ["k_proj", "up_proj"])

@@ -35,8 +35,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "mixtral", "qwen3_moe",
-            "granite_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "glm4", "mixtral",
+            "qwen3_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -124,12 +124,24 @@ def test_what_each_family_reads_from_its_config(family):
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
         "gemma3": ((24, 0, 24), None, None, True, None, 10000.0),
         "olmo2": ((), None, None, True, None, None),
+        "glm4": ((), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     if name == "olmo3":  # its YaRN on the global layer alone
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
+    # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
+    assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == (
+        (True, 8, False) if name == "glm4" else (False, config.rotary_dim, config.o_bias))
+    assert config.qkv_bias == (name == "glm4")
+
+
+def test_glm_matches_transformers(tmp_path):
+    """GLM-4's first layer (glm-4-9b-chat-hf: GlmForCausalLM), without GLM-4-0414's four
+    norms (the families' glm4): interleaved half-rotary, q/k/v biases, gate/up fused."""
+    folder = build_tiny_model(tmp_path / "glm", "glm", seed=2)
+    assert generate_ids(LLM(str(folder)), PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
 def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_path):

@@ -240,6 +240,17 @@ def build_tiny_model(
         model = Mistral3ForConditionalGeneration(Mistral3Config(
             text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=common["vocab_size"] - 1,
             tie_word_embeddings=common["tie_word_embeddings"]))
+    elif arch in ("glm", "glm4"):
+        # half of each head rotating by interleaved pairs, q/k/v biases (made to count), gate/up
+        # fused; GLM-4-0414's four norms (glm4) moved off one
+        from transformers import Glm4Config, Glm4ForCausalLM, GlmConfig, GlmForCausalLM
+
+        config_class, model_class = (GlmConfig, GlmForCausalLM) if arch == "glm" else (Glm4Config, Glm4ForCausalLM)
+        model = model_class(config_class(**{"head_dim": 16, **common, "pad_token_id": common["pad_token_id"]}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "_proj.bias" in name or "layernorm" in name:
+                    param.normal_(1.0 if "layernorm" in name else 0.0, 0.3 if "layernorm" in name else 0.1)
     elif arch in ("qwen2_5_vl", "qwen3_vl"):
         # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
         # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.layers.rotary import interleaved_as_halves
 from services.worker.loader import open_weights
 from services.worker.model_config import ModelConfig
 from shared.lora_request import LoRARequest, check_options, read_adapter_config, weights_file
@@ -86,6 +87,12 @@ class LoRAAdapter:
             if a.shape != (rank, in_size) or b.shape != (size, rank):
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and "
                                  f"B {tuple(b.shape)}, the model needs A ({rank}, {in_size}) and B ({size}, {rank})")
+            if config.rotary_interleaved and fused == "qkv_proj" and shard != 2:
+                # (GLM's queries and keys come out of the base weights reordered: so do B's rows)
+                if shard is None:
+                    raise ValueError(f"LoRA adapter {name!r}: a fused qkv_proj on a model with interleaved "
+                                     "rotary (GLM's): adapt q_proj, k_proj and v_proj apart")
+                b = interleaved_as_halves(b, config.head_dim, config.rotary_dim or config.head_dim)
             scale = scaling * (config.residual_multiplier if fused in ("o_proj", "down_proj") else 1.0)
             pieces.setdefault((layer, fused), []).append(Piece(shard or 0, start, size, a, b * scale))
         if not pieces:

@@ -42,7 +42,13 @@ SUPPORTED_ARCHITECTURES = {
     # OLMo 3: OLMo 2's layer, three windowed layers to one global (by layer_types), the
     # global ones' rotary scaled apart (YaRN, in its long-context checkpoints).
     "Olmo3ForCausalLM": "llama",
+    # GLM-4 (glm-4-9b-chat-hf: GlmForCausalLM): a Qwen2-like layer (q/k/v biases) with gate/up
+    # fused in the checkpoint, half of each head rotating, by interleaved pairs.
+    "GlmForCausalLM": "llama",
+    # GLM-4-0414 and GLM-Z1: GLM's layer with Gemma 2's four norms (under names of their own)
+    "Glm4ForCausalLM": "llama",
 }
+GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
 ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
@@ -59,7 +65,8 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", *EVERY
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
-FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3"}
+FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -152,6 +159,9 @@ class ModelConfig:
     hidden_act: str = "silu"  # one of HIDDEN_ACTS
     norm_weight_offset: float = 0.0  # Gemma: its norms weigh by (offset + weight), offset 1
     nope_layers: tuple[int, ...] = ()  # SmolLM3: layers whose queries and keys do not rotate
+    # GLM: rotary turns interleaved pairs of dims; the loader reorders the query and key rows
+    # to the rotate-half layout (rotary.interleaved_as_halves)
+    rotary_interleaved: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -240,7 +250,7 @@ class ModelConfig:
             # transformers' default where config.json leaves it out: Gemma's config ties
             tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
             qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            o_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
+            o_bias=arch not in ("Qwen2ForCausalLM", *GLMS) and raw.get("attention_bias", False),
             rope_scaling=rope,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
@@ -256,7 +266,8 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch in OLMOS else {}),
+            **({"sandwich_norms": True} if arch in (*OLMOS, "Glm4ForCausalLM") else {}),
+            rotary_interleaved=arch in GLMS,
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
         )

@@ -15,6 +15,19 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 
 
+def interleaved_as_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """A query or key projection's output rows (a weight, a bias, a LoRA B: dim 0 is heads
+    x head_dim) for a rotary that turns interleaved pairs (GLM's: dims 2i and 2i+1 by
+    frequency i), reordered to the rotate-half layout (dims i and i + rotary_dim/2) every
+    kernel here computes. Attention reads queries and keys only through their dot product,
+    which one permutation of both leaves as it is, so the model is unchanged, the KV cache
+    holding keys in the new order."""
+    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
+                       torch.arange(rotary_dim, head_dim)])
+    heads = rows.shape[0] // head_dim
+    return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False) -> torch.Tensor:
     """[head_dim // 2] (head_dim: the rotating dims). longrope: the short factors, or with
     `long` the long ones, dividing the frequencies as transformers writes it."""

@@ -23,7 +23,7 @@ from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
-from services.worker.layers.rotary import RotaryEmbedding
+from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.model_config import ModelConfig
 
 log = logging.getLogger("llmbus.worker")
@@ -45,6 +45,11 @@ MULTIMODAL_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tow
 # Mixtral's (and GraniteMoe's router's) names for the parts that Qwen3-MoE and our modules call otherwise.
 ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj.",
            ".mlp.router.layer.": ".mlp.gate."}
+# GLM-4-0414's names for Gemma 2's four norms: its post_attention_layernorm is the MLP's
+# input norm, the attention's output norm is post_self_attn_layernorm.
+GLM4_NORMS = {".post_attention_layernorm.": ".pre_feedforward_layernorm.",
+              ".post_self_attn_layernorm.": ".post_attention_layernorm.",
+              ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
 # GraniteMoe's experts stacked in one tensor each ([experts, out, in]): one expert's row each.
 STACKED_EXPERTS = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj"}
 
@@ -303,6 +308,9 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
+            if self.config.architecture == "Glm4ForCausalLM":
+                theirs = next((n for n in GLM4_NORMS if n in name), None)  # (one rename each: they overlap)
+                name = name if theirs is None else name.replace(theirs, GLM4_NORMS[theirs])
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves
             stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
@@ -322,12 +330,18 @@ class LlamaForCausalLM(nn.Module):
                     sizes = module.shard_sizes
                     offset = sum(sizes[:shard])
                     param = params[target]
+                    if self.config.rotary_interleaved and part in ("q_proj", "k_proj"):
+                        tensor = interleaved_as_halves(tensor, self.config.head_dim,
+                                                       self.config.rotary_dim or self.config.head_dim)
                     _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
                     loaded.add(f"{target}#{shard}")
                     break
             else:
                 if name not in params:
                     raise ValueError(f"checkpoint has unexpected weight {name!r}")
+                if self.config.rotary_interleaved and ".qkv_proj." in name:
+                    raise ValueError(f"checkpoint has {name!r} fused: interleaved rotary (GLM's) is reordered "
+                                     "from q_proj and k_proj apart")
                 _copy(params[name].data, tensor, name)
                 loaded.add(name)
         if self.lm_head is not None and "lm_head.weight" not in loaded:
