@@ -144,6 +144,18 @@ def test_glm_matches_transformers(tmp_path):
     assert generate_ids(LLM(str(folder)), PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
+@pytest.mark.parametrize("arch, overrides", [("ernie4_5", {}), ("ernie4_5", {"use_bias": True}),
+                                             ("llama", {"mlp_bias": True, "attention_bias": True})])
+def test_ernie4_5_and_biased_mlps_match_transformers(tmp_path, arch, overrides):
+    """ERNIE 4.5 (dense): interleaved rotary as GLM's, reordered at load; its use_bias and
+    Llama's mlp_bias bias the MLP's projections too (gate/up and down)."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=2, **overrides)
+    llm = LLM(str(folder))
+    config = llm.runner.model_config
+    assert (config.rotary_interleaved, config.mlp_bias) == (arch == "ernie4_5", bool(overrides))
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
 def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_path):
     """norm_topk_prob off (the top-k weighed by their share of the whole softmax) and
     decoder_sparse_step 2 (every second layer sparse, the others dense)."""

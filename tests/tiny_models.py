@@ -127,6 +127,7 @@ def build_tiny_model(
     torch.manual_seed(seed)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
+        _biases_made_to_count(model)  # (where attention_bias or mlp_bias asks for them)
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
         with torch.no_grad():  # the qkv biases start at zero; make them count
@@ -251,6 +252,11 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if "_proj.bias" in name or "layernorm" in name:
                     param.normal_(1.0 if "layernorm" in name else 0.0, 0.3 if "layernorm" in name else 0.1)
+    elif arch == "ernie4_5":  # interleaved rotary as GLM's; use_bias=True biases every projection
+        from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
+
+        model = Ernie4_5ForCausalLM(Ernie4_5Config(**{"head_dim": 16, **common}))
+        _biases_made_to_count(model)
     elif arch in ("qwen2_5_vl", "qwen3_vl"):
         # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
         # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.
@@ -282,6 +288,14 @@ def build_tiny_model(
     else:
         model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def _biases_made_to_count(model) -> None:
+    """Linear biases start at zero; draw them, so a bias the engine dropped would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.1)
 
 
 def random_prompts(lengths, vocab_size: int = 384, seed: int = 0) -> list[list[int]]:

@@ -47,6 +47,9 @@ SUPPORTED_ARCHITECTURES = {
     "GlmForCausalLM": "llama",
     # GLM-4-0414 and GLM-Z1: GLM's layer with Gemma 2's four norms (under names of their own)
     "Glm4ForCausalLM": "llama",
+    # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): a Llama rotating interleaved pairs (as GLM's), tied,
+    # every projection biased where `use_bias` says
+    "Ernie4_5ForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -66,7 +69,7 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", *EVERY
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4"}
+                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -106,6 +109,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2 always; Llama with attention_bias
     o_bias: bool  # Llama with attention_bias only
+    mlp_bias: bool = False  # Llama's mlp_bias, ERNIE's use_bias: gate/up and down biased
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -249,8 +253,10 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # transformers' default where config.json leaves it out: Gemma's config ties
             tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
-            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
-            o_bias=arch not in ("Qwen2ForCausalLM", *GLMS) and raw.get("attention_bias", False),
+            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False) or raw.get("use_bias", False),
+            o_bias=arch not in ("Qwen2ForCausalLM", *GLMS) and (raw.get("attention_bias", False)
+                                                                 or raw.get("use_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             rope_scaling=rope,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,
@@ -267,7 +273,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*OLMOS, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in GLMS,
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM"),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
         )

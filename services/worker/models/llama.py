@@ -136,13 +136,14 @@ GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximat
 class MLP(nn.Module):
     """The dense gated MLP (SwiGLU, or GeGLU by `hidden_act`), and each expert of a sparse one."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu",
+                 bias: bool = False):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
         self.triton = triton and hidden_act == "silu"  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.shard_sizes = (intermediate_size, intermediate_size)
         self.gate_up_lora: LoRAStack | None = None  # as Attention's
         self.down_lora: LoRAStack | None = None
@@ -186,7 +187,7 @@ class DecoderLayer(nn.Module):
                                  config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
