@@ -156,6 +156,16 @@ def test_ernie4_5_and_biased_mlps_match_transformers(tmp_path, arch, overrides):
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
+def test_a_weight_the_config_does_not_announce_is_named(tmp_path):
+    """A q/k/v bias where the config says none (a packed module's shard) is named as any
+    unexpected weight is, not a KeyError."""
+    folder = build_tiny_model(tmp_path / "m", "llama", seed=2, attention_bias=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": False}))
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.self_attn\.[kqv]_proj\.bias'"):
+        LLM(str(folder))
+
+
 def test_qwen3_moe_unnormalized_router_and_sparse_step_match_transformers(tmp_path):
     """norm_topk_prob off (the top-k weighed by their share of the whole softmax) and
     decoder_sparse_step 2 (every second layer sparse, the others dense)."""

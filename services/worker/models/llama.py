@@ -327,6 +327,8 @@ class LlamaForCausalLM(nn.Module):
             for part, (fused, shard) in PACKED_WEIGHTS.items():
                 if f".{part}." in name:
                     target = name.replace(part, fused)
+                    if target not in params:  # (a bias the config does not announce, a layer too many)
+                        raise ValueError(f"checkpoint has unexpected weight {name!r}")
                     module = self.get_submodule(target.rsplit(".", 2)[0])
                     sizes = module.shard_sizes
                     offset = sum(sizes[:shard])
