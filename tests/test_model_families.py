@@ -36,7 +36,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "glm4", "mixtral",
-            "qwen3_moe", "granite_moe"]
+            "qwen3_moe", "qwen2_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,7 +71,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "granite_moe": 2}.get(name, 0)
+    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -108,7 +108,8 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"))
     assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else (False, True))
-    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
+    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
+    assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
     assert config.moe_topk_softmax == (name == "granite_moe")
     assert config.nope_layers == {"smollm3": (1,)}.get(name, ())
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
@@ -134,7 +135,7 @@ def test_what_each_family_reads_from_its_config(family):
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == (
         (True, 8, False) if name == "glm4" else (False, config.rotary_dim, config.o_bias))
-    assert config.qkv_bias == (name == "glm4")
+    assert config.qkv_bias == (name in ("glm4", "qwen2_moe"))
 
 
 def test_glm_matches_transformers(tmp_path):

@@ -148,6 +148,13 @@ def build_tiny_model(
         moe = {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                "mlp_only_layers": [common["num_hidden_layers"] - 1], "norm_topk_prob": True}
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**moe, **common}))
+    elif arch == "qwen2_moe":  # 8 experts of 32, top 2, a shared expert of 64; the last layer dense
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "shared_expert_intermediate_size": 64, "mlp_only_layers": [common["num_hidden_layers"] - 1]}
+        model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**moe, **common}))
+        _biases_made_to_count(model)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).

@@ -19,6 +19,9 @@ SUPPORTED_ARCHITECTURES = {
     # Mixture of experts: the same decoder with a sparse MLP (layers/moe.py) where the config says.
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention, each sparse layer with
+    # a shared expert beside the routed ones, its output gated by a sigmoid of the token's own.
+    "Qwen2MoeForCausalLM": "llama",
     # Granite: a Llama with four scalars (embedding, residual and attention multipliers, a
     # logits divisor).
     "GraniteForCausalLM": "llama",
@@ -60,7 +63,7 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
 # by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
 EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
@@ -152,6 +155,8 @@ class ModelConfig:
     # numbers as the renormalized softmax, by its own arithmetic, as transformers runs it)
     moe_topk_softmax: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Qwen2-MoE: a dense expert every token takes (0: none), weighed by sigmoid(gate . x)
+    shared_expert_intermediate_size: int = 0
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -253,8 +258,9 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # transformers' default where config.json leaves it out: Gemma's config ties
             tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
-            qkv_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False) or raw.get("use_bias", False),
-            o_bias=arch not in ("Qwen2ForCausalLM", *GLMS) and (raw.get("attention_bias", False)
+            qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
+                      or raw.get("attention_bias", False) or raw.get("use_bias", False)),
+            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", *GLMS) and (raw.get("attention_bias", False)
                                                                  or raw.get("use_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             rope_scaling=rope,
@@ -419,7 +425,7 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
     Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
     moe_intermediate_size, renormalized if norm_topk_prob."""
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "GraniteMoeForCausalLM"):
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"):
         return {}
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
@@ -434,6 +440,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or [])
     if step < 1:
         raise ValueError(f"decoder_sparse_step {step} must be at least 1")
+    shared = (raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-                moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0))
+                moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+                shared_expert_intermediate_size=shared)

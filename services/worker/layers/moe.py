@@ -11,6 +11,10 @@ Each expert is the dense model's MLP (`gate_up_proj`, `down_proj`), so the CPU k
 packed products, int8 and int4 take the experts as they take any layer. The router is a
 plain weight, not an nn.Linear: quantizing it would move which experts a token picks.
 
+Qwen2-MoE adds a shared expert: a dense MLP every token takes, its output weighed by
+sigmoid(shared_expert_gate . x) and added to the routed experts' (its gate, one row, kept
+unquantized as the router is).
+
 With the Triton backend the experts' weights are stacked once at load ([E, N, K], each
 expert's weight then a view of it) and the products run as kernels/fused_moe.py's two
 grouped GEMMs, with no host read: what a CUDA graph can capture.
@@ -31,13 +35,16 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False) -> None:
+                 renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False,
+                 shared_intermediate_size: int = 0) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.topk_softmax = topk_softmax  # GraniteMoe's: a softmax over the k chosen logits
         self.gate = Router(num_experts, hidden_size)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert = expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
         self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
         # Every expert over every token, weighed by the router (zero where not picked): the
         # same outputs at the cost a sparse path must beat (`llmbus bench moe` only).
@@ -67,6 +74,13 @@ class SparseMoE(nn.Module):
         return weights.to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        routed = self.routed(x)
+        if self.shared_expert is None:
+            return routed
+        return routed + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The k chosen experts' outputs, weighed by the router."""
         weights, chosen = self.route(x)
         if self.w_gate_up is not None:
             from kernels.fused_moe import fused_moe  # Triton: only where its backend runs

@@ -185,7 +185,8 @@ class DecoderLayer(nn.Module):
         if index in config.moe_layers:
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton",
-                                 topk_softmax=config.moe_topk_softmax)
+                                 topk_softmax=config.moe_topk_softmax,
+                                 shared_intermediate_size=config.shared_expert_intermediate_size)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias)
 
@@ -384,8 +385,8 @@ class LlamaForCausalLM(nn.Module):
             return
         for layer in self.model.layers:
             # (a sparse MLP's output is its experts' weighed sum: each expert's down_proj takes it)
-            downs = [e.down_proj for e in layer.mlp.experts] if isinstance(layer.mlp, SparseMoE) \
-                else [layer.mlp.down_proj]
+            downs = [e.down_proj for e in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert]))] \
+                if isinstance(layer.mlp, SparseMoE) else [layer.mlp.down_proj]
             for linear in (layer.self_attn.o_proj, *downs):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
