@@ -14,13 +14,16 @@ from hypothesis import strategies as st
 
 from services.gateway.tool_parsers import (
     HermesToolParser,
+    Llama3JsonToolParser,
     NamedToolParser,
     ParsedDelta,
+    PythonicToolParser,
     RequiredToolParser,
     parse_whole,
 )
 from services.tokenizer.tokenizer import Tokenizer
 from services.tokenizer.tool_prompt import hermes_messages
+from shared.config import GatewayConfig
 from shared.messages import EngineCoreOutput, FinishReason, SchedulerInfo
 from test_gateway import FakeEngine, gateway, sse_events, tokenizer  # noqa: F401 - a fixture
 
@@ -86,6 +89,52 @@ def test_a_block_that_is_not_a_call_stays_content_and_an_unclosed_call_still_cou
         "a <tool_call>not json</tool_call>", [])
     content, calls = parse_whole(HermesToolParser(), '<tool_call>\n{"name": "get_time", "arguments": {}}\n')
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+
+
+# Llama 3.1-3.3's JSON calls (with the python tag kept, or not) and Llama 3.2's and 4's
+# Python list: the same two calls, strings holding the other format's brackets and quotes.
+LEADING_CALLS = {
+    "llama3_json": (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "a}\\"[{b", '
+                                          '"days": 2}}; {"name": "get_time", "parameters": {}}'),
+    "pythonic": (PythonicToolParser, '<|python_start|>[get_weather(city="a)\\"]\'(b", days=2), get_time()]'
+                                     '<|python_end|>'),
+}
+WANT = [("get_weather", json.dumps({"city": 'a}"[{b', "days": 2})), ("get_time", "{}")]
+WANT_PYTHONIC = [("get_weather", json.dumps({"city": 'a)"]\'(b', "days": 2})), ("get_time", "{}")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(LEADING_CALLS)), st.booleans(), st.lists(st.integers(0, 10_000), max_size=12))
+def test_llama_calls_read_the_same_however_the_text_is_split(name, tags_kept, cuts):
+    parser_class, text = LEADING_CALLS[name]
+    if not tags_kept:  # (skip_special_tokens, the default, drops them)
+        text = parser_class(None)._untagged(text)
+    content, calls, announced = streamed(parser_class(), splits(" \n" + text, cuts))
+    assert content == "" and announced == [0, 1]
+    assert calls == (WANT if name == "llama3_json" else WANT_PYTHONIC)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(LEADING_CALLS)),
+       st.text(alphabet="[]{}()\"'abc =,;\n<|>_", max_size=30), st.lists(st.integers(0, 100), max_size=6))
+def test_an_answer_that_does_not_read_as_calls_is_content_exactly(name, text, cuts):
+    parser_class, _ = LEADING_CALLS[name]
+    whole_content, whole_calls = parse_whole(parser_class(), text)
+    content, calls, _ = streamed(parser_class(), splits(text, cuts))
+    assert (content, calls) == (whole_content, [(c.name, c.arguments) for c in whole_calls])
+    if not calls:
+        assert content == text
+
+
+def test_llama_parsers_take_text_and_one_call_as_asked():
+    for name, (parser_class, text) in LEADING_CALLS.items():
+        assert parse_whole(parser_class(), "The weather is fine {today}.") == ("The weather is fine {today}.", [])
+        content, calls = parse_whole(parser_class(max_calls=1), text)  # parallel_tool_calls false
+        assert content == "" and [c.name for c in calls] == ["get_weather"], name
+    # Not a call: JSON without a name, a list of names, a call with a positional argument
+    for parser_class, text in ((Llama3JsonToolParser, '{"city": "Paris"}'), (PythonicToolParser, "[a, b]"),
+                               (PythonicToolParser, '[f("x")]'), (PythonicToolParser, "[f(x=y)]")):
+        assert parse_whole(parser_class(), text) == (text, [])
 
 
 @settings(max_examples=60, deadline=None)
@@ -185,15 +234,26 @@ def chat(**fields) -> dict:
     return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], **fields}
 
 
-def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer):
-    client, engine = gateway(tokenizer, engine_class=ScriptedEngine)
+SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
+                  "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
+                                  '{"name": "get_time", "parameters": {}}', None),
+                  "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None)}
+
+
+@pytest.mark.parametrize("parser", SERVED_PARSERS)
+def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser):
+    """Each --tool-call-parser, on what its models write (hermes after some text; Llama's
+    formats as the whole answer, so no content)."""
+    text, want_content = SERVED_PARSERS[parser]
+    engine_class = type("Scripted", (ScriptedEngine,), {"text": text})
+    client, engine = gateway(tokenizer, engine_class=engine_class, config=GatewayConfig("tiny", tool_call_parser=parser))
     with client:
         whole = client.post("/v1/chat/completions", json=chat(tools=[WEATHER, TIME])).json()
         with client.stream("POST", "/v1/chat/completions", json=chat(tools=[WEATHER, TIME], stream=True)) as resp:
             events = sse_events(resp)
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
-    assert choice["message"]["content"] == "Let me look."
+    assert choice["message"]["content"] == want_content
     calls = [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]]
     assert calls == [("function", "get_weather", '{"city": "Paris", "days": 2}'), ("function", "get_time", "{}")]
     # The stream: the same content and calls, each call's id and name before its arguments.
@@ -206,7 +266,7 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer):
                 assert c["type"] == "function" and c["index"] not in streamed_calls
                 streamed_calls[c["index"]] = [c["function"]["name"], ""]
             streamed_calls[c["index"]][1] += c["function"].get("arguments", "")
-    assert content == "Let me look."
+    assert content == (want_content or "")
     assert [tuple(v) for v in streamed_calls.values()] == [(name, args) for _, name, args in calls]
     assert deltas[-1]["finish_reason"] == "tool_calls"
     # The tools reached the prompt; auto is not constrained.
