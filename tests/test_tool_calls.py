@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from services.gateway.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     NamedToolParser,
     ParsedDelta,
     PythonicToolParser,
@@ -114,11 +115,11 @@ def test_llama_calls_read_the_same_however_the_text_is_split(name, tags_kept, cu
     assert calls == (WANT if name == "llama3_json" else WANT_PYTHONIC)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.sampled_from(sorted(LEADING_CALLS)),
-       st.text(alphabet="[]{}()\"'abc =,;\n<|>_", max_size=30), st.lists(st.integers(0, 100), max_size=6))
-def test_an_answer_that_does_not_read_as_calls_is_content_exactly(name, text, cuts):
-    parser_class, _ = LEADING_CALLS[name]
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([Llama3JsonToolParser, PythonicToolParser, MistralToolParser]),
+       st.text(alphabet="[]{}()\"'abc =,;\n<|>_TOOLCASRG:", max_size=40), st.lists(st.integers(0, 100), max_size=6))
+def test_an_answer_that_does_not_read_as_calls_is_content_exactly(parser_class, text, cuts):
+    """Streamed as whole, and all content where it holds no call (mistral's tags included)."""
     whole_content, whole_calls = parse_whole(parser_class(), text)
     content, calls, _ = streamed(parser_class(), splits(text, cuts))
     assert (content, calls) == (whole_content, [(c.name, c.arguments) for c in whole_calls])
@@ -135,6 +136,26 @@ def test_llama_parsers_take_text_and_one_call_as_asked():
     for parser_class, text in ((Llama3JsonToolParser, '{"city": "Paris"}'), (PythonicToolParser, "[a, b]"),
                                (PythonicToolParser, '[f("x")]'), (PythonicToolParser, "[f(x=y)]")):
         assert parse_whole(parser_class(), text) == (text, [])
+
+
+# Mistral's two formats after its [TOOL_CALLS] tag: a JSON array (7B v0.3, Small 3.1), and
+# name[ARGS]{...} with a tag before each call (Small 3.2, Magistral).
+MISTRAL_TEXTS = ['Sure.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "a}\\"[{b", "days": 2}}, '
+                 '{"name": "get_time", "arguments": {}}]',
+                 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "a}\\"[{b", "days": 2}[TOOL_CALLS]get_time[ARGS]{}']
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(MISTRAL_TEXTS), st.lists(st.integers(0, 10_000), max_size=12))
+def test_mistral_calls_read_the_same_however_the_text_is_split(text, cuts):
+    content, calls, announced = streamed(MistralToolParser(), splits(text, cuts))
+    assert content == "Sure." and announced == [0, 1] and calls == WANT
+
+
+def test_mistral_without_parallel_calls_reads_the_first():
+    for text in MISTRAL_TEXTS:
+        content, calls = parse_whole(MistralToolParser(max_calls=1), text)
+        assert content == "Sure." and [c.name for c in calls] == ["get_weather"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -237,7 +258,9 @@ def chat(**fields) -> dict:
 SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                   "llama3_json": ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; '
                                   '{"name": "get_time", "parameters": {}}', None),
-                  "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None)}
+                  "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None),
+                  "mistral": ('Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
+                              '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look.")}
 
 
 @pytest.mark.parametrize("parser", SERVED_PARSERS)
@@ -269,8 +292,10 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser
     assert content == (want_content or "")
     assert [tuple(v) for v in streamed_calls.values()] == [(name, args) for _, name, args in calls]
     assert deltas[-1]["finish_reason"] == "tool_calls"
-    # The tools reached the prompt; auto is not constrained.
+    # The tools reached the prompt; auto is not constrained; mistral's tag is a special
+    # token, which its requests keep in their text.
     assert engine.submitted[0].sampling_params.structured_outputs is None
+    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser != "mistral")
     assert "get_weather" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
 
 

@@ -6,6 +6,7 @@ Input is validated here, before anything reaches the engine.
 
 from __future__ import annotations
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from opentelemetry import trace
@@ -127,6 +128,8 @@ class OpenAIServing:
                                    self.config.model_eos_ids, self.tokenizer.eos_token_id)
         # (a few short words: encoded here, not sent to a tokenizer replica)
         params = with_bad_words_tokenized(params, lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+        if tools is not None and tools.keeps_special_tokens(self.config.tool_call_parser):
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         if isinstance(body, ChatCompletionRequest):
             validate_messages(body.messages)
             validate_chat_options(body)

@@ -14,6 +14,7 @@ whole text at once and assembles the same deltas, so both answers agree by const
 - `NamedToolParser` (a named function): a grammar made the whole text its arguments.
 - `Llama3JsonToolParser` (`llama3_json`) and `PythonicToolParser` (`pythonic`), for
   `auto` with Llama's own formats: the answer is text, or calls from its first character.
+- `MistralToolParser` (`mistral`): content, then the calls after `[TOOL_CALLS]`.
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ def _call_of(body: str) -> tuple[str, str] | None:
         value = json.loads(body)
     except json.JSONDecodeError:
         return None
+    return _call_from(value)
+
+
+def _call_from(value) -> tuple[str, str] | None:
+    """(name, JSON arguments) of a decoded `{"name": ..., "arguments" (or "parameters"): ...}`."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -407,6 +413,108 @@ def _python_calls(source: str) -> list[tuple[str, str]] | None:
     return calls
 
 
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+class MistralToolParser:
+    """vLLM's `mistral`: content, then `[TOOL_CALLS]` (a special token: these requests keep
+    them in their text, `keeps_special_tokens`) and the calls, as a JSON array of `{"name",
+    "arguments"}` objects (Mistral 7B v0.3, Small 3.1), or `name[ARGS]{...}` after each tag
+    (the newer tokenizers': Small 3.2, Magistral). Each call is announced once whole."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, max_calls: int | None = None) -> None:
+        self.max_calls = max_calls
+        self.buffer = ""
+        self.in_calls = False
+        self.num_calls = 0
+        self.raw = ""  # the text from the tag on, until a call reads: content if none does
+        self.as_content = False  # the tag led to no call: the rest is content as written
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.as_content:
+            out.content = text
+            return out
+        self.buffer += text
+        if self.in_calls and not self.num_calls:
+            self.raw += text
+        if not self.in_calls:
+            at = self.buffer.find(TOOL_CALLS)
+            if at < 0:  # (held back: what may begin the tag, and the space before it)
+                sent = self.buffer[:len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALLS)].rstrip()
+                out.content, self.buffer = sent, self.buffer[len(sent):]
+                return out
+            before = self.buffer[:at]
+            out.content, self.raw = before.rstrip(), before[len(before.rstrip()):] + self.buffer[at:]
+            self.buffer, self.in_calls = self.buffer[at + len(TOOL_CALLS):], True
+        self._calls(out, final=False)
+        return out
+
+    def finish(self) -> ParsedDelta:
+        out = ParsedDelta()
+        if self.in_calls:
+            self._calls(out, final=True)
+        else:
+            out.content = self.buffer
+        self.buffer = ""
+        return out
+
+    def _calls(self, out: ParsedDelta, final: bool) -> None:
+        while (read := self._next(self.buffer.lstrip())) is not None:
+            calls, self.buffer = read
+            for call in calls:
+                if call is None:
+                    if not self.num_calls:  # no call after the tag: it and all after it are content
+                        out.content, self.as_content = out.content + self.raw, True
+                    self.buffer = ""  # (after a call: dropped, as hermes' chatter)
+                    return
+                if self.max_calls is None or self.num_calls < self.max_calls:
+                    out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), call[0]),
+                                       ToolCallDelta(self.num_calls, None, None, call[1])]
+                    self.num_calls += 1
+        if final:
+            if self.buffer.strip() and not self.num_calls:  # cut short before any call: its text
+                out.content += self.raw
+            self.buffer = ""
+
+    @staticmethod
+    def _next(text: str) -> tuple[list, str] | None:
+        """(the calls at the start of `text`, None for one that is not a call; the text
+        after them), or None until they are whole."""
+        if text.startswith(TOOL_CALLS):  # (the newer format tags each call)
+            text = text[len(TOOL_CALLS):].lstrip()
+        if text.startswith("["):  # a JSON array of calls
+            if (read := _leading_json(text)) is None:
+                return None
+            items, end = read
+            return ([_call_from(item) for item in items] if isinstance(items, list) else [None]), text[end:]
+        name, _, rest = text.partition(ARGS)  # name[ARGS]{...}
+        body = rest.lstrip()
+        if not body or (read := _leading_json(body)) is None:
+            return None
+        arguments, end = read
+        call = _call_from({"name": name.strip(), "arguments": arguments}) if name.strip() and arguments is not _NOT_JSON \
+            else None
+        return [call], body[end:]
+
+
+_NOT_JSON = object()
+
+
+def _leading_json(text: str) -> tuple[object, int] | None:
+    """(the JSON value an object or array at the start of `text` decodes to, _NOT_JSON if
+    none; where it ends), or None while it is open. Any other text is read whole."""
+    end = _balanced_end(text, 0, '"') if text.startswith(("{", "[")) else len(text)
+    if end is None:
+        return None
+    try:
+        return json.loads(text[:end]), end
+    except json.JSONDecodeError:
+        return _NOT_JSON, end
+
+
 # `--tool-call-parser`: how `tool_choice: auto` reads what the model wrote (vLLM's names).
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                      "pythonic": PythonicToolParser}
+                                      "pythonic": PythonicToolParser, "mistral": MistralToolParser}

@@ -49,6 +49,11 @@ class ToolChoice:
             return StructuredOutputsParams(json=array)
         return None
 
+    def keeps_special_tokens(self, auto_parser: str) -> bool:
+        """Whether the parser reads special tokens (mistral's `[TOOL_CALLS]`): the answer's
+        text then keeps them, as vLLM's requests for that parser do."""
+        return self.kind == "auto" and getattr(TOOL_CALL_PARSERS[auto_parser], "keeps_special_tokens", False)
+
     def parser(self, auto_parser: str = "hermes") -> ToolCallParser:
         if self.kind == "named":
             return NamedToolParser(self.name)
