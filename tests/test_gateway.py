@@ -145,6 +145,7 @@ def test_a_stop_string_cuts_the_text_and_aborts_the_engine_request(tokenizer):
                                                     "stop": ["naïve"]}).json()
     assert body["choices"][0]["text"] == SCRIPT[: SCRIPT.index("naïve")]
     assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["choices"][0]["stop_reason"] == "naïve"  # vLLM's: which stop string ended it
     assert engine.aborted == [engine.submitted[0].request_id]
 
 
@@ -359,6 +360,54 @@ def test_tokenize_gives_the_ids_a_completion_of_the_prompt_gets(bos_tokenizer):
     assert body == {"count": len(ids), "max_model_len": 256, "tokens": ids, "token_strs": None}
     assert ids[0] == tokenizer.hf.bos_token_id and bare["tokens"] == ids[1:]
     assert bare["token_strs"] == tokenizer.hf.convert_ids_to_tokens(ids[1:])
+
+
+def test_a_completion_s_add_special_tokens_reaches_its_encoding_and_a_chat_s_true_is_a_400(bos_tokenizer):
+    """vLLM's add_special_tokens: a completion's text prompt without its BOS when false; a
+    chat's template adds what it wants, so true there is refused (as at /tokenize)."""
+    client, engine = gateway(bos_tokenizer)
+    with client:
+        for flag in (True, False):
+            client.post("/v1/completions", json={"model": "tiny", "prompt": SCRIPT, "max_tokens": 1,
+                                                 "add_special_tokens": flag})
+        chat = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                                                         "add_special_tokens": True})
+    with_bos, without = (r.prompt_token_ids for r in engine.submitted)
+    assert with_bos[0] == bos_tokenizer.hf.bos_token_id and without == with_bos[1:]
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "add_special_tokens"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_return_token_ids_gives_the_prompt_s_and_each_choice_s_ids_whole_and_streamed(tokenizer, path):
+    """vLLM's return_token_ids: the prompt's ids (a chat's at the top, a completion's on each
+    choice; streamed, once, first) and each choice's ids, the stream's adding up to the
+    whole's; without it, neither field."""
+    chat = path.endswith("chat/completions")
+    body = {"model": "tiny", "max_tokens": 8, "n": 2, "temperature": 1.0, "seed": 3,
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})}
+    client, engine = gateway(tokenizer)
+    with client:
+        plain = client.post(path, json=body).json()
+        whole = client.post(path, json={**body, "return_token_ids": True}).json()
+        with client.stream("POST", path, json={**body, "return_token_ids": True, "stream": True}) as resp:
+            events = sse_events(resp)
+    prompt = engine.submitted[1].prompt_token_ids
+    script = tokenizer.encode(SCRIPT, add_special_tokens=False)[:8]
+    assert "prompt_token_ids" not in plain and all("token_ids" not in c for c in plain["choices"])
+    assert [c["stop_reason"] for c in plain["choices"]] == [None, None]  # (vLLM's: no stop string or token)
+    assert [c["token_ids"] for c in whole["choices"]] == [script, script]
+    streamed = {0: [], 1: []}
+    prompts = []
+    for event in events:
+        prompts += [event["prompt_token_ids"]] if "prompt_token_ids" in event else []
+        for c in event["choices"]:
+            streamed[c["index"]] += c.get("token_ids", [])
+            prompts += [c["prompt_token_ids"]] if "prompt_token_ids" in c else []
+    assert streamed == {0: script, 1: script}
+    if chat:
+        assert whole["prompt_token_ids"] == prompt and prompts == [prompt]
+    else:
+        assert [c["prompt_token_ids"] for c in whole["choices"]] == [prompt, prompt] and prompts == [prompt, prompt]
 
 
 def test_tokenize_of_messages_gives_the_chat_prompt_tools_included(tmp_path):

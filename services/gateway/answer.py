@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -97,6 +98,7 @@ class Answer:
         self.echo_only = not chat and body.echo and body.max_tokens == 0
         self.echo_pending = [self.echo_logprobs] * self.num_choices
         self.text_offsets = [0] * self.num_choices  # where each choice's next token's text starts
+        self.prompt_sent = [False] * self.num_choices  # (return_token_ids: a completion choice's prompt ids)
         self.echo = [""] * self.num_choices
         if not chat and body.echo:
             texts = completion_prompts(body)
@@ -160,24 +162,23 @@ class Answer:
     def _first_prompt_token(self, index: int) -> int:
         return self.prompt_ids[index // self.params.n][0]
 
-    async def _gather(self):
-        """Every choice's (texts, finish reasons, logprobs, prompt logprobs) once the
-        engine is done; None when the client left first (its requests aborted)."""
+    async def _gather(self) -> Gathered | None:
+        """Every choice's whole output once the engine is done; None when the client left
+        first (its requests aborted)."""
         n = self.num_choices
-        texts = list(self.echo)
-        finish: list[str | None] = [None] * n
-        logprobs: list[list] = [[] for _ in range(n)]
-        prompt_logprobs: list[list] = [[] for _ in range(n)]  # with each choice's first output
+        g = Gathered(list(self.echo), [None] * n, [None] * n, [[] for _ in range(n)], [[] for _ in range(n)],
+                     [[] for _ in range(n)])
 
         async def consume():
             async for deltas in self.stream:
                 for d in deltas:
-                    prompt_logprobs[d.index] += d.prompt_logprobs
+                    g.prompt_logprobs[d.index] += d.prompt_logprobs
                     if not self.echo_only:
-                        texts[d.index] += d.text
-                        logprobs[d.index].extend(d.logprobs)
+                        g.texts[d.index] += d.text
+                        g.logprobs[d.index].extend(d.logprobs)
+                        g.token_ids[d.index] += d.token_ids
                     if d.finish_reason is not None:
-                        finish[d.index] = str(d.finish_reason)
+                        g.finish[d.index], g.stop_reasons[d.index] = str(d.finish_reason), d.stop_reason
 
         async def watch_disconnect():
             while not await self.request.is_disconnected():
@@ -192,7 +193,7 @@ class Answer:
             return None
         watcher.cancel()
         consumer.result()
-        return texts, finish, logprobs, prompt_logprobs
+        return g
 
     def _message(self, index: int, text: str) -> tuple[str | None, str | None, list]:
         """A chat choice's whole text as (reasoning, content, tool calls), through its parsers."""
@@ -205,36 +206,42 @@ class Answer:
         return reasoning or None, content or (None if calls else ""), calls
 
     async def _collect(self) -> Response:
-        gathered = await self._gather()
-        if gathered is None:
+        g = await self._gather()
+        if g is None:
             return Response(b"{}", status_code=499, media_type="application/json")
-        texts, finish, logprobs, prompt_logprobs = gathered
         want_logprobs = self.params.logprobs is not None
+        token_ids = self.body.return_token_ids
         choices = []
         for i in range(self.num_choices):
             if self.echo_logprobs:  # the echoed prompt's tokens first
-                lp = self._logprobs(i, prompt_logprobs[i] + logprobs[i], self._first_prompt_token(i))
+                lp = self._logprobs(i, g.prompt_logprobs[i] + g.logprobs[i], self._first_prompt_token(i))
             else:
-                lp = self._logprobs(i, logprobs[i]) if want_logprobs else None
+                lp = self._logprobs(i, g.logprobs[i]) if want_logprobs else None
             if self.chat:
-                reasoning, content, calls = self._message(i, texts[i])
+                reasoning, content, calls = self._message(i, g.texts[i])
                 message = r.ChatMessage("assistant", content, [
                     r.ToolCall(c.id, "function", r.FunctionCall(c.name, c.arguments)) for c in calls],
                     reasoning=reasoning)
-                choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, finish[i])))
+                choices.append(r.ChatChoice(i, message, lp, self._finish_reason(i, g.finish[i]), g.stop_reasons[i]))
             else:
-                choices.append(r.CompletionChoice(i, texts[i], lp, finish[i]))
+                choices.append(r.CompletionChoice(i, g.texts[i], lp, g.finish[i], g.stop_reasons[i]))
                 if self.params.prompt_logprobs is not None:  # vLLM's field (echo with logprobs asks too)
-                    choices[-1].prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[i])
+                    choices[-1].prompt_logprobs = self.s.logprobs.prompt(g.prompt_logprobs[i])
+                if token_ids:
+                    choices[-1].prompt_token_ids = self.prompt_ids[i // self.params.n]
+            if token_ids:
+                choices[-1].token_ids = g.token_ids[i]
         body = r.Response(self.response_id, self.object, self.created, self.model, choices,
                           self._usage())
         if self.chat and self.params.prompt_logprobs is not None:  # vLLM's: the prompt is every choice's
-            body.prompt_logprobs = self.s.logprobs.prompt(prompt_logprobs[0])
+            body.prompt_logprobs = self.s.logprobs.prompt(g.prompt_logprobs[0])
+        if self.chat and token_ids:
+            body.prompt_token_ids = self.prompt_ids[0]
         return Response(_json.encode(body), media_type="application/json")
 
-    def _chunk(self, choices, usage=msgspec.UNSET) -> bytes:
+    def _chunk(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = r.Chunk(self.response_id, obj, self.created, self.model, choices, usage)
+        chunk = r.Chunk(self.response_id, obj, self.created, self.model, choices, usage, prompt_token_ids)
         # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
         # its cost per chunk (one chunk per token per stream at 128 streams).
         return b"data: " + _json.encode(chunk) + b"\n\n"
@@ -267,14 +274,19 @@ class Answer:
         """The chunk's entry for one choice; None when it has nothing to send yet (bytes of
         an incomplete character, or text a tool-call parser holds back)."""
         reason = None if d.finish_reason is None else str(d.finish_reason)
+        token_ids = (d.token_ids if not self.echo_only else []) if self.body.return_token_ids else msgspec.UNSET
         if not self.chat:
             text, items, first = ("", [], None) if self.echo_only else (d.text, d.logprobs, None)
             if self.echo_pending[d.index]:  # its first output: the echo, held back for its logprobs
                 self.echo_pending[d.index] = False
                 text, items, first = self.echo[d.index] + text, d.prompt_logprobs + items, self._first_prompt_token(d.index)
             lp = self._logprobs(d.index, items, first) if items or first is not None else None
-            if text or reason is not None or lp:
-                return r.CompletionChoice(d.index, text, lp, reason)
+            prompt = msgspec.UNSET
+            if self.body.return_token_ids and not self.prompt_sent[d.index]:
+                self.prompt_sent[d.index], prompt = True, self.prompt_ids[d.index // self.params.n]
+            if text or reason is not None or lp or token_ids or prompt is not msgspec.UNSET:
+                return r.CompletionChoice(d.index, text, lp, reason, d.stop_reason, prompt_token_ids=prompt,
+                                          token_ids=token_ids)
             return None
         lp = self._logprobs(d.index, d.logprobs) if d.logprobs else None
         reasoning, content, calls = self._parse_delta(d)
@@ -283,9 +295,9 @@ class Answer:
             tool_calls = [r.DeltaToolCall(c.index, c.id, "function" if c.id else None,
                                           r.DeltaFunctionCall(c.name, c.arguments)) for c in calls] or None
             reason = self._finish_reason(d.index, reason)
-        if content or reasoning or tool_calls or reason is not None or lp:
+        if content or reasoning or tool_calls or reason is not None or lp or token_ids:
             delta = r.DeltaMessage(content=content or None, tool_calls=tool_calls, reasoning=reasoning or None)
-            return r.ChatChunkChoice(d.index, delta, lp, reason)
+            return r.ChatChunkChoice(d.index, delta, lp, reason, d.stop_reason, token_ids)
         return None
 
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
@@ -298,7 +310,8 @@ class Answer:
         try:
             if self.chat:
                 yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
-                                   for i in range(n)], self._usage() if continuous else usage)
+                                   for i in range(n)], self._usage() if continuous else usage,
+                                  self.prompt_ids[0] if self.body.return_token_ids else msgspec.UNSET)
             elif any(self.echo) and not self.echo_logprobs:
                 yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
                                   self._usage() if continuous else usage)
@@ -315,6 +328,18 @@ class Answer:
         finally:
             self._finished(status, failure)
         yield b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Gathered:
+    """Every choice's whole output, by choice index."""
+
+    texts: list[str]
+    finish: list[str | None]
+    stop_reasons: list[int | str | None]
+    logprobs: list[list]
+    prompt_logprobs: list[list]  # (with each choice's first output)
+    token_ids: list[list[int]]
 
 
 async def prepend(first, stream):

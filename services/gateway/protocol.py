@@ -99,6 +99,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     guided_grammar: str | None = None
     # vLLM's: names the response (`chatcmpl-<id>`) unless an X-Request-Id header does (request_ids.py)
     request_id: str | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text (what RL frameworks
+    # train on); streamed, the prompt's with a choice's first chunk, each chunk's own
+    return_token_ids: bool = False
     # OpenAI's bookkeeping, accepted as it changes no output.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -111,6 +114,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     max_tokens: Int | None = 16
     echo: bool = False
     logprobs: Int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's own (BOS) around a text prompt
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
@@ -121,6 +125,8 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: go on from the last (assistant) message
+    # vLLM's; true (the tokenizer's BOS on top of the template's) is refused, as at /tokenize
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables (enable_thinking)
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
@@ -324,6 +330,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 
 def validate_chat_options(request) -> None:
     """A chat's (or a chat /tokenize's) template options, before they reach a tokenizer."""
+    if request.add_special_tokens:
+        raise BadRequest("add_special_tokens must be false for messages: the chat template adds the special "
+                         "tokens it wants", "add_special_tokens")
     try:
         check_chat_options(request.add_generation_prompt, request.continue_final_message,
                            request.chat_template_kwargs)

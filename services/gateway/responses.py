@@ -75,7 +75,11 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
     prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET  # vLLM's, when asked for
+    # vLLM's return_token_ids: the choice's prompt (streamed: with its first chunk) and its tokens
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -83,6 +87,8 @@ class ChatChoice(msgspec.Struct):
     message: ChatMessage
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -90,6 +96,8 @@ class ChatChunkChoice(msgspec.Struct):
     delta: DeltaMessage
     logprobs: dict[str, Any] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET
 
 
 class Response(msgspec.Struct):
@@ -102,6 +110,7 @@ class Response(msgspec.Struct):
     choices: list[CompletionChoice] | list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, Any] | None] | UnsetType = UNSET  # vLLM's, a chat's when asked for
+    prompt_token_ids: list[int] | UnsetType = UNSET  # vLLM's return_token_ids, a chat's
 
 
 class Chunk(msgspec.Struct):
@@ -113,6 +122,7 @@ class Chunk(msgspec.Struct):
     model: str
     choices: list[CompletionChoice] | list[ChatChunkChoice]
     usage: UsageInfo | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # a chat stream's first chunk, with return_token_ids
 
 
 class LogprobsFormatter:

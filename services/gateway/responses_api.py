@@ -224,9 +224,8 @@ class ResponsesAnswer(Answer):
         gathered = await self._gather()
         if gathered is None:
             return Response(b"{}", status_code=499, media_type="application/json")
-        texts, finish, _, _ = gathered
-        reasoning, content, calls = self._message(0, texts[0])
-        body = self._response("completed", reasoning or "", content or "", calls, finish[0])
+        reasoning, content, calls = self._message(0, gathered.texts[0])
+        body = self._response("completed", reasoning or "", content or "", calls, gathered.finish[0])
         return Response(_json.encode(body), media_type="application/json")
 
     def _event(self, kind: str, **fields) -> bytes:

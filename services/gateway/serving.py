@@ -77,13 +77,15 @@ class OpenAIServing:
             span.set_attribute("llmbus.num_tokens", len(ids))
             return ids
 
-    async def encode(self, prompts: list[str | list[int]], ctx=None, field: str = "prompt") -> list[list[int]]:
+    async def encode(self, prompts: list[str | list[int]], ctx=None, field: str = "prompt",
+                     add_special_tokens: bool = True) -> list[list[int]]:
         """Texts tokenized by a tokenizer replica; token ids checked against the vocabulary."""
         encoded = []
         vocab = self.tokenizer.backend.get_vocab_size(True)
         for prompt in prompts:
             if isinstance(prompt, str):
-                encoded.append(await self.tokenize(TokenizeRequest(prompt=prompt), ctx))
+                encoded.append(await self.tokenize(TokenizeRequest(prompt=prompt, add_special_tokens=add_special_tokens),
+                                                   ctx))
                 continue
             bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
@@ -139,7 +141,7 @@ class OpenAIServing:
                 chat_template_kwargs=body.chat_template_kwargs,
             ), ctx)]
         else:
-            prompts = await self.encode(completion_prompts(body), ctx)
+            prompts = await self.encode(completion_prompts(body), ctx, add_special_tokens=body.add_special_tokens)
         if spec is not None:
             # Compiled by a tokenizer replica under a timeout: a bad or runaway spec is a
             # 400 here, before any header, and never reaches a worker.

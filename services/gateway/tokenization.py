@@ -36,9 +36,6 @@ async def tokenize(serving: OpenAIServing, request: Request) -> dict:
     body = parse_body(raw, TokenizeChatRequest if chat else TokenizePromptRequest)
     serving.check_model(body.model)
     if chat:
-        if body.add_special_tokens:
-            raise BadRequest("add_special_tokens must be false for messages: the chat template adds the special "
-                             "tokens it wants", "add_special_tokens")
         validate_messages(body.messages)
         validate_chat_options(body)
         tools = tool_choice_of(body)
