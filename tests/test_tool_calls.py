@@ -19,6 +19,7 @@ from services.gateway.tool_parsers import (
     NamedToolParser,
     ParsedDelta,
     PythonicToolParser,
+    Qwen3CoderToolParser,
     RequiredToolParser,
     parse_whole,
 )
@@ -152,6 +153,36 @@ def test_mistral_calls_read_the_same_however_the_text_is_split(text, cuts):
     assert content == "Sure." and announced == [0, 1] and calls == WANT
 
 
+QWEN3_CODER_TEXT = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\na}\"[{b\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=12))
+def test_qwen3_coder_calls_read_the_same_however_the_text_is_split(cuts):
+    """Each value as written (multi-line kept, its first and last newline not), typed by the
+    tool's schema: days an integer; note, which the schema does not name, a string."""
+    parser = Qwen3CoderToolParser(tools={"get_weather": WEATHER["function"]["parameters"]})
+    content, calls, announced = streamed(parser, splits(QWEN3_CODER_TEXT, cuts))
+    assert content == "Sure." and announced == [0, 1]
+    assert calls == [("get_weather", json.dumps({"city": 'a}"[{b', "days": 2, "note": "line one\nline two"})),
+                     ("get_time", "{}")]
+
+
+@pytest.mark.parametrize("kind, text, value", [
+    ("integer", "42", 42), ("integer", "4.5", "4.5"), ("number", "3", 3), ("number", "2.50", 2.5),
+    ("boolean", "True", True), ("boolean", "no", "no"), ("object", '{"a": [1, null]}', {"a": [1, None]}),
+    ("array", "['x', 2]", ["x", 2]), (["integer", "null"], "null", None), ("string", " spaced ", " spaced "),
+    ("object", "{not json", "{not json"),
+])
+def test_qwen3_coder_values_take_their_schema_s_type(kind, text, value):
+    parser = Qwen3CoderToolParser(tools={"f": {"type": "object", "properties": {"p": {"type": kind}}}})
+    _, calls = parse_whole(parser, f"<tool_call>\n<function=f>\n<parameter=p>\n{text}\n</parameter>\n</function>\n"
+                                   "</tool_call>")
+    assert json.loads(calls[0].arguments) == {"p": value}
+
+
 def test_mistral_without_parallel_calls_reads_the_first():
     for text in MISTRAL_TEXTS:
         content, calls = parse_whole(MistralToolParser(max_calls=1), text)
@@ -260,7 +291,10 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                                   '{"name": "get_time", "parameters": {}}', None),
                   "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None),
                   "mistral": ('Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
-                              '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look.")}
+                              '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look."),
+                  "qwen3_coder": ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                                  "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n"
+                                  "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Let me look.")}
 
 
 @pytest.mark.parametrize("parser", SERVED_PARSERS)

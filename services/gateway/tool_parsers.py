@@ -15,6 +15,8 @@ whole text at once and assembles the same deltas, so both answers agree by const
 - `Llama3JsonToolParser` (`llama3_json`) and `PythonicToolParser` (`pythonic`), for
   `auto` with Llama's own formats: the answer is text, or calls from its first character.
 - `MistralToolParser` (`mistral`): content, then the calls after `[TOOL_CALLS]`.
+- `Qwen3CoderToolParser` (`qwen3_coder`): hermes' blocks around Qwen3-Coder's XML-like
+  calls, their values typed by the tools' schemas.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ class HermesToolParser:
             out.content += text
 
     def _call(self, body: str, raw: str, out: ParsedDelta) -> None:
-        call, space, self.space = _call_of(body), self.space, ""
+        call, space, self.space = self._read(body), self.space, ""
         if call is None:
             self._content(space + raw, out)
             return
@@ -138,6 +140,69 @@ class HermesToolParser:
         out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), name), ToolCallDelta(self.num_calls, None,
                                                                                              None, arguments)]
         self.num_calls += 1
+
+
+    @staticmethod
+    def _read(body: str) -> tuple[str, str] | None:
+        """(name, JSON arguments) of a block's body; None when it is no call."""
+        return _call_of(body)
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)(?:</function>\s*)?", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+class Qwen3CoderToolParser(HermesToolParser):
+    """vLLM's `qwen3_coder`: Qwen3-Coder's `<tool_call>` blocks hold
+    `<function=name><parameter=p>value</parameter>...</function>`, each value as written,
+    typed by the tool's JSON schema (integer, number, boolean; objects and arrays as JSON;
+    null) into the JSON arguments; a parameter the schema does not name stays a string."""
+
+    reads_schemas = True
+
+    def __init__(self, max_calls: int | None = None, tools: dict[str, dict] | None = None) -> None:
+        super().__init__(max_calls)
+        self.tools = tools or {}  # function name -> its parameters' JSON schema
+
+    def _read(self, body: str) -> tuple[str, str] | None:
+        function = _FUNCTION.fullmatch(body.strip() + ("" if "</function>" in body else "</function>"))
+        if function is None:
+            return None
+        name = function.group(1).strip()
+        properties = (self.tools.get(name) or {}).get("properties") or {}
+        arguments = {key.strip(): _typed(value, (properties.get(key.strip()) or {}).get("type"))
+                     for key, value in _PARAMETER.findall(function.group(2))}
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+def _typed(value: str, kind) -> object:
+    """A parameter's text as its schema's type says (vLLM's reading); as written otherwise."""
+    import ast
+
+    if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
+        kind = next((k for k in kind if k != "null"), "string")
+    if value.strip().lower() == "null":
+        return None
+    text = value.strip()
+    try:
+        if kind in ("integer", "int"):
+            return int(text)
+        if kind in ("number", "float"):
+            number = float(text)
+            return int(number) if number.is_integer() and "." not in text and "e" not in text.lower() else number
+    except ValueError:
+        return value
+    if kind in ("boolean", "bool"):
+        return text.lower() == "true" if text.lower() in ("true", "false") else value
+    if kind in (None, "string", "str", "text"):
+        return value
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return value
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -517,4 +582,5 @@ def _leading_json(text: str) -> tuple[object, int] | None:
 
 # `--tool-call-parser`: how `tool_choice: auto` reads what the model wrote (vLLM's names).
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                      "pythonic": PythonicToolParser, "mistral": MistralToolParser}
+                                      "pythonic": PythonicToolParser, "mistral": MistralToolParser,
+                                      "qwen3_coder": Qwen3CoderToolParser}

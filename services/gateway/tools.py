@@ -59,7 +59,9 @@ class ToolChoice:
             return NamedToolParser(self.name)
         if self.kind == "required":
             return RequiredToolParser()
-        return TOOL_CALL_PARSERS[auto_parser](max_calls=None if self.parallel else 1)
+        parser_class = TOOL_CALL_PARSERS[auto_parser]
+        options = {"tools": self.parameters} if getattr(parser_class, "reads_schemas", False) else {}
+        return parser_class(max_calls=None if self.parallel else 1, **options)
 
 
 def tool_choice_of(request) -> ToolChoice | None:
