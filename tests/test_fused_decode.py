@@ -3,7 +3,7 @@ give the same bits as the module path that calls the same kernels one by one: th
 greedy tokens and the same log-probabilities, with and without qkv biases, at head_dim 64,
 128 and 256, over block boundaries, for a batch whose requests finish at different steps, in
 bfloat16, float32, int4 and int8 weights, and with a float8 KV cache; for Llama, Qwen2,
-Qwen3, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3 and GLM-4."""
+Qwen3, Gemma 1-3, Phi-3, SmolLM3, OLMo 2 and 3, GLM-4 and EXAONE 4."""
 
 import pytest
 import torch
@@ -54,6 +54,7 @@ CASES = [(arch, overrides, *layout) for arch, overrides in [
     ("olmo2", TWO_HEADS),
     ("olmo3", TWO_HEADS),
     ("glm4", dict(TWO_HEADS, head_dim=64)),  # half-rotary (reordered at load), Gemma 2's four norms
+    ("exaone4", dict(TWO_HEADS, head_dim=64)),  # output norms, per-head q/k norms, windows, a NoPE layer
     ("qwen3", dict(TWO_HEADS, head_dim=64, max_position_embeddings=128, rope_parameters={  # YaRN's scaled tables
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
     ("phi3", dict(TWO_HEADS, **longrope(64))),

@@ -35,8 +35,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "glm4", "mixtral",
-            "qwen3_moe", "qwen2_moe", "granite_moe"]
+FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
+            "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -106,12 +106,13 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3"))
-    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else (False, True))
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"))
+    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else
+                                                             (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
     assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
     assert config.moe_topk_softmax == (name == "granite_moe")
-    assert config.nope_layers == {"smollm3": (1,)}.get(name, ())
+    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,)}.get(name, ())  # (EXAONE's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
@@ -126,6 +127,7 @@ def test_what_each_family_reads_from_its_config(family):
         "gemma3": ((24, 0, 24), None, None, True, None, 10000.0),
         "olmo2": ((), None, None, True, None, None),
         "glm4": ((), None, None, True, None, None),
+        "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})

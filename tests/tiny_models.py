@@ -259,6 +259,15 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if "_proj.bias" in name or "layernorm" in name:
                     param.normal_(1.0 if "layernorm" in name else 0.0, 0.3 if "layernorm" in name else 0.1)
+    elif arch == "exaone4":  # windows of 24 on three layers in four, the fourth global without rotary
+        from transformers import Exaone4Config, Exaone4ForCausalLM
+
+        exaone = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 4}
+        model = Exaone4ForCausalLM(Exaone4Config(**{**common, **exaone, **overrides}))
+        with torch.no_grad():  # the norms' weights start at one; make them count
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.3)
     elif arch == "ernie4_5":  # interleaved rotary as GLM's; use_bias=True biases every projection
         from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 

@@ -53,9 +53,14 @@ SUPPORTED_ARCHITECTURES = {
     # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): a Llama rotating interleaved pairs (as GLM's), tied,
     # every projection biased where `use_bias` says
     "Ernie4_5ForCausalLM": "llama",
+    # EXAONE 4.0: OLMo 2's output norms with Qwen3's per-head query/key norms; with a window,
+    # three windowed layers to one global (layer_types), the global ones without rotary (NoPE).
+    "Exaone4ForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# No norm before attention and the MLP, one on each's output instead
+POST_NORMED = (*OLMOS, "Exaone4ForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
 ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -67,12 +72,14 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", *EVERY_LAYER_WINDOWED,
+            *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5"}
+                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
+                          "Exaone4ForCausalLM": "exaone4"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -269,16 +276,16 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *OLMOS),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED),
             qk_norm_over_heads=arch in OLMOS,
-            pre_norms=arch not in OLMOS,
+            pre_norms=arch not in POST_NORMED,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
             **_moe_fields(arch, raw),
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch in (*OLMOS, "Glm4ForCausalLM") else {}),
+            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM"),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
@@ -294,7 +301,10 @@ def _filled(raw: dict, model_type: str) -> dict:
 
 
 def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
-    """SmolLM3's no_rope_layers: a 1 for each layer that rotates, a 0 for each that does not."""
+    """SmolLM3's no_rope_layers: a 1 for each layer that rotates, a 0 for each that does not.
+    EXAONE 4's global layers, where it has windowed ones (transformers rotates only those)."""
+    if arch == "Exaone4ForCausalLM" and raw.get("sliding_window"):
+        return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch != "SmolLM3ForCausalLM":
         return ()
     flags = raw["no_rope_layers"]
@@ -339,7 +349,7 @@ def _sliding_window_fields(arch: str, raw: dict) -> dict:
     window, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if arch in EVERY_LAYER_WINDOWED and window:
         return dict(layer_windows=_layer_windows(["sliding_attention"] * num_layers, window, num_layers))
-    if arch == "Olmo3ForCausalLM" and window:  # windowed where layer_types says, always
+    if arch in ("Olmo3ForCausalLM", "Exaone4ForCausalLM") and window:  # windowed where layer_types says, always
         return dict(layer_windows=_layer_windows(raw["layer_types"], window, num_layers))
     if arch in BY_LAYER_TYPE and window and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
