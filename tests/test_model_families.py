@@ -148,14 +148,19 @@ def test_glm_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("arch, overrides", [("ernie4_5", {}), ("ernie4_5", {"use_bias": True}),
-                                             ("llama", {"mlp_bias": True, "attention_bias": True})])
-def test_ernie4_5_and_biased_mlps_match_transformers(tmp_path, arch, overrides):
+                                             ("llama", {"mlp_bias": True, "attention_bias": True}),
+                                             ("seed_oss", {}), ("seed_oss", {"attention_out_bias": True,
+                                                                             "mlp_bias": True})])
+def test_ernie4_5_seed_oss_and_biased_mlps_match_transformers(tmp_path, arch, overrides):
     """ERNIE 4.5 (dense): interleaved rotary as GLM's, reordered at load; its use_bias and
-    Llama's mlp_bias bias the MLP's projections too (gate/up and down)."""
+    Llama's and Seed-OSS's mlp_bias bias the MLP's projections too (gate/up and down);
+    Seed-OSS biases q/k/v by default and o_proj where attention_out_bias says."""
     folder = build_tiny_model(tmp_path / arch, arch, seed=2, **overrides)
     llm = LLM(str(folder))
     config = llm.runner.model_config
     assert (config.rotary_interleaved, config.mlp_bias) == (arch == "ernie4_5", bool(overrides))
+    if arch == "seed_oss":
+        assert (config.qkv_bias, config.o_bias) == (True, bool(overrides))
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 

@@ -268,6 +268,11 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
+    elif arch == "seed_oss":  # q/k/v biases (o_proj's and the MLP's where overrides ask), made to count
+        from transformers import SeedOssConfig, SeedOssForCausalLM
+
+        model = SeedOssForCausalLM(SeedOssConfig(**{"head_dim": 16, **common}))
+        _biases_made_to_count(model)
     elif arch == "ernie4_5":  # interleaved rotary as GLM's; use_bias=True biases every projection
         from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 

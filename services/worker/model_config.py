@@ -56,6 +56,8 @@ SUPPORTED_ARCHITECTURES = {
     # EXAONE 4.0: OLMo 2's output norms with Qwen3's per-head query/key norms; with a window,
     # three windowed layers to one global (layer_types), the global ones without rotary (NoPE).
     "Exaone4ForCausalLM": "llama",
+    # Seed-OSS: a Llama with q/k/v biases by default, o_proj's apart (attention_out_bias)
+    "SeedOssForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -79,7 +81,7 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaon
 # fourth layer): read through that class, as transformers reads them.
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
-                          "Exaone4ForCausalLM": "exaone4"}
+                          "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -267,8 +269,9 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
-            o_bias=arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", *GLMS) and (raw.get("attention_bias", False)
-                                                                 or raw.get("use_bias", False)),
+            o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
+                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", *GLMS)
+                    and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             rope_scaling=rope,
             bos_token_id=raw.get("bos_token_id"),
