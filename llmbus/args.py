@@ -16,6 +16,7 @@ import os
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
                            LoRAConfig, SchedulerConfig, SpeculativeConfig)
+from shared.classification import classifier_of
 from shared.generation_config import SOURCES_HELP, default_sampling, model_eos_ids
 from shared.lora_request import LoRARequest, parse_lora_modules
 from shared.pooling_config import unsupported_pooling
@@ -255,6 +256,7 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          reasoning_parser=args.reasoning_parser,
                          default_sampling=defaults, model_eos_ids=model_eos_ids(model_path, args.generation_config),
                          unsupported_pooling=unsupported_pooling(model_path),
+                         classifier=classifier_of(model_path),
                          lora_modules=lora_modules(args.lora_modules),
                          allow_runtime_lora_updating=runtime_lora_updating(),
                          chat_template=args.chat_template, allowed_origins=tuple(json.loads(args.allowed_origins)),

@@ -22,13 +22,14 @@ from tqdm import tqdm
 
 from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
 from llmbus.model_fetch import resolve_model, resolve_tokenizer
-from llmbus.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                            ScoringRequestOutput)
+from llmbus.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                            EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
+from shared.classification import classifier_of
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
@@ -97,6 +98,7 @@ class LLM:
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
+        self.classifier = classifier_of(path)  # a *ForSequenceClassification's labels
         speculative = SpeculativeConfig.of(speculative_config)
         lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         cache_config = CacheConfig(
@@ -233,8 +235,22 @@ class LLM:
         Qwen3-Embedding and e5-mistral are trained for)."""
         if self.unsupported_pooling is not None:
             raise ValueError(self.unsupported_pooling)
+        if self.classifier is not None:
+            raise ValueError("this model is a sequence classifier: LLM.classify (served: /classify), not embeddings")
         results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's, for a sequence classifier (`*ForSequenceClassification`): each prompt's
+        class probabilities, from its score head at the prompt's last token."""
+        if self.classifier is None:
+            raise ValueError("this model is not a sequence classifier (no *ForSequenceClassification in its config)")
+        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+        return [ClassificationRequestOutput(r.request_id, r.prompt_token_ids,
+                                            ClassificationOutput(self.classifier.probabilities(r.embedding)))
+                for r in results]
 
     def chat(
         self,

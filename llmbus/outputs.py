@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from shared.messages import Logprobs
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -29,13 +32,18 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """What `LLM.embed` returns for a prompt, shaped like vLLM's."""
+class PoolingRequestOutput(Generic[T]):
+    """What a pooling call (`LLM.embed`, `LLM.classify`) returns for a prompt, as vLLM's."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: T
     finished: bool = True
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """`LLM.embed`'s."""
 
 
 @dataclass(slots=True)
@@ -50,6 +58,20 @@ class RequestOutput:
     # shape), filled in with the first output token.
     prompt_logprobs: list[Logprobs | None] | None = None
     embedding: list[float] | None = None  # an embedding request's (SamplingParams.embed)
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # per class, as the model's problem_type has them (shared/classification.py)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """`LLM.classify`'s."""
 
 
 @dataclass(slots=True)

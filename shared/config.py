@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.classification import Classifier
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -109,6 +111,9 @@ class GatewayConfig:
     model_eos_ids: tuple[int, ...] = ()
     # Why /v1/embeddings cannot serve this model as it asks (shared/pooling_config.py), or None
     unsupported_pooling: str | None = None
+    # A sequence classifier's labels and activation (shared/classification.py): /classify
+    # serves it, and embeddings are refused; None: not a classifier
+    classifier: Classifier | None = None
     # vLLM's --lora-modules: the adapters clients may name as their `model` (name -> LoRARequest)
     lora_modules: dict = field(default_factory=dict)
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter

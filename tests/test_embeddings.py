@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from deployment import llmbus_serve
-from llmbus import LLM, SamplingParams
-from tiny_models import random_prompts
+from llmbus import LLM, SamplingParams, TokensPrompt
+from tiny_models import build_tiny_model, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -261,3 +261,71 @@ def test_a_model_that_pools_otherwise_is_refused_embeddings_by_name(headless, tm
     with TestClient(create_app(factory, tokenizer, config)) as client:
         resp = client.post("/v1/embeddings", json={"model": "tiny", "input": "hi"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
+
+
+# ---- sequence classifiers: vLLM's classify task ------------------------------------------
+
+
+def hf_class_logits(folder, prompts) -> list[list[float]]:
+    """transformers' own: the score head at each prompt's last token."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(torch.tensor([p])).logits[0].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["llama_classifier", "qwen3_classifier"])
+def test_classify_equals_transformers_sequence_classification(tmp_path, arch):
+    """A *ForSequenceClassification checkpoint: its decoder, its score head at the prompt's
+    last token (through chunked prefill too), softmax over its labels; it neither generates
+    nor embeds, and a regression head's score comes as it is."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=3)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    want = torch.tensor(hf_class_logits(folder, prompts)).softmax(-1)
+    llm = LLM(str(folder), max_num_batched_tokens=16)
+    out = llm.classify([TokensPrompt(prompt_token_ids=p) for p in prompts])
+    torch.testing.assert_close(torch.tensor([o.outputs.probs for o in out]), want, rtol=1e-4, atol=1e-5)
+    assert [o.outputs.num_classes for o in out] == [3, 3, 3] and [o.prompt_token_ids for o in out] == prompts
+    assert llm.classifier.labels == ("negative", "neutral", "positive")
+    with pytest.raises(ValueError, match="no LM head"):
+        llm.generate([prompts[0]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="classify"):
+        llm.embed([prompts[0]])
+    reward = build_tiny_model(tmp_path / "reward", arch, seed=3, num_labels=1, id2label={0: "LABEL_0"},
+                              label2id={"LABEL_0": 0}, problem_type="regression")
+    got = LLM(str(reward)).classify([TokensPrompt(prompt_token_ids=p) for p in prompts])
+    torch.testing.assert_close(torch.tensor([o.outputs.probs for o in got]),
+                               torch.tensor(hf_class_logits(reward, prompts)), rtol=1e-4, atol=1e-5)
+
+
+def test_llmbus_serve_of_a_classifier_answers_classify_and_refuses_the_rest(tmp_path, served):
+    """`llmbus serve` of a *ForSequenceClassification checkpoint: vLLM's /classify (and
+    /v1/classify) gives each input's probabilities and label, equal to transformers'; its
+    embeddings and completions are 400s, as /classify is for a model that does not classify."""
+    folder = build_tiny_model(tmp_path / "clf", "llama_classifier", seed=3)
+    proc, url = llmbus_serve(["--model", str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+                             tmp_path / "serve.log")
+    try:
+        inputs = [PROMPTS[1], PROMPTS[3]]
+        want = torch.tensor(hf_class_logits(folder, inputs)).softmax(-1)
+        body = httpx.post(url + "/classify", json={"model": "tiny", "input": inputs}, timeout=60).json()
+        got = torch.tensor([d["probs"] for d in body["data"]])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        labels = ["negative", "neutral", "positive"]
+        assert [d["label"] for d in body["data"]] == [labels[i] for i in want.argmax(-1).tolist()]
+        assert [(d["index"], d["num_classes"]) for d in body["data"]] == [(0, 3), (1, 3)]
+        assert body["usage"]["prompt_tokens"] == sum(map(len, inputs)) and body["object"] == "list"
+        one = httpx.post(url + "/v1/classify", json={"model": "tiny", "input": inputs[0]}, timeout=60).json()
+        assert one["data"][0]["probs"] == pytest.approx(body["data"][0]["probs"], abs=1e-6)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="sequence classifier"):
+            client.embeddings.create(model="tiny", input="hello")
+        with pytest.raises(openai.BadRequestError, match="no LM head"):
+            client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    root = str(served.base_url).removesuffix("/").removesuffix("/v1")
+    refused = httpx.post(root + "/classify", json={"model": "tiny", "input": "hello"}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"

@@ -273,6 +273,15 @@ def build_tiny_model(
 
         model = SeedOssForCausalLM(SeedOssConfig(**{"head_dim": 16, **common}))
         _biases_made_to_count(model)
+    elif arch in ("llama_classifier", "qwen3_classifier"):  # a score head of 3 labels over the decoder
+        from transformers import LlamaForSequenceClassification, Qwen3ForSequenceClassification
+
+        labels = {"num_labels": 3, "id2label": {0: "negative", 1: "neutral", 2: "positive"},
+                  "label2id": {"negative": 0, "neutral": 1, "positive": 2}}
+        if arch == "llama_classifier":
+            model = LlamaForSequenceClassification(LlamaConfig(**{**common, **labels, **overrides}))
+        else:
+            model = Qwen3ForSequenceClassification(Qwen3Config(**{"head_dim": 16, **common, **labels, **overrides}))
     elif arch == "ernie4_5":  # interleaved rotary as GLM's; use_bias=True biases every projection
         from transformers import Ernie4_5Config, Ernie4_5ForCausalLM
 

@@ -28,7 +28,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 from services.gateway.request_ids import RequestIdHeader
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
-from services.gateway import embeddings, scoring, tokenization
+from services.gateway import classification, embeddings, scoring, tokenization
 from shared.config import GatewayConfig
 
 LLMBUS_VERSION = importlib.metadata.version("llmbus")
@@ -183,6 +183,12 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         app.post(path)(create_score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         app.post(path)(create_rerank)
+
+    async def create_classification(request: Request):  # vLLM's, over a sequence classifier
+        return await classification.classify(serving(request), request)
+
+    for path in ("/classify", "/v1/classify"):
+        app.post(path)(create_classification)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):

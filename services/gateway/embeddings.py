@@ -64,12 +64,20 @@ async def _answer(serving: OpenAIServing, body: EmbeddingRequest, ctx) -> dict:
 
 
 async def embed(serving: OpenAIServing, inputs: list[str | list[int]], model: str | None,
-                truncate_prompt_tokens: int | None, ctx, field: str, kind: str) -> tuple[list[list[float]], int]:
+                truncate_prompt_tokens: int | None, ctx, field: str, kind: str,
+                classify: bool = False) -> tuple[list[list[float]], int]:
     """Each input's vector, in order, and the prompt tokens they took: the engine requests of
-    /v1/embeddings, /score and /rerank (`field`: the inputs' name in a 400; `kind`: the
+    /v1/embeddings, /score and /rerank, and with `classify` /classify's (a classifier's
+    vectors are its score head's logits) (`field`: the inputs' name in a 400; `kind`: the
     request id's prefix and the log's)."""
     serving.check_model(model)
-    if serving.config.unsupported_pooling is not None:
+    if classify and serving.config.classifier is None:
+        raise BadRequest("this model is not a sequence classifier (no *ForSequenceClassification in its config): "
+                         "/classify has nothing to give", "model")
+    if not classify and serving.config.classifier is not None:
+        raise BadRequest("this model is a sequence classifier: /classify gives its classes; it has no embeddings",
+                         "model")
+    if serving.config.unsupported_pooling is not None and not classify:
         raise BadRequest(serving.config.unsupported_pooling, "model")
     if truncate_prompt_tokens == 0:
         raise BadRequest("truncate_prompt_tokens must be -1 (the context) or at least 1", "truncate_prompt_tokens")

@@ -22,8 +22,8 @@ class Limits:
         self.config = config
         self.keys = keys
         # /tokenize and /detokenize do work for the caller too (vLLM leaves them open), as do
-        # /score and /rerank (vLLM's paths outside /v1 too).
-        guarded = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/score", "/rerank")
+        # /score, /rerank and /classify (vLLM's paths outside /v1 too).
+        guarded = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/tokenizer_info", "/score", "/rerank", "/classify")
         self._guarded = (*guarded, "/metrics") if config.metrics_require_key else guarded
 
     async def __call__(self, scope, receive, send) -> None:

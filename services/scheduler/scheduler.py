@@ -93,8 +93,8 @@ class Scheduler:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         params = req.sampling_params
         if not (self.generates or params.embed):
-            raise ValueError("this model has no LM head: it serves embeddings (/v1/embeddings, LLM.embed), "
-                             "not generation")
+            raise ValueError("this model has no LM head: it serves embeddings (/v1/embeddings, LLM.embed) or, "
+                             "a classifier, classes (/classify, LLM.classify), not generation")
         if params.bad_words and params.bad_words_token_ids is None:
             raise ValueError("bad_words reached the scheduler untokenized (shared.sampling_params."
                              "with_bad_words_tokenized sets their token ids)")

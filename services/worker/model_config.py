@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.classification import SUFFIX, num_labels
+
 # Architectures whose modules `models/llama.py` reproduces: Qwen2 differs only by its
 # qkv bias, Qwen3 by a per-head RMSNorm on queries and keys before rotary.
 SUPPORTED_ARCHITECTURES = {
@@ -180,6 +182,9 @@ class ModelConfig:
     # GLM: rotary turns interleaved pairs of dims; the loader reorders the query and key rows
     # to the rotate-half layout (rotary.interleaved_as_halves)
     rotary_interleaved: bool = False
+    # A sequence classifier's classes (shared/classification.py): its score head's rows, in
+    # place of an LM head; 0: not a classifier
+    num_labels: int = 0
 
     @property
     def max_model_len(self) -> int:
@@ -194,12 +199,15 @@ class ModelConfig:
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)
         if multimodal is not None:
             raw = _text_config(raw, TEXT_MODELS_OF[multimodal])
-        archs = [BASE_MODELS.get(a, a) for a in raw.get("architectures") or []]
+        # A sequence classifier: the decoder of its family, a score head in place of the LM head
+        archs = [BASE_MODELS.get(a, a.removesuffix(SUFFIX) + "ForCausalLM" if a.endswith(SUFFIX) else a)
+                 for a in raw.get("architectures") or []]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))}"
+                f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))} (and each family's "
+                f"{SUFFIX})"
             )
         if arch in FILLED_BY_TRANSFORMERS:
             raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
@@ -292,6 +300,7 @@ class ModelConfig:
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM"),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
+            num_labels=num_labels(raw) if any(str(a).endswith(SUFFIX) for a in raw.get("architectures") or []) else 0,
         )
 
 

@@ -293,7 +293,10 @@ class ModelRunner:
             # Nothing samples for them (no logits: a model without an LM head embeds too);
             # the one token such a request ends with is a placeholder, never shown.
             rows = torch.from_numpy(last_token[embeds]).to(self.device, non_blocking=True)
-            vectors = F.normalize(hidden[rows].float(), dim=-1).tolist()
+            if self.model.score is not None:  # a classifier's: its score head's raw logits there
+                vectors = self.model.score(hidden[rows]).float().tolist()
+            else:
+                vectors = F.normalize(hidden[rows].float(), dim=-1).tolist()
             output.pooled = {order[i]: vector for i, vector in zip(embeds, vectors)}
             for i in embeds:
                 states[i].token_ids.append(EMBED_PLACEHOLDER)

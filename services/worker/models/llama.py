@@ -239,8 +239,12 @@ class LlamaForCausalLM(nn.Module):
         self.generates = True
         # Which tokens of a step take which LoRA adapter, where the worker serves adapters.
         self.lora: LoRAMapping | None = None
-        if config.tie_word_embeddings:
+        # A sequence classifier (config.num_labels): a score head, whose logits the worker
+        # pools at the prompt's last token as it pools embeddings; it generates nothing.
+        self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
+        if config.tie_word_embeddings or config.num_labels:
             self.lm_head = None
+            self.generates = not config.num_labels
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -303,7 +307,7 @@ class LlamaForCausalLM(nn.Module):
             for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
                 if name.startswith(theirs):
                     name = ours + name[len(theirs):]
-            if not name.startswith(("model.", "lm_head.")):
+            if not name.startswith(("model.", "lm_head.", "score.")):
                 name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
             if ".experts." in name or ".block_sparse_moe." in name:
                 for theirs, ours in ALIASES.items():
