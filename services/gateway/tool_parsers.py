@@ -320,6 +320,8 @@ class _LeadingCallsParser:
 
     starts: tuple[str, ...] = ()  # what a calls answer opens with
     tags: tuple[str, ...] = ()  # special tokens a call may be wrapped in, when they are kept
+    separators = " \t\n"  # what may come between units
+    quotes = '"'  # the units' string quotes
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
@@ -377,9 +379,6 @@ class _LeadingCallsParser:
                 self.num_calls += 1
         if final and self.num_calls == 0 and self.mode == "calls":
             out.content += self.buffer  # opened as calls, never finished one: its text
-
-    separators = " \t\n"  # what may come between units
-    quotes = '"'  # the units' string quotes
 
     def _units(self, text: str, start: int, final: bool):
         """Yields (the unit's calls as (name, JSON arguments), or None when it is no call;
