@@ -1,10 +1,12 @@
 """llmbus: an LLM serving engine in the shape of vLLM V1, cut into services over NATS."""
 
 from llmbus.inputs import TextPrompt, TokensPrompt
+from shared.beam_search import BeamSearchParams
 from shared.lora_request import LoRARequest
 from shared.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt", "TokensPrompt"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt",
+           "TokensPrompt"]
 
 
 def __getattr__(name: str):

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
+from llmbus.inputs import Prompt, TokensPrompt, is_one_prompt, parse_prompt
 from llmbus.model_fetch import resolve_model, resolve_tokenizer
 from llmbus.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
@@ -29,6 +29,7 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
+from shared.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from shared.classification import classifier_of
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
@@ -251,6 +252,35 @@ class LLM:
         return [ClassificationRequestOutput(r.request_id, r.prompt_token_ids,
                                             ClassificationOutput(self.classifier.probabilities(r.embedding)))
                 for r in results]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's `beam_width` best beams (shared/beam_search.py), every beam
+        of every prompt a request of each step's batch; a sequence's `tokens` are the
+        prompt's and its own, its `text` all of them decoded (as vLLM's)."""
+        if is_one_prompt(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        searches = []
+        for prompt in prompts:  # type: ignore[union-attr]
+            parsed = parse_prompt(prompt)
+            token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
+            searches.append(BeamSearch(token_ids, params, self.eos_token_id, self.runner.max_model_len))
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, disable=not use_tqdm, desc="beam search", unit="token") as bar:
+            while live := [search for search in searches if not search.done]:
+                batch = [TokensPrompt(prompt_token_ids=ids) for search in live for ids in search.pending()]
+                results = iter(self.generate(batch, step, lora_request=lora_request))
+                for search in live:
+                    outputs = [next(results).outputs[0] for _ in search.live]
+                    search.advance([out.logprobs[0] if out.logprobs else None for out in outputs])
+                bar.update(1)
+        answers = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=False)
+            answers.append(BeamSearchOutput(best))
+        return answers
 
     def chat(
         self,
