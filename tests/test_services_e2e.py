@@ -513,3 +513,34 @@ def test_each_stream_chunk_carries_one_entry_per_choice_and_every_logprob(deploy
         for c in chunk["choices"]:
             tokens[c["index"]] += len((c["logprobs"] or {}).get("tokens", []))
     assert tokens == {0: 40, 1: 40}
+
+
+def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
+    """vLLM's use_beam_search: the n best beams as choices, the same as LLM.beam_search's
+    (texts after the prompt, an ending EOS not shown), on both endpoints; the fields a beam
+    search does not take are 400s naming them, as is length_penalty without it."""
+    from llmbus import BeamSearchParams, TokensPrompt
+
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    want = offline.beam_search([TokensPrompt(prompt_token_ids=ids)],
+                               BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.8))[0].sequences
+    texts = [offline.tokenizer.decode([t for t in b.tokens[len(ids):] if t != offline.eos_token_id]) for b in want]
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=5, n=3,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.8})
+    assert [c.text for c in out.choices] == texts
+    assert [c.finish_reason for c in out.choices] == [b.finish_reason for b in want]
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == sum(len(b.tokens) - len(ids) for b in want)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          n=2, extra_body={"use_beam_search": True})
+    prompt = offline.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    beams = offline.beam_search([TokensPrompt(prompt_token_ids=prompt)], BeamSearchParams(beam_width=2, max_tokens=4))
+    assert [c.message.content for c in chat.choices] == [
+        offline.tokenizer.decode([t for t in b.tokens[len(prompt):] if t != offline.eos_token_id])
+        for b in beams[0].sequences]
+    for extra, param in (({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+                         ({"use_beam_search": True, "stream": True}, "stream"),
+                         ({"length_penalty": 2.0}, "length_penalty")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param

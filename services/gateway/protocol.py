@@ -102,6 +102,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     # vLLM's: the prompt's and each choice's token ids beside the text (what RL frameworks
     # train on); streamed, the prompt's with a choice's first chunk, each chunk's own
     return_token_ids: bool = False
+    # vLLM's beam search (n beams; shared/beam_search.py), answered whole; the fields it
+    # takes are BEAM_SEARCH_FIELDS, any other set beside it is a 400
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # OpenAI's bookkeeping, accepted as it changes no output.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -197,6 +201,28 @@ def parse_body(body: bytes, kind: type) -> Any:
 MAX_PROMPTS = 64  # one completions request's batch
 
 
+# What a beam search takes of a request (beside the prompt's own fields): the rest, set,
+# would be silently ignored, so it is a 400
+BEAM_SEARCH_FIELDS = frozenset({
+    "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
+    "length_penalty", "include_stop_str_in_output", "use_beam_search", "user", "metadata", "store", "service_tier",
+    "request_id", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
+    "truncate_prompt_tokens", "priority", "cache_salt",
+})
+
+
+def check_beam_search(request: CompletionRequest | ChatCompletionRequest) -> None:
+    """length_penalty only with use_beam_search; with it, no field it does not take."""
+    if not request.use_beam_search:
+        if request.length_penalty != 1.0:
+            raise BadRequest("length_penalty is taken with use_beam_search only", "length_penalty")
+        return
+    for info in msgspec.structs.fields(request):
+        if info.name not in BEAM_SEARCH_FIELDS and getattr(request, info.name) != info.default:
+            raise BadRequest(f"{info.name} is not taken with use_beam_search (a beam search answers whole, "
+                             "with its n best beams)", info.name)
+
+
 def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     """The prompts of a completions request, as OpenAI takes them: a string, a list of token
     ids, or a batch of either (LangChain's client sends its batches that way)."""
@@ -235,6 +261,7 @@ def to_sampling_params(
     needs the field it came from). `defaults`: the model's, for fields the request leaves
     out (shared/generation_config.py)."""
     defaults = defaults or {}
+    check_beam_search(request)
     prompt_logprobs = request.prompt_logprobs
     if prompt_logprobs is not None and request.stream:
         raise BadRequest("prompt_logprobs cannot be streamed (as vLLM's); echo with logprobs can", "prompt_logprobs")

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from opentelemetry import trace
 
 from services.gateway import responses as r
+from services.gateway.beam_search import BeamSearchAnswer
 from services.gateway.answer import Answer, end_span
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
@@ -59,6 +60,8 @@ class OpenAIServing:
                 exc.param = kind.PARAMS.get(exc.param, exc.param)
             end_span(span, status_of(exc), exc)
             raise
+        if getattr(body, "use_beam_search", False):  # (checked by protocol.check_beam_search)
+            answer = BeamSearchAnswer
         return await answer(self, request, body, params, prompts, tools, span, ctx).respond()
 
     # ---- before the engine --------------------------------------------------------------

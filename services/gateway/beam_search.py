@@ -1,0 +1,98 @@
+"""vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions: each prompt's `n`
+best beams as its choices, answered whole (shared/beam_search.py keeps the beams; each
+step here is one engine batch of every live beam of every prompt, as `LLM.beam_search`).
+
+A choice's text is its beam's tokens after the prompt, an ending EOS left out of the text
+(kept in its ids with `include_stop_str_in_output`), as vLLM's; usage counts the prompts
+once and the returned beams' tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from services.gateway import responses as r
+from services.gateway.answer import _json, end_span, request_log
+from services.gateway.errors import raise_for_engine_error, status_of
+from services.gateway.generation import Usage, generate
+from services.gateway.protocol import ChatCompletionRequest
+from shared.beam_search import BeamSearch, BeamSearchParams
+from shared.tracing import inject
+
+if TYPE_CHECKING:
+    from services.gateway.serving import OpenAIServing
+
+
+class BeamSearchAnswer:
+    def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]], tools,
+                 span, ctx) -> None:
+        self.s, self.body, self.prompts, self.span, self.ctx = serving, body, prompts, span, ctx
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.params = BeamSearchParams(
+            beam_width=params.n, max_tokens=params.max_tokens or 1 << 30, ignore_eos=params.ignore_eos,
+            temperature=params.temperature, length_penalty=body.length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+
+    async def respond(self) -> Response:
+        try:
+            body = await self._search()
+        except Exception as exc:
+            end_span(self.span, status_of(exc), exc)
+            raise
+        end_span(self.span, 200)
+        return Response(_json.encode(body), media_type="application/json")
+
+    async def _search(self) -> r.Response:
+        info = await self.s.client.scheduler_info()
+        eos = self.s.tokenizer.eos_token_id
+        searches = [BeamSearch(p, self.params, eos, info.max_model_len if info else None) for p in self.prompts]
+        step_params, cached = self.params.step_params(), 0
+        step = 0
+        while live := [search for search in searches if not search.done]:
+            batch = [ids for search in live for ids in search.pending()]
+            found = [None] * len(batch)
+            usage = Usage()
+            async for deltas in generate(self.s.client, self.s.tokenizer.backend, f"{self.request_id}-{step}", batch,
+                                         step_params, eos, usage, self.s.config.idle_timeout_s,
+                                         trace_headers=inject(self.ctx), incremental=False,
+                                         priority=self.body.priority, lora_request=self.s.lora_of(self.body.model),
+                                         cache_salt=self.body.cache_salt):
+                for d in deltas:
+                    raise_for_engine_error(d)
+                    if d.logprobs:
+                        found[d.index] = d.logprobs[0]
+            if any(lp is None for lp in found):  # (never silent: a beam would vanish)
+                raise RuntimeError("a beam search step came back without its candidates' logprobs")
+            cached += usage.cached_tokens
+            at = 0
+            for search in live:
+                search.advance(found[at:at + len(search.live)])
+                at += len(search.live)
+            step += 1
+        choices, generated = [], 0
+        for search in searches:
+            for beam in search.best():
+                ids = beam.tokens[search.prompt_len:]
+                shown = ids[:-1] if ids and ids[-1] == eos and beam.finish_reason == "stop" else ids
+                text = self.s.tokenizer.decode(shown, skip_special_tokens=True)
+                generated += len(ids)
+                index = len(choices)
+                if self.chat:
+                    choices.append(r.ChatChoice(index, r.ChatMessage("assistant", text, []), None, beam.finish_reason,
+                                                beam.stop_reason))
+                else:
+                    choices.append(r.CompletionChoice(index, text, None, beam.finish_reason, beam.stop_reason))
+        prompt_tokens = sum(map(len, self.prompts))
+        request_log.info("request finished", extra={"request_id": self.request_id, "status": 200,
+                                                    "prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                                                    "beam_search_steps": step})
+        return r.Response(self.request_id, "chat.completion" if self.chat else "text_completion", int(time.time()),
+                          self.s.response_model(self.body.model), choices,
+                          r.UsageInfo.of(prompt_tokens, generated, cached))
+
