@@ -33,6 +33,7 @@ class BeamSearchAnswer:
                  span, ctx) -> None:
         self.s, self.body, self.prompts, self.span, self.ctx = serving, body, prompts, span, ctx
         self.chat = isinstance(body, ChatCompletionRequest)
+        self.started = time.monotonic()
         self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.params = BeamSearchParams(
             beam_width=params.n, max_tokens=params.max_tokens or 1 << 30, ignore_eos=params.ignore_eos,
@@ -89,6 +90,9 @@ class BeamSearchAnswer:
                 else:
                     choices.append(r.CompletionChoice(index, text, None, beam.finish_reason, beam.stop_reason))
         prompt_tokens = sum(map(len, self.prompts))
+        # Counted as one request of its prompts' tokens, finished as its beams were
+        self.s.metrics.request_finished(prompt_tokens, [c.finish_reason or "stop" for c in choices], None, [],
+                                        time.monotonic() - self.started, None)
         request_log.info("request finished", extra={"request_id": self.request_id, "status": 200,
                                                     "prompt_tokens": prompt_tokens, "completion_tokens": generated,
                                                     "beam_search_steps": step})
