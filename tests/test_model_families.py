@@ -316,6 +316,27 @@ def test_qwen_vl_checkpoint_serves_its_language_model(tmp_path, arch):
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW, model_class=model_class)
 
 
+def test_qwen3_vl_moe_serves_its_stacked_experts_in_either_layout(tmp_path):
+    """Qwen3-VL-MoE's language model (a Qwen3-MoE, its router always renormalizing) with its
+    experts stacked: [experts, out, in] as transformers 5 saves them, and [experts, in, out]
+    as the Hub ships them; both equal to transformers' multimodal model on text."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "mm", "qwen3_vl_moe", seed=2)
+    want = hf_greedy(folder, PROMPTS, MAX_NEW, model_class=transformers.Qwen3VLMoeForConditionalGeneration)
+    llm = LLM(str(folder))
+    config = llm.runner.model_config
+    assert (config.architecture, config.num_experts, config.norm_topk_prob) == ("Qwen3MoeForCausalLM", 8, True)
+    assert generate_ids(llm, PROMPTS) == want
+    weights = load_file(folder / "model.safetensors")
+    hub = {name: (t.transpose(1, 2).contiguous() if name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                  else t) for name, t in weights.items()}
+    assert hub["model.language_model.layers.0.mlp.experts.down_proj"].shape == (8, 48, 64)  # [experts, in, out]
+    save_file(hub, folder / "model.safetensors", metadata={"format": "pt"})
+    assert generate_ids(LLM(str(folder)), PROMPTS) == want
+
+
 def test_qwen2_5_vl_config_as_its_first_releases_ship_it(tmp_path):
     """Qwen2.5-VL-3B-Instruct's config.json as first published: the language model's keys
     at the top level (no text_config), rope_scaling of type "mrope"; read as transformers

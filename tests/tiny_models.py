@@ -287,6 +287,22 @@ def build_tiny_model(
 
         model = Ernie4_5ForCausalLM(Ernie4_5Config(**{"head_dim": 16, **common}))
         _biases_made_to_count(model)
+    elif arch == "qwen3_vl_moe":
+        # Qwen3-VL-MoE's language model: 8 experts of 48 (no dimension equal to hidden's 64, so
+        # their stacked tensors' layout shows in their shape), top 2, every layer sparse
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+        text = {**common, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                    "mrope_interleaved": True}, **overrides}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
+                      deepstack_visual_indexes=[0])
+        model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(
+            text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"]))
+        with torch.no_grad():  # the router and the q/k norms start at zero and one; make them count
+            for name, param in model.named_parameters():
+                if "language_model" in name and ("mlp.gate." in name or "_norm.weight" in name):
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.3)
     elif arch in ("qwen2_5_vl", "qwen3_vl"):
         # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
         # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.

@@ -102,7 +102,12 @@ TEXT_MODELS_OF = {
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
+    # Qwen3-VL-MoE (30B-A3B, 235B-A22B): a Qwen3-MoE, its experts stacked in the checkpoint
+    "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
 }
+# What a text config's class leaves out that its model does: Qwen3-VL-MoE's router always
+# renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
+TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 # transformers' names for the MLP's gate activation
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 
@@ -344,6 +349,7 @@ def _text_config(raw: dict, text_models: dict[str, str]) -> dict:
     if full["model_type"] not in text_models:
         raise ValueError(f"unsupported text_config model_type {full['model_type']!r} in {architecture}: "
                          f"{', '.join(text_models)}")
+    full.update(TEXT_CONFIG_AS_RUN.get(full["model_type"], {}))
     for key in ("bos_token_id", "eos_token_id"):  # Gemma's checkpoints put the ids beside text_config
         if raw.get(key) is not None:
             full[key] = raw[key]

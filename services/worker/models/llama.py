@@ -50,8 +50,13 @@ ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_pr
 GLM4_NORMS = {".post_attention_layernorm.": ".pre_feedforward_layernorm.",
               ".post_self_attn_layernorm.": ".post_attention_layernorm.",
               ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
-# GraniteMoe's experts stacked in one tensor each ([experts, out, in]): one expert's row each.
-STACKED_EXPERTS = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj"}
+# Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
+# in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
+# transformers 5 saves them: read by shape, and where the shape cannot tell (in == out) as
+# the Hub's.
+STACKED_EXPERTS = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj",
+                   ".mlp.experts.gate_up_proj": "gate_up_proj", ".mlp.experts.down_proj": "down_proj"}
+TRANSPOSED_FIRST = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -326,6 +331,8 @@ class LlamaForCausalLM(nn.Module):
                     target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
                     if target not in params:
                         raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
+                    if stacked in TRANSPOSED_FIRST and rows.T.shape == params[target].shape:
+                        rows = rows.T
                     _copy(params[target].data, rows, name)
                     loaded.add(target)
                 continue
