@@ -526,8 +526,8 @@ def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
                                BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.8))[0].sequences
     texts = [offline.tokenizer.decode([t for t in b.tokens[len(ids):] if t != offline.eos_token_id]) for b in want]
     out = client.completions.create(model="tiny", prompt=ids, max_tokens=5, n=3,
-                                    extra_body={"use_beam_search": True, "length_penalty": 0.8})
-    assert [c.text for c in out.choices] == texts
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.8, "request_id": "b1"})
+    assert [c.text for c in out.choices] == texts and out.id == "cmpl-b1"  # (named as any answer is)
     assert [c.finish_reason for c in out.choices] == [b.finish_reason for b in want]
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == sum(len(b.tokens) - len(ids) for b in want)

@@ -21,6 +21,7 @@ from services.gateway.answer import _json, end_span, request_log
 from services.gateway.errors import raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.request_ids import client_request_id
 from shared.beam_search import BeamSearch, BeamSearchParams
 from shared.tracing import inject
 
@@ -34,7 +35,10 @@ class BeamSearchAnswer:
         self.s, self.body, self.prompts, self.span, self.ctx = serving, body, prompts, span, ctx
         self.chat = isinstance(body, ChatCompletionRequest)
         self.started = time.monotonic()
-        self.request_id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        self.request_id = f"{prefix}{uuid.uuid4().hex}"  # the engine's; the response's as Answer names it
+        client_id = client_request_id(request.headers, body.request_id)
+        self.response_id = self.request_id if client_id is None else f"{prefix}{client_id}"
         self.params = BeamSearchParams(
             beam_width=params.n, max_tokens=params.max_tokens or 1 << 30, ignore_eos=params.ignore_eos,
             temperature=params.temperature, length_penalty=body.length_penalty,
@@ -96,7 +100,7 @@ class BeamSearchAnswer:
         request_log.info("request finished", extra={"request_id": self.request_id, "status": 200,
                                                     "prompt_tokens": prompt_tokens, "completion_tokens": generated,
                                                     "beam_search_steps": step})
-        return r.Response(self.request_id, "chat.completion" if self.chat else "text_completion", int(time.time()),
+        return r.Response(self.response_id, "chat.completion" if self.chat else "text_completion", int(time.time()),
                           self.s.response_model(self.body.model), choices,
                           r.UsageInfo.of(prompt_tokens, generated, cached))
 
