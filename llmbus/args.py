@@ -55,6 +55,22 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
     return out
 
 
+def json_object(text: str) -> str:
+    """A flag's JSON object, checked here and kept as its text (it travels to the services
+    as a variable, as it was typed)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return text
+
+
+def hf_overrides(args: argparse.Namespace) -> dict | None:
+    return json.loads(args.hf_overrides) if args.hf_overrides else None
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=env("--tokenizer"),
                         help="vLLM's: the tokenizer's folder or Hub id, where not the model's own")
@@ -74,6 +90,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="where Hub models are kept, in place of the Hugging Face cache (vLLM's)")
     # vLLM's, so its command lines run as typed: llmbus runs no code from a checkpoint (an
     # architecture it does not implement is refused by name), so there is nothing to trust.
+    parser.add_argument("--hf-overrides", type=json_object, default=env("--hf-overrides"),
+                        help='vLLM\'s: JSON over the model\'s config.json, e.g. \'{"max_position_embeddings": 8192}\'')
     parser.add_argument("--trust-remote-code", action="store_true", default=env_flag("--trust-remote-code"),
                         help="accepted for vLLM's command lines; llmbus runs no code from the checkpoint")
 
@@ -279,6 +297,7 @@ def runtime_lora_updating() -> bool:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """`LLM(...)`'s keyword arguments from the engine flags."""
     return dict(
+        hf_overrides=hf_overrides(args),
         dtype=args.dtype,
         quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,

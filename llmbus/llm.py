@@ -21,7 +21,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from llmbus.inputs import Prompt, TokensPrompt, is_one_prompt, parse_prompt
-from llmbus.model_fetch import resolve_model, resolve_tokenizer
+from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_hf_overrides
 from llmbus.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from services.scheduler.engine_core import EngineCore
@@ -86,6 +86,7 @@ class LLM:
         # vLLM's, taken as its command line's are: llmbus runs no code from a checkpoint, and
         # a model runs on one device (more requests: more replicas, `llmbus serve --workers`).
         trust_remote_code: bool = False,
+        hf_overrides: dict | None = None,  # vLLM's: keys over the model's config.json (model_fetch.with_hf_overrides)
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
     ) -> None:
@@ -94,7 +95,7 @@ class LLM:
             if size != 1:
                 raise ValueError(f"{name}={size}: a model runs on one device here (no tensor or pipeline "
                                  "parallelism); serve more requests with replicas (llmbus serve --workers N)")
-        path = resolve_model(model, revision, download_dir)
+        path = with_hf_overrides(resolve_model(model, revision, download_dir), hf_overrides)
         tokenizer_path = None if tokenizer is None else str(resolve_tokenizer(tokenizer, download_dir=download_dir))
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)
         self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS

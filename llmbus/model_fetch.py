@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -70,6 +71,37 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
         f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a folder with config.json, "
         "a .gguf file, nor a Hugging Face repository id (org/name)"
     )
+
+
+def with_hf_overrides(folder: Path, overrides: dict | None) -> Path:
+    """vLLM's --hf-overrides: the model with these keys over its config.json's (a
+    sub-config's, `*_config`, merged a level down; any other value replaced whole, as vLLM
+    updates the config), as a folder of its own under $LLMBUS_HOME/models/overrides/ whose
+    other files link to the model's. Every service that resolves the model (gateway,
+    tokenizers, worker, LLM) then reads the same config, transformers' readers included."""
+    if not overrides:
+        return folder
+    folder = folder.resolve()
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    merged = {**config}
+    for key, value in overrides.items():
+        if key.endswith("_config") and isinstance(value, dict) and isinstance(config.get(key), dict):
+            merged[key] = {**config[key], **value}
+        else:
+            merged[key] = value
+    spec = json.dumps(overrides, sort_keys=True)
+    key = hashlib.sha256(f"{folder}\0{spec}\0{config_path.stat().st_mtime_ns}".encode()).hexdigest()[:16]
+
+    def build(staged: Path, bar: tqdm) -> None:
+        staged.mkdir(parents=True)
+        for item in folder.iterdir():
+            if item.name not in ("config.json", _DONE_MARKER):
+                (staged / item.name).symlink_to(item)
+        (staged / "config.json").write_text(json.dumps(merged, indent=2))
+        bar.update()
+
+    return _build_once(model_dir(f"overrides/{folder.name}-{key}"), "hf-overrides", 1, build, f"{folder}\n{spec}\n")
 
 
 def is_hub_id(model: str) -> bool:

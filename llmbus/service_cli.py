@@ -24,11 +24,13 @@ from llmbus.args import (
     env,
     env_flag,
     gateway_config,
+    hf_overrides,
     lora_config,
     lora_modules,
     scheduler_config,
 )
-from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer
+from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
+                                 with_hf_overrides)
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.generation_config import default_sampling
@@ -197,7 +199,7 @@ def _model_name(args: argparse.Namespace) -> str:
 def _setup(args) -> tuple[str, str]:
     """The model's folder (fetched or downloaded once) and the deployment's name; the names
     are filled in where none was given, and --tokenizer made a folder too."""
-    path = str(resolve_model(args.model, args.revision, args.download_dir))
+    path = str(with_hf_overrides(resolve_model(args.model, args.revision, args.download_dir), hf_overrides(args)))
     args.served_model_name = served_names(args)
     if args.tokenizer:
         args.tokenizer = str(resolve_tokenizer(args.tokenizer, download_dir=args.download_dir))

@@ -78,3 +78,32 @@ def test_a_gguf_file_that_is_not_one_is_a_clear_error(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "home" / "models" / "gguf").iterdir() if not p.name.startswith(".")]
     with pytest.raises(ValueError, match="a .gguf file"):
         model_fetch.resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_hf_overrides_change_the_model_as_its_config_would(tiny_llama, tmp_path, monkeypatch):
+    """vLLM's hf_overrides: the model served as if its config.json said so (here a linear
+    rope scaling, equal to transformers on a folder whose config says it; not the model's
+    own output), a sub-config merged a level down, the weights linked rather than copied."""
+    import json
+    import shutil
+
+    from llmbus import LLM, SamplingParams
+    from tiny_models import hf_greedy, random_prompts
+
+    monkeypatch.setenv("LLMBUS_HOME", str(tmp_path / "home"))
+    rope = {"rope_parameters": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}
+    prompts = random_prompts([17, 40], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), hf_overrides=rope).generate(prompts, params)]
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny_llama, edited)
+    (edited / "config.json").write_text(json.dumps({**json.loads((tiny_llama / "config.json").read_text()), **rope}))
+    assert got == hf_greedy(edited, prompts, 12)
+    assert got != hf_greedy(tiny_llama, prompts, 12)
+    folder = model_fetch.with_hf_overrides(tiny_llama, rope)
+    assert (folder / "model.safetensors").is_symlink() and folder == model_fetch.with_hf_overrides(tiny_llama, rope)
+    outer = tmp_path / "outer"
+    outer.mkdir()
+    (outer / "config.json").write_text(json.dumps({"text_config": {"a": 1, "b": 2}, "rope_scaling": {"x": 1}}))
+    merged = model_fetch.with_hf_overrides(outer, {"text_config": {"b": 3}, "rope_scaling": {"y": 2}})
+    assert json.loads((merged / "config.json").read_text()) == {"text_config": {"a": 1, "b": 3}, "rope_scaling": {"y": 2}}

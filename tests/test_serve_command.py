@@ -42,7 +42,7 @@ def served(tiny_llama, tmp_path_factory):
         # As a vLLM user types it: the model first, and vLLM's flags that change nothing here.
         [str(bare), "--tokenizer", str(tiny_llama), "--config", str(folder / "serve.yaml"), "--served-model-name", "tiny", "gpt-4o-mini",
          "--tokenizers", "2", "--num-kv-blocks", "64", "--chat-template", str(folder / "chat.jinja"),
-         "--enable-tokenizer-info-endpoint", "-tp", "1",
+         "--enable-tokenizer-info-endpoint", "-tp", "1", "--hf-overrides", '{"max_position_embeddings": 512}',
          "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
@@ -71,6 +71,9 @@ def test_serve_starts_everything_and_answers(served):
                       json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] >= 1
+    # vLLM's --hf-overrides: every service reads the config as overridden (the context, 1024)
+    models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+    assert models[0]["max_model_len"] == 512
 
 
 def test_the_chat_template_of_the_command_line_renders_chats(served, tiny_llama):
