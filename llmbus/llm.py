@@ -38,7 +38,7 @@ from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
 from shared.sampling_params import SamplingParams, embedding_params, with_bad_words_tokenized
-from shared.scoring import cosine, score_pairs
+from shared.scoring import cosine, pair_token_ids, score_pairs
 
 T = TypeVar("T")
 
@@ -221,9 +221,19 @@ class LLM:
 
     def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], use_tqdm: bool = False,
               lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's, for an embedding model: each pair's cosine similarity (one text_1 against
-        every text_2, or text_1[i] against text_2[i]), each distinct text embedded once."""
+        """vLLM's: each pair's score (one text_1 against every text_2, or text_1[i] against
+        text_2[i]): from an embedding model the cosine similarity of the two texts'
+        embeddings, each distinct text embedded once; from a cross-encoder (a classifier of
+        one label) its output on the pair encoded together."""
         texts, pairs = score_pairs(text_1, text_2, limit=1 << 30)
+        if self.classifier is not None:
+            if not self.classifier.cross_encoder:
+                raise ValueError(f"a classifier of {len(self.classifier.labels)} labels does not score pairs "
+                                 "(a cross-encoder has one): LLM.classify")
+            together = [pair_token_ids(self.tokenizer.hf, texts[a], texts[b]) for a, b in pairs]
+            results = self.generate(together, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(r.request_id, ScoringOutput(self.classifier.probabilities(r.embedding)[0]),
+                                         r.prompt_token_ids) for r in results]
         embedded = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
         return [ScoringRequestOutput(f"{embedded[a].request_id}_{embedded[b].request_id}",
                                      ScoringOutput(cosine(embedded[a].outputs.embedding, embedded[b].outputs.embedding)),

@@ -76,7 +76,7 @@ class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
 
 @dataclass(slots=True)
 class ScoringOutput:
-    score: float  # the cosine similarity of the pair's embeddings
+    score: float  # the cosine similarity of the pair's embeddings, or a cross-encoder's output on the pair
 
 
 @dataclass(slots=True)

@@ -33,6 +33,11 @@ class Classifier:
         total = sum(exps)
         return [e / total for e in exps]
 
+    @property
+    def cross_encoder(self) -> bool:
+        """One label: a pair's score (vLLM's score task), as rerankers are trained."""
+        return len(self.labels) == 1
+
     def label(self, probabilities: list[float]) -> str:
         return self.labels[max(range(len(probabilities)), key=probabilities.__getitem__)]
 

@@ -1,7 +1,9 @@
 """How vLLM's score API pairs its texts, for /score and LLM.score alike: one text_1
 against every text_2, or text_1[i] against text_2[i]. A pair's score from an embedding
 model (a bi-encoder, as vLLM scores with one) is the cosine similarity of the two texts'
-vectors: their dot product, the vectors being L2-normalized."""
+vectors: their dot product, the vectors being L2-normalized. From a cross-encoder (a
+sequence classifier of one label) it is the classifier's output on the pair encoded
+together, as its tokenizer encodes a text pair (`pair_token_ids`)."""
 
 from __future__ import annotations
 
@@ -44,3 +46,13 @@ def _index(distinct: dict, text) -> int:
 
 def _text(key):
     return key if isinstance(key, str) else list(key[1])
+
+
+def pair_token_ids(hf_tokenizer, text_1, text_2) -> list[int]:
+    """A cross-encoder's input: the pair as the tokenizer encodes a text pair (its template's
+    special tokens around and between them), or token ids as given, one after the other."""
+    if isinstance(text_1, str) and isinstance(text_2, str):
+        return list(hf_tokenizer(text_1, text_2)["input_ids"])
+    if isinstance(text_1, str) or isinstance(text_2, str):
+        raise ValueError("text_1 and text_2 must both be texts or both token ids to be scored together")
+    return [*text_1, *text_2]

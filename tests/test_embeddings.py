@@ -323,9 +323,59 @@ def test_llmbus_serve_of_a_classifier_answers_classify_and_refuses_the_rest(tmp_
             client.embeddings.create(model="tiny", input="hello")
         with pytest.raises(openai.BadRequestError, match="no LM head"):
             client.completions.create(model="tiny", prompt="hello", max_tokens=2)
+        scored = httpx.post(url + "/score", json={"model": "tiny", "text_1": "a", "text_2": "b"}, timeout=30)
+        assert scored.status_code == 400 and "not a cross-encoder" in scored.json()["error"]["message"]
     finally:
         proc.terminate()
         proc.wait(60)
     root = str(served.base_url).removesuffix("/").removesuffix("/v1")
     refused = httpx.post(root + "/classify", json={"model": "tiny", "input": "hello"}, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def cross_encoder(tmp_path):
+    return build_tiny_model(tmp_path / "ce", "qwen3_classifier", seed=3, num_labels=1, id2label={0: "LABEL_0"},
+                            label2id={"LABEL_0": 0})
+
+
+QUERY, DOCUMENTS = "what keeps the cache in blocks", ["Paged attention keeps the KV cache in blocks.", "a fox", "café"]
+
+
+def hf_cross_scores(folder, query, documents) -> list[float]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [model(**tokenizer(query, d, return_tensors="pt")).logits[0, 0].sigmoid().item() for d in documents]
+
+
+def test_a_cross_encoder_scores_each_pair_encoded_together_as_transformers(tmp_path):
+    """A classifier of one label (a reranker) scores a pair as vLLM's score task does: the
+    pair through it as its tokenizer encodes a text pair, sigmoid; one of more labels does
+    not score pairs."""
+    folder = cross_encoder(tmp_path)
+    got = LLM(str(folder)).score(QUERY, DOCUMENTS)
+    assert [o.outputs.score for o in got] == pytest.approx(hf_cross_scores(folder, QUERY, DOCUMENTS), abs=1e-5)
+    three = build_tiny_model(tmp_path / "three", "qwen3_classifier", seed=3)
+    with pytest.raises(ValueError, match="3 labels does not score pairs"):
+        LLM(str(three)).score(QUERY, DOCUMENTS)
+
+
+def test_llmbus_serve_of_a_cross_encoder_scores_and_reranks(tmp_path):
+    folder = cross_encoder(tmp_path)
+    want = hf_cross_scores(folder, QUERY, DOCUMENTS)
+    proc, url = llmbus_serve(["--model", str(folder), "--served-model-name", "tiny", "--num-kv-blocks", "64"],
+                             tmp_path / "serve.log")
+    try:
+        scores = httpx.post(url + "/score", json={"model": "tiny", "text_1": QUERY, "text_2": DOCUMENTS},
+                            timeout=60).json()["data"]
+        assert [d["score"] for d in scores] == pytest.approx(want, abs=1e-5)
+        ranked = httpx.post(url + "/v1/rerank", json={"model": "tiny", "query": QUERY, "documents": DOCUMENTS,
+                                                      "top_n": 2}, timeout=60).json()["results"]
+        order = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [r["index"] for r in ranked] == order
+        assert [r["relevance_score"] for r in ranked] == pytest.approx([want[i] for i in order], abs=1e-5)
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -1,7 +1,8 @@
 """vLLM's /score (and /v1/score) and /rerank (/v1/rerank, /v2/rerank, Jina's and Cohere's
-shape) over an embedding model: each distinct text embedded once, as /v1/embeddings embeds
-it, each pair scored by cosine similarity (shared/scoring.py); rerank's documents sorted
-by their score against the query, the first top_n kept."""
+shape): over an embedding model each distinct text embedded once, as /v1/embeddings embeds
+it, each pair scored by cosine similarity; over a cross-encoder (a classifier of one
+label) each pair through it, encoded together (shared/scoring.py); rerank's documents
+sorted by their score against the query, the first top_n kept."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fastapi import Request
 
 from services.gateway.embeddings import MAX_INPUTS, answered, embed
 from services.gateway.errors import BadRequest
-from shared.scoring import cosine, score_pairs
+from shared.scoring import cosine, pair_token_ids, score_pairs
 
 if TYPE_CHECKING:
     from services.gateway.serving import OpenAIServing
@@ -49,11 +50,22 @@ async def rerank(serving: OpenAIServing, request: Request) -> dict:
 
 
 async def _scores(serving: OpenAIServing, text_1, text_2, body, ctx, kind: str) -> tuple[list[float], int]:
+    classifier = serving.config.classifier
+    if classifier is not None and not classifier.cross_encoder:
+        raise BadRequest(f"this model is a classifier of {len(classifier.labels)} labels, not a cross-encoder "
+                         "(one label): /classify gives its classes", "model")
     try:
         texts, pairs = score_pairs(text_1, text_2, MAX_INPUTS)
+        if classifier is not None:  # a cross-encoder: each pair through it, encoded together
+            # (the gateway's tokenizer: a text pair is not a request the tokenizer replicas take)
+            together = [pair_token_ids(serving.tokenizer.hf, texts[a], texts[b]) for a, b in pairs]
     except ValueError as exc:
         message = str(exc)
         raise BadRequest(message, message.split()[0]) from exc
+    if classifier is not None:
+        logits, num_tokens = await embed(serving, together, body.model, body.truncate_prompt_tokens, ctx, "text_2",
+                                         kind, classify=True)
+        return [classifier.probabilities(row)[0] for row in logits], num_tokens
     vectors, num_tokens = await embed(serving, texts, body.model, body.truncate_prompt_tokens, ctx, "text_2", kind)
     return [cosine(vectors[a], vectors[b]) for a, b in pairs], num_tokens
 
