@@ -538,6 +538,9 @@ def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
     assert [c.message.content for c in chat.choices] == [
         offline.tokenizer.decode([t for t in b.tokens[len(prompt):] if t != offline.eos_token_id])
         for b in beams[0].sequences]
+    with pytest.raises(openai.BadRequestError, match="n=11 asks each step for 22") as info:  # (--max-logprobs 20)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=11, extra_body={"use_beam_search": True})
+    assert info.value.body["param"] == "n"
     for extra, param in (({"use_beam_search": True, "top_p": 0.5}, "top_p"),
                          ({"use_beam_search": True, "stream": True}, "stream"),
                          ({"length_penalty": 2.0}, "length_penalty")):

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from services.gateway import responses as r
 from services.gateway.answer import _json, end_span, request_log
-from services.gateway.errors import raise_for_engine_error, status_of
+from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.request_ids import client_request_id
@@ -53,6 +53,22 @@ class BeamSearchAnswer:
         end_span(self.span, 200)
         return Response(_json.encode(body), media_type="application/json")
 
+    async def _step(self, batch: list[list[int]], step: int, step_params, eos, usage):
+        """One step's engine requests, a beam each; --max-logprobs refusing the candidates n
+        beams ask for is said in the request's terms."""
+        try:
+            async for deltas in generate(self.s.client, self.s.tokenizer.backend, f"{self.request_id}-{step}", batch,
+                                         step_params, eos, usage, self.s.config.idle_timeout_s,
+                                         trace_headers=inject(self.ctx), incremental=False,
+                                         priority=self.body.priority, lora_request=self.s.lora_of(self.body.model),
+                                         cache_salt=self.body.cache_salt):
+                yield deltas
+        except BadRequest as exc:
+            if "max allowed" not in str(exc):
+                raise
+            raise BadRequest(f"use_beam_search with n={self.params.beam_width} asks each step for "
+                             f"{2 * self.params.beam_width} candidates' logprobs: {exc}", "n") from exc
+
     async def _search(self) -> r.Response:
         info = await self.s.client.scheduler_info()
         eos = self.s.tokenizer.eos_token_id
@@ -63,11 +79,7 @@ class BeamSearchAnswer:
             batch = [ids for search in live for ids in search.pending()]
             found = [None] * len(batch)
             usage = Usage()
-            async for deltas in generate(self.s.client, self.s.tokenizer.backend, f"{self.request_id}-{step}", batch,
-                                         step_params, eos, usage, self.s.config.idle_timeout_s,
-                                         trace_headers=inject(self.ctx), incremental=False,
-                                         priority=self.body.priority, lora_request=self.s.lora_of(self.body.model),
-                                         cache_salt=self.body.cache_salt):
+            async for deltas in self._step(batch, step, step_params, eos, usage):
                 for d in deltas:
                     raise_for_engine_error(d)
                     if d.logprobs:
