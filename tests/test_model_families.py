@@ -36,7 +36,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
-            "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
+            "hunyuan", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -106,7 +106,11 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4"))
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "hunyuan"))
+    # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
+    assert config.qk_norm_after_rope == (name == "hunyuan")
+    if name == "hunyuan":
+        assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
     assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1)}.get(name, ())

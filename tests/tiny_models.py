@@ -268,6 +268,16 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
+    elif arch == "hunyuan":  # q/k norms after rotary (made to count), an NTK alpha on the base
+        from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
+
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}
+        model = HunYuanDenseV1ForCausalLM(HunYuanDenseV1Config(**{"head_dim": 16, "rope_parameters": rope, **common,
+                                                                    **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "layernorm" in name and "self_attn" in name:
+                    param.normal_(1.0, 0.3)
     elif arch == "seed_oss":  # q/k/v biases (o_proj's and the MLP's where overrides ask), made to count
         from transformers import SeedOssConfig, SeedOssForCausalLM
 

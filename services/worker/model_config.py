@@ -60,6 +60,9 @@ SUPPORTED_ARCHITECTURES = {
     "Exaone4ForCausalLM": "llama",
     # Seed-OSS: a Llama with q/k/v biases by default, o_proj's apart (attention_out_bias)
     "SeedOssForCausalLM": "llama",
+    # Hunyuan dense (Hunyuan-0.5B to 7B): a Llama whose per-head query/key norms come after
+    # rotary, not before (Qwen3's order); its rotary base raised by an NTK alpha
+    "HunYuanDenseV1ForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -83,7 +86,8 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaon
 # fourth layer): read through that class, as transformers reads them.
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
-                          "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss"}
+                          "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
+                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -153,6 +157,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head (q_norm, k_norm)
     # OLMo 2: the query and key norms span all heads of a token at once, not each head
     qk_norm_over_heads: bool = False
+    # Hunyuan: the query and key norms after rotary, not before it
+    qk_norm_after_rope: bool = False
     # False (OLMo 2): no norm before attention and the MLP, only the output norms of
     # sandwich_norms (post_attention_layernorm, post_feedforward_layernorm)
     pre_norms: bool = True
@@ -236,13 +242,18 @@ class ModelConfig:
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+        if arch == "HunYuanDenseV1ForCausalLM" and rope_type == "dynamic" and rope.get("alpha"):
+            # Hunyuan's NTK alpha: a fixed, larger base (transformers' ntk_alpha), whatever the length
+            theta = theta * rope.pop("alpha") ** (head_dim / (head_dim - 2))
+            rope = {"rope_type": "default"}
+            rope_type = "default"
         if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn or longrope")
         rope["rope_type"] = rope_type
         # Qwen-VL's MRoPE: on text, the ordinary rotary (TEXT_MODELS_OF), its sections unread
         for key in ("type", "mrope_section", "mrope_interleaved"):
             rope.pop(key, None)
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
@@ -292,7 +303,9 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED,
+                             "HunYuanDenseV1ForCausalLM"),
+            qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             qk_norm_over_heads=arch in OLMOS,
             pre_norms=arch not in POST_NORMED,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,

@@ -53,6 +53,8 @@ class FusedDecode:
             return None  # exact GELU: the C layer's gates are SiLU and GELU's tanh form
         if config.moe_layers:
             return None  # the C layer has no experts: the module path for these
+        if config.qk_norm_after_rope:
+            return None  # the C layer norms queries and keys before rotary (Qwen3's order)
         # (A partial rotary turns each head's leading rotary_dim; longrope's long rows are
         # picked by the positions themselves, offset in the step's inputs: both as on the
         # module path.)

@@ -91,7 +91,8 @@ class Attention(nn.Module):
         # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
         # keys and writes keys and values into the cache (kernels/elementwise.py), then the
         # backend attends over the cache. A partial rotary rotates in PyTorch.
-        self.rotary_writes_cache = triton and rotary.head_dim == self.head_dim
+        self.qk_norm_after_rope = config.qk_norm_after_rope  # (then the rotary cannot write the cache)
+        self.rotary_writes_cache = triton and rotary.head_dim == self.head_dim and not self.qk_norm_after_rope
         self.qk_norm_over_heads = config.qk_norm_over_heads
         if config.qk_norm:  # Qwen3: over each head's head_dim (OLMo 2: over all of them), a weight for q and for k
             over = (self.num_heads, self.num_kv_heads) if config.qk_norm_over_heads else (1, 1)
@@ -115,22 +116,29 @@ class Attention(nn.Module):
             qk = torch.cat((self.q_norm(qkv[:, : self.q_size].contiguous()),
                             self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].contiguous())),
                            dim=1).unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
-        elif self.q_norm is not None:
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            # Norms as contiguous rows of head_dim (what their kernels take: with one KV head
-            # the key's reshape is a strided view), then side by side again for rotary.
-            q, k = (x.reshape(-1, self.head_dim).contiguous() for x in (q, k))
-            qk = torch.cat((self.q_norm(q).view(num_tokens, self.num_heads, self.head_dim),
-                            self.k_norm(k).view(num_tokens, self.num_kv_heads, self.head_dim)), dim=1)
+        elif self.q_norm is not None and not self.qk_norm_after_rope:
+            qk = self._head_norms(qk, num_tokens)
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.rotary_writes_cache:
             q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
                                                 kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads)
             out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale, self.window, self.softcap)
         else:
-            q, k = self.rotary(positions, qk).split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = self.rotary(positions, qk)
+            if self.qk_norm_after_rope:
+                qk = self._head_norms(qk, num_tokens)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap)
         return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
+
+    def _head_norms(self, qk: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Each query and key head normed over its head_dim (Qwen3's, Hunyuan's)."""
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        # Norms as contiguous rows of head_dim (what their kernels take: with one KV head
+        # the key's reshape is a strided view), then side by side again.
+        q, k = (x.reshape(-1, self.head_dim).contiguous() for x in (q, k))
+        return torch.cat((self.q_norm(q).view(num_tokens, self.num_heads, self.head_dim),
+                          self.k_norm(k).view(num_tokens, self.num_kv_heads, self.head_dim)), dim=1)
 
 
 # The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
@@ -319,6 +327,8 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
+            if self.config.architecture == "HunYuanDenseV1ForCausalLM":  # its names for the q/k norms
+                name = name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm.")
             if self.config.architecture == "Glm4ForCausalLM":
                 theirs = next((n for n in GLM4_NORMS if n in name), None)  # (one rename each: they overlap)
                 name = name if theirs is None else name.replace(theirs, GLM4_NORMS[theirs])
