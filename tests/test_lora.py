@@ -60,16 +60,23 @@ def spy_steps(monkeypatch) -> list[list]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma", "glm4"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma", "glm4", "arcee"])
 def test_each_family_under_two_adapters_and_none_in_one_batch_equals_peft(arch, tmp_path):
     base = build_tiny_model(tmp_path / "base", arch=arch, seed=4)
     # (Phi-3's adapters name its fused modules; GLM's its fused gate_up_proj, its q/k/v apart,
-    # their rows reordered as the base weights' for its interleaved rotary)
+    # their rows reordered as the base weights' for its interleaved rotary; Arcee's MLP has no
+    # gate, and only its down_proj is adapted)
     targets = {"phi3": LORA_TARGETS_FUSED, "glm4": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj",
-                                                     "down_proj"]}.get(arch)
+                                                     "down_proj"],
+               "arcee": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]}.get(arch)
     a1 = build_lora_adapter(base, tmp_path / "a1", seed=1, target_modules=targets)
     a2 = build_lora_adapter(base, tmp_path / "a2", seed=2, r=4, lora_alpha=8,
-                            target_modules=["qkv_proj"] if arch == "phi3" else ["k_proj", "up_proj"])
+                            target_modules={"phi3": ["qkv_proj"], "arcee": ["k_proj", "down_proj"]}.get(
+                                arch, ["k_proj", "up_proj"]))
+    if arch == "arcee":  # an adapter of its ungated up_proj is refused by name
+        up = build_lora_adapter(base, tmp_path / "up", seed=3, target_modules=["up_proj"])
+        with pytest.raises(ValueError, match="MLP without a gate"):
+            LLM(str(base), enable_lora=True).generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("up", 9, str(up)))
     llm = LLM(str(base), max_model_len=256, enable_lora=True, max_loras=2)
     r1, r2 = LoRARequest("a1", 1, str(a1)), LoRARequest("a2", 2, str(a2))
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 3, GREEDY, lora_request=[r1] * 3 + [r2] * 3

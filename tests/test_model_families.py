@@ -36,7 +36,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
-            "hunyuan", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
+            "hunyuan", "arcee", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -124,7 +124,9 @@ def test_what_each_family_reads_from_its_config(family):
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
         "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
-        "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True)}.get(name, ("silu", 0.0, False))
+        "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
+        "arcee": ("relu2", 0.0, False)}.get(name, ("silu", 0.0, False))
+    assert config.gated_mlp == (name != "arcee")  # (Arcee's MLP: down(relu(up x) ** 2))
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),

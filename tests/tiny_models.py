@@ -268,6 +268,10 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
+    elif arch == "arcee":  # an MLP without a gate: down(relu(up x) ** 2)
+        from transformers import ArceeConfig, ArceeForCausalLM
+
+        model = ArceeForCausalLM(ArceeConfig(**{**common, **overrides}))
     elif arch == "hunyuan":  # q/k norms after rotary (made to count), an NTK alpha on the base
         from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
 

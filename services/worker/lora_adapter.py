@@ -81,6 +81,9 @@ class LoRAAdapter:
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} alone")
             fused, shard = TARGETS[module]
+            if fused == "gate_up_proj" and not config.gated_mlp:
+                raise ValueError(f"LoRA adapter {name!r} adapts {module} of an MLP without a gate (Arcee's): "
+                                 "llmbus adapts its attention and down_proj only")
             in_size, starts, sizes = module_shape(config, layer, fused)
             a, b = ab["A"], ab["B"]
             start, size = (0, sum(sizes)) if shard is None else (starts[shard], sizes[shard])

@@ -38,8 +38,10 @@ class LoRAManager:
         self.stacks: dict[tuple[int, str], LoRAStack] = {}
         for index, layer in enumerate(model.model.layers):
             owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
-            if isinstance(layer.mlp, MLP):  # (sparse MLPs take no adapters)
-                owners.update(gate_up_proj=layer.mlp, down_proj=layer.mlp)
+            if isinstance(layer.mlp, MLP):  # (sparse MLPs take no adapters; an ungated one's up rows neither)
+                if layer.mlp.gated:
+                    owners["gate_up_proj"] = layer.mlp
+                owners["down_proj"] = layer.mlp
             for fused, owner in owners.items():
                 in_size, _, sizes = module_shape(model.config, index, fused)
                 stack = LoRAStack(self.mapping, config.max_loras, in_size, sum(sizes), rank * NUM_SHARDS[fused],

@@ -63,6 +63,8 @@ SUPPORTED_ARCHITECTURES = {
     # Hunyuan dense (Hunyuan-0.5B to 7B): a Llama whose per-head query/key norms come after
     # rotary, not before (Qwen3's order); its rotary base raised by an NTK alpha
     "HunYuanDenseV1ForCausalLM": "llama",
+    # Arcee (AFM-4.5B): a Llama whose MLP has no gate: down(relu(up x) ** 2)
+    "ArceeForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -87,7 +89,7 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaon
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense"}
+                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -112,8 +114,9 @@ TEXT_MODELS_OF = {
 # What a text config's class leaves out that its model does: Qwen3-VL-MoE's router always
 # renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
 TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
-# transformers' names for the MLP's gate activation
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+# transformers' names for the MLP's gate activation; relu2 (ReLU squared) for an MLP without a gate
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
+UNGATED = ("ArceeForCausalLM",)
 
 
 @dataclass(slots=True)
@@ -133,6 +136,7 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2 always; Llama with attention_bias
     o_bias: bool  # Llama with attention_bias only
     mlp_bias: bool = False  # Llama's mlp_bias, ERNIE's use_bias: gate/up and down biased
+    gated_mlp: bool = True  # False (Arcee): the MLP is down(act(up x)), its gate_up_proj the up rows alone
     rope_scaling: dict = field(default_factory=dict)  # {"rope_type": ..., ...}; empty = default
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -233,8 +237,9 @@ class ModelConfig:
             # Gemma's first releases say "gelu" and mean the tanh approximation (transformers
             # and vLLM read it so)
             hidden_act = "gelu_pytorch_tanh"
-        if hidden_act not in HIDDEN_ACTS:
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}: {', '.join(HIDDEN_ACTS)}")
+        if hidden_act not in HIDDEN_ACTS or (hidden_act == "relu2") != (arch in UNGATED):
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch}: {', '.join(HIDDEN_ACTS)} "
+                             "(relu2 for an MLP without a gate)")
         heads = raw["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
         # beside an optional `rope_scaling`.
@@ -297,6 +302,7 @@ class ModelConfig:
                     arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", *GLMS)
                     and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
+            gated_mlp=arch not in UNGATED,
             rope_scaling=rope,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos,

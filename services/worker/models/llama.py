@@ -143,26 +143,30 @@ class Attention(nn.Module):
 
 # The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
 # ACT2FN names them, where the kernels do not take it (off the CPU, or GELU's exact form).
-GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+             "relu2": lambda x: F.relu(x).square()}  # (relu2: of an MLP without a gate, Arcee's)
 
 
 class MLP(nn.Module):
     """The dense gated MLP (SwiGLU, or GeGLU by `hidden_act`), and each expert of a sparse one."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, triton: bool = False, hidden_act: str = "silu",
-                 bias: bool = False):
+                 bias: bool = False, gated: bool = True):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
+        self.gated = gated  # False (Arcee): gate_up_proj holds the up rows alone, down(act(up x))
         self.triton = triton and hidden_act == "silu"  # SiLU-and-mul in one Triton kernel (kernels/elementwise.py)
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden_size, (2 if gated else 1) * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.shard_sizes = (intermediate_size, intermediate_size)
+        self.shard_sizes = (intermediate_size, intermediate_size) if gated else (intermediate_size,)
         self.gate_up_lora: LoRAStack | None = None  # as Attention's
         self.down_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = adapted(self.gate_up_proj, self.gate_up_lora, x)
+        if not self.gated:
+            return adapted(self.down_proj, self.down_lora, GATE_ACTS[self.hidden_act](gate_up))
         if self.triton and gate_up.is_contiguous():
             act = triton_kernels.silu_mul(gate_up)
         elif (self.hidden_act in cpu_kernels.ACTIVATIONS and cpu_kernels.supports(gate_up)
@@ -201,7 +205,8 @@ class DecoderLayer(nn.Module):
                                  topk_softmax=config.moe_topk_softmax,
                                  shared_intermediate_size=config.shared_expert_intermediate_size)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
+                           config.gated_mlp)
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
@@ -348,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for part, (fused, shard) in PACKED_WEIGHTS.items():
                 if f".{part}." in name:
+                    if part == "up_proj" and not self.config.gated_mlp:
+                        shard = 0  # (the up rows are all an ungated MLP's gate_up_proj holds)
                     target = name.replace(part, fused)
                     if target not in params:  # (a bias the config does not announce, a layer too many)
                         raise ValueError(f"checkpoint has unexpected weight {name!r}")
@@ -380,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
             leaf = name.rsplit(".", 2)
             module_name = leaf[-2] if len(leaf) > 1 else ""
             if module_name in ("qkv_proj", "gate_up_proj"):
-                num_shards = 3 if module_name == "qkv_proj" else 2
+                num_shards = 3 if module_name == "qkv_proj" else 2 if self.config.gated_mlp else 1
                 missing += [f"{name}#{s}" for s in range(num_shards) if f"{name}#{s}" not in loaded]
             elif name not in loaded:
                 missing.append(name)
