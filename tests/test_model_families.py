@@ -36,7 +36,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
-            "hunyuan", "arcee", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
+            "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -106,7 +106,8 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "hunyuan"))
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "hunyuan",
+                                       "apertus"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name == "hunyuan")
     if name == "hunyuan":
@@ -125,8 +126,8 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
         "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
         "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
-        "arcee": ("relu2", 0.0, False)}.get(name, ("silu", 0.0, False))
-    assert config.gated_mlp == (name != "arcee")  # (Arcee's MLP: down(relu(up x) ** 2))
+        "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False)}.get(name, ("silu", 0.0, False))
+    assert config.gated_mlp == (name not in ("arcee", "apertus"))  # (Arcee's MLP: down(relu(up x) ** 2))
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),

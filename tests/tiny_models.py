@@ -272,6 +272,16 @@ def build_tiny_model(
         from transformers import ArceeConfig, ArceeForCausalLM
 
         model = ArceeForCausalLM(ArceeConfig(**{**common, **overrides}))
+    elif arch == "apertus":  # xIELU's scalars and the q/k norms moved off their starts
+        from transformers import ApertusConfig, ApertusForCausalLM
+
+        model = ApertusForCausalLM(ApertusConfig(**{**common, "dtype": "float32", "head_dim": 16,
+                                                    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                                    **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "alpha" in name or "_norm.weight" in name:
+                    param.add_(torch.randn_like(param) * 0.3)
     elif arch == "hunyuan":  # q/k norms after rotary (made to count), an NTK alpha on the base
         from transformers import HunYuanDenseV1Config, HunYuanDenseV1ForCausalLM
 

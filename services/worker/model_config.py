@@ -65,6 +65,9 @@ SUPPORTED_ARCHITECTURES = {
     "HunYuanDenseV1ForCausalLM": "llama",
     # Arcee (AFM-4.5B): a Llama whose MLP has no gate: down(relu(up x) ** 2)
     "ArceeForCausalLM": "llama",
+    # Apertus (Apertus-8B, 70B): Arcee's ungated MLP with the xIELU activation (two learned
+    # scalars a layer), Qwen3's query/key norms, the two norms under names of their own
+    "ApertusForCausalLM": "llama",
 }
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
@@ -89,7 +92,8 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaon
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee"}
+                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee",
+                          "ApertusForCausalLM": "apertus"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -115,8 +119,9 @@ TEXT_MODELS_OF = {
 # renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
 TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 # transformers' names for the MLP's gate activation; relu2 (ReLU squared) for an MLP without a gate
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2")
-UNGATED = ("ArceeForCausalLM",)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "xielu")
+UNGATED = ("ArceeForCausalLM", "ApertusForCausalLM")
+UNGATED_ACTS = ("relu2", "xielu")
 
 
 @dataclass(slots=True)
@@ -237,9 +242,9 @@ class ModelConfig:
             # Gemma's first releases say "gelu" and mean the tanh approximation (transformers
             # and vLLM read it so)
             hidden_act = "gelu_pytorch_tanh"
-        if hidden_act not in HIDDEN_ACTS or (hidden_act == "relu2") != (arch in UNGATED):
+        if hidden_act not in HIDDEN_ACTS or (hidden_act in UNGATED_ACTS) != (arch in UNGATED):
             raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch}: {', '.join(HIDDEN_ACTS)} "
-                             "(relu2 for an MLP without a gate)")
+                             f"({' and '.join(UNGATED_ACTS)} for an MLP without a gate)")
         heads = raw["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
         # beside an optional `rope_scaling`.
@@ -310,7 +315,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED,
-                             "HunYuanDenseV1ForCausalLM"),
+                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             qk_norm_over_heads=arch in OLMOS,
             pre_norms=arch not in POST_NORMED,

@@ -147,6 +147,23 @@ GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximat
              "relu2": lambda x: F.relu(x).square()}  # (relu2: of an MLP without a gate, Arcee's)
 
 
+class XIELU(nn.Module):
+    """Apertus' xIELU activation (transformers' Python form): per layer, learned `alpha_p`
+    and `alpha_n` (through softplus) and fixed `beta` and `eps`, all four read from the
+    checkpoint as transformers saves them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in ("alpha_p", "alpha_n", "beta", "eps"):
+            setattr(self, name, nn.Parameter(torch.zeros(1 if name.startswith("alpha") else ()), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        return torch.where(x > 0, alpha_p * x * x + self.beta * x,
+                           (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + self.beta * x)
+
+
 class MLP(nn.Module):
     """The dense gated MLP (SwiGLU, or GeGLU by `hidden_act`), and each expert of a sparse one."""
 
@@ -160,13 +177,14 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, (2 if gated else 1) * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.shard_sizes = (intermediate_size, intermediate_size) if gated else (intermediate_size,)
+        self.act_fn = XIELU() if hidden_act == "xielu" else GATE_ACTS[hidden_act]  # (a module: its parameters load)
         self.gate_up_lora: LoRAStack | None = None  # as Attention's
         self.down_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, hidden_size]
         gate_up = adapted(self.gate_up_proj, self.gate_up_lora, x)
         if not self.gated:
-            return adapted(self.down_proj, self.down_lora, GATE_ACTS[self.hidden_act](gate_up))
+            return adapted(self.down_proj, self.down_lora, self.act_fn(gate_up))
         if self.triton and gate_up.is_contiguous():
             act = triton_kernels.silu_mul(gate_up)
         elif (self.hidden_act in cpu_kernels.ACTIVATIONS and cpu_kernels.supports(gate_up)
@@ -332,6 +350,9 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
+            if self.config.architecture == "ApertusForCausalLM":  # its names for the two norms
+                name = name.replace(".attention_layernorm.", ".input_layernorm.").replace(
+                    ".feedforward_layernorm.", ".post_attention_layernorm.")
             if self.config.architecture == "HunYuanDenseV1ForCausalLM":  # its names for the q/k norms
                 name = name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm.")
             if self.config.architecture == "Glm4ForCausalLM":
