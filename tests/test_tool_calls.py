@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from services.gateway.tool_parsers import (
     HermesToolParser,
+    GraniteToolParser,
     Llama3JsonToolParser,
     MistralToolParser,
     NamedToolParser,
@@ -117,8 +118,8 @@ def test_llama_calls_read_the_same_however_the_text_is_split(name, tags_kept, cu
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.sampled_from([Llama3JsonToolParser, PythonicToolParser, MistralToolParser]),
-       st.text(alphabet="[]{}()\"'abc =,;\n<|>_TOOLCASRG:", max_size=40), st.lists(st.integers(0, 100), max_size=6))
+@given(st.sampled_from([Llama3JsonToolParser, PythonicToolParser, MistralToolParser, GraniteToolParser]),
+       st.text(alphabet="[]{}()\"'abc =,;\n<|>_TOOLCASRG:tol", max_size=40), st.lists(st.integers(0, 100), max_size=6))
 def test_an_answer_that_does_not_read_as_calls_is_content_exactly(parser_class, text, cuts):
     """Streamed as whole, and all content where it holds no call (mistral's tags included)."""
     whole_content, whole_calls = parse_whole(parser_class(), text)
@@ -147,9 +148,12 @@ MISTRAL_TEXTS = ['Sure.\n[TOOL_CALLS][{"name": "get_weather", "arguments": {"cit
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(MISTRAL_TEXTS), st.lists(st.integers(0, 10_000), max_size=12))
-def test_mistral_calls_read_the_same_however_the_text_is_split(text, cuts):
-    content, calls, announced = streamed(MistralToolParser(), splits(text, cuts))
+@given(st.sampled_from([*((MistralToolParser, t) for t in MISTRAL_TEXTS),
+                        (GraniteToolParser, MISTRAL_TEXTS[0].replace("[TOOL_CALLS]", "<|tool_call|>"))]),
+       st.lists(st.integers(0, 10_000), max_size=12))
+def test_mistral_and_granite_calls_read_the_same_however_the_text_is_split(parser_and_text, cuts):
+    parser_class, text = parser_and_text
+    content, calls, announced = streamed(parser_class(), splits(text, cuts))
     assert content == "Sure." and announced == [0, 1] and calls == WANT
 
 
@@ -292,6 +296,8 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                   "pythonic": ('[get_weather(city="Paris", days=2), get_time()]', None),
                   "mistral": ('Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", '
                               '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look."),
+                  "granite": ('Let me look.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+                              '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look."),
                   "qwen3_coder": ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                                   "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n"
                                   "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Let me look.")}
@@ -329,7 +335,7 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser
     # The tools reached the prompt; auto is not constrained; mistral's tag is a special
     # token, which its requests keep in their text.
     assert engine.submitted[0].sampling_params.structured_outputs is None
-    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser != "mistral")
+    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser not in ("mistral", "granite"))
     assert "get_weather" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
 
 

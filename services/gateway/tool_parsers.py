@@ -14,7 +14,8 @@ whole text at once and assembles the same deltas, so both answers agree by const
 - `NamedToolParser` (a named function): a grammar made the whole text its arguments.
 - `Llama3JsonToolParser` (`llama3_json`) and `PythonicToolParser` (`pythonic`), for
   `auto` with Llama's own formats: the answer is text, or calls from its first character.
-- `MistralToolParser` (`mistral`): content, then the calls after `[TOOL_CALLS]`.
+- `MistralToolParser` (`mistral`): content, then the calls after `[TOOL_CALLS]`;
+  `GraniteToolParser` (`granite`) the same after Granite 3's `<|tool_call|>`.
 - `Qwen3CoderToolParser` (`qwen3_coder`): hermes' blocks around Qwen3-Coder's XML-like
   calls, their values typed by the tools' schemas.
 """
@@ -487,6 +488,7 @@ class MistralToolParser:
     (the newer tokenizers': Small 3.2, Magistral). Each call is announced once whole."""
 
     keeps_special_tokens = True
+    tag = TOOL_CALLS  # what opens the calls
 
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls
@@ -505,14 +507,14 @@ class MistralToolParser:
         if self.in_calls and not self.num_calls:
             self.raw += text
         if not self.in_calls:
-            at = self.buffer.find(TOOL_CALLS)
+            at = self.buffer.find(self.tag)
             if at < 0:  # (held back: what may begin the tag, and the space before it)
-                sent = self.buffer[:len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALLS)].rstrip()
+                sent = self.buffer[:len(self.buffer) - _partial_suffix(self.buffer, self.tag)].rstrip()
                 out.content, self.buffer = sent, self.buffer[len(sent):]
                 return out
             before = self.buffer[:at]
             out.content, self.raw = before.rstrip(), before[len(before.rstrip()):] + self.buffer[at:]
-            self.buffer, self.in_calls = self.buffer[at + len(TOOL_CALLS):], True
+            self.buffer, self.in_calls = self.buffer[at + len(self.tag):], True
         self._calls(out, final=False)
         return out
 
@@ -543,12 +545,11 @@ class MistralToolParser:
                 out.content += self.raw
             self.buffer = ""
 
-    @staticmethod
-    def _next(text: str) -> tuple[list, str] | None:
+    def _next(self, text: str) -> tuple[list, str] | None:
         """(the calls at the start of `text`, None for one that is not a call; the text
         after them), or None until they are whole."""
-        if text.startswith(TOOL_CALLS):  # (the newer format tags each call)
-            text = text[len(TOOL_CALLS):].lstrip()
+        if text.startswith(self.tag):  # (the newer format tags each call)
+            text = text[len(self.tag):].lstrip()
         if text.startswith("["):  # a JSON array of calls
             if (read := _leading_json(text)) is None:
                 return None
@@ -579,7 +580,14 @@ def _leading_json(text: str) -> tuple[object, int] | None:
         return _NOT_JSON, end
 
 
+class GraniteToolParser(MistralToolParser):
+    """vLLM's `granite`: Granite 3's `<|tool_call|>` (a special token) and a JSON array of
+    `{"name", "arguments"}` calls, content before it, read as mistral's first format."""
+
+    tag = "<|tool_call|>"
+
+
 # `--tool-call-parser`: how `tool_choice: auto` reads what the model wrote (vLLM's names).
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                                       "pythonic": PythonicToolParser, "mistral": MistralToolParser,
-                                      "qwen3_coder": Qwen3CoderToolParser}
+                                      "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser}
