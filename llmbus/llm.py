@@ -29,7 +29,7 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
-from shared.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from shared.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.classification import classifier_of
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
@@ -278,12 +278,11 @@ class LLM:
             searches.append(BeamSearch(token_ids, params, self.eos_token_id, self.runner.max_model_len))
         step = params.step_params()
         with tqdm(total=params.max_tokens, disable=not use_tqdm, desc="beam search", unit="token") as bar:
-            while live := [search for search in searches if not search.done]:
-                batch = [TokensPrompt(prompt_token_ids=ids) for search in live for ids in search.pending()]
-                results = iter(self.generate(batch, step, lora_request=lora_request))
-                for search in live:
-                    outputs = [next(results).outputs[0] for _ in search.live]
-                    search.advance([out.logprobs[0] if out.logprobs else None for out in outputs])
+            while (batch := step_batch(searches))[0]:
+                live, prompts = batch
+                results = self.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], step,
+                                        lora_request=lora_request)
+                advance_each(live, [r.outputs[0].logprobs[0] if r.outputs[0].logprobs else None for r in results])
                 bar.update(1)
         answers = []
         for search in searches:

@@ -10,7 +10,8 @@ the answer. The prefix cache makes each step's prompts, one token longer than th
 step's, cost a token each.
 
 `BeamSearch` is the bookkeeping alone; `LLM.beam_search` and the gateway's
-`use_beam_search` drive it with their own engine calls (`pending` in, `advance` out).
+`use_beam_search` drive it with their own engine calls: each step's batch from
+`step_batch`, its candidates back through `advance_each`.
 """
 
 from __future__ import annotations
@@ -116,3 +117,18 @@ class BeamSearch:
 
     def _score(self, beam: BeamSearchSequence) -> float:
         return beam_score(beam, self.eos, self.params.length_penalty)
+
+
+def step_batch(searches: list[BeamSearch]) -> tuple[list[BeamSearch], list[list[int]]]:
+    """(the searches still going, and one step's prompts: every live beam of each, in order)."""
+    live = [search for search in searches if not search.done]
+    return live, [ids for search in live for ids in search.pending()]
+
+
+def advance_each(live: list[BeamSearch], step_logprobs: list[Logprobs | None]) -> None:
+    """Each search advanced by its beams' share of one step's batch (`step_batch`'s order)."""
+    at = 0
+    for search in live:
+        share = len(search.live)  # (before advancing, which replaces its beams)
+        search.advance(step_logprobs[at:at + share])
+        at += share

@@ -531,6 +531,15 @@ def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
     assert [c.finish_reason for c in out.choices] == [b.finish_reason for b in want]
     assert out.usage.prompt_tokens == len(ids)
     assert out.usage.completion_tokens == sum(len(b.tokens) - len(ids) for b in want)
+    # A batch of prompts: each its own search, its beams its share of every step's batch
+    pair = [ids, offline.tokenizer.encode(PROMPTS[1])]
+    each = offline.beam_search([TokensPrompt(prompt_token_ids=p) for p in pair], BeamSearchParams(beam_width=2,
+                                                                                                 max_tokens=4))
+    batch = client.completions.create(model="tiny", prompt=pair, max_tokens=4, n=2,
+                                      extra_body={"use_beam_search": True})
+    assert [c.text for c in batch.choices] == [
+        offline.tokenizer.decode([t for t in b.tokens[len(p):] if t != offline.eos_token_id])
+        for p, out in zip(pair, each) for b in out.sequences]
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           n=2, extra_body={"use_beam_search": True})
     prompt = offline.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)

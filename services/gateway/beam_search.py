@@ -22,7 +22,7 @@ from services.gateway.errors import BadRequest, raise_for_engine_error, status_o
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.request_ids import client_request_id
-from shared.beam_search import BeamSearch, BeamSearchParams
+from shared.beam_search import BeamSearch, BeamSearchParams, advance_each, step_batch
 from shared.tracing import inject
 
 if TYPE_CHECKING:
@@ -75,8 +75,8 @@ class BeamSearchAnswer:
         searches = [BeamSearch(p, self.params, eos, info.max_model_len if info else None) for p in self.prompts]
         step_params, cached = self.params.step_params(), 0
         step = 0
-        while live := [search for search in searches if not search.done]:
-            batch = [ids for search in live for ids in search.pending()]
+        while (step_of := step_batch(searches))[0]:
+            live, batch = step_of
             found = [None] * len(batch)
             usage = Usage()
             async for deltas in self._step(batch, step, step_params, eos, usage):
@@ -87,10 +87,7 @@ class BeamSearchAnswer:
             if any(lp is None for lp in found):  # (never silent: a beam would vanish)
                 raise RuntimeError("a beam search step came back without its candidates' logprobs")
             cached += usage.cached_tokens
-            at = 0
-            for search in live:
-                search.advance(found[at:at + len(search.live)])
-                at += len(search.live)
+            advance_each(live, found)
             step += 1
         choices, generated = [], 0
         for search in searches:
