@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,7 +25,7 @@ from services.gateway.errors import GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest, completion_prompts
 from services.gateway.reasoning_parsers import new_parser
-from services.gateway.request_ids import client_request_id
+from services.gateway.request_ids import request_names
 from services.gateway.tool_parsers import parse_whole
 from services.gateway.tools import ToolChoice
 from shared.output_processor import ChoiceDelta
@@ -64,10 +63,8 @@ class Answer:
         self.span = span
         self.params = params
         self.model = serving.response_model(body.model)  # (an adapter's name, when one was asked for)
-        prefix = self.ID_PREFIX or ("chatcmpl-" if chat else "cmpl-")
-        self.request_id = f"{prefix}{uuid.uuid4().hex}"  # the engine's: unique whatever a client sends
-        self.client_id = client_request_id(request.headers, body.request_id)
-        self.response_id = self.request_id if self.client_id is None else f"{prefix}{self.client_id}"
+        self.request_id, self.client_id, self.response_id = request_names(
+            self.ID_PREFIX or ("chatcmpl-" if chat else "cmpl-"), request.headers, body.request_id)
         self.created = int(time.time())
         self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
         self.object = "chat.completion" if chat else "text_completion"

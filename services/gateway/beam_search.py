@@ -10,7 +10,6 @@ once and the returned beams' tokens.
 from __future__ import annotations
 
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -21,7 +20,7 @@ from services.gateway.answer import _json, end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.request_ids import client_request_id
+from services.gateway.request_ids import request_names
 from shared.beam_search import BeamSearch, BeamSearchParams, advance_each, step_batch
 from shared.tracing import inject
 
@@ -35,10 +34,8 @@ class BeamSearchAnswer:
         self.s, self.body, self.prompts, self.span, self.ctx = serving, body, prompts, span, ctx
         self.chat = isinstance(body, ChatCompletionRequest)
         self.started = time.monotonic()
-        prefix = "chatcmpl-" if self.chat else "cmpl-"
-        self.request_id = f"{prefix}{uuid.uuid4().hex}"  # the engine's; the response's as Answer names it
-        client_id = client_request_id(request.headers, body.request_id)
-        self.response_id = self.request_id if client_id is None else f"{prefix}{client_id}"
+        self.request_id, _, self.response_id = request_names("chatcmpl-" if self.chat else "cmpl-", request.headers,
+                                                             body.request_id)
         self.params = BeamSearchParams(
             beam_width=params.n, max_tokens=params.max_tokens or 1 << 30, ignore_eos=params.ignore_eos,
             temperature=params.temperature, length_penalty=body.length_penalty,

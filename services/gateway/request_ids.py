@@ -27,6 +27,14 @@ def client_request_id(headers: Headers, body_request_id: str | None) -> str | No
     return given
 
 
+def request_names(prefix: str, headers: Headers, body_request_id: str | None) -> tuple[str, str | None, str]:
+    """(the engine's request id, new and unique whatever a client sends; the client's id or
+    None; the response's id, `prefix` and the client's where it gave one)."""
+    engine_id = f"{prefix}{uuid.uuid4().hex}"
+    client_id = client_request_id(headers, body_request_id)
+    return engine_id, client_id, engine_id if client_id is None else f"{prefix}{client_id}"
+
+
 class RequestIdHeader:
     """A plain ASGI middleware (limits.py says why not Starlette's): X-Request-Id on every
     response, the request's or a new one."""

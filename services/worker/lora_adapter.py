@@ -95,7 +95,7 @@ class LoRAAdapter:
                 if shard is None:
                     raise ValueError(f"LoRA adapter {name!r}: a fused qkv_proj on a model with interleaved "
                                      "rotary (GLM's): adapt q_proj, k_proj and v_proj apart")
-                b = interleaved_as_halves(b, config.head_dim, config.rotary_dim or config.head_dim)
+                b = interleaved_as_halves(b, config.head_dim, config.rotary_dim)
             scale = scaling * (config.residual_multiplier if fused in ("o_proj", "down_proj") else 1.0)
             pieces.setdefault((layer, fused), []).append(Piece(shard or 0, start, size, a, b * scale))
         if not pieces:

@@ -384,8 +384,7 @@ class LlamaForCausalLM(nn.Module):
                     offset = sum(sizes[:shard])
                     param = params[target]
                     if self.config.rotary_interleaved and part in ("q_proj", "k_proj"):
-                        tensor = interleaved_as_halves(tensor, self.config.head_dim,
-                                                       self.config.rotary_dim or self.config.head_dim)
+                        tensor = interleaved_as_halves(tensor, self.config.head_dim, self.config.rotary_dim)
                     _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
                     loaded.add(f"{target}#{shard}")
                     break
