@@ -50,6 +50,14 @@ ALIASES = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_pr
 GLM4_NORMS = {".post_attention_layernorm.": ".pre_feedforward_layernorm.",
               ".post_self_attn_layernorm.": ".post_attention_layernorm.",
               ".post_mlp_layernorm.": ".post_feedforward_layernorm."}
+# Each family's own names for our modules, by architecture: a weight's name takes the first
+# that it holds, once (GLM-4-0414's overlap: one of its names is another's rename).
+NAMES_OF = {
+    "Glm4ForCausalLM": GLM4_NORMS,
+    "ApertusForCausalLM": {".attention_layernorm.": ".input_layernorm.",
+                           ".feedforward_layernorm.": ".post_attention_layernorm."},
+    "HunYuanDenseV1ForCausalLM": {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm."},
+}
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
 # transformers 5 saves them: read by shape, and where the shape cannot tell (in == out) as
@@ -350,14 +358,9 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
-            if self.config.architecture == "ApertusForCausalLM":  # its names for the two norms
-                name = name.replace(".attention_layernorm.", ".input_layernorm.").replace(
-                    ".feedforward_layernorm.", ".post_attention_layernorm.")
-            if self.config.architecture == "HunYuanDenseV1ForCausalLM":  # its names for the q/k norms
-                name = name.replace(".query_layernorm.", ".q_norm.").replace(".key_layernorm.", ".k_norm.")
-            if self.config.architecture == "Glm4ForCausalLM":
-                theirs = next((n for n in GLM4_NORMS if n in name), None)  # (one rename each: they overlap)
-                name = name if theirs is None else name.replace(theirs, GLM4_NORMS[theirs])
+            names = NAMES_OF.get(self.config.architecture, {})
+            theirs = next((n for n in names if n in name), None)
+            name = name if theirs is None else name.replace(theirs, names[theirs])
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves
             stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
