@@ -464,6 +464,26 @@ def test_detokenize_reads_ids_back_as_text_special_tokens_kept(bos_tokenizer):
     assert version == {"version": importlib.metadata.version("llmbus")}
 
 
+def test_the_version_of_a_checkout_never_installed_is_pyprojects(monkeypatch):
+    """A GPU lease runs the services from a checkout on PYTHONPATH, with no distribution
+    metadata: the gateway's import read it and exited at start-up there."""
+    import tomllib
+    from pathlib import Path
+
+    from llmbus.version import llmbus_version
+
+    installed = importlib.metadata.version
+
+    def version(name):
+        if name == "llmbus":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert llmbus_version() == pyproject["project"]["version"] == installed("llmbus")
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(tokenizer):
     client, _ = gateway(tokenizer)
     request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}

@@ -7,7 +7,6 @@ Routes are thin: requests go to `serving.py`, every error through the one mappin
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import logging
 import signal
 from contextlib import asynccontextmanager
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from opentelemetry import trace
 
+from llmbus.version import llmbus_version
 from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import GatewayError, NoRoute, NotFound, Unavailable, error_response
 from services.gateway.limits import Limits
@@ -31,7 +31,7 @@ from services.gateway.serving import OpenAIServing
 from services.gateway import classification, embeddings, scoring, tokenization
 from shared.config import GatewayConfig
 
-LLMBUS_VERSION = importlib.metadata.version("llmbus")
+LLMBUS_VERSION = llmbus_version()
 log = logging.getLogger("llmbus.gateway")
 
 
