@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.worker.host_values import to_device
+from services.worker.host_values import put_scalar, to_device
 from services.worker.launched_step import gather_device_tokens
 
 _MASK = float("-inf")
@@ -53,10 +53,10 @@ def apply_bad_words(logits: torch.Tensor, states: Sequence) -> None:
                 ids.append(word[-1])
     device = logits.device
     if rows:
-        logits[to_device(rows, device), to_device(ids, device)] = _MASK
+        put_scalar(logits, (to_device(rows, device), to_device(ids, device)), _MASK)
     for keys, latest in gather_device_tokens(places):
         row_ids, word_ids, expected = zip(*(checks[k] for k in keys))
-        hit = latest.to(device) == to_device(expected, device, latest.dtype)
+        hit = latest == to_device(expected, device, latest.dtype)
         # Added, not written: two words may end in the same token of one row, one hit and
         # one not, and a write of either would undo the other (-inf + 0 stays -inf).
         logits.index_put_((to_device(row_ids, device), to_device(word_ids, device)),

@@ -42,3 +42,11 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     return host.to(device, non_blocking=True)
+
+
+def put_scalar(tensor: torch.Tensor, indices: tuple[torch.Tensor, ...], value) -> None:
+    """`tensor[indices] = value` for index tensors on the tensor's device, without waiting
+    for it: PyTorch makes a Python scalar a CPU tensor and copies it over synchronously
+    when the indices are tensors (a CUDA step's EOS ban for min_tokens waited so, seen by
+    scripts/gpu_check.py's host_syncs case on an H200). A filled device scalar needs no copy."""
+    tensor.index_put_(indices, torch.full((), value, dtype=tensor.dtype, device=tensor.device))

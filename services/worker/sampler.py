@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from services.worker.bad_words import apply_bad_words, has_bad_words
-from services.worker.host_values import to_device
+from services.worker.host_values import put_scalar, to_device
 from services.worker.penalty_counts import PenaltyCounts
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 from services.worker.request_state import RequestState
@@ -190,11 +190,11 @@ class Sampler:
             logits.index_put_((to_device(bias_rows, device), to_device(bias_ids, device)),
                               to_device(bias_values, device, logits.dtype), accumulate=True)
         if ban_rows:
-            logits[to_device(ban_rows, device), to_device(ban_ids, device)] = _MASK
+            put_scalar(logits, (to_device(ban_rows, device), to_device(ban_ids, device)), _MASK)
         if allow_rows:  # those rows' other ids masked (the rows known here: no sync)
             keep = torch.ones_like(logits, dtype=torch.bool)
-            keep[to_device(sorted(set(allow_rows)), device)] = False
-            keep[to_device(allow_rows, device), to_device(allow_ids, device)] = True
+            put_scalar(keep, (to_device(sorted(set(allow_rows)), device),), False)
+            put_scalar(keep, (to_device(allow_rows, device), to_device(allow_ids, device)), True)
             logits.masked_fill_(~keep, _MASK)
         if bad_words:
             apply_bad_words(logits, states)
