@@ -26,12 +26,14 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402, F401 - Triton's interpreter with --cpu, before triton loads
 
@@ -182,20 +184,30 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
             SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, max_tokens=16, ignore_eos=True),
             SamplingParams(temperature=0, min_tokens=4, max_tokens=16),
             SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0, logit_bias={7: 3.0}, allowed_token_ids=list(range(5, 60)), max_tokens=16,
+                           ignore_eos=True),
         ]
+        prompts = prompts + prompts[:1]
         llm.generate(prompts, params, use_tqdm=False)  # Triton compiled, pinned blocks cached
         if device != "cuda":
             return {"skipped": "no CUDA: torch's sync debug mode needs it"}
-        with warnings.catch_warnings(record=True) as caught:
+        stacks = []
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message).lower():  # where in our code it was called from, innermost last
+                ours = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[:-1]
+                        if f.filename.startswith(str(ROOT)) and "gpu_check" not in f.filename]
+                stacks.append(" < ".join(reversed(ours[-4:])) + f" ({Path(filename).name}:{lineno})")
+
+        with warnings.catch_warnings():
             warnings.simplefilter("always")
+            warnings.showwarning = record
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 llm.generate(prompts, params, use_tqdm=False)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
-        where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
-        return {"identical": not syncs, "syncs": len(syncs), "where": where[:20],
+        return {"identical": not stacks, "syncs": len(stacks), "where": sorted(set(stacks))[:20],
                 "overlapped": llm.runner.overlap_steps}
 
     rows = []
@@ -247,7 +259,15 @@ def check_fp8(device: str) -> list[dict]:
             write_kv_cache(values, -values, expected, slots)  # on the CPU
             cache = torch.zeros_like(expected, device=device)
             reshape_and_cache(values.to(device), -values.to(device), cache[0], cache[1], slots.to(device))
-            write_same = torch.equal(cache.cpu().view(torch.uint8), expected.view(torch.uint8))
+            got_bytes, want_bytes = cache.cpu().view(torch.uint8), expected.view(torch.uint8)
+            write_same = torch.equal(got_bytes, want_bytes)
+            # Which values the GPU wrote otherwise (value, CPU byte, GPU byte), for the log:
+            # slot s holds row s's keys in cache[0] and their negations in cache[1].
+            differ = (got_bytes != want_bytes).nonzero().tolist()
+            written = values.view(-1, 64).float()
+            unlike = [[(1 - 2 * kv) * written[int((slots == s).nonzero()[0, 0]), d].item(),
+                       int(want_bytes[kv, s, 0, 0, d]), int(got_bytes[kv, s, 0, 0, d])]
+                      for kv, s, _, _, d in differ[:8]]
             query, kv_cache, md = make_batch([1, 1, 7], [9, 300, 30], 32, 8, 128, 16, dtype, seed=3)
             cache8 = to_cache_dtype(kv_cache, fmt).to(device)
             args = (md.block_table.to(device), md.query_start_loc.to(device), md.seq_lens.to(device),
@@ -257,7 +277,7 @@ def check_fp8(device: str) -> list[dict]:
                                     paged_attention(q, cache8[0].to(dtype), cache8[1].to(dtype), *args))
             row = {"model": "-", "case": f"fp8_kernels_{str(fmt).removeprefix('torch.')}_{str(dtype).removeprefix('torch.')}",
                    "dtype": str(dtype), "identical": write_same and read_same, "write_same": write_same,
-                   "read_same": read_same}
+                   "read_same": read_same, "bytes_unlike": len(differ), "first_unlike": unlike}
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows

@@ -19,7 +19,10 @@ steps).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import shutil
 import statistics
 import sys
@@ -74,7 +77,7 @@ class PhaseTimer:
         return out
 
 
-def measure(llm, batch: int, context: int, salt: int) -> dict[str, float]:
+def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str, float]:
     from llmbus import SamplingParams
 
     runner, timer = llm.runner, PhaseTimer()
@@ -90,7 +93,10 @@ def measure(llm, batch: int, context: int, salt: int) -> dict[str, float]:
     while llm.scheduler.has_unfinished_requests():
         timer.take()
         start = time.perf_counter_ns()
-        llm.step()
+        if profile is not None and len(rows) >= 3:  # the steady decode steps, on the engine's thread
+            llm.executor.call(profile.runcall, llm._loop.run_until_complete, llm._step())  # (llm.step, inside)
+        else:
+            llm.step()
         wall = (time.perf_counter_ns() - start) / 1e6
         phases = timer.take()
         t0, t_forward, t_sample, t_end = runner.last_step_ns
@@ -112,6 +118,11 @@ def main() -> None:
     parser.add_argument("--assets", type=Path, help="SmolLM2's config.json and tokenizer files (a GPU machine's .gpu_assets/smollm2)")
     parser.add_argument("--no-overlap", action="store_true", help="each step landed before the next (a CPU's default)")
     parser.add_argument("--out", type=Path, help="also write the figures there as host_step_times.json")
+    parser.add_argument("--device", default="cpu", help="the runner's device (cuda: the host work of a GPU's steps, "
+                        "CUDA graphs and all; its phases then include waits for the GPU)")
+    parser.add_argument("--cprofile", type=int, metavar="N", default=0,
+                        help="profile the largest batch's decode steps (cProfile on the engine's thread): the "
+                             "N functions of most own time, printed and written to host_profile.txt in --out")
     args = parser.parse_args()
 
     from llmbus import LLM
@@ -122,8 +133,9 @@ def main() -> None:
         # On the CPU even on a GPU machine: the host's work is the same Python either way,
         # and there the forward and sampling are timed apart from it (on a GPU they are
         # asynchronous, so a phase's time would not be its work).
-        llm = LLM(str(folder), dtype="float32", load_format="dummy", max_num_seqs=max(args.batch),
-                  max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30, device="cpu")
+        llm = LLM(str(folder), dtype="float32" if args.device == "cpu" else "bfloat16", load_format="dummy",
+                  max_num_seqs=max(args.batch), max_num_batched_tokens=8192, kv_cache_memory_bytes=1 << 30,
+                  device=args.device)
         # Steps overlapped, as on a GPU (a CPU does not by default): each decode's input
         # token is read where the step before sampled it, the path whose host work counts.
         llm.runner.overlap_steps = not args.no_overlap
@@ -132,6 +144,15 @@ def main() -> None:
                 figures = measure(llm, batch, args.context, salt=run * 1000 + batch)
                 rows.append({"batch": batch, "context": args.context, "run": run, **figures})
                 print(json.dumps(rows[-1]), flush=True)
+        if args.cprofile:
+            profile = cProfile.Profile()
+            measure(llm, max(args.batch), args.context, salt=99, profile=profile)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+            print(text.getvalue(), flush=True)
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "host_profile.txt").write_text(text.getvalue())
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "host_step_times.json").write_text(json.dumps(rows, indent=1) + "\n")
