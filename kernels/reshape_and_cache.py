@@ -34,7 +34,10 @@ def _round_to_fp8_grid(x, SATURATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EX
     exponent = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, MIN_EXP)
     magic = ((exponent + (127 + 23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
     r = (a + magic) - magic
-    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0.0 and tiny negatives stay negative
+    # x's sign bit put back as a bit: -0.0 and tiny negatives stay negative zeros. (Not
+    # `-r`: Triton negates as 0 - r, which makes +0.0 of r's zero on a GPU; H200, 2026-12-04.)
+    sign = (x.to(tl.int32, bitcast=True) >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
