@@ -276,3 +276,36 @@ def test_a_greedy_row_whose_argmax_the_grammar_allows_samples_the_same_unmasked(
     assert partial.argmax(-1).tolist() == full.argmax(-1).tolist()
     top = logits.argmax(-1).tolist()
     assert to_mask == [r for r in rows if not (top[r] < vocab and allowed[r, top[r]])]
+
+
+def test_the_worker_builds_the_grammar_compiler_before_it_joins_the_bus(tiny_llama, monkeypatch):
+    """Building xgrammar's view of the vocabulary holds the GIL for stretches (~0.5 s with
+    SmolLM2's): a worker that joined first ran its first steps beside it, and a GPU's first
+    requests took seconds. The worker connects to the bus only once it is built."""
+    import asyncio
+    import time
+
+    from services.worker import service
+    from services.worker.structured_output import GrammarBackend
+    from shared.config import CacheConfig
+
+    built, connected_after_build = [], []
+    build = GrammarBackend._build_compiler
+
+    def slow_build(self):
+        time.sleep(0.5)
+        built.append(True)
+        return build(self)
+
+    class Joined(Exception):
+        pass
+
+    async def connect(*args, **kwargs):
+        connected_after_build.append(bool(built))
+        raise Joined
+
+    monkeypatch.setattr(GrammarBackend, "_build_compiler", slow_build)
+    monkeypatch.setattr(service, "connect", connect)
+    with pytest.raises(Joined):
+        asyncio.run(service.serve(str(tiny_llama), "nats://127.0.0.1:1", "tiny", CacheConfig(num_kv_blocks=16)))
+    assert connected_after_build == [True]

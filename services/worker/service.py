@@ -61,7 +61,12 @@ async def serve(
         threads,
     )
     runner = executor.runner
-    runner.grammars.warm_up()  # a server's first constrained request should not build it
+    # A server's first constrained request should not build the grammar compiler, and no
+    # step should run beside its building (it holds the GIL): built before the worker joins.
+    try:
+        await asyncio.wrap_future(runner.grammars.warm_up())
+    except Exception as exc:  # noqa: BLE001 - unconstrained requests are served all the same
+        log.warning("structured outputs will fail: the grammar compiler did not build (%s)", exc)
     subjects = Subjects(model_name)
     info = WorkerInfo(
         worker_id=worker_id,
