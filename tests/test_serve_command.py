@@ -106,7 +106,8 @@ def test_vllms_logging_flags_reach_the_gateway(served):
 
 
 def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
-    _, url, _ = served
+    proc, url, _ = served
+    posts_before = proc.log.read_text().count("POST /v1/completions")
     result = subprocess.run(
         [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url,
          "--model", "tiny", "--num-requests", "4", "--concurrency", "2", "--input-len", "4", "8",
@@ -124,6 +125,8 @@ def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
         assert pair["output_tokens"] == pair["offline"]["output_tokens"] >= 4 * 3
         assert {"client", "gateway", "scheduler", "worker", "nats", "machine"} <= set(pair["service_cores"])
     assert lines[-1].startswith("over 2 pairs") and "served/offline" in lines[-1]
+    # Each run's requests and, before its clock starts, vLLM's initial single-prompt test run.
+    assert proc.log.read_text().count("POST /v1/completions") - posts_before == 2 * (4 + 1)
 
 
 def test_bench_serve_compares_structured_and_plain_on_the_same_lengths(served):
