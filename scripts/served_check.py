@@ -14,6 +14,12 @@ alone (`llmbus bench latency`'s clock). Writes $OUT/served.json:
 - offline_w0_itl_ms_smollm2_bf16: the same requests through `LLM` in this process
 - served_minus_offline_itl_ms: the bus's and the services' share (the target: <= 1 ms)
 - served_greedy_equals_offline: a few prompts' greedy tokens, served (both modes) against offline
+- served_b128_output_tok_s, offline_b128_output_tok_s, served_over_offline_b128: `--batch`
+  (128) requests sent at once, served (overlapping) and through `LLM`, the same lengths
+- served_decode_b128_step_ms: the served worker's median period between consecutive steps
+  that decode all `--batch` requests (its LLMBUS_STEP_LOG): against gpu_figures' GPU busy
+  time of such a step, the served path's GPU share, where the scheduling, stepping and
+  detokenizing that one offline thread does run in processes of their own
 
 Needs nats-server and the services' packages (docs/kernels.md lists the wheels);
 `--cpu` runs it on CPU for the tests (any model folder: its config, random weights).
@@ -34,11 +40,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def start_server(assets: str, dtype: str, overlap: str, log: Path, capture: int) -> tuple[subprocess.Popen, str]:
+def start_server(assets: str, dtype: str, overlap: str, log: Path, capture: int,
+                 step_log: Path) -> tuple[subprocess.Popen, str]:
     from llmbus.serve import start_serve
 
     return start_serve(["--model", assets, "--served-model-name", "m", "--load-format", "dummy", "--dtype", dtype,
-                        "--max-cudagraph-capture-size", str(capture)], log, {"LLMBUS_OVERLAP_STEPS": overlap}, cwd=ROOT)
+                        "--max-cudagraph-capture-size", str(capture)], log,
+                       {"LLMBUS_OVERLAP_STEPS": overlap, "LLMBUS_STEP_LOG": str(step_log)}, cwd=ROOT)
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -49,11 +57,11 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def served_w0(url: str, args) -> dict:
-    """`llmbus bench serve` at concurrency 1: its summary (the last JSON line)."""
+def served_bench(url: str, args, num_requests: int, concurrency: int) -> dict:
+    """`llmbus bench serve`: its summary (the last JSON line)."""
     result = subprocess.run(
         [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url, "--model", "m",
-         "--num-requests", str(args.num_requests), "--concurrency", "1",
+         "--num-requests", str(num_requests), "--concurrency", str(concurrency),
          "--input-len", str(args.input_len), str(args.input_len),
          "--output-len", str(args.output_len), str(args.output_len), "--vocab-size", str(args.vocab_size)],
         capture_output=True, text=True, cwd=ROOT, timeout=300,
@@ -61,6 +69,15 @@ def served_w0(url: str, args) -> dict:
     if result.returncode != 0:
         raise RuntimeError(f"bench serve failed: {result.stderr[-2000:]}")
     return json.loads([line for line in result.stdout.splitlines() if line.startswith("{")][-1])
+
+
+def decode_step_periods(step_log: Path, batch: int) -> list[float]:
+    """Milliseconds from one step's start to the next's, between consecutive steps that
+    each decode `batch` requests and nothing else (the worker's step log)."""
+    steps = [json.loads(line) for line in step_log.read_text().splitlines() if line.strip()]
+    return [(after["start_ns"] - before["start_ns"]) / 1e6 for before, after in zip(steps, steps[1:])
+            if before["reqs"] == before["decodes"] == batch and after["reqs"] == after["decodes"] == batch
+            and before["pid"] == after["pid"]]
 
 
 def served_greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -84,6 +101,8 @@ def main() -> int:
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=128,
+                        help="the batched run's requests, all at once (the issue's batch-128 decode step)")
     args = parser.parse_args()
 
     import torch
@@ -92,7 +111,7 @@ def main() -> int:
         print("no GPU (--cpu tests the script)")
         return 0
     if args.cpu:
-        args.num_requests, args.input_len, args.output_len = 2, 8, 8
+        args.num_requests, args.input_len, args.output_len, args.batch = 2, 8, 8, 4
     from llmbus import LLM, SamplingParams
     from llmbus.bench.latency import llmbus_itls
     from llmbus.bench.workload import random_workload
@@ -101,7 +120,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "served_check.log"
     dtype = "float32" if args.cpu else "bfloat16"
-    capture = 8  # W0 decodes one row: the smallest graphs suffice, and capture is quicker
+    capture = args.batch  # graphs up to the batched run's rows (W0 decodes one)
     config = json.loads((Path(args.assets) / "config.json").read_text())
     args.vocab_size = min(config["vocab_size"], 32000)
     report: dict = {"command": "python scripts/served_check.py " + " ".join(sys.argv[1:])}
@@ -110,12 +129,20 @@ def main() -> int:
     served_tokens = {}
     for overlap, key in (("1", "served_w0_itl_ms_smollm2_bf16"), ("0", "served_w0_itl_ms_no_overlap")):
         started = time.perf_counter()
-        proc, url = start_server(args.assets, dtype, overlap, log, capture)
+        step_log = out / f"steps_{overlap}.jsonl"
+        step_log.unlink(missing_ok=True)
+        proc, url = start_server(args.assets, dtype, overlap, log, capture, step_log)
         try:
-            summary = served_w0(url, args)
+            summary = served_bench(url, args, args.num_requests, 1)
             served_tokens[overlap] = served_greedy(url, prompts, args.output_len)
+            if overlap == "1":  # the batched run: every request at once, all decoding together
+                batched = served_bench(url, args, args.batch, args.batch)
+                periods = decode_step_periods(step_log, args.batch)
+                report["served_b128_output_tok_s"] = batched["output_tok_s"]
+                report["served_decode_b128_step_ms"] = round(statistics.median(periods), 3) if periods else None
         finally:
             stop_server(proc)
+            step_log.unlink(missing_ok=True)  # (the figures are in served.json; $OUT takes few files)
         report[key] = summary["itl_ms"]["p50"]
         report[key.replace("itl", "tpot")] = summary["tpot_ms"]["mean"]
         print(json.dumps({"overlap": overlap, "itl_ms": summary["itl_ms"], "tpot_ms": summary["tpot_ms"],
@@ -126,6 +153,14 @@ def main() -> int:
     requests = random_workload(args.num_requests, (args.input_len, args.input_len),
                                (args.output_len, args.output_len), args.vocab_size, seed=0)
     itls = llmbus_itls(llm, requests)
+    batched = random_workload(args.batch, (args.input_len, args.input_len), (args.output_len, args.output_len),
+                              args.vocab_size, seed=1)
+    started = time.perf_counter()
+    done = llm.generate([r.prompt_token_ids for r in batched],
+                        SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
+    rate = sum(len(o.outputs[0].token_ids) for o in done) / (time.perf_counter() - started)
+    report["offline_b128_output_tok_s"] = round(rate, 1)
+    report["served_over_offline_b128"] = round(report["served_b128_output_tok_s"] / rate, 3)
     report["offline_w0_itl_ms_smollm2_bf16"] = round(statistics.median(itls) * 1e3, 3)
     report["served_minus_offline_itl_ms"] = round(report["served_w0_itl_ms_smollm2_bf16"]
                                                   - report["offline_w0_itl_ms_smollm2_bf16"], 3)

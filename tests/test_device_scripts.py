@@ -90,5 +90,9 @@ def test_served_check_compares_llmbus_serve_with_offline_in_both_modes(tiny_llam
     assert report["served_greedy_equals_offline"] is True
     for key in ("served_w0_itl_ms_smollm2_bf16", "served_w0_itl_ms_no_overlap", "offline_w0_itl_ms_smollm2_bf16"):
         assert report[key] > 0, key
+    assert report["served_b128_output_tok_s"] > 0 and report["offline_b128_output_tok_s"] > 0
+    assert report["served_decode_b128_step_ms"] > 0  # from the worker's step log: steps decoding the whole batch
+    assert report["served_over_offline_b128"] == round(
+        report["served_b128_output_tok_s"] / report["offline_b128_output_tok_s"], 3)
     assert report["served_minus_offline_itl_ms"] == round(
         report["served_w0_itl_ms_smollm2_bf16"] - report["offline_w0_itl_ms_smollm2_bf16"], 3)
