@@ -9,7 +9,7 @@ import json
 
 import jsonschema
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.tool_parsers import (
@@ -120,6 +120,8 @@ def test_llama_calls_read_the_same_however_the_text_is_split(name, tags_kept, cu
 @settings(max_examples=100, deadline=None)
 @given(st.sampled_from([Llama3JsonToolParser, PythonicToolParser, MistralToolParser, GraniteToolParser]),
        st.text(alphabet="[]{}()\"'abc =,;\n<|>_TOOLCASRG:tol", max_size=40), st.lists(st.integers(0, 100), max_size=6))
+@example(MistralToolParser, "[TOOL_CALLS]", [])  # the tag and nothing after it (found by a CI run)
+@example(GraniteToolParser, "x <|tool_call|>", [2])
 def test_an_answer_that_does_not_read_as_calls_is_content_exactly(parser_class, text, cuts):
     """Streamed as whole, and all content where it holds no call (mistral's tags included)."""
     whole_content, whole_calls = parse_whole(parser_class(), text)

@@ -541,8 +541,8 @@ class MistralToolParser:
                                        ToolCallDelta(self.num_calls, None, None, call[1])]
                     self.num_calls += 1
         if final:
-            if self.buffer.strip() and not self.num_calls:  # cut short before any call: its text
-                out.content += self.raw
+            if not self.num_calls and not self.as_content:  # no call after the tag (none at all, or
+                out.content += self.raw  # cut short): the tag and its text are content, as vLLM's
             self.buffer = ""
 
     def _next(self, text: str) -> tuple[list, str] | None:
