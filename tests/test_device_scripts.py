@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ["date", "device", "command", "w0_itl_ms_smollm2_bf16", "w1_output_tok_s", "w1_speedup_vs_eager",
            "gpu_busy_fraction_decode_b128", "decode_b1_hbm_fraction_8b", "seeded_draws_same_as_cpu",
            "fused_moe_ms_mixtral_layer_b1", "fused_moe_ms_mixtral_layer_b1_loop", "moe_b1_hbm_fraction",
-           "w1_output_tok_s_no_overlap", "w1_overlap_speedup", "w0_itl_ms_smollm2_bf16_no_overlap"]
+           "w1_output_tok_s_no_overlap", "w1_overlap_speedup", "w0_itl_ms_smollm2_bf16_no_overlap",
+           "decode_b128_step_ms_8b", "gpu_busy_fraction_decode_b128_8b"]
 
 
 def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
