@@ -47,13 +47,18 @@ def num_labels(raw: dict) -> int:
     return len(raw.get("id2label") or {}) or raw.get("num_labels") or 2
 
 
+def is_classifier(raw: dict) -> bool:
+    """Whether a config.json's architectures name a `*ForSequenceClassification`."""
+    return any(str(a).endswith(SUFFIX) for a in raw.get("architectures") or [])
+
+
 def classifier_of(model_path: str | Path) -> Classifier | None:
     """The model's classifier, when its config.json names a `*ForSequenceClassification`."""
     try:
         raw = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not any(str(a).endswith(SUFFIX) for a in raw.get("architectures") or []):
+    if not is_classifier(raw):
         return None
     names = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
     labels = tuple(names.get(i, f"LABEL_{i}") for i in range(num_labels(raw)))

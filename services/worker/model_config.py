@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.classification import SUFFIX, num_labels
+from shared.classification import SUFFIX, is_classifier, num_labels
 
 # Architectures whose modules `models/llama.py` reproduces: Qwen2 differs only by its
 # qkv bias, Qwen3 by a per-head RMSNorm on queries and keys before rotary.
@@ -329,7 +329,7 @@ class ModelConfig:
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM"),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
-            num_labels=num_labels(raw) if any(str(a).endswith(SUFFIX) for a in raw.get("architectures") or []) else 0,
+            num_labels=num_labels(raw) if is_classifier(raw) else 0,
         )
 
 
