@@ -7,7 +7,8 @@ hits, preemption, block size 32 — on tiny random models (llama: head dim 16; q
 q/k/v biases; a llama with head dim 64 and GQA 3, SmolLM2's layout) in float32, where
 the output must equal transformers' token for token, and reports bfloat16's agreement
 and a float8 KV cache's; that overlapped steps make no synchronizing call but the one they
-mean to (torch's sync debug mode); each kind of structured output; then the float8
+mean to (torch's sync debug mode) and that a step launches while the GPU is busy (a
+driver's wait, which that mode cannot see: host_waits); each kind of structured output; then the float8
 cache's write and read on the GPU's kernels against the CPU path's bytes and the widened
 cache's bits.
 
@@ -174,20 +175,24 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
     it is made."""
     from llmbus import LLM, SamplingParams
 
+    def mixed(max_tokens: int) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(temperature=0.8, seed=1, max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, max_tokens=max_tokens, ignore_eos=True),
+            SamplingParams(temperature=0, min_tokens=4, max_tokens=max_tokens),
+            SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=max_tokens,
+                           ignore_eos=True),
+            SamplingParams(temperature=0, logit_bias={7: 3.0}, allowed_token_ids=list(range(5, 60)),
+                           max_tokens=max_tokens, ignore_eos=True),
+        ]
+
     def host_syncs() -> dict:
         import warnings
 
         llm = LLM(str(folder))
         prompts = random_prompts([5, 9, 17, 3, 7], seed=3)
-        params = [
-            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-            SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, logprobs=2, max_tokens=16, ignore_eos=True),
-            SamplingParams(temperature=0, min_tokens=4, max_tokens=16),
-            SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=16, ignore_eos=True),
-            SamplingParams(temperature=0, logit_bias={7: 3.0}, allowed_token_ids=list(range(5, 60)), max_tokens=16,
-                           ignore_eos=True),
-        ]
+        params = mixed(16)
         prompts = prompts + prompts[:1]
         llm.generate(prompts, params, use_tqdm=False)  # Triton compiled, pinned blocks cached
         if device != "cuda":
@@ -218,8 +223,49 @@ def check_host_syncs(folder: Path, device: str) -> list[dict]:
         return {"identical": not stacks, "syncs": len(stacks), "where": sorted(set(stacks))[:20],
                 "overlapped": llm.runner.overlap_steps}
 
+    def host_waits() -> dict:
+        """What the sync debug mode cannot see (a driver's wait, such as CUDA staging a
+        pageable copy): with the GPU held busy by a ~50 ms kernel queued behind the step in
+        flight, the next `step()` (it launches a step and lands the one before, queued ahead
+        of the kernel) must come back long before the kernel is done. If it does not, the
+        functions it waited in, by own time."""
+        import cProfile
+        import io
+        import pstats
+
+        if device != "cuda":
+            return {"skipped": "no CUDA"}
+        llm = LLM(str(folder))
+        prompts = random_prompts([5, 9, 17, 3, 7], seed=5)
+        llm.add_requests(prompts + prompts[:1], mixed(40))
+        for _ in range(8):  # prefill, then steady decodes of every request
+            llm.step()
+        busy = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        busy[0].record()
+        torch.cuda._sleep(10_000_000)
+        busy[1].record()
+        torch.cuda.synchronize()
+        cycles = int(10_000_000 * 50 / busy[0].elapsed_time(busy[1]))  # ~50 ms of GPU time
+        steps_ms, profile = [], cProfile.Profile()
+        for _ in range(5):
+            torch.cuda._sleep(cycles)
+            start = time.perf_counter()
+            llm.executor.call(profile.runcall, llm._loop.run_until_complete, llm._step())
+            steps_ms.append(round((time.perf_counter() - start) * 1e3, 2))
+            torch.cuda.synchronize()
+        waited = max(steps_ms) > 25
+        row = {"identical": not waited, "step_ms_with_gpu_busy_50ms": steps_ms}
+        if waited:
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(6)
+            row["where"] = text.getvalue().splitlines()[-12:]
+        while llm.scheduler.has_unfinished_requests():
+            llm.step()
+        return row
+
     rows = []
     run_case(rows, {"model": folder.name, "case": "host_syncs", "dtype": "float32"}, host_syncs)
+    run_case(rows, {"model": folder.name, "case": "host_waits", "dtype": "float32"}, host_waits)
     return rows
 
 

@@ -138,17 +138,19 @@ def test_finishing_a_step_lands_the_steps_launched_before_it_first(tiny_llama):
 def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it():
     """`torch.tensor(..., device=...)` and a plain `.to(device)` synchronize the stream on
     CUDA: in a step launched beside the one before, the host would wait for it (no overlap);
-    so does assigning a Python scalar at device index tensors.
-    The step path copies through services/worker/host_values.py instead. (On a GPU,
-    scripts/gpu_check.py's host_syncs case checks the calls themselves.)"""
+    so does assigning a Python scalar at device index tensors, and CUDA may wait so for a
+    non-blocking copy out of pageable memory (`.to(device, non_blocking=True)`).
+    The step path copies through services/worker/host_values.py instead, which pins what it
+    copies. (On a GPU, scripts/gpu_check.py's host_syncs and host_waits cases check the
+    calls themselves and that a step launches while the device is busy.)"""
     import re
     from pathlib import Path
 
     worker = Path(__file__).resolve().parents[1] / "services" / "worker"
     step_path = ["model_runner.py", "sampler.py", "launched_step.py", "step_inputs.py", "structured_output.py",
-                 "spec_decode.py", "random_draws.py", "penalty_counts.py", "bad_words.py"]
+                 "spec_decode.py", "random_draws.py", "penalty_counts.py", "bad_words.py", "layers/lora.py"]
     # (and `t[device_indices] = scalar`, which copies the scalar over synchronously: put_scalar)
-    waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)|\[[^\]]*to_device\(.*\]\s*=\s*(_MASK|True|False|[-\d.]+)\s*$")
+    waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)|\.to\([^)]*non_blocking|\[[^\]]*to_device\(.*\]\s*=\s*(_MASK|True|False|[-\d.]+)\s*$")
     found = [f"{name}:{n}: {line.strip()}" for name in step_path
              for n, line in enumerate((worker / name).read_text().splitlines(), 1) if waiting.search(line)]
     assert found == []

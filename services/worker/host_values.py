@@ -3,9 +3,12 @@
 `torch.tensor(values, device="cuda")` and `.to("cuda")` copy synchronously: PyTorch
 follows the copy with a stream synchronize, so the host waits for every kernel queued
 before it. In a step launched while the one before it still runs (launched_step.py),
-that wait would undo the overlap, and once a step per token. A non-blocking copy from
-pageable memory is staged by the driver at once and needs no synchronize: the host values
-may be freed as soon as it returns.
+that wait would undo the overlap, and once a step per token. Even a non-blocking copy
+from pageable memory may wait so: CUDA stages pageable memory through its own pinned
+buffer and documents that it "may synchronize with the stream" to do it (torch's sync
+debug mode cannot see that wait: it is the driver's). So the values are put in pinned
+memory first (PyTorch's caching host allocator: a block is reused only once the copy out
+of it is done) and copied from there, which CUDA queues without waiting.
 
 Lists go through numpy: `torch.tensor(list)` reads a list of 128 Python numbers in 9-19
 us, `np.asarray` in 3-5 (a random-sampling step makes about six of them).
@@ -33,6 +36,8 @@ def from_list(values, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host values (a list, a numpy array, a CPU tensor) on `device`, in `dtype` if given:
+    queued behind the device's work on CUDA, never waiting for it."""
     if isinstance(values, torch.Tensor):
         host = values
     elif isinstance(values, np.ndarray):
@@ -41,7 +46,9 @@ def to_device(values, device: torch.device, dtype: torch.dtype | None = None) ->
         host = from_list(values, dtype)
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
-    return host.to(device, non_blocking=True)
+    if torch.device(device).type != "cuda":
+        return host.to(device)  # (the host's own tensor on a CPU)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def put_scalar(tensor: torch.Tensor, indices: tuple[torch.Tensor, ...], value) -> None:

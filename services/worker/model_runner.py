@@ -27,6 +27,7 @@ from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
 from services.worker.block_table import BlockTable
 from services.worker.decode_graphs import DecodeGraphs
+from services.worker.host_values import to_device
 from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
@@ -292,7 +293,7 @@ class ModelRunner:
             # the prompt's last position, L2-normalized (a sync, paid only by such steps).
             # Nothing samples for them (no logits: a model without an LM head embeds too);
             # the one token such a request ends with is a placeholder, never shown.
-            rows = torch.from_numpy(last_token[embeds]).to(self.device, non_blocking=True)
+            rows = to_device(last_token[embeds], self.device)
             if self.model.score is not None:  # a classifier's: its score head's raw logits there
                 vectors = self.model.score(hidden[rows]).float().tolist()
             else:
@@ -320,7 +321,7 @@ class ModelRunner:
                 row_states = states if every else [states[i] for i in sample_rows]
                 first_row = range(len(sample_rows))
             # A decode step's every token samples, in order: its hidden states as they are.
-            selected = hidden if len(rows) == len(hidden) else hidden[rows.to(self.device, non_blocking=True)]
+            selected = hidden if len(rows) == len(hidden) else hidden[to_device(rows, self.device)]
             logits = self.model.compute_logits(selected)
             # The grammar at every sampled position, drafts included. A terminated matcher
             # (it took the stop token) belongs to a request the scheduler has ended: this row

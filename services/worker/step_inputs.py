@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.worker import host_values
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.block_table import BlockTable
 from services.worker.request_state import RequestState
@@ -43,7 +44,7 @@ class StepInputs:
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) in new device tensors, for an eager forward."""
         def put(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device, non_blocking=True)
+            return host_values.to_device(array, device)
 
         query_lens = np.diff(self.query_start_loc)
         metadata = AttentionMetadata(

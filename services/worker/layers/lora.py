@@ -22,6 +22,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.worker.host_values import to_device
+
 
 class LoRAMapping:
     """Which slot's adapter each of a step's tokens takes, set by the runner each step."""
@@ -42,7 +44,7 @@ class LoRAMapping:
         self.num_slots = int(slot_of_token.max()) + 1 if len(slot_of_token) else 0
         first = int(slot_of_token[0]) if self.num_slots else -1
         self.whole_step = first if first >= 0 and (slot_of_token == first).all() else None
-        self.slot_of_token = torch.from_numpy(slot_of_token).to(device, non_blocking=True)
+        self.slot_of_token = to_device(slot_of_token, device)
         self._masks = {}
 
     def clear(self) -> None:
