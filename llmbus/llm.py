@@ -15,7 +15,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TypeVar
 
 from tqdm import tqdm
@@ -190,21 +190,28 @@ class LLM:
         results = self.add_requests(prompts, params_list, priority, lora_request)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            self._step_until_done(pending, bar)
-        return results
-
-    def _step_until_done(self, pending: set[str], bar: tqdm) -> None:
-        """Every step in one call on the engine's thread: a hand-over per step costs
-        ~0.1 ms, against the ~1.5 ms of a GPU's whole decode step. A Ctrl-C in the caller
-        stops the steps after the one under way (as it did between `step()` calls)."""
-        stop = threading.Event()
-
-        async def steps() -> None:
-            while pending and not stop.is_set():
-                for done in await self._step():
+            def landed(finished: list[str]) -> None:
+                for done in finished:
                     if done in pending:
                         pending.discard(done)
                         bar.update()
+
+            self.step_while(lambda: bool(pending), landed)
+        return results
+
+    def step_while(self, keep_going: Callable[[], bool], on_step: Callable[[list[str]], None] | None = None) -> None:
+        """`step()` while `keep_going()`, every step in one call on the engine's thread: a
+        hand-over per step costs ~0.1 ms, against the ~1.5 ms of a GPU's whole decode step
+        (generate steps so; a benchmark timing steps should too). `on_step(finished)` is
+        called on the engine's thread after each step. A Ctrl-C in the caller stops the
+        steps after the one under way (as it did between `step()` calls)."""
+        stop = threading.Event()
+
+        async def steps() -> None:
+            while keep_going() and not stop.is_set():
+                finished = await self._step()
+                if on_step is not None:
+                    on_step(finished)
 
         # The hand-over inside the try: a Ctrl-C that lands between it and the wait (a busy
         # machine can leave this thread unscheduled while the engine's lands steps) must stop

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from llmbus import LLM, SamplingParams
+from llmbus.bench.latency import step_times
 from llmbus.bench.workload import random_workload
 from llmbus.model_fetch import resolve_model
 
@@ -113,11 +114,7 @@ def run(args: argparse.Namespace, llm: LLM) -> None:
               f"(medians of alternated steps): {modules / one_call:.2f}x")
         return
     llm.add_requests(prompts, params)
-    times = []
-    while llm.scheduler.has_unfinished_requests():
-        start = time.perf_counter()
-        llm.step()
-        times.append(time.perf_counter() - start)
+    times = step_times(llm)
     num_prefill = -(-args.batch * PROMPT // BUDGET)
     print(f"{args.dtype} {args.quantization or ''} batch {args.batch}: prefill steps (ms) "
           f"{[round(t * 1e3) for t in times[:num_prefill]]}, decode median "

@@ -93,15 +93,13 @@ def _finish(llm) -> None:
 
 def decode_step_times(llm, batch: int, prompt_len: int, steps: int) -> list[float]:
     """Wall seconds between landed decode steps at `batch` requests, back to back (no sync
-    between them: with steps overlapped, each `step()` launches the next before it lands
-    one, so the time between landings is the step's period)."""
+    between them: with steps overlapped, each step launches the next before it lands one,
+    so the time between landings is the step's period), stepped as `generate` steps them."""
+    from llmbus.bench.latency import step_times
+
     _decode_batch(llm, batch, prompt_len, steps, salt=7)
     sync()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        llm.step()
-        times.append(time.perf_counter() - start)
+    times = step_times(llm, steps)
     _finish(llm)
     return times
 

@@ -9,7 +9,8 @@ under the GPU's (~1.5 ms for SmolLM2 at batch 128 on an H200).
 A SmolLM2-shaped config shrunk to 2 layers of 64 (random weights, `load_format="dummy"`,
 SmolLM2's tokenizer and vocabulary), so the forward is cheap but every host path is the
 real one: scheduling, the runner's input building, sampling's bookkeeping, landing,
-detokenizing, with steps overlapped as on a GPU. Each phase is timed around the engine's
+detokenizing, with steps overlapped as on a GPU and stepped as `generate` steps them (no
+hand-over between steps: LLM.step_while). Each phase is timed around the engine's
 own methods; "host" is the step's wall time less the forward and the sampler's
 arithmetic (logits, softmax, argmax), which a GPU runs. Prefix caching on, as served by
 default. Prints one JSON line per batch size and run (medians over the steady decode
@@ -89,15 +90,11 @@ def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str,
     vocab = runner.vocab_size
     prompts = [[(salt * 7919 + i * 104729 + j * 31) % (vocab - 200) + 100 for j in range(context)] for i in range(batch)]
     llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True)] * batch)
-    rows = []
-    while llm.scheduler.has_unfinished_requests():
-        timer.take()
-        start = time.perf_counter_ns()
-        if profile is not None and len(rows) >= 3:  # the steady decode steps, on the engine's thread
-            llm.executor.call(profile.runcall, llm._loop.run_until_complete, llm._step())  # (llm.step, inside)
-        else:
-            llm.step()
-        wall = (time.perf_counter_ns() - start) / 1e6
+    rows, last = [], [time.perf_counter_ns()]
+
+    def landed(_finished) -> None:  # after each step, on the engine's thread
+        now = time.perf_counter_ns()
+        wall, last[0] = (now - last[0]) / 1e6, now
         phases = timer.take()
         t0, t_forward, t_sample, t_end = runner.last_step_ns
         decode_only = all(r.num_computed_tokens >= context for r in llm.scheduler.requests.values())
@@ -106,6 +103,14 @@ def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str,
             arithmetic = forward + phases.get("logits_ms", 0.0) + phases.get("sampler_ms", 0.0)
             rows.append({"wall_ms": wall, "host_ms": wall - arithmetic, "prepare_ms": (t_forward - t0) / 1e6,
                          "forward_ms": forward, **phases})
+            if profile is not None and len(rows) == 3:  # the steady decode steps
+                profile.enable()
+
+    # Stepped as generate steps (every step on the engine's thread, no hand-over between
+    # them), so a step's wall time is what a caller of generate waits for it.
+    llm.step_while(llm.scheduler.has_unfinished_requests, landed)
+    if profile is not None:
+        llm.executor.call(profile.disable)
     steady = rows[3:-3]
     return {k: round(statistics.median(r.get(k, 0.0) for r in steady), 3) for k in steady[0]}
 

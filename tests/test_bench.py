@@ -114,6 +114,26 @@ def test_bench_latency_reports_itls_against_the_bandwidth_bound(tiny_llama, caps
     assert result["bandwidth_bound_ms"] > 0
 
 
+def test_benchmarks_time_steps_as_generate_runs_them(tiny_llama):
+    """llmbus.bench.latency.step_times (W0's ITL, the GPU figures' step periods) steps in
+    one hand-over to the engine's thread, as generate does, not one a step (~0.1 ms each,
+    which no generate caller waits for); and the tokens are generate's."""
+    from llmbus import LLM, SamplingParams
+    from llmbus.bench.latency import step_times
+
+    llm = LLM(str(tiny_llama))
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    want = llm.generate([[5, 6, 7], [9, 3]], params)
+    submitted, submit = [], llm.executor.submit
+    llm.executor.submit = lambda *args: submitted.append(args) or submit(*args)
+    results = llm.add_requests([[5, 6, 7], [9, 3]], [params] * 2)
+    times = step_times(llm)
+    assert len(submitted) == 1 and len(times) >= 7 and all(t > 0 for t in times)
+    assert [r.outputs[0].token_ids for r in results] == [r.outputs[0].token_ids for r in want]
+    llm.add_requests([[5, 6, 7]], [params])
+    assert len(step_times(llm, 3)) == 3 and llm.scheduler.has_unfinished_requests()  # (7 tokens to go)
+
+
 def test_bench_agreement_of_float32_with_itself_and_with_transformers_is_total(tiny_llama, capsys):
     assert main(["bench", "agreement", "--model", str(tiny_llama), "--dtype", "float32",
                  "--max-tokens", "6"]) == 0
