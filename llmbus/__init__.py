@@ -3,9 +3,9 @@
 from llmbus.inputs import TextPrompt, TokensPrompt
 from shared.beam_search import BeamSearchParams
 from shared.lora_request import LoRARequest
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt",
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt",
            "TokensPrompt"]
 
 

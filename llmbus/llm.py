@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TypeVar
 
+import msgspec
 from tqdm import tqdm
 
 from llmbus.inputs import Prompt, TokensPrompt, is_one_prompt, parse_prompt
@@ -37,7 +38,7 @@ from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.output_processor import ParentRequest
 from shared.pooling_config import unsupported_pooling
-from shared.sampling_params import SamplingParams, embedding_params, with_bad_words_tokenized
+from shared.sampling_params import RequestOutputKind, SamplingParams, embedding_params, with_bad_words_tokenized
 from shared.scoring import cosine, pair_token_ids, score_pairs
 
 T = TypeVar("T")
@@ -187,6 +188,9 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        # Only the finished outputs are returned (vLLM's generate asks for FINAL_ONLY too).
+        final_only = {}
+        params_list = [final_only.get(id(p)) or final_only.setdefault(id(p), _final_only(p)) for p in params_list]
         results = self.add_requests(prompts, params_list, priority, lora_request)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
@@ -385,8 +389,9 @@ class LLM:
                      lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Queue without running (drive the engine with `step()`; `generate` does both).
         Everything is validated first: on any error nothing is left queued. Each step adds
-        to a completion's `token_ids` (and logprobs); its `text` is set when it finishes
-        (it grows with the tokens only for a request with stop strings)."""
+        to a completion's `token_ids` (and logprobs), or, with `output_kind` FINAL_ONLY
+        (`generate`'s) and no stop strings, its finishing step adds them all; its `text` is
+        set when it finishes (it grows with the tokens only for a request with stop strings)."""
         encoded = []
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):
@@ -451,3 +456,9 @@ class LLM:
                                  "enable_lora=True")
             self.executor.call(self.runner.loras.prepare, lora)
         return loras
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    if params.output_kind == RequestOutputKind.FINAL_ONLY or not isinstance(params, SamplingParams):
+        return params  # (a wrong type is add_requests' TypeError)
+    return msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)

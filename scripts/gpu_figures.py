@@ -75,10 +75,12 @@ def shaped_folder(assets: Path, dest: Path, overrides: dict) -> Path:
 
 def _decode_batch(llm, batch: int, prompt_len: int, steps: int, salt: int) -> None:
     """`batch` requests prefilled and three decode steps in: the steps after are steady decodes."""
-    from llmbus import SamplingParams
+    from llmbus import RequestOutputKind, SamplingParams
 
     prompts = [[(salt * i + 13 * j) % 1000 + 20 for j in range(prompt_len)] for i in range(batch)]
-    llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True)] * batch)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # (as generate asks)
+    llm.add_requests(prompts, [params] * batch)
     while any(r.num_computed_tokens < prompt_len for r in llm.scheduler.requests.values()):
         llm.step()
     for _ in range(3):

@@ -79,7 +79,7 @@ class PhaseTimer:
 
 
 def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str, float]:
-    from llmbus import SamplingParams
+    from llmbus import RequestOutputKind, SamplingParams
 
     runner, timer = llm.runner, PhaseTimer()
     timer.wrap(llm.scheduler, "schedule", "schedule_ms")
@@ -89,7 +89,9 @@ def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str,
     timer.wrap(runner.sampler, "sample", "sampler_ms")
     vocab = runner.vocab_size
     prompts = [[(salt * 7919 + i * 104729 + j * 31) % (vocab - 200) + 100 for j in range(context)] for i in range(batch)]
-    llm.add_requests(prompts, [SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True)] * batch)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)  # (as generate asks)
+    llm.add_requests(prompts, [params] * batch)
     rows, last = [], [time.perf_counter_ns()]
 
     def landed(_finished) -> None:  # after each step, on the engine's thread

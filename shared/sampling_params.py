@@ -7,6 +7,7 @@ message) with a `ValueError` that names the parameter.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,16 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.json = msgspec.json.encode(self.json).decode()
         if self.choice is not None and (not self.choice or not all(self.choice)):
             raise ValueError("structured_outputs choice must be a non-empty list of non-empty strings")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what a request's outputs carry. CUMULATIVE and DELTA: the engine hands its
+    tokens over as each step lands them; FINAL_ONLY: once, all of them, when it finishes
+    (LLM.generate asks so)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -76,6 +87,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # hidden state at the prompt's last token, L2-normalized, comes back with one
     # placeholder token, nothing sampled.
     embed: bool = False
+    # vLLM's. FINAL_ONLY spares every step the landing of a request's tokens (at batch 128
+    # a share of the host's work a step; docs/performance.md); stop strings are looked for
+    # in the text as it grows, so a request with them gets its tokens step by step anyway.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

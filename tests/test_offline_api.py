@@ -5,6 +5,7 @@ import os
 import signal
 import time
 
+import msgspec
 import pytest
 
 from llmbus import LLM, SamplingParams
@@ -43,6 +44,43 @@ def test_step_adds_tokens_as_they_come_and_the_text_with_the_finish(llm):
     for out in (plain, stopped):
         assert out.finished and out.outputs[0].token_ids == reference.outputs[0].token_ids
         assert out.outputs[0].text == reference.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_final_only_outputs_hand_every_token_over_once_when_the_request_finishes(llm):
+    """vLLM's RequestOutputKind.FINAL_ONLY (generate's): no step hands over a token before
+    the request finishes, and then its tokens, logprobs, prompt logprobs and finish are the
+    ones it gets step by step (CUMULATIVE); a request with stop strings, which must be
+    looked for in the text as it grows, still gets its tokens step by step."""
+    from llmbus import RequestOutputKind
+
+    prompts = [[9, 10, 11], [5, 6, 7, 8], [40, 41]]
+    free = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_at = free.outputs[0].token_ids[6]
+    params = [SamplingParams(temperature=0, max_tokens=9, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at], ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=7, stop=["\x00never"])]
+
+    def run(kind):
+        results = llm.add_requests(prompts, [msgspec.structs.replace(p, output_kind=kind) for p in params])
+        partial = {0: [], 1: [], 2: []}  # each request's token counts after steps it did not finish in
+        while not all(r.finished for r in results):
+            llm.step()
+            for i, r in enumerate(results):
+                if not r.finished:
+                    partial[i].append(len(r.outputs[0].token_ids))
+        return results, partial
+
+    step_by_step, counts = run(RequestOutputKind.CUMULATIVE)
+    held, held_counts = run(RequestOutputKind.FINAL_ONLY)
+    assert max(counts[0]) > 0 and max(counts[1]) > 0  # (step by step, tokens came before the end)
+    assert held_counts[0] and held_counts[1] and max(held_counts[0] + held_counts[1]) == 0
+    assert max(held_counts[2]) > 0  # the request with a stop string: step by step
+    for a, b in zip(step_by_step, held):
+        assert (a.outputs[0].token_ids, a.outputs[0].text, a.outputs[0].finish_reason, a.outputs[0].stop_reason) == (
+            b.outputs[0].token_ids, b.outputs[0].text, b.outputs[0].finish_reason, b.outputs[0].stop_reason)
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs and a.prompt_logprobs == b.prompt_logprobs
+    assert held[0].outputs[0].logprobs and len(held[0].outputs[0].logprobs) == 9 and held[0].prompt_logprobs
+    assert held[1].outputs[0].finish_reason == "stop" and held[1].outputs[0].token_ids[-1] == stop_at
 
 
 def test_ctrl_c_in_generate_stops_its_steps_and_leaves_the_engine_usable(llm, monkeypatch):

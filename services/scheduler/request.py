@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from services.scheduler.block_pool import BlockHash
 from shared.lora_request import LoRARequest
-from shared.messages import FinishReason
-from shared.sampling_params import SamplingParams
+from shared.messages import EngineCoreOutput, FinishReason
+from shared.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -66,10 +66,21 @@ class Request:
     queue_time_traced: bool = False
     # The span link of trace_headers, parsed once (step tracing only; see step_tracer.py).
     trace_link: object = None
+    # The tokens that may end it (EOS, stop_token_ids): any other sampled token ends it only
+    # at its length limit, so landing a step tests those two things first.
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())
+    # FINAL_ONLY (and no stop strings, which are looked for in the text as it grows): its
+    # tokens are held in one output, handed over when it finishes.
+    holds_output: bool = field(init=False, default=False)
+    held_output: EngineCoreOutput | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        self.stop_ids = frozenset((*eos, *params.stop_token_ids))
+        self.holds_output = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
 
     @property
     def num_tokens(self) -> int:

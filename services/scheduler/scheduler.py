@@ -465,6 +465,7 @@ class Scheduler:
         logprobs = runner_output.logprobs or [[]] * len(runner_output.req_ids)
         num_drafts = runner_output.num_draft_tokens or [0] * len(runner_output.req_ids)
         long_rope = self.kv_cache_manager.long_rope_threshold is not None  # (Phi-3's longrope: mostly not)
+        max_len = self.max_model_len
         for req_id, sampled, lps, drafted in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
@@ -482,31 +483,50 @@ class Scheduler:
             index = request.num_output_tokens
             new_tokens = []
             self.num_generation_tokens += len(sampled)
+            reason = stop_reason = None
             for token_id in sampled:
                 request.append_output_token(token_id)
                 new_tokens.append(token_id)
-                reason, stop_reason = self._check_stop(request, token_id)
-                if reason is not None:
-                    break
-            output = EngineCoreOutput(
-                request_id=req_id,
-                new_token_ids=new_tokens,
-                new_logprobs=lps if len(lps) <= len(new_tokens) else lps[:len(new_tokens)],
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                index=index,
-                prompt_logprobs=runner_output.prompt_logprobs.get(req_id, []) if index == 0 else [],
-                pooled=runner_output.pooled.get(req_id) if index == 0 else None,
-            )
-            if not request.queue_time_reported:
-                output.queue_time_s = request.queue_time_s
-                request.queue_time_reported = True
+                # (Almost every token: not one that may stop it, nor its last; run for every
+                # token of a step, so the whole test only where it can say stop.)
+                if (token_id in request.stop_ids or len(request.output_token_ids) >= request.max_tokens
+                        or len(request.all_token_ids) >= max_len):
+                    reason, stop_reason = self._check_stop(request, token_id)
+                    if reason is not None:
+                        break
+            new_logprobs = lps if len(lps) <= len(new_tokens) else lps[:len(new_tokens)]
+            output = request.held_output
+            if output is not None:  # FINAL_ONLY: this step's tokens join the ones held
+                output.new_token_ids += new_tokens
+                if new_logprobs:
+                    output.new_logprobs += new_logprobs
+            else:
+                output = EngineCoreOutput(
+                    request_id=req_id,
+                    new_token_ids=new_tokens,
+                    new_logprobs=new_logprobs,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    index=index,
+                    prompt_logprobs=runner_output.prompt_logprobs.get(req_id, []) if index == 0 else [],
+                    pooled=runner_output.pooled.get(req_id) if index == 0 else None,
+                )
+                if not request.queue_time_reported:
+                    output.queue_time_s = request.queue_time_s
+                    request.queue_time_reported = True
             if reason is not None:
                 self._finish(request, reason, stop_reason)
                 output.finish_reason = reason
                 output.stop_reason = stop_reason
-            elif (long_rope and not request.long_rope and request.status == RequestStatus.RUNNING
-                  and self.kv_cache_manager.runs_long(request)):
-                self._restart_long(request)  # it just grew past the threshold
+                output.num_cached_tokens = max(request.num_cached_tokens, 0)  # (a held output's, now)
+            else:
+                if (long_rope and not request.long_rope and request.status == RequestStatus.RUNNING
+                        and self.kv_cache_manager.runs_long(request)):
+                    self._restart_long(request)  # it just grew past the threshold
+                if request.holds_output:
+                    if request.held_output is None:
+                        output.new_logprobs = list(output.new_logprobs)  # (its own: it grows)
+                        request.held_output = output
+                    continue
             outputs[request.reply_subject].append(output)
         return self._pack(outputs)
 
@@ -531,6 +551,8 @@ class Scheduler:
             request.speculate = False
 
     def _pack(self, outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, EngineCoreOutputs]:
+        if not outputs:
+            return {}  # (a step of held outputs only: no one to send figures to)
         stats = self.make_stats()
         now = time.time()
         return {
@@ -539,6 +561,8 @@ class Scheduler:
         }
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
+        """Whether `token_id`, just appended, ends the request (update_from_output asks only
+        for one in `request.stop_ids` or at a length limit: keep the two in step)."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             # A grammar allows the stop token only where it is complete: it ends a
