@@ -87,6 +87,7 @@ def measure(llm, batch: int, context: int, salt: int, profile=None) -> dict[str,
     timer.wrap(llm, "_process", "detokenize_ms")
     timer.wrap(runner.model, "compute_logits", "logits_ms")
     timer.wrap(runner.sampler, "sample", "sampler_ms")
+    timer.wrap(runner.sampler, "argmax", "sampler_ms")  # (a step of argmax-only requests)
     vocab = runner.vocab_size
     prompts = [[(salt * 7919 + i * 104729 + j * 31) % (vocab - 200) + 100 for j in range(context)] for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True,

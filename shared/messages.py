@@ -71,17 +71,19 @@ class NewRequestData(msgspec.Struct, **_WIRE):
 
 
 class CachedRequestData(msgspec.Struct, **_WIRE):
-    """Delta for a request the worker holds: blocks added since last step and progress."""
+    """Deltas for the requests the worker holds, a column a field (vLLM's shape: a step of
+    128 decodes is three lists, not 128 structs to build, encode and decode): blocks added
+    since the last step, and progress."""
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    req_ids: list[str] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, **_WIRE):
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests the worker must drop before this step: finished, aborted or preempted.

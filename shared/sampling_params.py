@@ -160,6 +160,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         )
 
     @property
+    def argmax_only(self) -> bool:
+        """Whether its every token is the argmax of the model's logits as they are: greedy,
+        nothing that changes or reads the distribution (penalties, bias, allowed ids,
+        min_tokens' ban, bad words, a grammar, logprobs), no embedding."""
+        return (self.greedy and not self.needs_penalties and not self.logit_bias and self.allowed_token_ids is None
+                and not self.min_tokens and not self.bad_words_token_ids and self.structured_outputs is None
+                and self.logprobs is None and self.prompt_logprobs is None and not self.embed)
+
+    @property
     def needs_output_history(self) -> bool:
         """Whether sampling reads output tokens before the latest one: penalties count them,
         a bad word of several tokens compares them."""

@@ -161,7 +161,7 @@ def test_a_request_is_scheduled_ahead_of_its_sampled_token():
     second = core.schedule()  # built before the first lands: decodes that token
     assert first.num_scheduled_tokens == {"a": 3}
     assert second.num_scheduled_tokens == {"a": 1}
-    assert [c.num_computed_tokens for c in second.scheduled_cached_reqs] == [3]
+    assert second.scheduled_cached_reqs.num_computed_tokens == [3]
     assert core.requests["a"].num_output_placeholders == 2
     core.update_from_output(first, runner_output(first, {"a": [7]}))
     assert core.requests["a"].num_output_placeholders == 1

@@ -645,3 +645,27 @@ def test_a_request_counted_by_another_sampler_is_counted_afresh():
     first.rows([st_], 8, torch.device("cpu"))
     output, seen = second.rows([st_], 8, torch.device("cpu"))
     assert output[0].tolist() == [0, 0, 0, 1, 0, 0, 0, 0] and seen[0].tolist() == [0, 1, 1, 1, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.5), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5), dict(repetition_penalty=1.2),
+    dict(logit_bias={4: 1.0}), dict(allowed_token_ids=[4, 5]), dict(min_tokens=1), dict(logprobs=0),
+    dict(prompt_logprobs=0), dict(bad_words_token_ids=[[4]]), dict(structured_outputs={"regex": "a"}),
+    dict(embed=True, max_tokens=1),
+])
+def test_only_plain_greedy_requests_take_the_argmax_path_and_it_samples_what_sample_does(params):
+    """RequestState.argmax_only (the runner's shortest path: Sampler.argmax, no per-row
+    work) is false for anything that changes or reads the distribution; for plain greedy
+    rows the argmax path's ids and logprobs are sample()'s."""
+    from shared.sampling_params import StructuredOutputsParams
+
+    if "structured_outputs" in params:
+        params = {**params, "structured_outputs": StructuredOutputsParams(**params["structured_outputs"])}
+    assert state(temperature=0, **{k: v for k, v in params.items() if k != "temperature"}).argmax_only is (
+        "temperature" in params)  # (greedy with any of the others: not argmax-only)
+    assert not state(**params).argmax_only
+    plain = [state(temperature=0, req_id=str(i)) for i in range(5)]
+    assert all(s.argmax_only for s in plain)
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler()
+    assert sampler.argmax(logits).to_host() == sampler.sample(logits, plain).to_host()

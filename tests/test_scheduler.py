@@ -110,7 +110,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     assert isinstance(new, NewRequestData)
     assert (new.req_id, new.num_computed_tokens, new.block_ids) == ("a", 0, list(range(8)))
     assert new.output_token_ids == []
-    assert so.scheduled_cached_reqs == []
+    assert so.scheduled_cached_reqs == CachedRequestData()
     # A prompt chunk with more to come samples nothing and yields no output.
     assert scheduler.update_from_output(so, runner_output(so, {})) == {}
     assert scheduler.requests["a"].output_token_ids == []
@@ -119,12 +119,12 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
         so = scheduler.schedule()
         assert so.num_scheduled_tokens == {"a": 32}
         assert so.scheduled_new_reqs == []
-        assert so.scheduled_cached_reqs == [CachedRequestData("a", list(block_ids), computed)]
+        assert so.scheduled_cached_reqs == CachedRequestData(["a"], [list(block_ids)], [computed])
         assert scheduler.update_from_output(so, runner_output(so, {})) == {}
 
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"a": 4}
-    assert so.scheduled_cached_reqs == [CachedRequestData("a", [24], 96)]
+    assert so.scheduled_cached_reqs == CachedRequestData(["a"], [[24]], [96])
     outputs = scheduler.update_from_output(so, runner_output(so, {"a": [42]}))
     out = only_output(outputs, "a")
     assert out.new_token_ids == [42]
@@ -134,7 +134,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     # Then one token a step; the 101st token needs a 26th block.
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"a": 1}
-    assert so.scheduled_cached_reqs == [CachedRequestData("a", [25], 100)]
+    assert so.scheduled_cached_reqs == CachedRequestData(["a"], [[25]], [100])
 
 
 def test_long_prefill_threshold_caps_one_requests_share_of_the_step():
@@ -181,7 +181,7 @@ def test_running_requests_are_scheduled_before_waiting_ones():
     # a's one decode token first, the rest of the budget to b.
     so, _ = step(scheduler)
     assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 4)]
-    assert [c.req_id for c in so.scheduled_cached_reqs] == ["a"]
+    assert so.scheduled_cached_reqs.req_ids == ["a"]
     assert [n.req_id for n in so.scheduled_new_reqs] == ["b"]
 
 
@@ -223,7 +223,7 @@ def test_the_newest_running_request_is_preempted_when_blocks_run_out():
     # a's 9th token needs a third block: b (the newest) gives back its blocks, tail first.
     so = scheduler.schedule()
     assert so.num_scheduled_tokens == {"a": 1}
-    assert so.scheduled_cached_reqs == [CachedRequestData("a", [3], 8)]
+    assert so.scheduled_cached_reqs == CachedRequestData(["a"], [[3]], [8])
     assert so.finished_req_ids == ["b"]  # the worker drops b's state before this step
     assert scheduler.num_preemptions == 1
     assert scheduler.make_stats().num_preemptions == 1

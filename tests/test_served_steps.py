@@ -16,7 +16,7 @@ import pytest
 from services.worker import served_steps
 from services.worker.served_steps import ServedSteps
 from shared.bus import encode
-from shared.messages import ModelRunnerOutput, SchedulerOutput
+from shared.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from shared.tracing import setup_tracing
 
 pytestmark = pytest.mark.timeout(30)
@@ -82,7 +82,7 @@ def served(monkeypatch):
     served = ServedSteps(Executor(), setup_tracing("worker"))
 
     def put(step_id: int | None) -> None:
-        data = b"\xc1" if step_id is None else encode(SchedulerOutput(step_id, [], [], {}, 0))  # 0xc1: never msgpack
+        data = b"\xc1" if step_id is None else encode(SchedulerOutput(step_id, [], CachedRequestData(), {}, 0))  # 0xc1: never msgpack
         served.put(Msg(data, answers))
 
     served.finished_at_launch = finished_at_launch

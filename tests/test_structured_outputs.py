@@ -216,7 +216,7 @@ def test_a_grammar_that_fails_on_the_worker_fails_its_request_alone():
     third = scheduler.schedule()
     # The constrained request's last prompt token again (at position 2), the plain one's decode.
     assert third.num_scheduled_tokens == {"plain": 1, "json": 1}
-    assert [c.num_computed_tokens for c in third.scheduled_cached_reqs] == [4, 2]
+    assert third.scheduled_cached_reqs.num_computed_tokens == [4, 2]
     outs = scheduler.update_from_output(third, ModelRunnerOutput(third.step_id, ["plain", "json"], [[13], [14]]))
     assert {o.request_id: o.new_token_ids for o in outs[""].outputs} == {"plain": [13], "json": [14]}
     assert "bad" not in scheduler.requests

@@ -271,7 +271,7 @@ class Scheduler:
                 # first token there may come back unsampled.
                 index += 1
                 continue
-            num_new = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
@@ -385,9 +385,9 @@ class Scheduler:
     def _will_finish(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""
         pending = request.num_output_placeholders
-        return pending > 0 and (
-            request.num_output_tokens + pending >= request.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
+        return pending > 0 and (  # (lengths read directly: this runs for every request a step)
+            len(request.output_token_ids) + pending >= request.max_tokens
+            or len(request.all_token_ids) + pending >= self.max_model_len
         )
 
     def _make_output(
@@ -396,16 +396,12 @@ class Scheduler:
         num_scheduled: dict[str, int],
         new_blocks: dict[str, list[int]],
     ) -> SchedulerOutput:
-        new_reqs, cached_reqs = [], []
+        new_reqs, cached_ids, cached_blocks, cached_computed = [], [], [], []
         for request in scheduled:
             if request.in_worker:
-                cached_reqs.append(
-                    CachedRequestData(
-                        req_id=request.request_id,
-                        new_block_ids=new_blocks[request.request_id],
-                        num_computed_tokens=request.num_computed_tokens,
-                    )
-                )
+                cached_ids.append(request.request_id)
+                cached_blocks.append(new_blocks[request.request_id])
+                cached_computed.append(request.num_computed_tokens)
             else:
                 request.in_worker = True
                 request.awaiting_grammar = request.sampling_params.structured_outputs is not None
@@ -426,7 +422,7 @@ class Scheduler:
         return SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
+            scheduled_cached_reqs=CachedRequestData(cached_ids, cached_blocks, cached_computed),
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=sorted(finished),

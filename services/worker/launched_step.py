@@ -12,7 +12,7 @@ of the device waiting for them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ class LaunchedStep:
     output: ModelRunnerOutput  # its tokens filled in by finish()
     samples: Samples | None = None
     # (index in the output, row of the samples, state) of each request that sampled
-    sampled_states: tuple[tuple[int, int, RequestState], ...] = ()
+    sampled_states: Sequence[tuple[int, int, RequestState]] = ()
     on_finish: Callable[[LaunchedStep], None] | None = None  # the runner's bookkeeping (its queue of launched steps)
     finished: bool = False
 
@@ -75,7 +75,7 @@ def reads_device_tokens_only(requests: dict[str, RequestState], so: SchedulerOut
         if state is None or not state.num_pending:
             continue
         if (n != 1 or rid in so.num_draft_slots or state.matcher is not None
-                or (state.sampling_params.needs_output_history and state.num_pending > 1)
+                or (state.num_pending > 1 and state.sampling_params.needs_output_history)
                 or state.num_computed_tokens != len(state.token_ids) + state.num_pending - 1):
             return False
     return True

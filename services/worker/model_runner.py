@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import time
 from collections import deque
@@ -49,6 +50,9 @@ GRAMMAR_WAIT_S = 0.05
 
 # The token an embedding request ends with (it samples nothing): any id the vocabulary has.
 EMBED_PLACEHOLDER = 0
+_ARGMAX_ONLY = operator.attrgetter("argmax_only")
+_NUM_COMPUTED, _REQ_ID = operator.attrgetter("num_computed_tokens"), operator.attrgetter("req_id")
+
 log = logging.getLogger(__name__)
 
 
@@ -241,10 +245,13 @@ class ModelRunner:
         # Decodes (one new token) first, shortest context first, so attention can batch
         # them in groups of similar length.
         requests = self.requests
-        # (A request verifying drafts is decodes too: one row per token, see StepInputs.build.)
-        order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1 and rid not in drafts,
-                                                    requests[rid].num_computed_tokens))
-        states = [self.requests[rid] for rid in order]
+        if not drafts and len(num_tokens) == sum(num_tokens.values()):  # decodes only (C-level sort key)
+            states = sorted(map(requests.__getitem__, num_tokens), key=_NUM_COMPUTED)
+            order = list(map(_REQ_ID, states))
+        else:  # (a request verifying drafts is decodes too: one row per token, see StepInputs.build)
+            order = sorted(num_tokens, key=lambda rid: (num_tokens[rid] != 1 and rid not in drafts,
+                                                        requests[rid].num_computed_tokens))
+            states = [requests[rid] for rid in order]
         long_offset = self.model.model.rotary.long_offset if self.model_config.long_rope_threshold is not None else None
         inputs, sample_rows, last_token, from_device = StepInputs.build(states, num_tokens, drafts, self.block_size,
                                                                         self.block_table, long_offset)
@@ -273,7 +280,11 @@ class ModelRunner:
         )
         launched = LaunchedStep.done(output)
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)
-        constrained = [i for i in sample_rows if states[i].matcher is not None]  # (mostly none)
+        # Most decode steps: every request samples the argmax, nothing else asked of it, so
+        # none of the per-request passes below for grammars, prompt logprobs, embeddings,
+        # the sampler's processing and logprobs has anything to find.
+        argmax_only = not drafts and all(map(_ARGMAX_ONLY, states))
+        constrained = [] if argmax_only else [i for i in sample_rows if states[i].matcher is not None]
         if any(isinstance(states[i].matcher, Future) for i in constrained):
             # A step of nothing but requests waiting for their grammars may wait for one a
             # little, rather than come straight back to compute the same token again.
@@ -284,10 +295,10 @@ class ModelRunner:
             output.request_errors.update({order[i]: why for i, why in failed.items()})
             self.drop_requests([order[i] for i in failed])
             constrained = [i for i in sample_rows if states[i].matcher is not None]
-        if any(s.prompt_logprobs is not None for s in states):  # (mostly none)
+        if not argmax_only and any(s.prompt_logprobs is not None for s in states):  # (mostly none)
             sample_rows = self._add_prompt_logprobs(states, num_tokens, last_token, hidden, sample_rows, output)
             constrained = [i for i in sample_rows if states[i].matcher is not None]
-        embeds = [i for i in sample_rows if states[i].sampling_params.embed]  # (mostly none)
+        embeds = [] if argmax_only else [i for i in sample_rows if states[i].sampling_params.embed]  # (mostly none)
         if embeds:
             # Last-token pooling, as vLLM's for decoder models: the final norm's output at
             # the prompt's last position, L2-normalized (a sync, paid only by such steps).
@@ -334,7 +345,7 @@ class ModelRunner:
                 plain = frozenset(r for r, st in enumerate(row_states) if plain_greedy(st))
                 valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs, plain)))
                 mask_ns = time.perf_counter_ns() - t_mask
-            samples = self.sampler.sample(logits, row_states)
+            samples = self.sampler.argmax(logits) if argmax_only else self.sampler.sample(logits, row_states)
             if drafts or constrained or not self.overlap_steps:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
@@ -343,11 +354,13 @@ class ModelRunner:
             else:
                 # The tokens stay on the device; the next step reads them there.
                 samples.start_copy()
+                sampled_states, ids = [], samples.ids
                 for i, row in zip(sample_rows, first_row):
-                    states[i].num_pending += 1
-                    states[i].pending_token = (samples.ids, row)
-                launched = LaunchedStep(output, samples, tuple((i, row, states[i]) for i, row in zip(
-                    sample_rows, first_row)), on_finish=self._retire)
+                    state = states[i]
+                    state.num_pending += 1
+                    state.pending_token = (ids, row)
+                    sampled_states.append((i, row, state))
+                launched = LaunchedStep(output, samples, sampled_states, on_finish=self._retire)
                 self._launched.append(launched)
         if launched.finished and not any(logprobs):  # (a launched step's finish() says so itself)
             output.logprobs = []
@@ -478,12 +491,15 @@ class ModelRunner:
                 else None,
                 lora=adapter,
             )
-        for cached in so.scheduled_cached_reqs:
-            state = self.requests.get(cached.req_id)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                       cached.num_computed_tokens):
+            state = self.requests.get(req_id)
             if state is None:
                 # Dropped after a failed step while this one was already in flight (async
                 # scheduling): the scheduler has ended it and ignores its absence here.
-                so.num_scheduled_tokens.pop(cached.req_id, None)
+                so.num_scheduled_tokens.pop(req_id, None)
                 continue
-            self.block_table.append(state.block_row, cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            if new_block_ids:  # (a decode step: mostly none)
+                self.block_table.append(state.block_row, new_block_ids)
+            state.num_computed_tokens = num_computed

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from shared.sampling_params import SamplingParams
@@ -39,6 +39,12 @@ class RequestState:
     # far (prompt_logprobs.py); None otherwise.
     prompt_logprobs: list | None = None
     lora: LoRAAdapter | None = None  # its adapter, read (lora_manager.py); None: the base model
+    # SamplingParams.argmax_only, read once: a step of such requests only (most decode
+    # steps) takes the sampler's and the runner's shortest path.
+    argmax_only: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.argmax_only = self.sampling_params.argmax_only
 
     @property
     def num_output_tokens(self) -> int:

@@ -139,6 +139,12 @@ class Sampler:
     ) -> tuple[list[int], list[Logprobs | None]]:
         return self.sample(logits, states).to_host()
 
+    def argmax(self, logits: torch.Tensor) -> Samples:
+        """`sample` for rows that are all `argmax_only` (RequestState): nothing to process,
+        no logprobs to read, nothing per row on the host."""
+        sampled = logits.argmax(-1)
+        return Samples(sampled, sampled, (None,) * len(sampled), [], 0)  # (no row's params read: none has logprobs)
+
     def sample(self, logits: torch.Tensor, states: Sequence[RequestState]) -> Samples:
         raw = logits
         params = [s.sampling_params for s in states]
