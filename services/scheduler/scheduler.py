@@ -462,6 +462,8 @@ class Scheduler:
         num_drafts = runner_output.num_draft_tokens or [0] * len(runner_output.req_ids)
         long_rope = self.kv_cache_manager.long_rope_threshold is not None  # (Phi-3's longrope: mostly not)
         max_len = self.max_model_len
+        draft_slots = scheduler_output.num_draft_slots
+        num_generated = 0
         for req_id, sampled, lps, drafted in zip(
             runner_output.req_ids, runner_output.sampled_token_ids, logprobs, num_drafts
         ):
@@ -473,12 +475,11 @@ class Scheduler:
                 request.num_discarded_tokens -= 1
                 continue
             request.awaiting_grammar = False
-            slots = scheduler_output.num_draft_slots.get(req_id, 0)
-            if slots:
+            if draft_slots and (slots := draft_slots.get(req_id, 0)):
                 self._land_drafts(request, slots, drafted, len(sampled) - 1)
-            index = request.num_output_tokens
+            index = len(request.output_token_ids)
             new_tokens = []
-            self.num_generation_tokens += len(sampled)
+            num_generated += len(sampled)
             reason = stop_reason = None
             for token_id in sampled:
                 request.append_output_token(token_id)
@@ -490,7 +491,7 @@ class Scheduler:
                     reason, stop_reason = self._check_stop(request, token_id)
                     if reason is not None:
                         break
-            new_logprobs = lps if len(lps) <= len(new_tokens) else lps[:len(new_tokens)]
+            new_logprobs = lps[:len(new_tokens)] if lps else lps
             output = request.held_output
             if output is not None:  # FINAL_ONLY: this step's tokens join the ones held
                 output.new_token_ids += new_tokens
@@ -524,6 +525,7 @@ class Scheduler:
                         request.held_output = output
                     continue
             outputs[request.reply_subject].append(output)
+        self.num_generation_tokens += num_generated  # (before _pack: its figures count them)
         return self._pack(outputs)
 
     def _land_drafts(self, request: Request, slots: int, num_drafted: int, num_accepted: int) -> None:

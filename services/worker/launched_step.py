@@ -52,13 +52,16 @@ class LaunchedStep:
             token_ids, token_logprobs = self.samples.to_host()
             sampled, logprobs = self.output.sampled_token_ids, self.output.logprobs
             for i, row, state in self.sampled_states:
-                state.token_ids.append(token_ids[row])
+                token_id = token_ids[row]
+                state.token_ids.append(token_id)
                 state.num_pending -= 1
                 if state.num_pending == 0:
                     state.pending_token = None
-                sampled[i] = [token_ids[row]]
-                if token_logprobs[row] is not None:
-                    logprobs[i] = [token_logprobs[row]]
+                sampled[i] = [token_id]
+            if self.samples.has_logprobs:
+                for i, row, _ in self.sampled_states:
+                    if token_logprobs[row] is not None:
+                        logprobs[i] = [token_logprobs[row]]
             if not any(logprobs):
                 self.output.logprobs = []
         return self.output

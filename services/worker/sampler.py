@@ -98,6 +98,11 @@ class Samples:
         self.ids, self._flat, self._params, self._rows, self._max_k = ids, flat, params, rows, max_k
         self._event = None
 
+    @property
+    def has_logprobs(self) -> bool:
+        """Whether any row asked for logprobs (`to_host` gives None for every row otherwise)."""
+        return bool(self._rows)
+
     def start_copy(self) -> None:
         if self._flat.is_cuda:
             host = torch.empty(self._flat.shape, dtype=self._flat.dtype, pin_memory=True)
