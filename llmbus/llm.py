@@ -396,6 +396,11 @@ class LLM:
         for prompt, params in zip(prompts, params_list):
             if not isinstance(params, SamplingParams):
                 raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+            if params.output_kind == RequestOutputKind.DELTA:
+                # (Each RequestOutput here grows in place: one of only the new tokens would
+                # be a different object a step, which this API does not hand out.)
+                raise ValueError("output_kind DELTA is not taken offline: an LLM's outputs grow step by step "
+                                 "(CUMULATIVE) or come whole when they finish (FINAL_ONLY)")
             if params.structured_outputs is not None:
                 # Compiled here, before anything is queued: a bad spec is the caller's
                 # error, never a failed step that takes the batch beside it down.

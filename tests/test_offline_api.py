@@ -83,6 +83,14 @@ def test_final_only_outputs_hand_every_token_over_once_when_the_request_finishes
     assert held[1].outputs[0].finish_reason == "stop" and held[1].outputs[0].token_ids[-1] == stop_at
 
 
+def test_delta_outputs_are_refused_offline_by_name(llm):
+    from llmbus import RequestOutputKind
+
+    with pytest.raises(ValueError, match="output_kind DELTA"):
+        llm.add_requests([[5, 6]], [SamplingParams(max_tokens=2, output_kind=RequestOutputKind.DELTA)])
+    assert not llm.scheduler.has_unfinished_requests()
+
+
 def test_ctrl_c_in_generate_stops_its_steps_and_leaves_the_engine_usable(llm, monkeypatch):
     """generate() runs all its steps in one call on the engine's thread: a Ctrl-C (SIGINT
     to the caller, here sent from the engine's thread once a few steps have landed) must
