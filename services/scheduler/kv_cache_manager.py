@@ -120,7 +120,7 @@ class KVCacheManager:
             # no block newly full; this path costs a few attribute reads a request a step.
             num_after = request.num_computed_tokens + num_new_tokens
             if num_after <= len(req_blocks) * self.block_size:
-                if self.enable_caching and min(num_after, request.num_tokens) // self.block_size > \
+                if self.enable_caching and min(num_after, len(request.all_token_ids)) // self.block_size > \
                         self.num_cached_blocks.get(request.request_id, 0):
                     self._cache_full_blocks(request, req_blocks, num_after)
                 return []

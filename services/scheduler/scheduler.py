@@ -297,7 +297,7 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             if slots:
                 num_draft_slots[request.request_id] = slots
-            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            new_blocks[request.request_id] = [b.block_id for b in blocks] if blocks else []  # (a decode's: mostly none)
             budget -= num_new
             index += 1
 
@@ -355,8 +355,8 @@ class Scheduler:
             # Counted as computed now, when the step is decided, not when it lands (draft
             # slots too: what is rejected is given back when it lands).
             request.num_computed_tokens += num_scheduled[request.request_id]
-            slots = num_draft_slots.get(request.request_id, 0)
-            if request.num_computed_tokens - slots == request.num_tokens + request.num_output_placeholders:
+            slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
+            if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
         return output
 
