@@ -29,6 +29,21 @@ def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
     assert not (tmp_path / "models").exists()  # the shaped configs are cleaned away
 
 
+def test_gpu_figures_counts_greedy_cases_apart_from_the_other_checks():
+    """greedy_cases is output against transformers only: the overlap checks (host_syncs,
+    host_waits) and the float8 kernels' rows (no model) are checks, not greedy cases."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_figures import check_counts
+
+    rows = [{"model": "llama", "case": "batch", "identical": True},
+            {"model": "llama", "case": "preemption", "identical": False},
+            {"model": "llama", "case": "host_syncs", "identical": True},
+            {"model": "llama", "case": "host_waits", "identical": False},
+            {"case": "fp8_write", "identical": True},
+            {"model": "llama", "case": "note"}]  # (no verdict: not counted)
+    assert check_counts(rows) == {"greedy_cases": 2, "greedy_identical": 1, "checks": 5, "checks_passed": 3}
+
+
 def test_gpu_check_passes_every_check_on_cpu(tmp_path):
     """The same cases as on the GPU, on CPU: a case that cannot pass (one that checks
     nothing, a broken import) is found here, not in a lease. Two of its models (a dense
