@@ -188,9 +188,11 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
-        # Only the finished outputs are returned (vLLM's generate asks for FINAL_ONLY too).
-        final_only = {}
-        params_list = [final_only.get(id(p)) or final_only.setdefault(id(p), _final_only(p)) for p in params_list]
+        # Only the finished outputs are returned (vLLM's generate asks for FINAL_ONLY too);
+        # one copy a distinct params object (a batch mostly shares one).
+        distinct = {id(p): p for p in params_list}
+        final_only = {key: _final_only(p) for key, p in distinct.items()}
+        params_list = [final_only[id(p)] for p in params_list]
         results = self.add_requests(prompts, params_list, priority, lora_request)
         pending = {seq_id for r in results for seq_id in self._children(r)}
         with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
