@@ -684,3 +684,20 @@ def test_a_random_workload_never_leaks_a_block(seed):
     assert scheduler.num_preemptions > 0  # the cache was small enough to matter
     assert scheduler.requests == {}
     assert_all_blocks_free(scheduler)
+
+
+def test_scheduler_step_times_script_times_both_halves_of_a_step():
+    """scripts/scheduler_step_times.py, behind docs/performance.md's scheduler figures, runs
+    and reports both halves for the batch asked."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "scheduler_step_times.py"
+    result = subprocess.run([sys.executable, str(script), "--batch", "8", "--steps", "40", "--runs", "2"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(rows) == 2 and all(r["batch"] == 8 and r["schedule_us"] > 0 and r["update_from_output_us"] > 0
+                                  for r in rows)
