@@ -10,36 +10,32 @@ is the one that output position would get). No per-row `torch.Generator`: the dr
 batched tensors of the step's seeds and positions, so the same code runs inside a CUDA
 graph.
 
-Every multiply keeps to 32-bit words inside int64 (a 32-bit word times a 16-bit half of
-the constant < 2**48), so nothing relies on how a device wraps signed overflow.
+On a CPU the hash runs in numpy's unsigned 32-bit words, whose multiplies wrap modulo
+2**32 by definition (C's unsigned arithmetic): fifty-odd torch ops on 128 numbers took
+0.17 ms a step there, numpy's 0.03.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-_M32 = 0xFFFFFFFF
-_M16 = 0xFFFF
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
 _SEED_KEY, _WORD_KEY = 0x9E3779B9, 0x85EBCA6B
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for words x in [0, 2**32), without leaving int64."""
-    return (x * (c & _M16) + (((x * (c >> 16)) & _M16) << 16)) & _M32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x: np.ndarray) -> np.ndarray:  # uint32 words
     x = x ^ (x >> 16)
-    x = _mul32(x, _C1)
+    x = x * np.uint32(_C1)
     x = x ^ (x >> 15)
-    x = _mul32(x, _C2)
+    x = x * np.uint32(_C2)
     return x ^ (x >> 16)
 
 
-def _words(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # `>>` on int64 is arithmetic; the mask makes it the two's-complement high word.
-    return x & _M32, (x >> 32) & _M32
+def _words(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The low and high uint32 words of int64 values (two's complement)."""
+    bits = x.numpy().view(np.uint64)
+    return bits.astype(np.uint32), (bits >> np.uint64(32)).astype(np.uint32)
 
 
 def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -52,12 +48,13 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return uniform_kernel(seeds, positions)
     seed_lo, seed_hi = _words(seeds)
     pos_lo, pos_hi = _words(positions)
-    h = _mix32(seed_lo ^ _SEED_KEY)
+    h = _mix32(seed_lo ^ np.uint32(_SEED_KEY))
     h = _mix32(h ^ seed_hi)
     h = _mix32(h ^ pos_lo)
     a = _mix32(h ^ pos_hi)
-    b = _mix32(a ^ _WORD_KEY)
-    return ((a >> 5) * (1 << 26) + (b >> 6)).to(torch.float64) * (1.0 / (1 << 53))
+    b = _mix32(a ^ np.uint32(_WORD_KEY))
+    bits = ((a >> 5).astype(np.uint64) << np.uint64(26)) | (b >> 6).astype(np.uint64)  # < 2**53
+    return torch.from_numpy(bits.astype(np.float64) * (1.0 / (1 << 53)))
 
 
 def as_int64(seed: int) -> int:

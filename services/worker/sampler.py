@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from services.worker.bad_words import apply_bad_words, has_bad_words
-from services.worker.host_values import put_scalar, to_device
+from services.worker.host_values import from_list, put_scalar, to_device
 from services.worker.penalty_counts import PenaltyCounts
 from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 from services.worker.request_state import RequestState
@@ -254,6 +254,8 @@ class Sampler:
         # rows, a few tiny kernels on a GPU (the same bits: integer ops).
         seeds, positions = draw_keys(states, self.generator)
         random_ids = sample_inverse_cdf(probs, uniform(to_device(seeds, device), to_device(positions, device)))
+        if not any(greedy):
+            return random_ids
         return torch.where(to_device(greedy, device), logits.argmax(-1), random_ids)
 
     def _samples(self, raw: torch.Tensor, sampled: torch.Tensor, params) -> Samples:
@@ -276,10 +278,13 @@ def draw_keys(states: Sequence[RequestState],
     seed at its output position, a fresh seed from `generator` (None: the global one)
     otherwise."""
     seeded = [s.sampling_params.seed is not None for s in states]
-    seeds = torch.tensor([as_int64(s.sampling_params.seed) if k else 0 for s, k in zip(states, seeded)],
-                         dtype=torch.int64)
-    positions = torch.tensor([s.num_output_tokens if k else 0 for s, k in zip(states, seeded)], dtype=torch.int64)
+    fresh = None
     if not all(seeded):
         fresh = torch.randint(-(1 << 63), (1 << 63) - 1, (len(states),), dtype=torch.int64, generator=generator)
-        seeds = torch.where(torch.tensor(seeded), seeds, fresh)
+        if not any(seeded):  # (most steps: no row has a seed, no row a position)
+            return fresh, torch.zeros(len(states), dtype=torch.int64)
+    seeds = from_list([as_int64(s.sampling_params.seed) if k else 0 for s, k in zip(states, seeded)], torch.int64)
+    positions = from_list([s.num_output_tokens if k else 0 for s, k in zip(states, seeded)], torch.int64)
+    if fresh is not None:
+        seeds = torch.where(from_list(seeded, torch.bool), seeds, fresh)
     return seeds, positions

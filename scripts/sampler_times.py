@@ -1,0 +1,76 @@
+"""What sampling costs a step apart from the model: `Sampler.sample` (and the copy of its
+ids to the host) on random logits of SmolLM2's vocabulary, for each kind of request a
+client sends, at a few batch sizes. On a CPU a decode step of SmolLM2 is a few ms at
+batch 1, so a sampler's ms show in the inter-token latency one for one.
+
+    python scripts/sampler_times.py [--batch 1 16] [--vocab 49152] [--runs 3]
+
+Prints one JSON line per batch size and run: the median ms of each kind, and each kind's
+ratio to greedy's in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KINDS = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "seeded": {"temperature": 0.8, "seed": 7},
+    "top_p": {"temperature": 0.8, "top_p": 0.95},
+    "top_k": {"temperature": 0.8, "top_k": 40},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
+    "llama_cpp_defaults": {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05},
+}
+
+
+def time_kind(sampler, logits, states, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampler.sample(logits, states).to_host()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--vocab", type=int, default=49152, help="logits a row (SmolLM2's vocabulary)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=30, help="samples a kind, batch and run (the median is kept)")
+    args = parser.parse_args()
+
+    import torch
+
+    from services.worker.request_state import RequestState
+    from services.worker.sampler import Sampler
+    from shared.sampling_params import SamplingParams
+
+    torch.set_num_threads(2)  # (the engine's on this 2-core machine)
+    sampler = Sampler(seed=0)
+    generator = torch.Generator().manual_seed(0)
+    for run in range(args.runs):
+        for batch in args.batch:
+            # bfloat16's values, as a model's logits come: ties and all.
+            logits = (torch.randn(batch, args.vocab, generator=generator) * 3).bfloat16().float()
+            row = {"batch": batch, "vocab": args.vocab, "run": run}
+            for kind, fields in KINDS.items():
+                states = [RequestState(req_id=str(i), token_ids=[1] * 600, num_prompt_tokens=512,
+                                       sampling_params=SamplingParams(**fields), eos_token_id=2, block_row=i,
+                                       num_computed_tokens=600) for i in range(batch)]
+                row[f"{kind}_ms"] = round(time_kind(sampler, logits, states, args.repeats), 3)
+            for kind in KINDS:
+                row[f"{kind}_vs_greedy"] = round(row[f"{kind}_ms"] / row["greedy_ms"], 2)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
