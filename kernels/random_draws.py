@@ -1,6 +1,6 @@
 """The sampling contract's uniform draws (services/worker/random_draws.py) in one Triton
-kernel: the same integer hash, so the same bits, as the PyTorch ops the CPU runs. On a GPU
-those ops were ~25 launches a random-sampling step for a few hundred numbers."""
+kernel: the same integer hash, so the same bits, as the numpy words the CPU runs. On a GPU
+tensor ops were ~25 launches a random-sampling step for a few hundred numbers."""
 
 from __future__ import annotations
 
