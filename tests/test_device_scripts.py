@@ -2,6 +2,7 @@
 broken one would waste a 15-minute lease. Here on CPU, on tiny shapes."""
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,9 @@ def test_gpu_figures_writes_every_figure(smollm2, tmp_path):
     assert [key for key in FIGURES if key not in report] == []
     assert report["seeded_draws_same_as_cpu"] is True
     assert report["w1_output_tok_s"] > 0 and report["w0_itl_ms_smollm2_bf16"] > 0
+    rounds = report["decode_b128_step_ms_rounds"]  # three rounds a mode; the figure is their median
+    assert sorted(rounds) == ["", "_eager", "_no_overlap"] and all(len(r) == 3 for r in rounds.values())
+    assert report["decode_b128_step_ms"] == statistics.median(rounds[""])
     assert not (tmp_path / "models").exists()  # the shaped configs are cleaned away
 
 
