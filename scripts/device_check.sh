@@ -4,11 +4,12 @@
 # tokenizer in .gpu_assets/smollm2/ — `bash scripts/device_carry.sh` makes both; weights are
 # random, of real shapes: `load_format="dummy"`). Carry: [".whl", ".gpu_assets"].
 # Budget: about 8 minutes of a 15-minute lease, start-up included (the steps' limits add up
-# to 8.6; they take less). In order of what matters most:
+# to 8.75; they take less). In order of what matters most:
 #   0. scripts/elementwise_check.py: the fused element-wise Triton kernels on the GPU (bits
 #      against the PyTorch ops, microseconds a layer); if one fails to run, the rest runs
 #      with LLMBUS_TRITON_ELEMENTWISE=0 (PyTorch ops) and the log says so
-#   0b. scripts/host_step_times.py: the engine's host work a decode step, on this CPU
+#   0b. scripts/host_step_times.py --device cuda: the engine's host work in a batch-128
+#      decode step on the GPU, and its cProfile
 #   1. scripts/gpu_check.py: greedy output vs transformers on the GPU, decode steps as CUDA
 #      graphs (the default) and eager (--enforce-eager), every scheduling mode, speculation,
 #      and each kind of structured output (its bitmask applied on the GPU)
@@ -76,8 +77,10 @@ if ! step elementwise 45 python3 scripts/elementwise_check.py --out "$OUT"; then
     echo "== elementwise kernels failed: the rest runs with LLMBUS_TRITON_ELEMENTWISE=0" | tee -a "$LOG"
     export LLMBUS_TRITON_ELEMENTWISE=0
 fi
-# The engine's host work a decode step on this machine's CPU (the GPU's step lasts at least that).
-step host_step_times 40 python3 scripts/host_step_times.py --assets .gpu_assets/smollm2 --batch 1 128 --runs 1 --out "$OUT"
+# The engine's host work in a batch-128 decode step on the GPU, CUDA graphs and all (the
+# step lasts at least that), and its cProfile (host_profile.txt): where the host's time goes.
+step host_step_times 50 python3 scripts/host_step_times.py --assets .gpu_assets/smollm2 --device cuda --batch 128 \
+    --runs 1 --cprofile 40 --out "$OUT"
 step gpu_check 160 python3 scripts/gpu_check.py --out "$OUT"
 step gpu_figures 270 python3 scripts/gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --gpu-check "$OUT/gpu_check.json"
 grep -E "^== |^\{\"figure|checks passed|roofline|\| " "$LOG" | tail -n 60

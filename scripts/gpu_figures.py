@@ -248,10 +248,12 @@ def main() -> int:
     elementwise = out / "elementwise.json"  # scripts/elementwise_check.py's figures, run before this
     if elementwise.is_file():
         report.update(json.loads(elementwise.read_text()))
-    host = out / "host_step_times.json"  # scripts/host_step_times.py's, on this machine's CPU
+    host = out / "host_step_times.json"  # scripts/host_step_times.py's, run before this
     if host.is_file():
         for row in json.loads(host.read_text()):
-            report[f"host_ms_decode_b{row['batch']}"] = row["host_ms"]
+            on = "_cuda" if row.get("device") == "cuda" else ""  # (the GPU's steps; else the forward on this CPU)
+            report[f"host_ms_decode_b{row['batch']}{on}"] = row["host_ms"]
+            report[f"wall_ms_decode_b{row['batch']}{on}"] = row["wall_ms"]
     report["triton_elementwise"] = os.environ.get("LLMBUS_TRITON_ELEMENTWISE", "1") != "0"
     if args.gpu_check and Path(args.gpu_check).is_file():
         report.update(check_counts(json.loads(Path(args.gpu_check).read_text())["rows"]))

@@ -150,7 +150,7 @@ def main() -> None:
         for run in range(args.runs):
             for batch in args.batch:
                 figures = measure(llm, batch, args.context, salt=run * 1000 + batch)
-                rows.append({"batch": batch, "context": args.context, "run": run, **figures})
+                rows.append({"batch": batch, "context": args.context, "run": run, "device": args.device, **figures})
                 print(json.dumps(rows[-1]), flush=True)
         if args.cprofile:
             profile = cProfile.Profile()

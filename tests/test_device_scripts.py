@@ -68,7 +68,7 @@ def test_host_step_times_writes_each_batch_phases(smollm2, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "host_step_times.json").read_text())
-    assert [r["batch"] for r in rows] == [1, 3]
+    assert [(r["batch"], r["device"]) for r in rows] == [(1, "cpu"), (3, "cpu")]  # (gpu_figures names keys by device)
     for row in rows:
         assert 0 < row["host_ms"] < row["wall_ms"]
         assert row["schedule_ms"] > 0 and row["prepare_ms"] > 0 and row["detokenize_ms"] > 0
