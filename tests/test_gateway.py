@@ -206,10 +206,22 @@ def test_a_field_llmbus_does_not_implement_is_a_400_naming_it(tokenizer, field):
         resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", field: {"type": "json_object"}})
         bookkeeping = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
                                                            "user": "u1", "metadata": {"k": "v"}, "store": False,
-                                                           "service_tier": "auto"})
+                                                           "service_tier": "auto", "safety_identifier": "s1",
+                                                           "prompt_cache_key": "k1"})
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == field and field in resp.json()["error"]["message"]
     assert bookkeeping.status_code == 200  # OpenAI's bookkeeping changes no output: accepted
+    assert len(engine.submitted) == 1
+
+
+def test_chat_takes_text_as_its_only_modality(tokenizer):
+    client, engine = gateway(tokenizer)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with client:
+        text = client.post("/v1/chat/completions", json={**chat, "modalities": ["text"]})
+        audio = client.post("/v1/chat/completions", json={**chat, "modalities": ["text", "audio"]})
+    assert text.status_code == 200
+    assert audio.status_code == 400 and audio.json()["error"]["param"] == "modalities"
     assert len(engine.submitted) == 1
 
 

@@ -35,7 +35,8 @@ def serve(tiny_llama, script: str = SCRIPT, **config):
 def test_a_response_is_the_chat_answer_streamed_and_not(tiny_llama):
     test_client, client, engine, tokenizer = serve(tiny_llama)
     with test_client:
-        whole = client.responses.create(model="tiny", input="hi", instructions="Be brief.", max_output_tokens=200)
+        whole = client.responses.create(model="tiny", input="hi", instructions="Be brief.", max_output_tokens=200,
+                                        safety_identifier="s1", prompt_cache_key="k1")  # (bookkeeping: accepted)
         events = list(client.responses.create(model="tiny", input="hi", instructions="Be brief.",
                                               max_output_tokens=200, stream=True))
     assert whole.output_text == SCRIPT and whole.status == "incomplete"  # the fake engine ends on length

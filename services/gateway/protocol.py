@@ -106,11 +106,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     # takes are BEAM_SEARCH_FIELDS, any other set beside it is a 400
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    # OpenAI's bookkeeping, accepted as it changes no output.
+    # OpenAI's bookkeeping, accepted as it changes no output (safety_identifier and
+    # prompt_cache_key are what OpenAI split `user` into; prefix caching needs no key here).
     user: str | None = None
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -135,6 +138,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None
+    modalities: list[str] | None = None  # OpenAI's: ["text"] only (no audio out)
 
 
 class TokenizePromptRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -206,6 +210,7 @@ MAX_PROMPTS = 64  # one completions request's batch
 BEAM_SEARCH_FIELDS = frozenset({
     "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "ignore_eos", "temperature",
     "length_penalty", "include_stop_str_in_output", "use_beam_search", "user", "metadata", "store", "service_tier",
+    "safety_identifier", "prompt_cache_key", "modalities",
     "request_id", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
     "truncate_prompt_tokens", "priority", "cache_salt",
 })
@@ -266,6 +271,8 @@ def to_sampling_params(
     if prompt_logprobs is not None and request.stream:
         raise BadRequest("prompt_logprobs cannot be streamed (as vLLM's); echo with logprobs can", "prompt_logprobs")
     if isinstance(request, ChatCompletionRequest):
+        if request.modalities not in (None, ["text"]):
+            raise BadRequest(f"modalities {request.modalities!r}: llmbus answers with text only", "modalities")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")

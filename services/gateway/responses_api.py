@@ -77,6 +77,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     metadata: dict[str, Any] | None = None
     user: str | None = None
     service_tier: str | None = None
+    safety_identifier: str | None = None  # (bookkeeping, as on chat)
+    prompt_cache_key: str | None = None
     cache_salt: str | None = None  # vLLM's, as on chat
     request_id: str | None = None  # vLLM's: the response is `resp_<id>` (request_ids.py)
 
