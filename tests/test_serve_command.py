@@ -112,7 +112,8 @@ def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
         [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url,
          "--model", "tiny", "--num-requests", "4", "--concurrency", "2", "--input-len", "4", "8",
          "--output-len", "3", "5", "--vocab-size", "300", "--service-cpu",
-         "--compare-offline", str(tiny_llama), "--offline-kv-cache-memory-gb", "0.01", "--repeat", "2"],
+         "--compare-offline", str(tiny_llama), "--offline-kv-cache-memory-gb", "0.01", "--repeat", "2",
+         "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05"],  # (both sides sample so)
         capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-2000:]
@@ -127,6 +128,19 @@ def test_bench_serve_compares_served_and_offline_in_pairs(served, tiny_llama):
     assert lines[-1].startswith("over 2 pairs") and "served/offline" in lines[-1]
     # Each run's requests and, before its clock starts, vLLM's initial single-prompt test run.
     assert proc.log.read_text().count("POST /v1/completions") - posts_before == 2 * (4 + 1)
+
+
+def test_bench_serve_sends_its_sampling_flags(served):
+    """An invalid top-p comes back as the server's 400 naming it: the flag reached the request."""
+    _, url, _ = served
+    result = subprocess.run(
+        [sys.executable, "-m", "llmbus", "bench", "serve", "--base-url", url, "--model", "tiny",
+         "--num-requests", "2", "--input-len", "4", "8", "--output-len", "3", "5", "--vocab-size", "300",
+         "--top-p", "1.5"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0 and "initial test run failed: HTTP 400" in result.stderr
+    assert "top_p" in result.stderr
 
 
 def test_bench_serve_compares_structured_and_plain_on_the_same_lengths(served):

@@ -57,6 +57,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="send the random prompts as text, decoded with this model's tokenizer (a fetched "
              "name or a folder), so the server's tokenizers are on the path",
     )
+    # vLLM's bench serve sampling flags: greedy unless asked, so runs compare the same tokens;
+    # the rest are sent only when given (llama.cpp's server takes them too).
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,6 +94,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
              "seed + 1, ...), in the order served-offline, offline-served, ...; the ratio is over "
              "all pairs, so a machine whose speed drifts during the run biases neither side",
     )
+
+
+def sampling_fields(args) -> dict:
+    """The requests' sampling fields, by their API (and SamplingParams) names."""
+    given = {"top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    return {"temperature": args.temperature, **{k: v for k, v in given.items() if v is not None}}
 
 
 def load_requests(args) -> list[tuple[str | list[int], int]]:
@@ -168,6 +180,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, 
 
 async def stream_workload(args, requests, extra: dict | None = None) -> dict:
     url = args.base_url.rstrip("/") + "/v1/completions"
+    extra = {**sampling_fields(args), **(extra or {})}
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     semaphore = asyncio.Semaphore(args.concurrency)
@@ -245,11 +258,11 @@ def offline_engine(args):
                kv_cache_memory_bytes=int(args.offline_kv_cache_memory_gb * (1 << 30)))
 
 
-def run_offline(llm, requests) -> dict:
+def run_offline(llm, requests, sampling: dict) -> dict:
     from llmbus import SamplingParams
 
     prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p, _ in requests]
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in requests]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, **sampling) for _, m in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     duration = time.perf_counter() - start
@@ -314,10 +327,10 @@ def run(args) -> int:
         requests = load_requests(args)
         offline = None
         if llm is not None and i % 2 == 1:  # odd pairs: offline first
-            offline = run_offline(llm, requests)
+            offline = run_offline(llm, requests, sampling_fields(args))
         summary = serve_once(args, requests)
         if llm is not None:
-            offline = offline or run_offline(llm, requests)
+            offline = offline or run_offline(llm, requests, sampling_fields(args))
             summary["offline"] = offline
             summary["served_over_offline"] = round(summary["output_tok_s"] / offline["output_tok_s"], 3)
             print(f"offline LLM: {offline['output_tok_s']} output tok/s, {offline['total_tok_s']} total tok/s "
