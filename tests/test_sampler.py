@@ -13,7 +13,7 @@ from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
 
 from services.worker.request_state import RequestState
 from services.worker.penalty_counts import PenaltyCounts
-from services.worker.sampler import Sampler, apply_penalties, apply_top_k_top_p, sorted_descending
+from services.worker.sampler import Sampler, apply_penalties, filter_logits, largest_first
 from shared.messages import Logprobs
 from shared.sampling_params import SamplingParams
 
@@ -298,7 +298,41 @@ def _filter_inputs(rows, vocab=2000):
                 min_size=1, max_size=4).filter(lambda rows: len({len(r) for r in rows}) == 1))
 def test_a_cpu_sorts_logits_as_torch_does(rows):
     logits = torch.tensor(rows)
-    assert torch.equal(sorted_descending(logits), logits.sort(dim=-1, descending=True).values)
+    expected = logits.sort(dim=-1, descending=True).values
+    for num in range(1, logits.shape[-1] + 1):  # (a partition first, but for the whole row)
+        assert torch.equal(largest_first(logits, num), expected[:, :num])
+
+
+_MIN_P = st.sampled_from([0.0, 0.01, 0.05, 0.3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_FILTER_ROWS, st.lists(_MIN_P, min_size=6, max_size=6), st.sampled_from([1, 4, 64, 1024]))
+def test_filters_from_a_rows_candidates_equal_filters_from_the_whole_row(rows, min_ps, num_candidates):
+    """A CPU sorts only each row's most likely logits, and the rows whose candidates weigh
+    less than top-p whole: every row comes out as if each had been sorted whole."""
+    logits, top_k, top_p = _filter_inputs(rows)
+    min_p = torch.tensor(min_ps[: len(rows)])
+    for k, p, m in [(top_k, top_p, min_p), (top_k, None, None), (None, top_p, None), (None, None, min_p)]:
+        whole = filter_logits(logits, k, p, m, num_candidates=logits.shape[-1])
+        assert torch.equal(filter_logits(logits, k, p, m, num_candidates=num_candidates), whole)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_FILTER_ROWS, _MIN_P)
+def test_min_p_keeps_what_a_probability_threshold_keeps_but_at_its_rounding(rows, min_p):
+    """min-p as a logit (the top one less log(1 / min_p)) keeps what vLLM's probabilities
+    keep (min_p times the top one), after top-k and top-p, but where a token's
+    probability is within float32 rounding of the threshold."""
+    logits, top_k, top_p = _filter_inputs(rows)
+    min_ps = torch.full((len(rows),), min_p)
+    kept = filter_logits(logits, top_k, top_p, min_ps) > float("-inf")
+    before = filter_logits(logits, top_k, top_p, None)
+    probs = before.softmax(-1)
+    top = probs.amax(-1, keepdim=True)
+    reference = probs >= min_ps.unsqueeze(-1) * top
+    near = ((probs - min_ps.unsqueeze(-1) * top).abs() <= 1e-6 * top)
+    assert torch.equal(kept | near, reference | near)
 
 
 @settings(max_examples=60, deadline=None)
@@ -309,7 +343,7 @@ def test_top_k_top_p_keep_what_a_sort_keeps_but_ties_at_the_boundary(rows):
     token tied with the last one kept is kept too (the reference keeps whichever of the
     tied tokens its sort put first)."""
     logits, top_k, top_p = _filter_inputs(rows)
-    kept = apply_top_k_top_p(logits, top_k, top_p) > float("-inf")
+    kept = filter_logits(logits, top_k, top_p, None) > float("-inf")
     reference, cum = _sorted_top_k_top_p(logits, top_k, top_p)
     reference_kept = reference > float("-inf")
     for row in range(len(rows)):
@@ -322,13 +356,13 @@ def test_top_k_top_p_keep_what_a_sort_keeps_but_ties_at_the_boundary(rows):
 
 def test_top_p_keeps_the_fewest_tokens_whose_mass_reaches_p_exactly():
     probs = [0.5, 0.25, 0.125, 0.0625, 0.0625]  # 0.5 + 0.25 is 0.75: no third token
-    kept = apply_top_k_top_p(logits_of(probs), None, torch.tensor([0.75])) > float("-inf")
+    kept = filter_logits(logits_of(probs), None, torch.tensor([0.75]), None) > float("-inf")
     assert kept[0].tolist() == [True, True, False, False, False]
 
 
 def test_a_token_tied_with_the_last_one_top_p_keeps_is_kept_too():
     logits, top_p = logits_of([0.5, 0.2, 0.2, 0.1]), torch.tensor([0.65])  # 0.65 needs one of the 0.2s
-    kept = apply_top_k_top_p(logits, None, top_p) > float("-inf")
+    kept = filter_logits(logits, None, top_p, None) > float("-inf")
     assert kept[0].tolist() == [True, True, True, False]
     reference_kept = _sorted_top_k_top_p(logits, torch.tensor([0]), top_p)[0] > float("-inf")
     assert reference_kept.sum() == 2  # whichever 0.2 its sort put first
@@ -748,8 +782,8 @@ def test_sampler_times_script_times_every_kind_of_request():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "sampler_times.py"
-    result = subprocess.run([sys.executable, str(script), "--batch", "2", "--vocab", "512", "--runs", "1",
-                             "--repeats", "2"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script), "--batch", "2", "--logits", "random", "--vocab", "512",
+                             "--runs", "1", "--repeats", "2"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     [row] = [json.loads(line) for line in result.stdout.splitlines()]
     assert row["batch"] == 2 and row["top_p_ms"] > 0 and row["llama_cpp_defaults_vs_greedy"] > 0

@@ -48,48 +48,93 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RequestState], counts
         logits -= per_row([p.presence_penalty for p in params]) * (output_counts > 0).to(dtype)
 
 
-def apply_top_k_top_p(
+# How many of a row's most likely logits a CPU sorts to find its top-p threshold (see
+# filter_logits): the nucleus of a trained model's row at a usual temperature is almost
+# always among them (SmolLM2 at temperature 1.0 and top-p 0.95: median 39 tokens).
+TOP_P_CANDIDATES = 1024
+
+
+def filter_logits(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     top_k: torch.Tensor | None,  # [num_rows] int, 0 = off
     top_p: torch.Tensor | None,  # [num_rows] float, 1 = off
+    min_p: torch.Tensor | None,  # [num_rows] float, 0 = off
+    num_candidates: int = TOP_P_CANDIDATES,
 ) -> torch.Tensor:
-    """The logits with each row's tokens below its threshold masked. Top-k keeps the tokens
-    at least as likely as the k-th most likely; top-p then keeps the nucleus of what top-k
-    left: the most likely tokens, each while the tokens more likely than it weigh less
-    than p. Both thresholds are logits, so a token tied with the last one kept is kept too
-    (HF's and vLLM's samplers keep whichever of two tied tokens their sort put first)."""
+    """The logits with each row's tokens below its threshold masked, one threshold a row
+    (a logit): top-k keeps the tokens at least as likely as the k-th most likely; top-p
+    then keeps the nucleus of what top-k left, the most likely tokens, each while the
+    tokens more likely than it weigh less than p; min-p keeps the tokens at least min_p
+    times as likely as the most likely (its logit less log(1 / min_p)), whatever the
+    other two left. A token tied with the last one kept is kept too (HF's and vLLM's
+    samplers keep whichever of two tied tokens their sort put first).
+
+    Only a row's most likely logits set its thresholds. A CPU sorts those alone: torch's
+    sort of a row of 49,152 float32 took 2.5 ms on this machine, more than a batch-1
+    decode step of SmolLM2, numpy's 0.13 ms, and numpy's partition then sort of the top
+    1024 0.05 ms; a row whose top `num_candidates` weigh less than top-p is sorted whole
+    after all. A GPU sorts every row whole: cheap there, and which rows to do again would
+    have to be read from the device."""
     vocab_size = logits.shape[-1]
-    values = sorted_descending(logits)  # [num_rows, vocab_size]
-    threshold = torch.full_like(values[:, :1], _MASK)  # [num_rows, 1]: the smallest logit kept
-    if top_k is not None:
-        on = ((top_k > 0) & (top_k < vocab_size)).unsqueeze(-1)
-        k = torch.where(top_k > 0, top_k, 1).clamp(max=vocab_size)
-        threshold = torch.where(on, values.gather(-1, (k - 1).unsqueeze(-1)), threshold)
-    if top_p is not None:
-        # The probabilities of what top-k left, most likely first, and the mass before each:
-        # the nucleus is the tokens whose mass before is under p, a prefix (it only grows).
-        left = values if top_k is None else values.masked_fill(values < threshold, _MASK)
-        before = torch.nn.functional.pad(left.softmax(-1).cumsum(-1)[:, :-1], (1, 0))
-        p = top_p.unsqueeze(-1)
-        size = torch.searchsorted(before, p)  # [num_rows, 1], >= 1 (nothing is before the first)
-        threshold = torch.where(p < 1, torch.maximum(threshold, values.gather(-1, size - 1)), threshold)
+    if top_k is None and top_p is None:  # min-p alone: the largest logit is all it reads
+        values = logits.amax(-1, keepdim=True)
+    elif logits.is_cuda:
+        values = largest_first(logits, vocab_size)
+    else:  # (on the host: reading the values costs nothing)
+        largest_k = int(top_k.masked_fill(top_k >= vocab_size, 0).max()) if top_k is not None else 0
+        values = largest_first(logits, min(vocab_size, max(largest_k, num_candidates if top_p is not None else 1)))
+    threshold, short = _thresholds(logits, values, top_k, top_p, min_p)
+    if short is not None and bool(short.any()):
+        rows = short.nonzero().squeeze(-1)
+        part = logits[rows]
+        threshold[rows] = _thresholds(part, largest_first(part, vocab_size), *(
+            None if t is None else t[rows] for t in (top_k, top_p, min_p)))[0]
     return logits.masked_fill(logits < threshold, _MASK)
 
 
-def sorted_descending(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's logits, largest first. On a CPU through numpy's sort (x86-simd-sort):
-    0.13 ms for a row of 49,152 float32, where torch's sort took 2.5 ms on the same
-    machine, more than a batch-1 decode step of SmolLM2 (21.6 against 2.2 ms at 16 rows)."""
+def _thresholds(
+    logits: torch.Tensor, values: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's smallest logit kept [num_rows, 1], from `values` [num_rows, num], its
+    `num` largest logits in order; and the top-p rows those do not decide (their mass is
+    under p), or None when `values` are whole rows."""
+    vocab_size, num = logits.shape[-1], values.shape[-1]
+    threshold = torch.full_like(values[:, :1], _MASK)
+    if top_k is not None:
+        on = ((top_k > 0) & (top_k < vocab_size)).unsqueeze(-1)
+        k = torch.where(top_k > 0, top_k, 1).clamp(max=num)  # (a row with top-k on has k <= num)
+        threshold = torch.where(on, values.gather(-1, (k - 1).unsqueeze(-1)), threshold)
+    short = None
+    if top_p is not None:
+        # What top-k left, as probabilities over the whole row, most likely first, and the
+        # mass before each: the nucleus is the tokens whose mass before is under p (a
+        # prefix: it only grows). The same numbers from a row's candidates as from all of it.
+        left = logits if top_k is None else logits.masked_fill(logits < threshold, _MASK)
+        probs = (values - left.logsumexp(-1, keepdim=True)).exp()
+        if top_k is not None:
+            probs = probs.masked_fill(values < threshold, 0.0)
+        cumulative = probs.cumsum(-1)
+        before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))
+        p = top_p.unsqueeze(-1)
+        size = torch.searchsorted(before, p)  # [num_rows, 1], >= 1 (nothing is before the first)
+        threshold = torch.where(p < 1, torch.maximum(threshold, values.gather(-1, size - 1)), threshold)
+        if num < vocab_size:
+            short = ((p < 1) & (cumulative[:, -1:] < p)).squeeze(-1)
+    if min_p is not None:  # (log(0) is -inf: off)
+        threshold = torch.maximum(threshold, values[:, :1] + min_p.log().unsqueeze(-1))
+    return threshold, short
+
+
+def largest_first(logits: torch.Tensor, num: int) -> torch.Tensor:
+    """[num_rows, num]: each row's `num` largest logits, largest first. On a CPU through
+    numpy (x86-simd-sort; a partition first when num is less than the row)."""
     if logits.device.type != "cpu":
-        return logits.sort(dim=-1, descending=True).values
-    values = torch.from_numpy(np.sort(-logits.float().numpy(), axis=-1))  # (a reversed copy was slower)
-    return values.neg_()
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = logits.softmax(-1)
-    threshold = min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True)
-    return logits.masked_fill(probs < threshold, _MASK)
+        return logits.sort(dim=-1, descending=True).values[:, :num]
+    negated = -logits.float().numpy()  # (ascending of the negated: no reversed copy)
+    if num < negated.shape[-1]:
+        negated = np.partition(negated, num - 1, axis=-1)[:, :num]
+    return torch.from_numpy(np.sort(negated, axis=-1)).neg_()
 
 
 def logprob_table(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
@@ -238,17 +283,14 @@ class Sampler:
         device = logits.device
         temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device, torch.float32)
         scaled = logits / temperature.unsqueeze(-1)
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-            top_k = (
-                to_device([p.top_k for p in params], device) if any(p.top_k for p in params) else None
-            )
-            top_p = (
-                to_device([p.top_p for p in params], device, torch.float32)
-                if any(p.top_p < 1 for p in params) else None
-            )
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        if any(p.min_p > 0 for p in params):
-            scaled = apply_min_p(scaled, to_device([p.min_p for p in params], device, torch.float32))
+        def per_row(values, dtype=None) -> torch.Tensor:
+            return to_device(values, device, dtype)
+
+        top_k = per_row([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None
+        top_p = per_row([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
+        min_p = per_row([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        if top_k is not None or top_p is not None or min_p is not None:
+            scaled = filter_logits(scaled, top_k, top_p, min_p)
         probs = scaled.softmax(-1)
         # The draws' hash on the logits' device: on the host it was ~0.3 ms a step of 128
         # rows, a few tiny kernels on a GPU (the same bits: integer ops).
