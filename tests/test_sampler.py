@@ -773,17 +773,19 @@ def test_only_plain_greedy_requests_take_the_argmax_path_and_it_samples_what_sam
     assert sampler.argmax(logits).to_host() == sampler.sample(logits, plain).to_host()
 
 
-def test_sampler_times_script_times_every_kind_of_request():
+@pytest.mark.parametrize("logits", ["random", "model"])
+def test_sampler_times_script_times_every_kind_of_request(logits):
     """scripts/sampler_times.py, behind docs/performance.md's sampling figures, runs and
-    reports each kind of request for the batch asked."""
+    reports each kind of request for the batch asked, on either kind of logits."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "sampler_times.py"
-    result = subprocess.run([sys.executable, str(script), "--batch", "2", "--logits", "random", "--vocab", "512",
-                             "--runs", "1", "--repeats", "2"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script), "--batch", "2", "--logits", logits, "--vocab", "512",
+                             "--runs", "1", "--repeats", "2"], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
-    [row] = [json.loads(line) for line in result.stdout.splitlines()]
+    [row] = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert row["batch"] == 2 and row["top_p_ms"] > 0 and row["llama_cpp_defaults_vs_greedy"] > 0
+    assert row["vocab"] == (512 if logits == "random" else 49152)  # (the model's own vocabulary)
