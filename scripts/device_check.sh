@@ -23,7 +23,8 @@
 #      machine stays warm 30 s; the two do not fit one call's 10 minutes):
 #      scripts/served_check.py, `llmbus serve` on the GPU — served W0 ITL with the worker
 #      overlapping steps and without, offline's in the same run, served greedy = offline
-#      (needs the services' wheels too, docs/kernels.md; about 2 minutes)
+#      (needs the services' wheels too, docs/kernels.md; about 2 minutes), then
+#      scripts/sampler_times.py on the GPU: each kind of request's sampling a step
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
 # $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
 # docs/gpu/latest.json), served.json (its figures go into latest.json too).
@@ -70,6 +71,9 @@ for name in names:
 
 if [ "$MODE" = served ]; then
     step served 170 python3 scripts/served_check.py --assets .gpu_assets/smollm2 --out "$OUT"
+    # What each kind of request's sampling costs a step on the GPU (every other figure is greedy).
+    step sampler_times 40 python3 scripts/sampler_times.py --device cuda --logits random --batch 1 128 --runs 2 \
+        --repeats 20
     grep -E "^== |^\{" "$LOG" | tail -n 20
     exit 0
 fi

@@ -5,7 +5,7 @@ them; how much of a row top-p keeps decides its cost) or random ones. On a CPU a
 step of SmolLM2 is a few ms at batch 1, so a sampler's ms show in the inter-token latency
 one for one.
 
-    python scripts/sampler_times.py [--batch 1 16] [--logits model|random] [--runs 3]
+    python scripts/sampler_times.py [--batch 1 16] [--logits model|random] [--device cpu|cuda] [--runs 3]
 
 Prints one JSON line per batch size and run: the median ms of each kind, and each kind's
 ratio to greedy's in the same run.
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--logits", choices=["model", "random"], default="model")
     parser.add_argument("--vocab", type=int, default=49152, help="logits a row, for --logits random")
+    parser.add_argument("--device", default="cpu", help="where the logits are (cuda: the GPU's sampler, its wait included)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30, help="samples a kind, batch and run (the median is kept)")
     args = parser.parse_args()
@@ -87,7 +88,8 @@ def main() -> None:
                 logits = pool[torch.randint(len(pool), (batch,), generator=generator)]
             else:  # bfloat16's values, as a model's logits come: ties and all
                 logits = (torch.randn(batch, args.vocab, generator=generator) * 3).bfloat16().float()
-            row = {"batch": batch, "vocab": logits.shape[-1], "logits": args.logits, "run": run}
+            logits = logits.to(args.device)
+            row = {"batch": batch, "vocab": logits.shape[-1], "logits": args.logits, "device": args.device, "run": run}
             for kind, fields in KINDS.items():
                 states = [RequestState(req_id=str(i), token_ids=[1] * 600, num_prompt_tokens=512,
                                        sampling_params=SamplingParams(**fields), eos_token_id=2, block_row=i,
