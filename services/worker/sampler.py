@@ -283,6 +283,7 @@ class Sampler:
         device = logits.device
         temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device, torch.float32)
         scaled = logits / temperature.unsqueeze(-1)
+
         def per_row(values, dtype=None) -> torch.Tensor:
             return to_device(values, device, dtype)
 
