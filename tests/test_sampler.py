@@ -331,7 +331,7 @@ def test_min_p_keeps_what_a_probability_threshold_keeps_but_at_its_rounding(rows
     probs = before.softmax(-1)
     top = probs.amax(-1, keepdim=True)
     reference = probs >= min_ps.unsqueeze(-1) * top
-    near = ((probs - min_ps.unsqueeze(-1) * top).abs() <= 1e-6 * top)
+    near = (probs - min_ps.unsqueeze(-1) * top).abs() <= 1e-4 * top  # (a logit of 100 is 8e-6 apart from the next)
     assert torch.equal(kept | near, reference | near)
 
 
