@@ -525,7 +525,10 @@ def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
     want = offline.beam_search([TokensPrompt(prompt_token_ids=ids)],
                                BeamSearchParams(beam_width=3, max_tokens=5, length_penalty=0.8))[0].sequences
     texts = [offline.tokenizer.decode([t for t in b.tokens[len(ids):] if t != offline.eos_token_id]) for b in want]
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=5, n=3,
+    # temperature 0 as BeamSearchParams' default: at OpenAI's default of 1 each step samples
+    # a token too, and a sampled token outside the top 2n joins the candidates (as in vLLM),
+    # so the served beams would differ from the offline ones now and then.
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=5, n=3, temperature=0,
                                     extra_body={"use_beam_search": True, "length_penalty": 0.8, "request_id": "b1"})
     assert [c.text for c in out.choices] == texts and out.id == "cmpl-b1"  # (named as any answer is)
     assert [c.finish_reason for c in out.choices] == [b.finish_reason for b in want]
@@ -535,13 +538,13 @@ def test_use_beam_search_answers_the_offline_search_s_beams(client, offline):
     pair = [ids, offline.tokenizer.encode(PROMPTS[1])]
     each = offline.beam_search([TokensPrompt(prompt_token_ids=p) for p in pair], BeamSearchParams(beam_width=2,
                                                                                                  max_tokens=4))
-    batch = client.completions.create(model="tiny", prompt=pair, max_tokens=4, n=2,
+    batch = client.completions.create(model="tiny", prompt=pair, max_tokens=4, n=2, temperature=0,
                                       extra_body={"use_beam_search": True})
     assert [c.text for c in batch.choices] == [
         offline.tokenizer.decode([t for t in b.tokens[len(p):] if t != offline.eos_token_id])
         for p, out in zip(pair, each) for b in out.sequences]
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-                                          n=2, extra_body={"use_beam_search": True})
+                                          n=2, temperature=0, extra_body={"use_beam_search": True})
     prompt = offline.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     beams = offline.beam_search([TokensPrompt(prompt_token_ids=prompt)], BeamSearchParams(beam_width=2, max_tokens=4))
     assert [c.message.content for c in chat.choices] == [
