@@ -43,8 +43,8 @@ def time_kind(sampler, logits, states, repeats: int) -> float:
 
 
 def model_logits() -> "torch.Tensor":
-    """SmolLM2's logits [positions, 49152] at every position of a few chat answers, in
-    bfloat16 (as the engine computes them), as float32."""
+    """SmolLM2's logits [positions, 49152] at every position of one chat (a question and
+    its answer), in bfloat16 (as the engine computes them), as float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

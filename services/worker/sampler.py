@@ -283,13 +283,11 @@ class Sampler:
         device = logits.device
         temperature = to_device([1.0 if g else p.temperature for g, p in zip(greedy, params)], device, torch.float32)
         scaled = logits / temperature.unsqueeze(-1)
-
-        def per_row(values, dtype=None) -> torch.Tensor:
-            return to_device(values, device, dtype)
-
-        top_k = per_row([p.top_k for p in params]) if any(p.top_k > 0 for p in params) else None
-        top_p = per_row([p.top_p for p in params], torch.float32) if any(p.top_p < 1 for p in params) else None
-        min_p = per_row([p.min_p for p in params], torch.float32) if any(p.min_p > 0 for p in params) else None
+        top_k = to_device([p.top_k for p in params], device) if any(p.top_k > 0 for p in params) else None
+        top_p = (to_device([p.top_p for p in params], device, torch.float32)
+                 if any(p.top_p < 1 for p in params) else None)
+        min_p = (to_device([p.min_p for p in params], device, torch.float32)
+                 if any(p.min_p > 0 for p in params) else None)
         if top_k is not None or top_p is not None or min_p is not None:
             scaled = filter_logits(scaled, top_k, top_p, min_p)
         probs = scaled.softmax(-1)
