@@ -59,7 +59,13 @@ class GrammarChecker:
             probe = self._pool.apply_async(_compile_in_child, (msgspec.json.encode(StructuredOutputsParams(regex="x")),))
             while not probe.ready():
                 if self._closed.wait(0.1):
-                    return None  # (close() ended the child)
+                    # Closed while the child started: close() may have run before the pool
+                    # was ours to end (a Ctrl-C at start-up), so it is ended here; left
+                    # alone, its finalizer complained at exit of pipes already closed.
+                    pool, self._pool = self._pool, None
+                    if pool is not None:
+                        pool.terminate()
+                    return None
             probe.get()  # the child's own failure, raised here
         return self._pool
 
