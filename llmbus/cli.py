@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from llmbus import nats_config
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(expand_config(parser, sys.argv[1:] if argv is None else argv))
-    setup_logging(args.verbose)
+    setup_logging(args.verbose or os.environ.get("LLMBUS_VERBOSE") == "1")  # (the latter: a service `llmbus -v serve` started)
     try:
         return args.func(args)
     except (ModelFetchError, ValueError, BusRefused) as exc:

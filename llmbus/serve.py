@@ -146,6 +146,8 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             nats_url = ",".join(node.url for node in nats)
         env = dict(os.environ, **service_env)
         common = ["--nats-url", nats_url]
+        if args.verbose:  # `llmbus -v serve`: every service logs at INFO too (cli.main reads it)
+            env["LLMBUS_VERBOSE"] = "1"
 
         def add(name: str, service: str, identity: Identity) -> None:
             # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
