@@ -33,6 +33,7 @@ from services.worker.model_runner import ModelRunner
 from shared.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.classification import classifier_of
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from shared.gc_heap import frozen_heap
 from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
@@ -193,16 +194,17 @@ class LLM:
         distinct = {id(p): p for p in params_list}
         final_only = {key: _final_only(p) for key, p in distinct.items()}
         params_list = [final_only[id(p)] for p in params_list]
-        results = self.add_requests(prompts, params_list, priority, lora_request)
-        pending = {seq_id for r in results for seq_id in self._children(r)}
-        with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
-            def landed(finished: list[str]) -> None:
-                for done in finished:
-                    if done in pending:
-                        pending.discard(done)
-                        bar.update()
+        with frozen_heap():  # (adding a batch's requests makes enough objects to start a collection too)
+            results = self.add_requests(prompts, params_list, priority, lora_request)
+            pending = {seq_id for r in results for seq_id in self._children(r)}
+            with tqdm(total=len(pending), disable=not use_tqdm, desc="generate", unit="req") as bar:
+                def landed(finished: list[str]) -> None:
+                    for done in finished:
+                        if done in pending:
+                            pending.discard(done)
+                            bar.update()
 
-            self.step_while(lambda: bool(pending), landed)
+                self.step_while(lambda: bool(pending), landed)
         return results
 
     def step_while(self, keep_going: Callable[[], bool], on_step: Callable[[list[str]], None] | None = None) -> None:
@@ -222,10 +224,13 @@ class LLM:
         # The hand-over inside the try: a Ctrl-C that lands between it and the wait (a busy
         # machine can leave this thread unscheduled while the engine's lands steps) must stop
         # the steps too, not leave them running to their last token.
+        # The caller's heap (the model, torch's modules: ~480k objects) out of the
+        # collector's sight while the steps run, so none pauses them to walk it (gc_heap.py).
         running: concurrent.futures.Future | None = None
         try:
-            running = self.executor.submit(self._loop.run_until_complete, steps())
-            running.result()
+            with frozen_heap():
+                running = self.executor.submit(self._loop.run_until_complete, steps())
+                running.result()
         except BaseException:
             stop.set()  # (set before the steps began, none runs)
             if running is not None:

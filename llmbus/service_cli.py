@@ -33,6 +33,7 @@ from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_
                                  with_hf_overrides)
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
+from shared.gc_heap import freeze_heap
 from shared.generation_config import default_sampling
 
 
@@ -223,6 +224,19 @@ def _without_torch() -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" notice
 
 
+class _FreezeWhenReady(asyncio.Event):
+    """A service's `ready`: set once it serves, having first frozen the heap its start
+    left (shared/gc_heap.py) — in the service's own process only, never a test's."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def set(self) -> None:
+        freeze_heap(self.service)
+        super().set()
+
+
 def cmd_tokenizer(args) -> int:
     from services.tokenizer.service import serve
 
@@ -231,7 +245,7 @@ def cmd_tokenizer(args) -> int:
     asyncio.run(serve(tokenizer_folder(args, path), args.nats_url, name,
                       compile_timeout_s=args.structured_outputs_compile_timeout,
                       tool_chat_template=args.tool_chat_template, chat_template=args.chat_template,
-                      auth=bus_auth(args)))
+                      auth=bus_auth(args), ready=_FreezeWhenReady("tokenizer")))
     return 0
 
 
@@ -244,7 +258,7 @@ def cmd_worker(args) -> int:
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                       load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args),
-                      seed=args.seed, tokenizer=args.tokenizer))
+                      seed=args.seed, tokenizer=args.tokenizer, ready=_FreezeWhenReady("worker")))
     return 0
 
 
@@ -260,6 +274,7 @@ def cmd_scheduler(args) -> int:
         max_waiting_requests=args.max_waiting_requests,
         async_scheduling=not args.no_async_scheduling,
         auth=bus_auth(args),
+        ready=_FreezeWhenReady("scheduler"),
     ))
     return 0
 

@@ -12,6 +12,7 @@ from services.gateway.engine_client import EngineClient
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, exit_if_stuck
 from shared.config import GatewayConfig
+from shared.gc_heap import freeze_heap
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.gateway")
@@ -62,6 +63,11 @@ def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, 
 
 
 class _Server(uvicorn.Server):
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # (not where it could not bind its port: it is exiting)
+            freeze_heap("gateway")
+
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:  # the first signal: the shutdown it starts is bounded too
             exit_if_stuck()
