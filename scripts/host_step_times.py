@@ -39,8 +39,9 @@ SHRUNK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "
 OUTPUT = 48
 
 
-def shrunk_smollm2(dest: Path, assets: Path | None = None) -> Path:
-    """SmolLM2's tokenizer and config (from `assets`, or the fetched model), shrunk."""
+def shrunk_smollm2(dest: Path, assets: Path | None = None, vocab_size: int | None = None) -> Path:
+    """SmolLM2's tokenizer and config (from `assets`, or the fetched model), shrunk (its
+    vocabulary too where `vocab_size` says: the tokenizer's ids past it go unused)."""
     from llmbus.model_fetch import resolve_model
 
     source = assets or resolve_model("smollm2")
@@ -49,7 +50,7 @@ def shrunk_smollm2(dest: Path, assets: Path | None = None) -> Path:
         if f.is_file() and not f.name.endswith(".safetensors"):
             shutil.copy(f, dest / f.name)
     config = json.loads((source / "config.json").read_text())
-    (dest / "config.json").write_text(json.dumps({**config, **SHRUNK}))
+    (dest / "config.json").write_text(json.dumps({**config, **SHRUNK, **({"vocab_size": vocab_size} if vocab_size else {})}))
     return dest
 
 
@@ -128,6 +129,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the figures there as host_step_times.json")
     parser.add_argument("--device", default="cpu", help="the runner's device (cuda: the host work of a GPU's steps, "
                         "CUDA graphs and all; its phases then include waits for the GPU)")
+    parser.add_argument("--vocab-size", type=int, help="logits this wide (default SmolLM2's 49152): on a CPU the "
+                        "logits and their argmax run on the host's cores and push the engine's data out of the caches, "
+                        "which a GPU's do not; a narrow vocabulary (2048) comes nearer a GPU host's share")
     parser.add_argument("--cprofile", type=int, metavar="N", default=0,
                         help="profile the largest batch's decode steps (cProfile on the engine's thread): the "
                              "N functions of most own time, printed and written to host_profile.txt in --out")
@@ -137,7 +141,7 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = shrunk_smollm2(Path(tmp) / "smollm2-shrunk", args.assets)
+        folder = shrunk_smollm2(Path(tmp) / "smollm2-shrunk", args.assets, args.vocab_size)
         # On the CPU even on a GPU machine: the host's work is the same Python either way,
         # and there the forward and sampling are timed apart from it (on a GPU they are
         # asynchronous, so a phase's time would not be its work).
@@ -150,7 +154,8 @@ def main() -> None:
         for run in range(args.runs):
             for batch in args.batch:
                 figures = measure(llm, batch, args.context, salt=run * 1000 + batch)
-                rows.append({"batch": batch, "context": args.context, "run": run, "device": args.device, **figures})
+                rows.append({"batch": batch, "context": args.context, "run": run, "device": args.device,
+                             "vocab_size": llm.runner.vocab_size, **figures})
                 print(json.dumps(rows[-1]), flush=True)
         if args.cprofile:
             profile = cProfile.Profile()

@@ -64,11 +64,12 @@ def test_gpu_check_passes_every_check_on_cpu(tmp_path):
 
 def test_host_step_times_writes_each_batch_phases(smollm2, tmp_path):
     result = subprocess.run([sys.executable, "scripts/host_step_times.py", "--assets", str(smollm2), "--batch", "1", "3",
-                             "--context", "40", "--runs", "1", "--out", str(tmp_path)],
+                             "--context", "40", "--runs", "1", "--vocab-size", "2048", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "host_step_times.json").read_text())
     assert [(r["batch"], r["device"]) for r in rows] == [(1, "cpu"), (3, "cpu")]  # (gpu_figures names keys by device)
+    assert {r["vocab_size"] for r in rows} == {2048}
     for row in rows:
         assert 0 < row["host_ms"] < row["wall_ms"]
         assert row["schedule_ms"] > 0 and row["prepare_ms"] > 0 and row["detokenize_ms"] > 0

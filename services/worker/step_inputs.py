@@ -78,6 +78,49 @@ class StepInputs:
         # than the array work after it at 128 requests).
         per_state = np.array([(s.num_computed_tokens, num_tokens[s.req_id], len(s.token_ids), s.num_pending,
                                s.block_row) for s in states], np.int64).reshape(num_states, 5)
+        if not drafts and int(per_state[:, 1].sum()) == num_states:  # (every request computes >= 1 token)
+            return cls._decodes(states, per_state, block_size, block_table, long_offset)
+        return cls._any_rows(states, per_state, drafts, block_size, block_table, long_offset)
+
+    @classmethod
+    def _decodes(
+        cls, states: list[RequestState], per_state: np.ndarray, block_size: int, block_table: BlockTable,
+        long_offset: int | None,
+    ) -> tuple[StepInputs, list[int], np.ndarray, list]:
+        """`build` for a step of one token a request and no drafts, most steps of a busy
+        engine: one row a request, so none of `_any_rows`' mapping between requests, rows
+        and tokens (about half its array operations: ~60 of ~110 us at 128 requests)."""
+        num_states = len(states)
+        req_starts, _, known, pending, block_rows = per_state.T
+        plain = req_starts < known  # a decode of a token the host knows
+        on_device = (pending > 0) & ~plain  # one a launched step sampled, on the device
+        if not (plain | on_device).all():  # (a decode has one or the other; `_any_rows` says what is wrong)
+            return cls._any_rows(states, per_state, {}, block_size, block_table, long_offset)
+        input_ids = np.zeros(num_states, np.int64)
+        plain_at = np.flatnonzero(plain).tolist()
+        input_ids[plain_at] = [states[i].token_ids[s] for i, s in zip(plain_at, req_starts[plain_at].tolist())]
+        device_at = np.flatnonzero(on_device).tolist()
+        from_device = list(zip(device_at, [states[i].pending_token for i in device_at]))
+        rows = np.arange(num_states)
+        positions = req_starts.copy()
+        table = block_table.gather(block_rows)
+        slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        if long_offset is not None:
+            positions += np.fromiter((s.long_rope for s in states), np.bool_, num_states) * long_offset
+        inputs = cls(
+            input_ids=input_ids, positions=positions, query_start_loc=np.arange(num_states + 1),
+            seq_lens=req_starts + 1, slot_mapping=slot_mapping, block_table=table, num_decodes=num_states,
+        )
+        # A request samples once caught up: its token is the last it knows of.
+        sample_rows = np.flatnonzero(req_starts + 1 == known + pending).tolist()
+        return inputs, sample_rows, rows, from_device
+
+    @classmethod
+    def _any_rows(
+        cls, states: list[RequestState], per_state: np.ndarray, drafts: dict[str, list[int]], block_size: int,
+        block_table: BlockTable, long_offset: int | None,
+    ) -> tuple[StepInputs, list[int], np.ndarray, list]:
+        num_states = len(states)
         req_starts, req_lens, known, pending, block_rows = per_state.T
         rows_of = np.fromiter((1 + len(drafts[s.req_id]) if s.req_id in drafts else 1 for s in states),
                               np.int64, num_states) if drafts else np.ones(num_states, np.int64)
