@@ -15,6 +15,7 @@ import concurrent.futures
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TypeVar
 
@@ -151,6 +152,10 @@ class LLM:
         # engine request id -> (its client request, what `generate` returns for it)
         self._requests: dict[str, tuple[ParentRequest, RequestOutput]] = {}
         self._loop = asyncio.new_event_loop()  # run on the runner's thread, call by call
+        # Closed when this LLM is collected: left to the collector, an unclosed loop's own
+        # finalizer may run after its self-pipe socket's and fail on the closed descriptor
+        # ("Exception ignored in BaseEventLoop.__del__", with a traceback).
+        weakref.finalize(self, self._loop.close)
 
     @property
     def max_model_len(self) -> int:

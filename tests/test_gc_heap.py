@@ -112,3 +112,17 @@ def test_every_service_command_freezes_its_heap_once_ready(tiny_llama):
             assert "leaked" not in log and "Traceback" not in log, log
     finally:
         nats.stop()
+
+
+def test_a_dropped_llm_closes_its_event_loop(tiny_llama):
+    """Left to the collector, an unclosed loop's finalizer could run after its self-pipe
+    socket's, and print a traceback of a closed descriptor (it did in CI, once garbage
+    from before a `generate` waited for a full collection)."""
+    from llmbus import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama))
+    llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=2))
+    loop = llm._loop
+    del llm
+    gc.collect()
+    assert loop.is_closed()
