@@ -184,3 +184,31 @@ def test_metrics_move_as_they_should(traced):
     assert metric(after, "llmbus:num_requests_waiting") == 0
     assert metric(after, "llmbus:worker_step_seconds_count") > 0
     assert 'scheduler="' in after
+
+
+def test_a_client_that_leaves_counts_its_unfinished_choices_as_aborted(traced):
+    """vLLM's finished_reason "abort" (which vLLM itself leaves at 0: vllm-project/vllm#31503):
+    a stream of two choices, left after its first chunks, counts two aborted requests and
+    its prompt; it observes no latency (it has none to give)."""
+    deployment, _ = traced
+    url = deployment.base_url
+    before = httpx.get(url + "/metrics").text
+    body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 400, "n": 2, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")  # (then the client goes)
+
+    def delta(text, name, **labels):
+        return metric(text, name, **labels) - metric(before, name, **labels)
+
+    deadline = time.monotonic() + 30
+    while True:
+        after = httpx.get(url + "/metrics").text
+        if delta(after, "llmbus:request_success_total", finished_reason="abort") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert delta(after, "llmbus:request_success_total", finished_reason="abort") == 2
+    assert delta(after, "llmbus:request_success_total", finished_reason="length") == 0
+    assert delta(after, "llmbus:prompt_tokens_total") > 0
+    assert delta(after, "llmbus:e2e_request_latency_seconds_count") == 0

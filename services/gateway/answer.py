@@ -21,7 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 
 from services.gateway import responses as r
-from services.gateway.errors import GatewayError, error_body, status_of
+from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest, completion_prompts
 from services.gateway.reasoning_parsers import new_parser
@@ -135,6 +135,11 @@ class Answer:
         if status == 200 and usage.finish_reasons:
             self.s.metrics.request_finished(usage.prompt_tokens, usage.finish_reasons, usage.ttft, usage.itls, e2e,
                                             usage.queue_time_s)
+        elif status == CLIENT_LEFT:
+            # Its choices not finished by then end aborted: vLLM's finished_reason "abort",
+            # which vLLM itself never counts (vllm-project/vllm#31503).
+            aborted = ["abort"] * max(0, self.num_choices - len(usage.finish_reasons))
+            self.s.metrics.request_aborted(usage.prompt_tokens, usage.finish_reasons + aborted)
         request_log.info("request finished", extra={
             "request_id": self.request_id, "client_request_id": self.client_id, "status": status,
             "prompt_tokens": usage.prompt_tokens,
@@ -205,7 +210,7 @@ class Answer:
     async def _collect(self) -> Response:
         g = await self._gather()
         if g is None:
-            return Response(b"{}", status_code=499, media_type="application/json")
+            return Response(b"{}", status_code=CLIENT_LEFT, media_type="application/json")
         want_logprobs = self.params.logprobs is not None
         token_ids = self.body.return_token_ids
         choices = []
@@ -303,7 +308,7 @@ class Answer:
         continuous = include_usage and options.continuous_usage_stats
         usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
         n = self.num_choices
-        status, failure = 499, None  # a client that leaves mid-stream never sees the end
+        status, failure = CLIENT_LEFT, None  # a client that leaves mid-stream never sees the end
         try:
             if self.chat:
                 yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)

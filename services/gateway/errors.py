@@ -11,6 +11,11 @@ from shared.messages import FinishReason
 from shared.output_processor import ChoiceDelta
 
 
+# The status a request is logged (and, non-streamed, answered) with when its client left
+# before its end (nginx's "client closed request"; nobody reads the answer).
+CLIENT_LEFT = 499
+
+
 class GatewayError(Exception):
     status = 500
     type = "internal_error"

@@ -122,6 +122,14 @@ class GatewayMetrics:
         if queue_time is not None:
             self.queue_time.labels(m).observe(queue_time)
 
+    def request_aborted(self, prompt_tokens: int, finish_reasons: list[str]) -> None:
+        """A request whose client left before its end: its prompt was computed, and each
+        choice counts as finished, "abort" where it had not (no latency observed: it has none)."""
+        m = self._model
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(m, reason).inc()
+
     def render(self) -> bytes:
         self._drop_stale(time.monotonic())
         return generate_latest(self.registry)

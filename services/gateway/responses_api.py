@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
-from services.gateway.errors import BadRequest, GatewayError, error_body, status_of
+from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
 from services.gateway.answer import Answer, prepend
 from services.gateway.tool_parsers import ToolCall
@@ -225,7 +225,7 @@ class ResponsesAnswer(Answer):
     async def _collect(self) -> Response:
         gathered = await self._gather()
         if gathered is None:
-            return Response(b"{}", status_code=499, media_type="application/json")
+            return Response(b"{}", status_code=CLIENT_LEFT, media_type="application/json")
         reasoning, content, calls = self._message(0, gathered.texts[0])
         body = self._response("completed", reasoning or "", content or "", calls, gathered.finish[0])
         return Response(_json.encode(body), media_type="application/json")
@@ -237,7 +237,7 @@ class ResponsesAnswer(Answer):
 
     async def _sse(self, first) -> AsyncIterator[bytes]:
         self.sequence = -1
-        status, failure = 499, None
+        status, failure = CLIENT_LEFT, None
         reasoning, content, calls = "", "", []  # what has gone out, to close the items with
         items: dict[str, int] = {}  # item id -> output_index, in the order they opened
         finish = None
