@@ -1,18 +1,16 @@
 """Python's garbage collector kept off the start-up heap (vLLM's `freeze_gc_heap`).
 
-A process that has imported torch and loaded a model tracks ~480k container objects.
-CPython's oldest-generation collection walks every one of them, ~90 ms here, and
-serving allocates enough surviving objects (requests, token lists, outputs) to trigger
-one every few seconds under load: a pause of every request's next token, and ~4% of an
-offline batch's time (docs/performance.md, "The garbage collector"). None of those
-objects is garbage: modules, the model, the tokenizer live as long as the process.
-`gc.freeze()` moves them out of the collector's sight; what serving allocates later is
-collected as before.
+A process that has imported torch and loaded a model tracks hundreds of thousands of
+container objects (a SmolLM2 worker ~385k), and CPython's full collection walks every
+one: 146-161 ms, once in the middle of each offline batch measured (docs/performance.md,
+"The garbage collector"), with every request's next token waiting. None of those objects
+is garbage: modules, the model, the tokenizer live as long as the process. `gc.freeze()`
+moves them out of the collector's sight; what is allocated later is collected as before.
 
 Services freeze once, ready to serve (`freeze_heap`, from their command's entry: a test
 that runs a service inside its own process keeps its heap as it was). `LLM` lives in its
 caller's process, whose objects are not ours to freeze for good: it freezes the heap for
-the span of its steps and thaws it after (`frozen_heap`).
+the span of a call (`generate`, `step_while`) and thaws it after (`frozen_heap`).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ def freeze_heap(service: str) -> None:
     gc.freeze()
     _frozen_for_good = True
     # Thawed at exit, so the interpreter's last collection still finalizes what the heap
-    # holds (nanobind's extensions, xgrammar's, report objects never finalized as leaks).
+    # holds (nanobind's extensions, Triton's among them, report objects never finalized as leaks).
     atexit.register(gc.unfreeze)
     count = gc.get_freeze_count()  # (walks the frozen objects: once)
     log.info("%s froze its start-up heap: %d objects, a full collection of them %.0f ms", service, count,
