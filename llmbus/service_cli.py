@@ -373,6 +373,9 @@ def add_service_commands(sub) -> None:
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as `vllm serve MODEL` (or --model)")
+    # (SUPPRESS: absent here, `llmbus -v serve`'s value stands; a subcommand's default would override it)
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="log at INFO, in every service too (as `llmbus -v serve`)")
     p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
     add_served_model_name_arg(p)

@@ -43,7 +43,8 @@ def served(tiny_llama, tmp_path_factory):
         [str(bare), "--tokenizer", str(tiny_llama), "--config", str(folder / "serve.yaml"), "--served-model-name", "tiny", "gpt-4o-mini",
          "--tokenizers", "2", "--num-kv-blocks", "64", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "-tp", "1", "--hf-overrides", '{"max_position_embeddings": 512}',
-         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info"],
+         "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info",
+         "-v"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).
@@ -74,6 +75,17 @@ def test_serve_starts_everything_and_answers(served):
     # vLLM's --hf-overrides: every service reads the config as overridden (the context, 1024)
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert models[0]["max_model_len"] == 512
+
+
+def test_v_logs_every_service_at_info_each_having_frozen_its_heap(served):
+    """`llmbus serve -v` reaches every service it starts, and each of them froze its
+    start-up heap once ready (shared/gc_heap.py), the two tokenizer replicas included."""
+    proc, _, _ = served
+    log = proc.log.read_text()
+    for service, count in (("scheduler", 1), ("gateway", 1), ("tokenizer", 2)):
+        assert log.count(f"{service} froze its start-up heap") == count, service
+    assert log.count("worker froze its start-up heap") >= 1  # (again when a test below restarts it)
+    assert '"logger": "llmbus.worker"' in log and '"level": "INFO"' in log
 
 
 def test_the_chat_template_of_the_command_line_renders_chats(served, tiny_llama):
