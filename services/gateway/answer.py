@@ -139,7 +139,7 @@ class Answer:
             # Its choices not finished by then end aborted: vLLM's finished_reason "abort",
             # which vLLM itself never counts (vllm-project/vllm#31503).
             aborted = ["abort"] * max(0, self.num_choices - len(usage.finish_reasons))
-            self.s.metrics.request_aborted(usage.prompt_tokens, usage.finish_reasons + aborted)
+            self.s.metrics.request_ended(usage.prompt_tokens, usage.finish_reasons + aborted)
         request_log.info("request finished", extra={
             "request_id": self.request_id, "client_request_id": self.client_id, "status": status,
             "prompt_tokens": usage.prompt_tokens,

@@ -111,9 +111,7 @@ class GatewayMetrics:
     def request_finished(self, prompt_tokens: int, finish_reasons: list[str],
                          ttft: float | None, itls: list[float], e2e: float, queue_time: float | None) -> None:
         m = self._model
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        for reason in finish_reasons:
-            self.request_success.labels(m, reason).inc()
+        self.request_ended(prompt_tokens, finish_reasons)
         if ttft is not None:
             self.ttft.labels(m).observe(ttft)
         for gap in itls:
@@ -122,9 +120,10 @@ class GatewayMetrics:
         if queue_time is not None:
             self.queue_time.labels(m).observe(queue_time)
 
-    def request_aborted(self, prompt_tokens: int, finish_reasons: list[str]) -> None:
-        """A request whose client left before its end: its prompt was computed, and each
-        choice counts as finished, "abort" where it had not (no latency observed: it has none)."""
+    def request_ended(self, prompt_tokens: int, finish_reasons: list[str]) -> None:
+        """Its prompt's tokens and each choice's end, by reason: every request that ran, a
+        finished one's (`request_finished`) or one whose client left first ("abort" for its
+        choices not done then, and no latency: it has none to observe)."""
         m = self._model
         self.prompt_tokens.labels(m).inc(prompt_tokens)
         for reason in finish_reasons:

@@ -89,7 +89,7 @@ class StepInputs:
     ) -> tuple[StepInputs, list[int], np.ndarray, list]:
         """`build` for a step of one token a request and no drafts, most steps of a busy
         engine: one row a request, so none of `_any_rows`' mapping between requests, rows
-        and tokens (about half its array operations: ~60 of ~110 us at 128 requests)."""
+        and tokens (57 -> 32-40 us at 128 requests: docs/performance.md)."""
         num_states = len(states)
         req_starts, _, known, pending, block_rows = per_state.T
         plain = req_starts < known  # a decode of a token the host knows
@@ -104,9 +104,9 @@ class StepInputs:
         rows = np.arange(num_states)
         positions = req_starts.copy()
         table = block_table.gather(block_rows)
-        slot_mapping = table[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        slot_mapping = _slots(table, rows, positions, block_size)
         if long_offset is not None:
-            positions += np.fromiter((s.long_rope for s in states), np.bool_, num_states) * long_offset
+            positions += _long_rope(states) * long_offset
         inputs = cls(
             input_ids=input_ids, positions=positions, query_start_loc=np.arange(num_states + 1),
             seq_lens=req_starts + 1, slot_mapping=slot_mapping, block_table=table, num_decodes=num_states,
@@ -166,15 +166,12 @@ class StepInputs:
         # A request samples once caught up: its step ends past every token it knows of.
         sample_rows = np.flatnonzero(req_ends == known + pending + rows_of - 1).tolist()
         block_table = block_table.gather(block_rows)[req_of_row]
-        slot_mapping = (
-            block_table[row_of_token, positions // block_size].astype(np.int64) * block_size
-            + positions % block_size
-        )
+        slot_mapping = _slots(block_table, row_of_token, positions, block_size)
         if long_offset is not None:
             # longrope: a request's tokens rotate with the long factors when it was past the
             # threshold as it came to this worker (RequestState.long_rope); the long rows of
             # the tables follow the short ones.
-            long = np.fromiter((s.long_rope for s in states), np.bool_, num_states)[req_of_row][row_of_token]
+            long = _long_rope(states)[req_of_row][row_of_token]
             positions = positions + long * long_offset
         num_decodes = int(np.searchsorted(query_lens != 1, True))  # decodes come first
         inputs = cls(
@@ -182,3 +179,13 @@ class StepInputs:
             slot_mapping=slot_mapping, block_table=block_table, num_decodes=num_decodes,
         )
         return inputs, sample_rows, token_at[1:] - 1, from_device
+
+
+def _slots(block_table: np.ndarray, table_rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Each token's KV-cache slot: its row's block holding its position, at its offset there."""
+    return block_table[table_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def _long_rope(states: list[RequestState]) -> np.ndarray:
+    """Whether each request's tokens rotate with longrope's long factors."""
+    return np.fromiter((s.long_rope for s in states), np.bool_, len(states))
