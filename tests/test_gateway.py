@@ -305,6 +305,36 @@ def test_a_batch_of_prompts_is_n_choices_for_each_in_order_with_usage_summed(tok
     assert streamed == {i: script for i in range(6)}
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_of_n_choices_sends_each_choice_in_its_own_chunk(tokenizer, path):
+    """OpenAI's and vLLM's streams carry one choice a chunk; a client that reads each
+    chunk's choices[0] (many do) must still see every choice whole: its role, its text,
+    its finish reason."""
+    chat = path.endswith("chat/completions")
+    body = {"model": "tiny", "max_tokens": 5, "n": 3, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi", "echo": True})}
+    client, _ = gateway(tokenizer)
+    with client:
+        with client.stream("POST", path, json=body) as resp:
+            events = sse_events(resp)
+    script = tokenizer.decode(tokenizer.encode(SCRIPT, add_special_tokens=False)[:5])
+    assert all(len(e["choices"]) == 1 for e in events[:-1]) and events[-1]["choices"] == []
+    assert all(e["usage"] is not None for e in events)  # (continuous: on every chunk)
+    texts, roles, finished = {}, {}, {}
+    for e in events[:-1]:
+        first = e["choices"][0]
+        piece = first["delta"].get("content") or "" if chat else first["text"]
+        texts[first["index"]] = texts.get(first["index"], "") + piece
+        if chat and "role" in first["delta"]:
+            roles[first["index"]] = first["delta"]["role"]
+        if first["finish_reason"] is not None:
+            finished[first["index"]] = first["finish_reason"]
+    assert texts == {i: script if chat else "hi" + script for i in range(3)}
+    assert finished == {i: "length" for i in range(3)}
+    assert roles == ({i: "assistant" for i in range(3)} if chat else {})
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_request(tokenizer):
     client, engine = gateway(tokenizer)
     with client:

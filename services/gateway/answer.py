@@ -248,6 +248,12 @@ class Answer:
         # its cost per chunk (one chunk per token per stream at 128 streams).
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
+    def _chunks(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
+        """An event for each choice, as OpenAI's and vLLM's streams send them: a client
+        that reads `choices[0]` of each chunk (many do, n > 1 or not) sees every choice."""
+        return b"".join(self._chunk([choice], usage, prompt_token_ids if i == 0 else msgspec.UNSET)
+                        for i, choice in enumerate(choices))
+
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
         """OpenAI's `tool_calls` for a choice that ended by calling tools."""
         if reason == "stop" and self.tool_parsers is not None and self.tool_parsers[index].num_calls:
@@ -311,16 +317,16 @@ class Answer:
         status, failure = CLIENT_LEFT, None  # a client that leaves mid-stream never sees the end
         try:
             if self.chat:
-                yield self._chunk([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
-                                   for i in range(n)], self._usage() if continuous else usage,
-                                  self.prompt_ids[0] if self.body.return_token_ids else msgspec.UNSET)
+                yield self._chunks([r.ChatChunkChoice(i, r.DeltaMessage("assistant", ""), None, None)
+                                    for i in range(n)], self._usage() if continuous else usage,
+                                   self.prompt_ids[0] if self.body.return_token_ids else msgspec.UNSET)
             elif any(self.echo) and not self.echo_logprobs:
-                yield self._chunk([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
-                                  self._usage() if continuous else usage)
+                yield self._chunks([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
+                                   self._usage() if continuous else usage)
             async for deltas in prepend(first, self.stream):
                 out = [c for c in map(self._delta_choice, deltas) if c is not None]
                 if out:  # (the usage so far counts the tokens of these deltas)
-                    yield self._chunk(out, self._usage() if continuous else usage)
+                    yield self._chunks(out, self._usage() if continuous else usage)
             if include_usage:
                 yield self._chunk([], self._usage())
             status = 200
