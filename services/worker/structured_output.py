@@ -22,6 +22,7 @@ view xgrammar needs is built on that thread too, as the worker starts (`warm_up`
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -79,7 +80,7 @@ class GrammarBackend:
         try:
             return self.compile(spec)
         except (RuntimeError, ValueError) as exc:
-            raise ValueError(f"structured_outputs: {exc}") from exc
+            raise ValueError(f"structured_outputs: {_without_log_prefix(str(exc))}") from exc
 
     def matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]):
         """A matcher at the end of the tokens the request already has."""
@@ -190,3 +191,12 @@ def split_ready(states: list, rows: list[int], wait_s: float = 0.0) -> tuple[lis
 def _regex_literal(text: str) -> str:
     """`text` as a regex that matches it exactly (xgrammar's regex dialect)."""
     return "".join("\\" + ch if ch in r"\^$.|?*+()[]{}" else ch for ch in text)
+
+
+# xgrammar's C++ errors begin with its log line's time and source position
+# ("[22:10:48] /project/cpp/regex_converter.cc:94: "): a client is told what, not where.
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+def _without_log_prefix(message: str) -> str:
+    return _XGRAMMAR_LOG_PREFIX.sub("", message).strip()
