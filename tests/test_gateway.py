@@ -762,3 +762,38 @@ def test_the_api_s_own_docs_are_served_unless_disabled(tokenizer):
         for path in ("/docs", "/redoc", "/openapi.json"):
             refused = client.get(path)
             assert refused.status_code == 404 and refused.json()["error"]["code"] == 404
+
+
+class SilentEngine(FakeEngine):
+    """Takes each request and never answers it."""
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_leaves_a_whole_answer_aborts_its_requests_without_an_error(tokenizer, n):
+    """A non-streamed request whose client goes before the engine answers: its requests are
+    aborted in the engine, the answer is 499 (client left), and nothing raises in the app
+    (the gateway once closed the output stream while its reader was still inside it, and
+    uvicorn logged 'Exception in ASGI application' for each such client)."""
+    client, engine = gateway(tokenizer, engine_class=SilentEngine)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "n": n}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():  # the body, then the client is gone
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    with client:
+        client.portal.call(client.app, scope, receive, send)  # (raises what the app raises)
+    starts = [m for m in sent if m["type"] == "http.response.start"]
+    assert [m["status"] for m in starts] == [499]
+    assert len(engine.submitted) == n and sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)

@@ -190,7 +190,12 @@ class Answer:
         watcher = asyncio.ensure_future(watch_disconnect())
         done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if consumer not in done:
-            consumer.cancel()  # the client left: the generator's cleanup aborts in the engine
+            # The client left. The reader is inside the stream, awaiting its next output:
+            # cancelled, it throws into the stream, whose cleanup aborts in the engine; the
+            # stream can be closed only once the reader is out of it (aclose() of a
+            # generator in use raises).
+            consumer.cancel()
+            await asyncio.wait({consumer})
             await self.stream.aclose()
             return None
         watcher.cancel()
