@@ -39,6 +39,10 @@ def test_a_response_is_the_chat_answer_streamed_and_not(tiny_llama):
                                         safety_identifier="s1", prompt_cache_key="k1")  # (bookkeeping: accepted)
         events = list(client.responses.create(model="tiny", input="hi", instructions="Be brief.",
                                               max_output_tokens=200, stream=True))
+        # The client's own accumulating stream (it refuses an output index announced twice)
+        with client.responses.stream(model="tiny", input="hi", max_output_tokens=200) as stream:
+            accumulated = stream.get_final_response()
+    assert accumulated.output_text == SCRIPT and [o.type for o in accumulated.output] == ["message"]
     assert whole.output_text == SCRIPT and whole.status == "incomplete"  # the fake engine ends on length
     assert (whole.instructions, whole.text.format.type, whole.store) == ("Be brief.", "text", False)
     assert whole.incomplete_details.reason == "max_output_tokens"
@@ -84,6 +88,10 @@ def test_a_tool_call_and_the_thinking_are_output_items(tiny_llama):
         whole = client.responses.create(model="tiny", input="weather?", tools=[WEATHER], max_output_tokens=400)
         events = list(client.responses.create(model="tiny", input="weather?", tools=[WEATHER], max_output_tokens=400,
                                               stream=True))
+        with client.responses.stream(model="tiny", input="weather?", tools=[WEATHER], max_output_tokens=400) as stream:
+            accumulated = stream.get_final_response()
+    assert [(o.type, getattr(o, "arguments", None)) for o in accumulated.output] == [
+        (o.type, getattr(o, "arguments", None)) for o in whole.output]
     reasoning, call = whole.output
     assert (reasoning.type, reasoning.content[0].text) == ("reasoning", "Ask the tool.")
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})

@@ -181,12 +181,15 @@ class ResponsesAnswer(Answer):
 
     def _response(self, status: str, reasoning: str, content: str, calls: list[ToolCall],
                   finish: str | None) -> dict[str, Any]:
+        # In progress (a stream's `response.created`): no output yet, each item comes with
+        # its `output_item.added` (the openai client's stream refuses an index seen twice).
         output: list[dict[str, Any]] = []
-        if reasoning:
-            output.append(self._reasoning_item(reasoning, "completed"))
-        if content or not calls:
-            output.append(self._message_item(content, "completed"))
-        output += [self._call_item(call, "completed") for call in calls]
+        if status != "in_progress":
+            if reasoning:
+                output.append(self._reasoning_item(reasoning, "completed"))
+            if content or not calls:
+                output.append(self._message_item(content, "completed"))
+            output += [self._call_item(call, "completed") for call in calls]
         incomplete = finish == "length"
         if status == "completed" and incomplete:
             status = "incomplete"
