@@ -18,6 +18,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -39,10 +40,27 @@ NATS_AUTH_ENV = ("LLMBUS_NATS_USER", "LLMBUS_NATS_PASSWORD", "LLMBUS_NATS_TOKEN"
                  "LLMBUS_NATS_INBOX_PREFIX", "LLMBUS_NATS_TLS_CA", "LLMBUS_NATS_TLS_CERT", "LLMBUS_NATS_TLS_KEY")
 
 
-def spawn_service(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+def spawn_service(argv: list[str], env: dict | None = None, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=child_setup,
+        [sys.executable, "-m", "llmbus", *argv], env=env, preexec_fn=child_setup, pass_fds=pass_fds,
     )
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The gateway's port, bound before anything starts (as vLLM binds its API server's):
+    a port another server holds is one line at once, not a gateway that fails its restarts
+    while /health, answered by that other server, says the deployment is up. Every gateway
+    the supervisor starts serves on this socket (`llmbus gateway --fd`), so while a killed
+    gateway restarts its port stays open: connections wait in the backlog, none is refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (uvicorn's choice)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a past run's TIME_WAIT is no obstacle)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror} (--port chooses another)") from exc
+    return sock
 
 
 def live_children(serve_pid: int, kind: str) -> list:
@@ -121,7 +139,9 @@ def run_serve(args, service_env: dict[str, str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    listener: socket.socket | None = None
     try:
+        listener = bind_port(args.host, args.port)
         # Instance ids fixed for the deployment's life, so a replica the supervisor restarts
         # comes back as the same identity, with the same grants (a worker with a new,
         # random incarnation, which the scheduler treats as a fresh one).
@@ -149,19 +169,22 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         if args.verbose:  # `llmbus -v serve`: every service logs at INFO too (cli.main reads it)
             env["LLMBUS_VERBOSE"] = "1"
 
-        def add(name: str, service: str, identity: Identity) -> None:
+        def add(name: str, service: str, identity: Identity, fd: int | None = None) -> None:
             # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
             # stand; against ours, the identity's credentials and nothing else.
             own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **bus_env, **identity.env()}
             child_env = dict(env, **own, **identity.id_env())
-            supervisor.add(name, lambda: spawn_service([service, *common], child_env), time.monotonic())
+            argv, fds = [service, *common], ()
+            if fd is not None:  # the port's socket, inherited
+                argv, fds = [*argv, "--fd", str(fd)], (fd,)
+            supervisor.add(name, lambda: spawn_service(argv, child_env, fds), time.monotonic())
 
         add("scheduler", "scheduler", identities["scheduler"])
         for i in range(args.tokenizers):
             add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
         for i in range(args.workers):
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
-        add("gateway", "gateway", identities["gateway"])
+        add("gateway", "gateway", identities["gateway"], listener.fileno())
         url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
         wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers)
         print(f"llmbus is serving {args.served_model_name[0]} at {url}/v1 (NATS {nats_url})", flush=True)
@@ -173,6 +196,8 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         print(f"llmbus: error: {exc}", file=sys.stderr)
         return 1
     finally:
+        if listener is not None:  # (the gateway's own copy keeps serving until it stops)
+            listener.close()
         # Front to back: the gateway stops taking requests; workers drain (the scheduler
         # moves their requests) while the tokenizers, whom only the gateway asks, go too;
         # then the scheduler; NATS last, so nobody's drain finds it gone.

@@ -287,7 +287,7 @@ def cmd_gateway(args) -> int:
     if args.disable_log_requests:
         logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
     serve(tokenizer_folder(args, path), args.nats_url, gateway_config(args, name, path), args.host, args.port,
-          bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args))
+          bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args), args.fd)
     return 0
 
 
@@ -369,6 +369,9 @@ def add_service_commands(sub) -> None:
     p.add_argument("--gateway-id", default=env("--gateway-id", None),
                    help="this gateway's id, its bus identity and the first token of its outputs subject (default: "
                         "random; `llmbus serve` keeps one across restarts)")
+    p.add_argument("--fd", type=int, default=None,
+                   help="uvicorn's: serve on the listening socket of this inherited file descriptor, not --host and "
+                        "--port (`llmbus serve` hands its port's to every gateway it starts)")
     p.set_defaults(func=cmd_gateway)
 
     p = sub.add_parser("serve", help="run a whole deployment on this machine")

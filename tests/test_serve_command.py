@@ -233,6 +233,37 @@ def test_a_restarted_worker_is_a_new_one_and_its_streams_go_on_at_once(served):
     assert [w.pid for w in live_children(proc.pid, "worker")] not in ([], [victim.pid])
 
 
+def test_a_request_sent_while_the_gateway_restarts_waits_for_it_and_is_answered(served):
+    """The port is `llmbus serve`'s own socket, handed to every gateway it starts: while a
+    killed gateway restarts, a client's connection waits in the backlog and its request is
+    answered by the new gateway, where it was refused before."""
+    proc, url, _ = served
+    victim = live_children(proc.pid, "gateway")[0]
+    victim.kill()
+    victim.wait(10)  # (closed, its sockets with it: reaped, or a zombie until the supervisor reaps it)
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 3},
+                      timeout=120)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+    assert [g.pid for g in live_children(proc.pid, "gateway")] not in ([], [victim.pid])
+
+
+def test_a_port_another_server_holds_is_one_line_and_nothing_starts(tiny_llama):
+    """Where another server listens on --port, `llmbus serve` says so and exits at once: it
+    once started everything, said it was serving (that server's /health answered) and gave
+    up after its gateway failed five restarts."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama), "--port", str(port)],
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip() == (f"llmbus: error: cannot listen on 127.0.0.1:{port}: Address already in use "
+                                   "(--port chooses another)")
+
+
 def test_sigterm_stops_everything(served):
     proc, _, _ = served
     children = psutil.Process(proc.pid).children(recursive=True)  # (a restarted worker among them)

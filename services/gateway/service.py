@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import uuid
 
 import uvicorn
@@ -48,8 +49,9 @@ def build_app(tokenizer_path: str, nats_url: str, config: GatewayConfig, timeout
 
 def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
           auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning",
-          https: dict | None = None) -> None:
-    """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags)."""
+          https: dict | None = None, fd: int | None = None) -> None:
+    """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags); `fd`: an
+    inherited listening socket to serve on instead of binding host:port (llmbus serve's)."""
     app = build_app(tokenizer_path, nats_url, config, auth=auth, gateway_id=gateway_id)
     log.info("gateway on %s://%s:%d", "https" if https else "http", host, port)
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
@@ -58,7 +60,8 @@ def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, 
     # (its own config would print plain text, the access log on stdout beside the banner).
     access_log = uvicorn_log_level in ("info", "debug", "trace")
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
-                           log_config=None, **(https or {}))).run()
+                           log_config=None, **(https or {}))).run(
+        sockets=None if fd is None else [socket.socket(fileno=fd)])  # (its family and type read from it)
     shutdown_tracing()
 
 
