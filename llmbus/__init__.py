@@ -3,10 +3,11 @@
 from llmbus.inputs import TextPrompt, TokensPrompt
 from shared.beam_search import BeamSearchParams
 from shared.lora_request import LoRARequest
-from shared.sampling_params import RequestOutputKind, SamplingParams
+from shared.messages import Logprob
+from shared.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "LoRARequest", "RequestOutput", "CompletionOutput", "TextPrompt",
-           "TokensPrompt"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "BeamSearchParams", "LoRARequest",
+           "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt", "TokensPrompt"]
 
 
 def __getattr__(name: str):

@@ -305,7 +305,8 @@ class LLM:
                 live, prompts = batch
                 results = self.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], step,
                                         lora_request=lora_request)
-                advance_each(live, [r.outputs[0].logprobs[0] if r.outputs[0].logprobs else None for r in results])
+                advance_each(live, [{t: lp.logprob for t, lp in r.outputs[0].logprobs[0].items()}
+                                    if r.outputs[0].logprobs else None for r in results])
                 bar.update(1)
         answers = []
         for search in searches:
@@ -366,7 +367,7 @@ class LLM:
                     continue
                 result = entry[1]
                 if delta.prompt_logprobs and delta.index == 0:  # (each choice has them: the same prompt)
-                    result.prompt_logprobs.extend(delta.prompt_logprobs)
+                    result.prompt_logprobs.extend(lp.by_token(self._token_text) for lp in delta.prompt_logprobs)
                 if delta.pooled is not None:
                     result.embedding = delta.pooled
                 if delta.needs_abort:
@@ -375,7 +376,7 @@ class LLM:
                 completion.text += delta.text
                 completion.token_ids.extend(delta.token_ids)
                 if completion.logprobs is not None:
-                    completion.logprobs.extend(delta.logprobs)
+                    completion.logprobs.extend(lp.by_token(self._token_text) for lp in delta.logprobs)
                 result.num_cached_tokens = delta.num_cached_tokens
                 if delta.finish_reason is None:
                     continue
@@ -387,6 +388,10 @@ class LLM:
                     raise RuntimeError(f"request {out.request_id} failed in the engine: {delta.error}")
                 finished.append(out.request_id)
         return finished
+
+    def _token_text(self, token_id: int) -> str:
+        """A logprob's `decoded_token`: the token decoded alone (as vLLM's)."""
+        return self.tokenizer.backend.decode([token_id], skip_special_tokens=False)
 
     def run_in_engine(self, coro: Coroutine[None, None, T]) -> T:
         """Run a coroutine on the engine's event loop, on the runner's thread; the caller

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from shared.messages import Logprobs
+from shared.messages import Logprob
+
+# vLLM's: a position's logprobs, token id -> Logprob (the sampled token's and the top-k's)
+PositionLogprobs = dict[int, Logprob]
 
 T = TypeVar("T")
 
@@ -17,13 +20,13 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[Logprobs] | None = None  # per generated token, when asked for
+    logprobs: list[PositionLogprobs] | None = None  # per generated token, when asked for
 
     @property
     def cumulative_logprob(self) -> float | None:
         if self.logprobs is None:
             return None
-        return sum(lp.logprobs[0] for lp in self.logprobs)
+        return sum(position[token_id].logprob for token_id, position in zip(self.token_ids, self.logprobs))
 
 
 @dataclass(slots=True)
@@ -56,7 +59,7 @@ class RequestOutput:
     finished: bool = False
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (vLLM's
     # shape), filled in with the first output token.
-    prompt_logprobs: list[Logprobs | None] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     embedding: list[float] | None = None  # an embedding request's (SamplingParams.embed)
 
 

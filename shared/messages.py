@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 
 import msgspec
 
@@ -94,12 +95,28 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     num_draft_slots: dict[str, int] = {}
 
 
+class Logprob(msgspec.Struct):
+    """vLLM's: one token's logprob at a position, its rank there (1: the most likely) and
+    its text alone."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class Logprobs(msgspec.Struct, **_WIRE):
     """Logprobs of one sampled position: the sampled token first, then the top-k."""
 
     token_ids: list[int]  # [1 + k]
     logprobs: list[float]  # [1 + k]
     sampled_rank: int  # 1-based rank of the sampled token in the distribution
+
+    def by_token(self, decode: Callable[[int], str | None] = lambda _: None) -> dict[int, Logprob]:
+        """vLLM's shape of a position's logprobs: token id -> Logprob, the sampled token
+        first (with its own rank), then the top-k in rank order (one that is both is one
+        entry). `decode` gives a token's text."""
+        ranks = (self.sampled_rank, *range(1, len(self.token_ids)))
+        return {t: Logprob(v, rank, decode(t)) for t, v, rank in zip(self.token_ids, self.logprobs, ranks)}
 
 
 class ModelRunnerOutput(msgspec.Struct, **_WIRE):

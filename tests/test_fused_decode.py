@@ -20,7 +20,9 @@ PROMPTS = [[5 + i % 300 for i in range(n)] for n in (1, 15, 16, 40)]
 def run(llm: LLM) -> list[tuple[list[int], list[float]]]:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (24, 9, 17, 24)]
     outputs = llm.generate(PROMPTS, params)
-    return [(o.outputs[0].token_ids, [lp.logprobs[0] for lp in o.outputs[0].logprobs]) for o in outputs]
+    return [(o.outputs[0].token_ids, [position[t].logprob for t, position in zip(o.outputs[0].token_ids,
+                                                                                  o.outputs[0].logprobs)])
+            for o in outputs]
 
 
 LAYOUTS = [("bfloat16", None, "auto"), ("float32", None, "auto"), ("bfloat16", "int4", "auto"),

@@ -40,7 +40,7 @@ def overlaps(monkeypatch):
 
 
 def outputs(llm: LLM, params) -> list:
-    return [(o.outputs[0].token_ids, [lp.logprobs for lp in o.outputs[0].logprobs or []])
+    return [(o.outputs[0].token_ids, [[lp.logprob for lp in position.values()] for position in o.outputs[0].logprobs or []])
             for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 

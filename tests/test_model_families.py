@@ -99,7 +99,7 @@ def test_logprobs_equal_transformers(family):
         with torch.no_grad():
             logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
         want = logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        got = torch.tensor([entry.logprobs[0] for entry in output.prompt_logprobs[1:]])
+        got = torch.tensor([entry[token].logprob for token, entry in zip(prompt[1:], output.prompt_logprobs[1:])])
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -229,16 +229,30 @@ def test_stop_string_cuts_the_text_before_it(llm):
     assert out.outputs[0].stop_reason == stop
 
 
-def test_logprobs_are_returned_per_token(llm):
+def test_logprobs_are_returned_per_token_in_vllms_shape(llm):
+    """vLLM's: per generated token, token id -> Logprob(logprob, rank, decoded_token), the
+    sampled token first; the top-k after it, one entry for a token that is both."""
     [out] = llm.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True))
     completion = out.outputs[0]
     assert len(completion.logprobs) == 5
-    for token_id, lp in zip(completion.token_ids, completion.logprobs):
-        assert lp.token_ids[0] == token_id
-        assert len(lp.token_ids) == 4
-        assert lp.sampled_rank == 1  # greedy takes the top token
-        assert lp.logprobs[0] == pytest.approx(lp.logprobs[1])
-    assert completion.cumulative_logprob == pytest.approx(sum(lp.logprobs[0] for lp in completion.logprobs))
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        assert next(iter(position)) == token_id and len(position) == 3  # greedy: the top token, one entry
+        assert [lp.rank for lp in position.values()] == [1, 2, 3]
+        values = [lp.logprob for lp in position.values()]
+        assert values == sorted(values, reverse=True)
+        assert all(lp.decoded_token == llm.tokenizer.decode([t], skip_special_tokens=False)
+                   for t, lp in position.items())
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(position[t].logprob for t, position in zip(completion.token_ids, completion.logprobs)))
+    # Sampled past the top-k: its own entry first, with its rank, then the k
+    [out] = llm.generate([9, 10, 11], SamplingParams(temperature=1.0, seed=0, max_tokens=30, logprobs=1,
+                                                     ignore_eos=True))
+    outside = [(t, p) for t, p in zip(out.outputs[0].token_ids, out.outputs[0].logprobs) if p[t].rank > 1]
+    assert outside  # (the tiny random model's flat distributions: most draws are not its top token)
+    for token_id, position in outside:
+        assert list(position)[0] == token_id and len(position) == 2
+        assert [lp.rank for lp in position.values()][1] == 1 and position[token_id].logprob < max(
+            lp.logprob for lp in position.values())
 
 
 @pytest.mark.parametrize(

@@ -34,13 +34,17 @@ def reference(tiny_llama):
 
 def check(outputs, reference) -> None:
     for prompt, output, expected in zip(PROMPTS, outputs, reference, strict=True):
-        entries = output.prompt_logprobs
+        entries = output.prompt_logprobs  # vLLM's: per prompt token but the first, token id -> Logprob
         assert len(entries) == len(prompt) and entries[0] is None
-        assert [e.token_ids[0] for e in entries[1:]] == prompt[1:]
-        assert [(e.sampled_rank, e.token_ids[1:]) for e in entries[1:]] == [(r, ids) for _, r, ids, _ in expected]
-        got = torch.tensor([e.logprobs for e in entries[1:]], dtype=torch.float64).reshape(-1, 1 + TOP)
-        want = torch.tensor([[lp, *top] for lp, _, _, top in expected], dtype=torch.float64).reshape(-1, 1 + TOP)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        got, want = [], []
+        for token, entry, (lp, rank, ids, top) in zip(prompt[1:], entries[1:], expected, strict=True):
+            assert next(iter(entry)) == token and entry[token].rank == rank  # the prompt's token first
+            assert [t for t, v in sorted(entry.items(), key=lambda kv: kv[1].rank) if v.rank <= TOP] == ids
+            assert len(entry) == TOP + (rank > TOP)  # (one entry for a token among the top-k)
+            got.append([entry[token].logprob, *(entry[t].logprob for t in ids)])
+            want.append([lp, *top])
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                                   rtol=1e-4, atol=1e-4)
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=TOP, ignore_eos=True)
@@ -106,9 +110,10 @@ def test_minus_one_gives_the_whole_vocabulary_under_max_logprobs_minus_one(tiny_
     entries = out.prompt_logprobs[1:] + sampled.logprobs
     assert len(entries) == len(tokens) - 1
     vocab = want.shape[-1]
-    for row, entry in zip(want, entries, strict=True):
-        assert len(entry.token_ids) == 1 + vocab and sorted(entry.token_ids[1:]) == list(range(vocab))
-        got = torch.full((vocab,), float("nan"), dtype=torch.float64)
-        got[torch.tensor(entry.token_ids[1:])] = torch.tensor(entry.logprobs[1:], dtype=torch.float64)
+    for token, row, entry in zip(tokens[1:], want, entries, strict=True):
+        assert next(iter(entry)) == token and sorted(entry) == list(range(vocab))
+        got = torch.tensor([entry[t].logprob for t in range(vocab)], dtype=torch.float64)
         torch.testing.assert_close(got, row.double(), rtol=1e-4, atol=1e-4)
-        assert entry.logprobs[1:] == sorted(entry.logprobs[1:], reverse=True)
+        by_rank = sorted(entry.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in by_rank] == list(range(1, vocab + 1))
+        assert [lp.logprob for lp in by_rank] == sorted((lp.logprob for lp in by_rank), reverse=True)

@@ -205,7 +205,8 @@ def test_echo_with_logprobs_gives_the_prompt_s_logprobs_as_offline(client, offli
     ids = offline.tokenizer.encode(PROMPTS[2])
     ref = offline.generate([ids], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2,
                                                  ignore_eos=True), use_tqdm=False)[0]
-    entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs
+    entries = ref.prompt_logprobs[1:] + ref.outputs[0].logprobs  # (vLLM's: token id -> Logprob)
+    tokens = ids[1:] + ref.outputs[0].token_ids
     kwargs = dict(model="tiny", prompt=ids, max_tokens=3, temperature=0, echo=True, logprobs=2,
                   extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs)
@@ -218,8 +219,9 @@ def test_echo_with_logprobs_gives_the_prompt_s_logprobs_as_offline(client, offli
 
     assert lp.tokens == [text(t) for t in ids + ref.outputs[0].token_ids]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:] == pytest.approx([e.logprobs[0] for e in entries], abs=1e-4)
-    assert [set(top) for top in lp.top_logprobs[1:]] == [{text(t) for t in e.token_ids[1:]} for e in entries]
+    assert lp.token_logprobs[1:] == pytest.approx([e[t].logprob for t, e in zip(tokens, entries)], abs=1e-4)
+    assert [set(top) for top in lp.top_logprobs[1:]] == [{text(t) for t, v in e.items() if v.rank <= 2}
+                                                         for e in entries]
     assert streamed == list(zip(lp.tokens, lp.token_logprobs))
     # Offsets into the choice's text: each token where the one before ends, decoded alone.
     assert lp.text_offset == list(itertools.accumulate((len(t) for t in lp.tokens[:-1]), initial=0))
@@ -240,14 +242,15 @@ def test_vllm_prompt_logprobs_and_echo_of_the_prompt_alone(deployment, offline):
     choice = post("/v1/completions", {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}).json()["choices"][0]
     assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == len(ids)
     for token_id, entry, expected in zip(ids[1:], choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
-        assert entry[str(token_id)]["rank"] == expected.sampled_rank
-        assert {int(t) for t in entry} == set(expected.token_ids)
-        assert entry[str(token_id)]["logprob"] == pytest.approx(expected.logprobs[0], abs=1e-4)
+        assert list(entry) == [str(t) for t in expected] and list(entry)[0] == str(token_id)  # (the same order)
+        for t, want in expected.items():  # (offline's Logprob, served as JSON)
+            assert (entry[str(t)]["rank"], entry[str(t)]["decoded_token"]) == (want.rank, want.decoded_token)
+            assert entry[str(t)]["logprob"] == pytest.approx(want.logprob, abs=1e-4)
     assert choice["logprobs"] is None  # (no echo: the completion's own were not asked for)
     alone = post("/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
     assert alone["choices"][0]["text"] == PROMPTS[0]
     assert alone["choices"][0]["logprobs"]["token_logprobs"][1:] == pytest.approx(
-        [e.logprobs[0] for e in ref.prompt_logprobs[1:]], abs=1e-4)
+        [e[t].logprob for t, e in zip(ids[1:], ref.prompt_logprobs[1:])], abs=1e-4)
     assert len(alone["choices"][0]["logprobs"]["tokens"]) == len(ids)
     messages = [{"role": "user", "content": PROMPTS[0]}]
     chat = post("/v1/chat/completions", {"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}).json()

@@ -149,6 +149,19 @@ def test_a_spec_xgrammar_refuses_is_a_value_error_before_anything_runs(llm, prom
 def test_a_spec_must_name_exactly_one_constraint(spec, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**spec)
+    with pytest.raises(ValueError, match=message):  # (given as a dict, the same spec)
+        SamplingParams(structured_outputs=spec)
+
+
+def test_a_spec_given_as_a_dict_constrains_as_the_params_do(llm, prompts):
+    """Offline, as a served request's `structured_outputs` field reads (it was an
+    AttributeError from deep in the engine)."""
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs={"choice": ["yes", "no"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    [out] = llm.generate([prompts[0]], params)
+    assert out.outputs[0].text in ("yes", "no")
+    with pytest.raises(TypeError, match="jsn"):
+        SamplingParams(structured_outputs={"jsn": {}})
 
 
 # ---- who waits for a compile ------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from shared.messages import Logprobs
+from shared.messages import Logprob, Logprobs
 
 
 class PromptTokensDetails(msgspec.Struct):
@@ -158,15 +158,10 @@ class LogprobsFormatter:
         }, ends[-1]
 
 
-    def prompt(self, items: list[Logprobs]) -> list[dict[str, Any] | None]:
+    def prompt(self, items: list[Logprobs]) -> list[dict[int, Logprob] | None]:
         """vLLM's prompt_logprobs: per prompt token (None for the first) the token's own and
         the top-k's, by token id, each with its rank and text."""
-        def entry(lp: Logprobs) -> dict[str, Any]:
-            ranks = [lp.sampled_rank, *range(1, len(lp.token_ids))]
-            return {str(t): {"logprob": v, "rank": rank, "decoded_token": self._text(t)}
-                    for t, v, rank in zip(lp.token_ids, lp.logprobs, ranks)}
-
-        return [None] + [entry(lp) for lp in items]
+        return [None] + [lp.by_token(self._text) for lp in items]  # (msgspec writes the ids as keys)
 
     def chat(self, items: list[Logprobs]) -> dict[str, Any]:
         def entry(token_id: int, value: float) -> dict[str, Any]:
