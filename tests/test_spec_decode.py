@@ -104,9 +104,9 @@ def test_seeded_sampling_is_identical_with_and_without_speculation(tiny_llama, s
     crowd = spec_llm.generate(prompts + prompts[::-1], params + [SamplingParams(temperature=1.0, max_tokens=20)] * 4)
     for e, g, c in zip(expected, got, crowd):
         assert e.outputs[0].token_ids == g.outputs[0].token_ids == c.outputs[0].token_ids
-        assert [lp.token_ids[0] for lp in g.outputs[0].logprobs] == g.outputs[0].token_ids
-        assert [lp.logprobs[0] for lp in g.outputs[0].logprobs] == pytest.approx(
-            [lp.logprobs[0] for lp in e.outputs[0].logprobs], abs=1e-4)
+        assert [next(iter(position)) for position in g.outputs[0].logprobs] == g.outputs[0].token_ids
+        assert [g.outputs[0].logprobs[i][t].logprob for i, t in enumerate(g.outputs[0].token_ids)] == pytest.approx(
+            [e.outputs[0].logprobs[i][t].logprob for i, t in enumerate(e.outputs[0].token_ids)], abs=1e-4)
     assert accepted_since(spec_llm, before) > 0
 
 
