@@ -81,23 +81,22 @@ def live_children(serve_pid: int, kind: str) -> list:
 
 def start_serve(args: list[str], log: Path, env: dict[str, str] | None = None,
                 cwd: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """`llmbus serve ARGS` as a user starts it, in a child process on a free port: the
-    process and its base URL once it says it is serving (its banner, printed once /health
-    is green; kept as `proc.banner`). Every service logs to `log` (a file: a pipe nobody
-    reads could fill up). `env`: variables added to this process's. For the tests and the
-    benchmark scripts."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", str(port)],
+    """`llmbus serve ARGS` as a user starts it, in a child process on a port the system
+    chooses (--port 0): the process and its base URL once it says it is serving (its
+    banner, printed once /health is green; kept as `proc.banner`). Every service logs to
+    `log` (a file: a pipe nobody reads could fill up). `env`: variables added to this
+    process's. For the tests and the benchmark scripts."""
+    proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", *args, "--port", "0"],
                             stdout=subprocess.PIPE, stderr=log.open("a"), text=True, cwd=cwd,
                             env=None if env is None else dict(os.environ, **env))
     line = proc.stdout.readline()
-    served = re.search(rf"(https?)://127\.0\.0\.1:{port}/v1", line)
+    served = re.search(r"(https?)://127\.0\.0\.1:(\d+)/v1", line)
     if served is None:
         proc.kill()
         proc.wait()
         raise RuntimeError(f"llmbus serve did not start:\n{log.read_text()[-3000:]}")
     proc.banner = line  # "llmbus is serving NAME at URL/v1 (NATS URLS)"
-    return proc, f"{served.group(1)}://127.0.0.1:{port}"
+    return proc, f"{served.group(1)}://127.0.0.1:{served.group(2)}"
 
 
 _UNVERIFIED = ssl.create_default_context()
@@ -105,12 +104,16 @@ _UNVERIFIED.check_hostname = False
 _UNVERIFIED.verify_mode = ssl.CERT_NONE
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float, num_workers: int = 1) -> None:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float, num_workers: int = 1,
+                 stopping=lambda: False) -> bool:
     """Until /health is green with `num_workers` workers joined: `--workers 2` serves with
     two once it says so (a request stays on the worker it was placed on, so a burst sent
-    while only the first had joined would all have run there)."""
+    while only the first had joined would all have run there). False where `stopping()`
+    says to give up first (a Ctrl-C during start-up, which may last minutes for a big model)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stopping():
+            return False
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"a service exited during start-up: {proc.args[3]} (code {proc.returncode})")
@@ -118,7 +121,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float, num_
             # (over HTTPS, our own child's certificate is not what this asks: it is not verified)
             with urllib.request.urlopen(f"{url}/health", timeout=1, context=_UNVERIFIED) as resp:
                 if resp.status == 200 and json.loads(resp.read()).get("workers", 0) >= num_workers:
-                    return
+                    return True
         except OSError:
             pass
         time.sleep(0.2)
@@ -185,8 +188,11 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         for i in range(args.workers):
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
         add("gateway", "gateway", identities["gateway"], listener.fileno())
-        url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}"
-        wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers)
+        port = listener.getsockname()[1]  # (--port 0: the one the system chose)
+        url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{port}"
+        if not wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers,
+                            lambda: stop_requested):
+            return 0  # (stopped before serving: everything goes as after, front to back)
         print(f"llmbus is serving {args.served_model_name[0]} at {url}/v1 (NATS {nats_url})", flush=True)
         while not stop_requested:
             supervisor.poll(time.monotonic())  # a replica that exited starts again

@@ -264,6 +264,32 @@ def test_a_port_another_server_holds_is_one_line_and_nothing_starts(tiny_llama):
                                    "(--port chooses another)")
 
 
+def test_ctrl_c_during_start_up_stops_everything_without_serving(tiny_llama, tmp_path):
+    """A Ctrl-C while the services start (a big model's load may last minutes) stops
+    them then: `llmbus serve` once waited for the deployment to be up, said it was
+    serving, and only then stopped."""
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "llmbus", "serve", "--model", str(tiny_llama),
+                                 "--port", "0"], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not live_children(proc.pid, "worker"):  # (started, not yet up: its model loads)
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "is serving" not in out
+    assert "Traceback" not in log.read_text()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children):
+        time.sleep(0.1)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
 def test_sigterm_stops_everything(served):
     proc, _, _ = served
     children = psutil.Process(proc.pid).children(recursive=True)  # (a restarted worker among them)

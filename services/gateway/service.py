@@ -53,15 +53,16 @@ def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, 
     """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags); `fd`: an
     inherited listening socket to serve on instead of binding host:port (llmbus serve's)."""
     app = build_app(tokenizer_path, nats_url, config, auth=auth, gateway_id=gateway_id)
-    log.info("gateway on %s://%s:%d", "https" if https else "http", host, port)
+    sockets = None if fd is None else [socket.socket(fileno=fd)]  # (its family and type read from it)
+    log.info("gateway on %s://%s:%d", "https" if https else "http", *(sockets[0].getsockname()[:2] if sockets
+                                                                        else (host, port)))
     # uvicorn handles SIGINT/SIGTERM itself: it stops accepting, finishes, runs the lifespan exit.
     # Its access log (a line per HTTP request) only where its level asks for INFO, as vLLM's.
     # log_config=None: its records go through our JSON lines on stderr, as every other log
     # (its own config would print plain text, the access log on stdout beside the banner).
     access_log = uvicorn_log_level in ("info", "debug", "trace")
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
-                           log_config=None, **(https or {}))).run(
-        sockets=None if fd is None else [socket.socket(fileno=fd)])  # (its family and type read from it)
+                           log_config=None, **(https or {}))).run(sockets=sockets)
     shutdown_tracing()
 
 
