@@ -9,6 +9,7 @@ import re
 import signal
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 
 import msgspec
@@ -108,6 +109,13 @@ class BusAuth:
         return f"BusAuth(user={self.user!r}, tls={bool(self.tls_ca or self.tls_cert)})"
 
 
+# A first connection that keeps failing is said, not retried in silence (a wrong
+# --nats-url looked like a service that hung): once it has failed this long (compose may
+# start a service a moment before its NATS), then again at most this often.
+UNREACHABLE_WARN_AFTER_S = 5.0
+UNREACHABLE_WARN_EVERY_S = 30.0
+
+
 async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None = None) -> Client:
     """Connect with reconnection forever: a NATS restart is an outage, not a crash.
 
@@ -119,6 +127,7 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
     """
     auth = auth or BusAuth()
     refused: asyncio.Future = asyncio.get_running_loop().create_future()
+    started, warned_at = time.monotonic(), None
 
     async def on_disconnect():
         if not (nc.is_closed or nc.is_draining):  # a drain on shutdown is not news
@@ -130,6 +139,7 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
             await on_reconnect()
 
     async def on_error(exc):
+        nonlocal warned_at
         text = str(exc).lower()
         # A certificate that fails the check is a refusal; other TLS errors (a handshake cut
         # short by a node going down) are a connection's, and reconnecting deals with them.
@@ -139,6 +149,11 @@ async def connect(url: str, name: str, on_reconnect=None, auth: BusAuth | None =
             log.warning("%s could not log in to NATS: %s", name, exc)
         elif "permissions violation" in text:
             log.warning("%s: %s", name, exc)
+        elif not connecting.done() and time.monotonic() - started >= UNREACHABLE_WARN_AFTER_S and (
+                warned_at is None or time.monotonic() - warned_at >= UNREACHABLE_WARN_EVERY_S):
+            warned_at = time.monotonic()
+            log.warning("%s cannot reach NATS at %s for %.0f s (%s); still trying", name, url,
+                        warned_at - started, exc)
         else:
             log.debug("NATS error: %s", exc)
 

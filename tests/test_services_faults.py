@@ -217,3 +217,37 @@ def test_a_lone_nats_restart_under_load_loses_no_request(tiny_llama):
         assert time.monotonic() - restarted < 30
     finally:
         d.close()
+
+
+def test_a_service_that_cannot_reach_nats_says_so_and_stops_at_once_on_ctrl_c(tiny_llama, tmp_path):
+    """A wrong --nats-url: each service retries (NATS may come up after it) but says so
+    after a few seconds rather than hang in silence, and Ctrl-C stops it then, with the
+    status of a process SIGINT ended and no traceback (the gateway, whose start-up uvicorn
+    waits for whatever the signal, once took its 30 s shutdown limit and exited 1)."""
+    import subprocess
+    import sys
+
+    from llmbus.serve import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"  # (nothing listens there)
+    procs, logs = {}, {}
+    for service in ("scheduler", "tokenizer", "worker", "gateway"):
+        logs[service] = tmp_path / f"{service}.log"
+        port = ["--port", str(free_port())] if service == "gateway" else []
+        with logs[service].open("w") as err:
+            procs[service] = subprocess.Popen([sys.executable, "-m", "llmbus", service, "--nats-url", url,
+                                               "--model", str(tiny_llama), *port], stderr=err)
+    try:
+        deadline = time.monotonic() + 60
+        for service, proc in procs.items():
+            while f"cannot reach NATS at {url}" not in logs[service].read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, f"{service} said nothing"
+                time.sleep(0.1)
+        for proc in procs.values():
+            proc.send_signal(signal.SIGINT)
+        codes = {service: proc.wait(timeout=15) for service, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.kill()
+    assert codes == dict.fromkeys(procs, 130)
+    assert not [s for s in procs if "Traceback" in logs[s].read_text()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import uuid
 
@@ -73,6 +74,14 @@ class _Server(uvicorn.Server):
             freeze_heap("gateway")
 
     def handle_exit(self, sig, frame) -> None:
+        if not self.started:
+            # Still starting: uvicorn waits for the lifespan's start-up whatever the signal,
+            # and ours may wait on a NATS it cannot reach for good (a cancelled start-up is
+            # logged by uvicorn with a traceback). Nothing is served or held yet: go now,
+            # with the exit status of a process the signal ended.
+            log.info("gateway stopped while starting")
+            logging.shutdown()
+            os._exit(128 + sig)
         if not self.should_exit:  # the first signal: the shutdown it starts is bounded too
             exit_if_stuck()
         super().handle_exit(sig, frame)
