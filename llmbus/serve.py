@@ -63,6 +63,12 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
+def base_url(host: str, port: int, https: bool = False) -> str:
+    """Where the gateway answers (`port`: the bound one, --port 0's choice too), an IPv6
+    address in brackets as a URL writes it."""
+    return f"{'https' if https else 'http'}://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def live_children(serve_pid: int, kind: str) -> list:
     """The live replicas of one kind (`worker`, `tokenizer`, …, or `nats`) among the
     children of an `llmbus serve` process, as psutil processes; one that just died is a
@@ -188,8 +194,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         for i in range(args.workers):
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
         add("gateway", "gateway", identities["gateway"], listener.fileno())
-        port = listener.getsockname()[1]  # (--port 0: the one the system chose)
-        url = f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{port}"
+        url = base_url(args.host, listener.getsockname()[1], https=bool(args.ssl_certfile))
         if not wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers,
                             lambda: stop_requested):
             return 0  # (stopped before serving: everything goes as after, front to back)

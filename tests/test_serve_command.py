@@ -264,6 +264,16 @@ def test_a_port_another_server_holds_is_one_line_and_nothing_starts(tiny_llama):
                                    "(--port chooses another)")
 
 
+@pytest.mark.parametrize("host, https, url", [("127.0.0.1", False, "http://127.0.0.1:8000"),
+                                              ("::1", False, "http://[::1]:8000"), ("::", True, "https://[::]:8000"),
+                                              ("localhost", True, "https://localhost:8000")])
+def test_the_url_serve_waits_on_and_prints_writes_an_ipv6_host_in_brackets(host, https, url):
+    """(--host :: once gave http://:::8000, which /health could never answer at.)"""
+    from llmbus.serve import base_url
+
+    assert base_url(host, 8000, https) == url
+
+
 def test_ctrl_c_during_start_up_stops_everything_without_serving(tiny_llama, tmp_path):
     """A Ctrl-C while the services start (a big model's load may last minutes) stops
     them then: `llmbus serve` once waited for the deployment to be up, said it was
