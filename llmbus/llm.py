@@ -305,8 +305,7 @@ class LLM:
                 live, prompts = batch
                 results = self.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], step,
                                         lora_request=lora_request)
-                advance_each(live, [{t: lp.logprob for t, lp in r.outputs[0].logprobs[0].items()}
-                                    if r.outputs[0].logprobs else None for r in results])
+                advance_each(live, [r.outputs[0].logprobs[0] if r.outputs[0].logprobs else None for r in results])
                 bar.update(1)
         answers = []
         for search in searches:

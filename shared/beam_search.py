@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.messages import Logprob
 from shared.sampling_params import SamplingParams
 
 
@@ -88,12 +89,14 @@ class BeamSearch:
         """The token ids of each live beam: this step's prompts."""
         return [beam.tokens for beam in self.live]
 
-    def advance(self, step_logprobs: list[dict[int, float] | None]) -> None:
-        """Each live beam's step (in `pending`'s order): its candidates' logprobs, by token id."""
+    def advance(self, step_logprobs: list[dict[int, Logprob] | None]) -> None:
+        """Each live beam's step (in `pending`'s order): its candidates' logprobs, by token id
+        (vLLM's shape: `Logprobs.by_token`, an offline output's)."""
         extended = []
-        for beam, candidates in zip(self.live, step_logprobs, strict=True):
-            if candidates is None:  # (the engine gave no token: the beam cannot go on)
+        for beam, position in zip(self.live, step_logprobs, strict=True):
+            if position is None:  # (the engine gave no token: the beam cannot go on)
                 continue
+            candidates = {token_id: lp.logprob for token_id, lp in position.items()}
             for token_id, logprob in candidates.items():
                 step = [*beam.logprobs, candidates]
                 if token_id == self.eos and not self.params.ignore_eos:
@@ -123,7 +126,7 @@ def step_batch(searches: list[BeamSearch]) -> tuple[list[BeamSearch], list[list[
     return live, [ids for search in live for ids in search.pending()]
 
 
-def advance_each(live: list[BeamSearch], step_logprobs: list[dict[int, float] | None]) -> None:
+def advance_each(live: list[BeamSearch], step_logprobs: list[dict[int, Logprob] | None]) -> None:
     """Each search advanced by its beams' share of one step's batch (`step_batch`'s order)."""
     at = 0
     for search in live:

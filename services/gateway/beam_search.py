@@ -80,7 +80,7 @@ class BeamSearchAnswer:
                 for d in deltas:
                     raise_for_engine_error(d)
                     if d.logprobs:
-                        found[d.index] = dict(zip(d.logprobs[0].token_ids, d.logprobs[0].logprobs))
+                        found[d.index] = d.logprobs[0].by_token()
             if any(lp is None for lp in found):  # (never silent: a beam would vanish)
                 raise RuntimeError("a beam search step came back without its candidates' logprobs")
             cached += usage.cached_tokens
