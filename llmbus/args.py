@@ -282,7 +282,8 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          allowed_headers=tuple(json.loads(args.allowed_headers)),
                          allow_credentials=args.allow_credentials,
                          enable_request_id_headers=args.enable_request_id_headers,
-                         disable_fastapi_docs=args.disable_fastapi_docs)
+                         disable_fastapi_docs=args.disable_fastapi_docs,
+                         responses_store_bytes=int(args.responses_store_mb * (1 << 20)))
 
 
 def runtime_lora_updating() -> bool:

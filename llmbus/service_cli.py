@@ -98,6 +98,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         default=env_flag("--enable-tokenizer-info-endpoint"),
                         help="serve GET /tokenizer_info: the tokenizer's special tokens and chat template")
+    parser.add_argument("--responses-store-mb", type=float, default=float(env("--responses-store-mb", 256)),
+                        help="memory for the Responses API's stored responses (store, previous_response_id), the "
+                             "least recently used dropped first; 0 stores none")
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
     from services.gateway.tool_parsers import TOOL_CALL_PARSERS

@@ -131,12 +131,17 @@ class GatewayConfig:
     enable_request_id_headers: bool = False
     # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
     disable_fastapi_docs: bool = False
+    # The Responses API's stored responses (response_store.py): at most this much memory,
+    # the least recently used dropped first; 0 stores none
+    responses_store_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be positive")
         if self.idle_timeout_s <= 0:
             raise ValueError("idle_timeout_s must be positive")
+        if self.responses_store_bytes < 0:
+            raise ValueError("responses_store_bytes must not be negative")
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """OpenAI's Responses API over the chat path, read by the real openai client: the same
 prompt a chat gets, output items and their streamed events adding up to the response
-sent whole, tool calls and reasoning as items, and what is not implemented refused by name."""
+sent whole, tool calls and reasoning as items, stored responses that a conversation goes
+on from, and what is not implemented refused by name."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
+from services.gateway.response_store import ResponseStore, StoredResponse
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from test_gateway import SCRIPT, FakeEngine
@@ -44,7 +46,7 @@ def test_a_response_is_the_chat_answer_streamed_and_not(tiny_llama):
             accumulated = stream.get_final_response()
     assert accumulated.output_text == SCRIPT and [o.type for o in accumulated.output] == ["message"]
     assert whole.output_text == SCRIPT and whole.status == "incomplete"  # the fake engine ends on length
-    assert (whole.instructions, whole.text.format.type, whole.store) == ("Be brief.", "text", False)
+    assert (whole.instructions, whole.text.format.type, whole.store) == ("Be brief.", "text", True)
     assert whole.incomplete_details.reason == "max_output_tokens"
     assert whole.usage.input_tokens == len(engine.submitted[0].prompt_token_ids)
     assert engine.submitted[0].prompt_token_ids == tokenizer.apply_chat_template(
@@ -62,12 +64,14 @@ def test_a_response_is_the_chat_answer_streamed_and_not(tiny_llama):
 
 
 def test_input_items_become_the_conversation_a_chat_would_render(tiny_llama):
-    """developer is system; a function_call item the assistant's call, its output a tool
-    turn; a past reasoning item is dropped; a cache salt goes with it."""
+    """developer is system; a function_call item the assistant's call (in the turn of the
+    assistant's text before it), its output a tool turn; a past reasoning item is dropped;
+    a cache salt goes with it."""
     test_client, client, engine, tokenizer = serve(tiny_llama)
     items = [{"role": "developer", "content": "Use tools."},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather in Paris?"}]},
              {"type": "reasoning", "id": "rs_1", "summary": []},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
              {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
              {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
     with test_client:
@@ -75,8 +79,9 @@ def test_input_items_become_the_conversation_a_chat_would_render(tiny_llama):
                                 extra_body={"cache_salt": "tenant-1"})
     assert engine.submitted[0].cache_salt == "tenant-1"  # (vLLM's, as on chat)
     chat = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "weather in Paris?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [{"id": "call_1", "type": "function",
+                                                                      "function": {"name": "get_weather",
+                                                                                   "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
     assert engine.submitted[0].prompt_token_ids == tokenizer.apply_chat_template(chat, tools=tools)
@@ -103,14 +108,13 @@ def test_a_tool_call_and_the_thinking_are_output_items(tiny_llama):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "computer_call"}]}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "xml"}}}, "text"),
     ({"truncation": "auto"}, "truncation"),
-    ({"store": True}, "store"),
+    ({"background": True}, "background"),
 ])
 def test_what_is_not_implemented_or_wrong_is_a_400_naming_it(tiny_llama, extra, param):
     test_client, _, engine, _ = serve(tiny_llama)
@@ -118,3 +122,103 @@ def test_what_is_not_implemented_or_wrong_is_a_400_naming_it(tiny_llama, extra, 
         resp = test_client.post("/v1/responses", json={"model": "tiny", "input": "hi", **extra})
     assert (resp.status_code, resp.json()["error"]["param"]) == (400, param), resp.text
     assert engine.submitted == []
+
+
+def test_a_response_goes_on_from_a_stored_one(tiny_llama):
+    """previous_response_id: the stored conversation (input and output, the earlier turns
+    too) before this input, under this request's instructions alone (OpenAI's rule);
+    streamed responses are stored as those sent whole."""
+    test_client, client, engine, tokenizer = serve(tiny_llama)
+    with test_client:
+        first = client.responses.create(model="tiny", input="hi", instructions="Be brief.", max_output_tokens=200)
+        with client.responses.stream(model="tiny", input="more", previous_response_id=first.id,
+                                     instructions="Be kind.", max_output_tokens=200) as stream:
+            second = stream.get_final_response()
+        third = client.responses.create(model="tiny", input=[{"role": "user", "content": "again"}],
+                                        previous_response_id=second.id, max_output_tokens=200)
+    assert (second.previous_response_id, third.previous_response_id) == (first.id, second.id)
+    assert len({first.id, second.id, third.id}) == 3
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SCRIPT},
+             {"role": "user", "content": "more"}]
+    assert engine.submitted[1].prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be kind."}, *turns])
+    assert engine.submitted[2].prompt_token_ids == tokenizer.apply_chat_template(
+        [*turns, {"role": "assistant", "content": SCRIPT}, {"role": "user", "content": "again"}])
+
+
+def test_a_tool_call_goes_on_with_its_output(tiny_llama):
+    """The agent loop: a response calls a function, the next sends only the call's output
+    and previous_response_id; the call is the assistant's turn (its thinking dropped)."""
+    test_client, client, engine, tokenizer = serve(tiny_llama, "<think>Ask the tool.</think>" + CALL,
+                                                   reasoning_parser="qwen3")
+    with test_client:
+        asked = client.responses.create(model="tiny", input="weather?", tools=[WEATHER], max_output_tokens=400)
+        [call] = [o for o in asked.output if o.type == "function_call"]
+        client.responses.create(model="tiny", previous_response_id=asked.id, tools=[WEATHER], max_output_tokens=400,
+                                input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                "name": "get_weather", "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    assert engine.submitted[1].prompt_token_ids == tokenizer.apply_chat_template(chat, tools=tools)
+
+
+def test_a_stored_response_is_read_and_deleted_by_id(tiny_llama):
+    test_client, client, engine, _ = serve(tiny_llama)
+    with test_client:
+        whole = client.responses.create(model="tiny", input="hi", max_output_tokens=200)
+        streamed = list(client.responses.create(model="tiny", input="hi", max_output_tokens=200, stream=True))
+        done = streamed[-1].response
+        assert client.responses.retrieve(whole.id).model_dump() == whole.model_dump()
+        assert client.responses.retrieve(done.id).model_dump() == done.model_dump()
+        assert test_client.get(f"/v1/responses/{whole.id}?stream=true").json()["error"]["param"] == "stream"
+        client.responses.delete(whole.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(whole.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.delete(whole.id)
+        unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=200, store=False)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(unstored.id)
+        submitted = len(engine.submitted)
+        gone = test_client.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                                       "previous_response_id": whole.id})
+        assert client.responses.retrieve(done.id).id == done.id  # (the others kept)
+    assert unstored.store is False and whole.store is True
+    error = gone.json()["error"]
+    assert (gone.status_code, error["param"], error["code"]) == (404, "previous_response_id",
+                                                                 "previous_response_not_found")
+    assert len(engine.submitted) == submitted
+
+
+def test_a_server_storing_nothing_refuses_store_by_name(tiny_llama):
+    from llmbus.args import gateway_config
+    from llmbus.cli import build_parser
+
+    flags = build_parser().parse_args(["gateway", "--responses-store-mb", "0"])
+    assert gateway_config(build_parser().parse_args(["gateway", "--responses-store-mb", "0.5"]), "tiny",
+                          ".").responses_store_bytes == 512 << 10
+    test_client, client, engine, _ = serve(tiny_llama,
+                                           responses_store_bytes=gateway_config(flags, "tiny", ".").responses_store_bytes)
+    with test_client:
+        refused = test_client.post("/v1/responses", json={"model": "tiny", "input": "hi", "store": True})
+        answered = client.responses.create(model="tiny", input="hi", max_output_tokens=5)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(answered.id)
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "store")
+    assert answered.store is False and len(engine.submitted) == 1
+
+
+def test_the_store_drops_the_least_recently_used_beyond_its_size():
+    entry = lambda n: StoredResponse(b"r" * n, b"c" * n)  # noqa: E731
+    store = ResponseStore(max_bytes=100)
+    store.put("a", entry(20))
+    store.put("b", entry(20))
+    assert store.get("a") is not None  # (read: now the most recently used)
+    store.put("c", entry(20))  # 120 bytes: b goes
+    assert (store.get("b"), store.num_bytes, len(store)) == (None, 80, 2)
+    store.put("a", entry(5))  # a client-named id again: replaced, not counted twice
+    assert (store.get("a").size, store.num_bytes) == (10, 50)
+    store.put("huge", entry(51))  # larger than the whole store: not kept, nothing dropped for it
+    assert (store.get("huge"), store.num_bytes, len(store)) == (None, 50, 2)

@@ -159,7 +159,9 @@ def test_structured_outputs_served_as_offline(client, offline):
 
 def test_the_responses_api_answers_as_the_offline_chat(client, offline):
     """/v1/responses through the openai client: the offline engine's chat text, whole and
-    streamed, and a json_schema text format that validates and is the offline engine's."""
+    streamed, a json_schema text format that validates and is the offline engine's, and a
+    turn that goes on from a stored response (previous_response_id) as the offline chat
+    of the whole conversation."""
     import jsonschema
 
     from shared.sampling_params import StructuredOutputsParams
@@ -181,6 +183,12 @@ def test_the_responses_api_answers_as_the_offline_chat(client, offline):
     [want] = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40,
                                                    structured_outputs=StructuredOutputsParams(json=SCHEMA)))
     assert shaped.output_text == want.outputs[0].text and shaped.status == "completed"
+    more = client.responses.create(model="tiny", previous_response_id=whole.id, input="Another one",
+                                   temperature=0, max_output_tokens=12)
+    [want] = offline.chat([messages[1], {"role": "assistant", "content": whole.output_text},  # (instructions not carried)
+                           {"role": "user", "content": "Another one"}], SamplingParams(temperature=0, max_tokens=12))
+    assert more.output_text == want.outputs[0].text
+    assert client.responses.retrieve(whole.id).output_text == whole.output_text
 
 
 def test_streamed_completion_equals_the_non_streamed_one(client):

@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from llmbus.version import llmbus_version
 from services.gateway.api_keys import ApiKeys
-from services.gateway.errors import GatewayError, NoRoute, NotFound, Unavailable, error_response
+from services.gateway.errors import BadRequest, GatewayError, NoRoute, NotFound, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from services.gateway.metrics import GatewayMetrics
@@ -167,6 +167,25 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     @app.post("/v1/responses")
     async def responses(request: Request):
         return await serving(request).handle(request, ResponsesRequest, ResponsesAnswer)
+
+    def no_response(response_id: str) -> NotFound:
+        return NotFound(f"Response with id '{response_id}' not found.", "response_id")
+
+    # OpenAI's retrieve and delete of a stored response (response_store.py)
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str):
+        if request.query_params.get("stream", "false").lower() != "false":
+            raise BadRequest("a stored response is sent whole: streaming it again is not supported", "stream")
+        entry = serving(request).stored_responses.get(response_id)
+        if entry is None:
+            raise no_response(response_id)
+        return Response(entry.response, media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        if not serving(request).stored_responses.delete(response_id):
+            raise no_response(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/embeddings")
     async def create_embeddings(request: Request):

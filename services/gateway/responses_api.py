@@ -10,9 +10,13 @@ a `function_call` per call), and for a stream the API's typed events, from
 `response.created` to `response.completed`, the last carrying the same response a
 request sent whole gets.
 
-Not implemented, so refused by name: `previous_response_id` and the rest of stored
-state (nothing is stored: `store: true` is refused, the answer says false), `reasoning`
-settings, `include`, `background`, `top_logprobs`, and input that is not text.
+A response is stored unless `store` is false (OpenAI's default; response_store.py keeps
+it): `previous_response_id` goes on from a stored one — its conversation, input and
+output, then this request's input, under this request's instructions alone, as OpenAI
+does — and `GET`/`DELETE /v1/responses/{id}` read and drop one.
+
+Not implemented, so refused by name: `reasoning` settings, `include`, `background`,
+`top_logprobs`, and input that is not text.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from typing import Any
 import msgspec
 from fastapi.responses import Response
 
-from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, error_body, status_of
+from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, NotFound, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
 from services.gateway.answer import Answer, prepend
+from services.gateway.response_store import ResponseStore, StoredResponse
 from services.gateway.tool_parsers import ToolCall
 
 _json = msgspec.json.Encoder()
@@ -58,6 +63,11 @@ class ResponsesChat(ChatCompletionRequest, kw_only=True):
 
     instructions: str | None = None
     text_format: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Its messages but the instructions' (which a response going on from it leaves out)."""
+        return self.messages[1:] if self.instructions is not None else self.messages
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -72,7 +82,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
     stream: bool = False
-    store: bool | None = None  # nothing is stored: true is refused, the response says false
+    store: bool | None = None  # left out: true (OpenAI's default)
+    previous_response_id: str | None = None
     truncation: str | None = None  # "disabled" only
     metadata: dict[str, Any] | None = None
     user: str | None = None
@@ -86,16 +97,24 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
               "max_tokens": "max_output_tokens"}
 
-    def to_chat(self) -> ResponsesChat:
-        if self.store:
-            raise BadRequest("llmbus stores no responses: leave store out or set it false", "store")
+    def to_chat(self, stored: ResponseStore) -> ResponsesChat:
+        if self.store and not stored.enabled:
+            raise BadRequest("this server stores no responses (--responses-store-mb 0): leave store out or set it "
+                             "false", "store")
         if self.truncation not in (None, "disabled"):
             raise BadRequest("truncation must be disabled: llmbus does not drop input to fit the context",
                              "truncation")
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
+        if self.previous_response_id is not None:
+            previous = stored.get(self.previous_response_id)
+            if previous is None:
+                raise NotFound(f"Previous response with id '{self.previous_response_id}' not found.",
+                               "previous_response_id", "previous_response_not_found")
+            messages += msgspec.json.decode(previous.conversation)
         messages += _messages(self.input)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                "instructions": self.instructions}
+                                "instructions": self.instructions, "store": self.store is not False and stored.enabled,
+                                "previous_response_id": self.previous_response_id}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),
                             ("user", self.user), ("metadata", self.metadata), ("cache_salt", self.cache_salt),
@@ -155,8 +174,8 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise BadRequest(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                messages[-1]["tool_calls"].append(call)
+            if messages and messages[-1]["role"] == "assistant":  # (its text and its calls: one turn)
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -205,8 +224,8 @@ class ResponsesAnswer(Answer):
             "tool_choice": body.tool_choice if isinstance(body.tool_choice, str) else (
                 {"type": "function", "name": body.tool_choice.function.name} if body.tool_choice else "auto"),
             "tools": [{"type": "function", **msgspec.to_builtins(t.function)} for t in body.tools or []],
-            "text": {"format": body.text_format or {"type": "text"}}, "truncation": "disabled", "store": False,
-            "previous_response_id": None, "metadata": body.metadata or {},
+            "text": {"format": body.text_format or {"type": "text"}}, "truncation": "disabled",
+            "store": body.store, "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
             "usage": {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": u.prompt_tokens + u.completion_tokens},
@@ -231,7 +250,15 @@ class ResponsesAnswer(Answer):
             return Response(b"{}", status_code=CLIENT_LEFT, media_type="application/json")
         reasoning, content, calls = self._message(0, gathered.texts[0])
         body = self._response("completed", reasoning or "", content or "", calls, gathered.finish[0])
-        return Response(_json.encode(body), media_type="application/json")
+        return Response(self._kept(body), media_type="application/json")
+
+    def _kept(self, response: dict[str, Any]) -> bytes:
+        """A finished response's JSON, stored first where the request asks."""
+        encoded = _json.encode(response)
+        if self.body.store:
+            conversation = self.body.conversation() + _messages(response["output"])
+            self.s.stored_responses.put(self.response_id, StoredResponse(encoded, _json.encode(conversation)))
+        return encoded
 
     def _event(self, kind: str, **fields) -> bytes:
         self.sequence += 1
@@ -308,8 +335,9 @@ class ResponsesAnswer(Answer):
                 yield self._event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=items[item["id"]], arguments=call.arguments)
                 yield self._event("response.output_item.done", output_index=items[item["id"]], item=item)
-            yield self._event("response.completed",
-                              response=self._response("completed", reasoning, content, calls, finish))
+            done = self._response("completed", reasoning, content, calls, finish)
+            self._kept(done)
+            yield self._event("response.completed", response=done)
             status = 200
         except GatewayError as exc:
             status, failure = status_of(exc), exc

@@ -28,6 +28,7 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from services.gateway.request_ids import client_request_id
+from services.gateway.response_store import ResponseStore
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
@@ -48,6 +49,7 @@ class OpenAIServing:
         self.loras = LoRAModules(config.model_name, config.lora_modules)
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
+        self.stored_responses = ResponseStore(config.responses_store_bytes)  # (the Responses API's `store`)
 
     async def handle(self, request: Request, kind: type, answer: type = Answer) -> Response:
         """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
@@ -118,7 +120,7 @@ class OpenAIServing:
             raise Unavailable("the scheduler is not running")
         body = parse_body(await self.read_body(request), kind)
         if hasattr(body, "to_chat"):  # (a Responses API request: the chat it means)
-            body = body.to_chat()
+            body = body.to_chat(self.stored_responses)
         self.check_model(body.model)
         client_request_id(request.headers, body.request_id)  # (a bad one is a 400 before anything runs)
         spec, spec_field = structured_outputs_of(body)
