@@ -15,6 +15,7 @@ from services.gateway.app import create_app
 from services.gateway.response_store import ResponseStore, StoredResponse
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
+from shared.messages import EngineCoreOutput, FinishReason, Logprobs
 from test_gateway import SCRIPT, FakeEngine
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
@@ -22,9 +23,24 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
-def serve(tiny_llama, script: str = SCRIPT, **config):
+class LogprobsEngine(FakeEngine):
+    """SCRIPT's tokens, each with made-up logprobs: its own, then k alternatives."""
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+        k = request.sampling_params.logprobs
+        ids = self.tokenizer.encode(self.script, add_special_tokens=False)[: request.sampling_params.max_tokens]
+        for i, token_id in enumerate(ids):
+            logprobs = [] if k is None else [Logprobs([token_id, *range(3, 3 + k)],
+                                                      [-0.25 * i, *(-1.0 - j for j in range(k))], 1)]
+            self.queues[request.request_id].put_nowait(EngineCoreOutput(
+                request.request_id, [token_id], FinishReason.LENGTH if i == len(ids) - 1 else None,
+                new_logprobs=logprobs))
+
+
+def serve(tiny_llama, script: str = SCRIPT, engine_class=FakeEngine, **config):
     tokenizer = Tokenizer(tiny_llama)
-    engine = type("Scripted", (FakeEngine,), {"script": script, "max_model_len": 1024})(tokenizer)
+    engine = type("Scripted", (engine_class,), {"script": script, "max_model_len": 1024})(tokenizer)
 
     async def factory(on_stats):
         return engine
@@ -107,8 +123,74 @@ def test_a_tool_call_and_the_thinking_are_output_items(tiny_llama):
     assert [o.type for o in events[-1].response.output] == ["reasoning", "function_call"]
 
 
+def test_the_output_text_has_its_logprobs_when_included(tiny_llama):
+    """include message.output_text.logprobs with top_logprobs: chat's logprobs entries, the
+    streamed deltas' adding up to the whole; left out, none are computed."""
+    test_client, client, engine, _ = serve(tiny_llama, engine_class=LogprobsEngine)
+    asked = dict(model="tiny", input="hi", max_output_tokens=6, include=["message.output_text.logprobs"],
+                 top_logprobs=2)
+    with test_client:
+        whole = client.responses.create(**asked)
+        events = list(client.responses.create(stream=True, **asked))
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, logprobs=True, top_logprobs=2)
+        plain = client.responses.create(model="tiny", input="hi", max_output_tokens=6)
+    want = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert len(want) == 6 and [len(e["top_logprobs"]) for e in want] == [2] * 6
+    assert [e.model_dump() for e in whole.output[0].content[0].logprobs] == want
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert streamed == want
+    assert [e.model_dump() for e in events[-1].response.output[0].content[0].logprobs] == want
+    assert plain.output[0].content[0].logprobs is None and engine.submitted[-1].sampling_params.logprobs is None
+
+
+# What the OpenAI Agents SDK (openai-agents 0.24) sent for an agent with a function tool,
+# recorded: `include` and `tools` always, as lists, empty or not; the call item as the
+# previous response gave it (id, status); then a turn going on by previous_response_id.
+AGENT_TOOL = {"name": "get_weather", "parameters": {"properties": {"city": {"title": "City", "type": "string"}},
+              "required": ["city"], "title": "get_weather_args", "type": "object", "additionalProperties": False},
+              "strict": True, "type": "function", "description": "The weather in a city."}
+AGENT_TURNS = [
+    {"model": "tiny", "include": [], "input": [{"content": "What's the weather in Paris?", "role": "user"}],
+     "instructions": "Use tools.", "max_output_tokens": 80, "temperature": 0.0, "tool_choice": "required",
+     "tools": [AGENT_TOOL]},
+    {"model": "tiny", "include": [], "input": [
+        {"content": "What's the weather in Paris?", "role": "user"},
+        {"arguments": "{\"city\": \"Paris\"}", "call_id": "call_cc3b", "name": "get_weather", "type": "function_call",
+         "id": "fc_cc3b", "status": "completed"},
+        {"call_id": "call_cc3b", "output": "sunny in Paris", "type": "function_call_output"}],
+     "instructions": "Use tools.", "max_output_tokens": 80, "temperature": 0.0, "tools": [AGENT_TOOL]},
+    {"model": "tiny", "include": [], "input": [{"content": "And again?", "role": "user"}],
+     "instructions": "You are helpful.", "max_output_tokens": 60, "temperature": 0.0, "tools": []},
+]
+
+
+def test_the_agents_sdk_requests_are_served(tiny_llama):
+    test_client, _, engine, tokenizer = serve(tiny_llama)
+    with test_client:
+        answers = [test_client.post("/v1/responses", json=body) for body in AGENT_TURNS[:2]]
+        chained = test_client.post("/v1/responses",
+                                   json={**AGENT_TURNS[2], "previous_response_id": answers[1].json()["id"]})
+    assert [a.status_code for a in answers] == [200, 200] and chained.status_code == 200, chained.text
+    tools = [{"type": "function",
+              "function": {k: AGENT_TOOL[k] for k in ("name", "description", "parameters", "strict")}}]
+    call = {"id": "call_cc3b", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    conversation = [{"role": "user", "content": "What's the weather in Paris?"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_cc3b", "content": "sunny in Paris"}]
+    assert engine.submitted[1].prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Use tools."}, *conversation], tools=tools)
+    # tools: [] is no tools: the prompt shows none
+    assert engine.submitted[2].prompt_token_ids == tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are helpful."}, *conversation, {"role": "assistant", "content": SCRIPT},
+         {"role": "user", "content": "And again?"}])
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "computer_call"}]}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -196,11 +278,12 @@ def test_a_server_storing_nothing_refuses_store_by_name(tiny_llama):
     from llmbus.args import gateway_config
     from llmbus.cli import build_parser
 
-    flags = build_parser().parse_args(["gateway", "--responses-store-mb", "0"])
-    assert gateway_config(build_parser().parse_args(["gateway", "--responses-store-mb", "0.5"]), "tiny",
-                          ".").responses_store_bytes == 512 << 10
-    test_client, client, engine, _ = serve(tiny_llama,
-                                           responses_store_bytes=gateway_config(flags, "tiny", ".").responses_store_bytes)
+    def store_bytes(mb: str) -> int:
+        return gateway_config(build_parser().parse_args(["gateway", "--responses-store-mb", mb]), "tiny",
+                              ".").responses_store_bytes
+
+    assert store_bytes("0.5") == 512 << 10
+    test_client, client, engine, _ = serve(tiny_llama, responses_store_bytes=store_bytes("0"))
     with test_client:
         refused = test_client.post("/v1/responses", json={"model": "tiny", "input": "hi", "store": True})
         answered = client.responses.create(model="tiny", input="hi", max_output_tokens=5)

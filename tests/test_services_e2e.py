@@ -189,6 +189,13 @@ def test_the_responses_api_answers_as_the_offline_chat(client, offline):
                            {"role": "user", "content": "Another one"}], SamplingParams(temperature=0, max_tokens=12))
     assert more.output_text == want.outputs[0].text
     assert client.responses.retrieve(whole.id).output_text == whole.output_text
+    with_logprobs = client.responses.create(model="tiny", instructions="Be brief.", input="A color as JSON",
+                                            temperature=0, max_output_tokens=12, top_logprobs=2,
+                                            include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                          logprobs=True, top_logprobs=2)
+    assert [e.model_dump() for e in with_logprobs.output[0].content[0].logprobs] == [
+        e.model_dump() for e in chat.choices[0].logprobs.content]
 
 
 def test_streamed_completion_equals_the_non_streamed_one(client):

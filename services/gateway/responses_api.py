@@ -15,8 +15,13 @@ it): `previous_response_id` goes on from a stored one — its conversation, inpu
 output, then this request's input, under this request's instructions alone, as OpenAI
 does — and `GET`/`DELETE /v1/responses/{id}` read and drop one.
 
-Not implemented, so refused by name: `reasoning` settings, `include`, `background`,
-`top_logprobs`, and input that is not text.
+With `include: ["message.output_text.logprobs"]` (or `top_logprobs`) the output text
+carries its tokens' logprobs, chat's entries; streamed, each text delta those of the
+tokens since the one before (a reasoning parser's thinking and a call's tokens among them).
+
+Not implemented, so refused by name: `reasoning` settings, other `include`s, `background`,
+`conversation`, `prompt`, and input that is not text. `tools: []` is no tools (as OpenAI
+takes it; the Agents SDK always sends the list, and `include`).
 """
 
 from __future__ import annotations
@@ -90,12 +95,17 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     service_tier: str | None = None
     safety_identifier: str | None = None  # (bookkeeping, as on chat)
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None  # (bookkeeping: how long OpenAI keeps a cached prefix)
+    max_tool_calls: Int | None = None  # a cap on built-in tools' calls, of which there are none here
+    include: list[str] | None = None  # INCLUDABLE
+    top_logprobs: Int | None = None
     cache_salt: str | None = None  # vLLM's, as on chat
     request_id: str | None = None  # vLLM's: the response is `resp_<id>` (request_ids.py)
 
     # A chat request's field, as the client named it here (for a 400's param).
     PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
-              "max_tokens": "max_output_tokens"}
+              "max_tokens": "max_output_tokens", "logprobs": "include"}
+    INCLUDABLE = ("message.output_text.logprobs",)
 
     def to_chat(self, stored: ResponseStore) -> ResponsesChat:
         if self.store and not stored.enabled:
@@ -121,7 +131,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                             ("request_id", self.request_id)):
             if value is not None:
                 chat[name] = value
-        if self.tools is not None:
+        for extra in self.include or ():
+            if extra not in self.INCLUDABLE:
+                raise BadRequest(f"include {extra!r} is not supported by llmbus (it includes "
+                                 f"{', '.join(self.INCLUDABLE)})", "include")
+        if self.include or self.top_logprobs is not None:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
+        if self.tools:
             chat["tools"] = [{"type": t.type, "function": {
                 k: v for k, v in msgspec.structs.asdict(t).items() if k != "type" and v is not None}} for t in self.tools]
         if self.tool_choice is not None:
@@ -199,7 +215,7 @@ class ResponsesAnswer(Answer):
         self.created = int(time.time())
 
     def _response(self, status: str, reasoning: str, content: str, calls: list[ToolCall],
-                  finish: str | None) -> dict[str, Any]:
+                  finish: str | None, logprobs: list | None = None) -> dict[str, Any]:
         # In progress (a stream's `response.created`): no output yet, each item comes with
         # its `output_item.added` (the openai client's stream refuses an index seen twice).
         output: list[dict[str, Any]] = []
@@ -207,7 +223,7 @@ class ResponsesAnswer(Answer):
             if reasoning:
                 output.append(self._reasoning_item(reasoning, "completed"))
             if content or not calls:
-                output.append(self._message_item(content, "completed"))
+                output.append(self._message_item(content, "completed", logprobs))
             output += [self._call_item(call, "completed") for call in calls]
         incomplete = finish == "length"
         if status == "completed" and incomplete:
@@ -231,8 +247,13 @@ class ResponsesAnswer(Answer):
                       "total_tokens": u.prompt_tokens + u.completion_tokens},
         }
 
-    def _message_item(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    @staticmethod
+    def _text_part(text: str, logprobs: list | None) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [],
+                **({"logprobs": logprobs} if logprobs is not None else {})}
+
+    def _message_item(self, text: str, status: str, logprobs: list | None = None) -> dict[str, Any]:
+        content = [self._text_part(text, logprobs)] if status == "completed" else []
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
@@ -249,7 +270,8 @@ class ResponsesAnswer(Answer):
         if gathered is None:
             return Response(b"{}", status_code=CLIENT_LEFT, media_type="application/json")
         reasoning, content, calls = self._message(0, gathered.texts[0])
-        body = self._response("completed", reasoning or "", content or "", calls, gathered.finish[0])
+        logprobs = self._logprobs(0, gathered.logprobs[0])["content"] if self.params.logprobs is not None else None
+        body = self._response("completed", reasoning or "", content or "", calls, gathered.finish[0], logprobs)
         return Response(self._kept(body), media_type="application/json")
 
     def _kept(self, response: dict[str, Any]) -> bytes:
@@ -271,12 +293,18 @@ class ResponsesAnswer(Answer):
         reasoning, content, calls = "", "", []  # what has gone out, to close the items with
         items: dict[str, int] = {}  # item id -> output_index, in the order they opened
         finish = None
+        # With logprobs: the tokens' since the last text delta, and all of them
+        logprobs, pending = ([], []) if self.params.logprobs is not None else (None, None)
         try:
             yield self._event("response.created", response=self._response("in_progress", "", "", [], None))
             yield self._event("response.in_progress", response=self._response("in_progress", "", "", [], None))
             async for deltas in prepend(first, self.stream):
                 for d in deltas:
                     finish = str(d.finish_reason) if d.finish_reason is not None else finish
+                    if logprobs is not None and d.logprobs:
+                        entries = self._logprobs(0, d.logprobs)["content"]
+                        logprobs += entries
+                        pending += entries
                     more_reasoning, more_content, call_deltas = self._parse_delta(d)
                     new_calls = [ToolCall(c.id, c.name or "", "") for c in call_deltas if c.id is not None]
                     arguments = [(c.index, c.arguments) for c in call_deltas if c.arguments]
@@ -300,7 +328,9 @@ class ResponsesAnswer(Answer):
                         content += more_content
                         yield self._event("response.output_text.delta", item_id=self.message_id,
                                           output_index=items[self.message_id], content_index=0, delta=more_content,
-                                          logprobs=[])
+                                          logprobs=pending or [])
+                        if pending:
+                            pending = []
                     for call in new_calls:
                         calls.append(call)
                         item = self._call_item(call, "in_progress")
@@ -323,19 +353,18 @@ class ResponsesAnswer(Answer):
                     yield self._event("response.output_item.added", output_index=items[self.message_id],
                                       item=self._message_item("", "in_progress"))
                 index = items[self.message_id]
-                part = {"type": "output_text", "text": content, "annotations": []}
                 yield self._event("response.output_text.done", item_id=self.message_id, output_index=index,
-                                  content_index=0, text=content, logprobs=[])
+                                  content_index=0, text=content, logprobs=logprobs or [])
                 yield self._event("response.content_part.done", item_id=self.message_id, output_index=index,
-                                  content_index=0, part=part)
+                                  content_index=0, part=self._text_part(content, logprobs))
                 yield self._event("response.output_item.done", output_index=index,
-                                  item=self._message_item(content, "completed"))
+                                  item=self._message_item(content, "completed", logprobs))
             for call in calls:
                 item = self._call_item(call, "completed")
                 yield self._event("response.function_call_arguments.done", item_id=item["id"],
                                   output_index=items[item["id"]], arguments=call.arguments)
                 yield self._event("response.output_item.done", output_index=items[item["id"]], item=item)
-            done = self._response("completed", reasoning, content, calls, finish)
+            done = self._response("completed", reasoning, content, calls, finish, logprobs)
             self._kept(done)
             yield self._event("response.completed", response=done)
             status = 200
