@@ -5,6 +5,7 @@ on from, and what is not implemented refused by name."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import openai
@@ -38,8 +39,8 @@ class LogprobsEngine(FakeEngine):
                 new_logprobs=logprobs))
 
 
-def serve(tiny_llama, script: str = SCRIPT, engine_class=FakeEngine, **config):
-    tokenizer = Tokenizer(tiny_llama)
+def serve(tiny_llama, script: str = SCRIPT, engine_class=FakeEngine, chat_template: str | None = None, **config):
+    tokenizer = Tokenizer(tiny_llama, chat_template=chat_template)
     engine = type("Scripted", (engine_class,), {"script": script, "max_model_len": 1024})(tokenizer)
 
     async def factory(on_stats):
@@ -188,8 +189,8 @@ def test_the_agents_sdk_requests_are_served(tiny_llama):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning"),
+    ({"include": ["file_search_call.results"]}, "include"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "computer_call"}]}, "input"),
@@ -228,6 +229,16 @@ def test_a_response_goes_on_from_a_stored_one(tiny_llama):
         [*turns, {"role": "assistant", "content": SCRIPT}, {"role": "user", "content": "again"}])
 
 
+def weather_answered(tokenizer, call) -> list[int]:
+    """The prompt of "weather?", the model's call and its output "sunny", as a chat."""
+    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+                "name": "get_weather", "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
+    return tokenizer.apply_chat_template(chat, tools=tools)
+
+
 def test_a_tool_call_goes_on_with_its_output(tiny_llama):
     """The agent loop: a response calls a function, the next sends only the call's output
     and previous_response_id; the call is the assistant's turn (its thinking dropped)."""
@@ -238,12 +249,7 @@ def test_a_tool_call_goes_on_with_its_output(tiny_llama):
         [call] = [o for o in asked.output if o.type == "function_call"]
         client.responses.create(model="tiny", previous_response_id=asked.id, tools=[WEATHER], max_output_tokens=400,
                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
-    tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
-    chat = [{"role": "user", "content": "weather?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
-                "name": "get_weather", "arguments": call.arguments}}]},
-            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
-    assert engine.submitted[1].prompt_token_ids == tokenizer.apply_chat_template(chat, tools=tools)
+    assert engine.submitted[1].prompt_token_ids == weather_answered(tokenizer, call)
 
 
 def test_a_stored_response_is_read_and_deleted_by_id(tiny_llama):
@@ -305,3 +311,46 @@ def test_the_store_drops_the_least_recently_used_beyond_its_size():
     assert (store.get("a").size, store.num_bytes) == (10, 50)
     store.put("huge", entry(51))  # larger than the whole store: not kept, nothing dropped for it
     assert (store.get("huge"), store.num_bytes, len(store)) == (None, 50, 2)
+
+
+def test_reasoning_effort_is_the_templates_variable(tiny_llama):
+    """Chat's reasoning_effort and a Response's reasoning.effort reach the chat template as
+    `reasoning_effort` (vLLM's), chat_template_kwargs winning; a made-up effort is a 400."""
+    template = "{{ reasoning_effort | default('unset') }}|{% for m in messages %}{{ m.content }}{% endfor %}"
+    test_client, client, engine, tokenizer = serve(tiny_llama, chat_template=template)
+    hi = [{"role": "user", "content": "hi"}]
+    with test_client:
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, reasoning_effort="low")
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, reasoning_effort="low",
+                                       extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}})
+        client.chat.completions.create(model="tiny", messages=hi, max_tokens=2)
+        answer = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                         reasoning={"effort": "medium", "summary": "auto"})
+        bad = test_client.post("/v1/chat/completions", json={"model": "tiny", "messages": hi,
+                                                             "reasoning_effort": "extreme"})
+    prompts = [tokenizer.decode(r.prompt_token_ids, skip_special_tokens=False) for r in engine.submitted]
+    assert prompts == ["low|hi", "high|hi", "unset|hi", "medium|hi"]
+    assert (answer.reasoning.effort, answer.reasoning.summary) == ("medium", "auto")
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "reasoning_effort")
+
+
+def test_a_stateless_client_gets_its_reasoning_back_to_send(tiny_llama):
+    """What Codex sends (store false, include reasoning.encrypted_content, a reasoning
+    effort and summary): the reasoning item carries the thinking as encrypted_content;
+    sent back with the call's output, the reasoning item is dropped and the rest is the
+    conversation."""
+    test_client, client, engine, tokenizer = serve(tiny_llama, "<think>Ask the tool.</think>" + CALL,
+                                                   reasoning_parser="qwen3")
+    asked = dict(model="tiny", tools=[WEATHER], max_output_tokens=400, store=False,
+                 include=["reasoning.encrypted_content"], reasoning={"effort": "medium", "summary": "auto"})
+    with test_client:
+        first = client.responses.create(input="weather?", **asked)
+        streamed = list(client.responses.create(input="weather?", stream=True, **asked))
+        reasoning, call = first.output
+        client.responses.create(input=[{"role": "user", "content": "weather?"}, reasoning.model_dump(),
+                                       call.model_dump(),
+                                       {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+                                **asked)
+    assert base64.b64decode(reasoning.encrypted_content).decode() == "Ask the tool." and reasoning.summary == []
+    assert streamed[-1].response.output[0].encrypted_content == reasoning.encrypted_content
+    assert engine.submitted[2].prompt_token_ids == weather_answered(tokenizer, call)

@@ -135,10 +135,25 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # vLLM's; true (the tokenizer's BOS on top of the template's) is refused, as at /tokenize
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables (enable_thinking)
+    # OpenAI's; as vLLM's, the template's variable `reasoning_effort` (a template that
+    # reads it — gpt-oss's, some reasoning models' — thinks as much; others ignore it)
+    reasoning_effort: str | None = None
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None
     modalities: list[str] | None = None  # OpenAI's: ["text"] only (no audio out)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The template's variables: chat_template_kwargs, with reasoning_effort among them
+        unless they set it themselves."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        if self.reasoning_effort not in REASONING_EFFORTS:
+            raise BadRequest(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}", "reasoning_effort")
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # (OpenAI's)
 
 
 class TokenizePromptRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -212,7 +227,7 @@ BEAM_SEARCH_FIELDS = frozenset({
     "length_penalty", "include_stop_str_in_output", "use_beam_search", "user", "metadata", "store", "service_tier",
     "safety_identifier", "prompt_cache_key", "modalities",
     "request_id", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
-    "truncate_prompt_tokens", "priority", "cache_salt",
+    "truncate_prompt_tokens", "priority", "cache_salt", "reasoning_effort",
 })
 
 

@@ -19,13 +19,22 @@ With `include: ["message.output_text.logprobs"]` (or `top_logprobs`) the output 
 carries its tokens' logprobs, chat's entries; streamed, each text delta those of the
 tokens since the one before (a reasoning parser's thinking and a call's tokens among them).
 
-Not implemented, so refused by name: `reasoning` settings, other `include`s, `background`,
-`conversation`, `prompt`, and input that is not text. `tools: []` is no tools (as OpenAI
-takes it; the Agents SDK always sends the list, and `include`).
+`reasoning.effort` is chat's `reasoning_effort` (the template's variable, as vLLM's). The
+thinking comes whole, as the reasoning item's content, so `reasoning.summary` has nothing
+to shorten: the item's `summary` stays empty. `include: ["reasoning.encrypted_content"]`
+(what a client sends that keeps no state on the server: Codex, with `store: false`) gives
+the item `encrypted_content`, the thinking's text in base64 — not encrypted, as nothing
+here needs hiding from the client that asked; sent back as input, a reasoning item is
+dropped whatever it holds, as chat templates drop a past turn's thinking.
+
+Not implemented, so refused by name: other `include`s, `background`, `conversation`,
+`prompt`, and input that is not text. `tools: []` is no tools (as OpenAI takes it; the
+Agents SDK always sends the list, and `include`).
 """
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -63,12 +72,20 @@ class ResponsesText(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     format: TextFormat | None = None
 
 
+class ResponsesReasoning(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    effort: str | None = None  # chat's reasoning_effort
+    summary: str | None = None  # "auto", "concise", "detailed": the thinking comes whole, never summarized
+    generate_summary: str | None = None  # (summary's older name)
+
+
 class ResponsesChat(ChatCompletionRequest, kw_only=True):
     """The chat a Responses request means, with what its response echoes back."""
 
     instructions: str | None = None
     text_format: dict[str, Any] | None = None
     previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None  # (echoed)
+    encrypted_reasoning: bool = False  # include reasoning.encrypted_content
 
     def conversation(self) -> list[dict[str, Any]]:
         """Its messages but the instructions' (which a response going on from it leaves out)."""
@@ -86,6 +103,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     tool_choice: str | dict[str, Any] | None = None  # "none", "auto", "required", {"type": "function", "name"}
     parallel_tool_calls: bool | None = None
     text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
     stream: bool = False
     store: bool | None = None  # left out: true (OpenAI's default)
     previous_response_id: str | None = None
@@ -104,8 +122,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
 
     # A chat request's field, as the client named it here (for a 400's param).
     PARAMS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
-              "max_tokens": "max_output_tokens", "logprobs": "include"}
-    INCLUDABLE = ("message.output_text.logprobs",)
+              "max_tokens": "max_output_tokens", "logprobs": "include", "reasoning_effort": "reasoning"}
+    INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
     def to_chat(self, stored: ResponseStore) -> ResponsesChat:
         if self.store and not stored.enabled:
@@ -135,8 +153,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
             if extra not in self.INCLUDABLE:
                 raise BadRequest(f"include {extra!r} is not supported by llmbus (it includes "
                                  f"{', '.join(self.INCLUDABLE)})", "include")
-        if self.include or self.top_logprobs is not None:
+        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None:
             chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
+        chat["encrypted_reasoning"] = "reasoning.encrypted_content" in (self.include or ())
+        if self.reasoning is not None:
+            chat["reasoning"] = msgspec.to_builtins(self.reasoning)
+            if self.reasoning.effort is not None:
+                chat["reasoning_effort"] = self.reasoning.effort
         if self.tools:
             chat["tools"] = [{"type": t.type, "function": {
                 k: v for k, v in msgspec.structs.asdict(t).items() if k != "type" and v is not None}} for t in self.tools]
@@ -241,6 +264,7 @@ class ResponsesAnswer(Answer):
                 {"type": "function", "name": body.tool_choice.function.name} if body.tool_choice else "auto"),
             "tools": [{"type": "function", **msgspec.to_builtins(t.function)} for t in body.tools or []],
             "text": {"format": body.text_format or {"type": "text"}}, "truncation": "disabled",
+            "reasoning": body.reasoning,
             "store": body.store, "previous_response_id": body.previous_response_id, "metadata": body.metadata or {},
             "usage": {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
                       "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -257,8 +281,11 @@ class ResponsesAnswer(Answer):
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
     def _reasoning_item(self, text: str, status: str) -> dict[str, Any]:
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+        item = {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
                 "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+        if self.body.encrypted_reasoning and status == "completed":
+            item["encrypted_content"] = base64.b64encode(text.encode()).decode()
+        return item
 
     @staticmethod
     def _call_item(call: ToolCall, status: str) -> dict[str, Any]:
