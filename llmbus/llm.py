@@ -164,6 +164,16 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def get_tokenizer(self):
+        """vLLM's: the model's Hugging Face tokenizer (its vocabulary, chat template,
+        `apply_chat_template`), the one prompts are encoded with."""
+        return self.tokenizer.hf
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix, so the next prompts compute from scratch (a
+        benchmark's cold start). False, changing nothing, while a request holds blocks."""
+        return self.scheduler.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the model's generation config over SamplingParams' defaults, what
         `generate` and `chat` use when given no sampling params."""
@@ -325,14 +335,17 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's: `continue_final_message` goes on from a last assistant message (with
         add_generation_prompt=False); `chat_template_kwargs` are the template's own
         variables (Qwen3's enable_thinking); `chat_template`, a Jinja template's text, in
-        place of the model's."""
+        place of the model's; `tools`, OpenAI's function tools, shown to the model as the
+        served chat shows them (the output is the model's text: calls are not parsed).
+        Messages are OpenAI's, as served: content a string or text parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
                                                continue_final_message=continue_final_message,
                                                chat_template_kwargs=chat_template_kwargs,
                                                chat_template=chat_template)

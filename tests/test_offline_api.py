@@ -186,6 +186,45 @@ def test_chat_renders_the_template(llm):
     assert own.prompt_token_ids == llm.tokenizer.encode("[user] hello [assistant]", False)
 
 
+def test_chat_takes_tools_and_text_parts_as_the_served_chat(tiny_llama):
+    """vLLM's LLM.chat(tools=...): the tools in the prompt as the served chat puts them
+    (this template has none of its own: the hermes system prompt); content as text parts
+    is one string, joined by newlines as vLLM's; a part that is not text is refused; and
+    get_tokenizer() is the tokenizer that renders it."""
+    from services.gateway.protocol import validate_messages
+
+    llm = LLM(str(tiny_llama), max_model_len=1024)  # (the tools' system prompt is ~450 tokens)
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                               "parameters": weather}}]
+    asked = [{"role": "user", "content": "weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    [out] = llm.chat(asked, params, tools=tools)
+    assert out.prompt_token_ids == llm.tokenizer.apply_chat_template(asked, tools=tools)
+    assert "get_weather" in llm.tokenizer.decode(out.prompt_token_ids) and len(out.prompt_token_ids) > len(
+        llm.chat(asked, params)[0].prompt_token_ids)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "weather"}, {"type": "text", "text": "in Paris?"}]}]
+    [joined] = llm.chat(parts, params)
+    assert joined.prompt_token_ids == llm.chat([{"role": "user", "content": "weather\nin Paris?"}],
+                                               params)[0].prompt_token_ids
+    assert validate_messages(parts) == [{"role": "user", "content": "weather\nin Paris?"}]  # (served: the same)
+    assert parts[0]["content"][0] == {"type": "text", "text": "weather"}  # (the caller's messages untouched)
+    with pytest.raises(ValueError, match="only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    text = llm.get_tokenizer().apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+    assert llm.tokenizer.encode(text, add_special_tokens=False) == llm.chat(asked, params)[0].prompt_token_ids
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_compute_from_scratch(llm):
+    prompt = "The prefix cache keeps the blocks of this prompt for the next one that shares them, " * 4
+    params = SamplingParams(temperature=0, max_tokens=4)
+    first, again = llm.generate([prompt], params), llm.generate([prompt], params)
+    assert again[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    [cold] = llm.generate([prompt], params)
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first[0].outputs[0].token_ids
+
+
 def test_chat_goes_on_from_a_final_assistant_message(llm):
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hi, I am"}]
     params = SamplingParams(temperature=0, max_tokens=4)

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import msgspec
 
 from services.gateway.errors import BadRequest
-from services.tokenizer.tokenizer import ChatOptionError, check_chat_options
+from services.tokenizer.tokenizer import ChatOptionError, chat_messages, check_chat_options
 from shared.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -392,41 +392,16 @@ def validate_chat_options(request) -> None:
         raise BadRequest(f"chat_template_kwargs cannot be sent on: {exc}", "chat_template_kwargs") from exc
 
 
-def validate_messages(messages: list[dict[str, Any]]) -> None:
-    """Chat messages as OpenAI defines them; templates would render a missing field as ''."""
+def validate_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as OpenAI defines them (the tokenizer's chat_messages), checked before
+    they are sent on: the messages as a template reads them."""
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
     try:
         msgspec.msgpack.encode(messages)  # what goes to the tokenizer must fit the wire
     except (OverflowError, TypeError) as exc:
         raise BadRequest(f"messages cannot be sent on: {exc}", "messages") from exc
-    for i, message in enumerate(messages):
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise BadRequest(f"messages[{i}] has no role", "messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", "messages")
-                texts.append(part["text"])
-            message["content"] = "".join(texts)
-        elif content is None and role == "assistant":
-            message["content"] = ""
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}] has no content", "messages")
-        if "tool_calls" in message:
-            _check_tool_calls(i, role, message["tool_calls"])
-
-
-def _check_tool_calls(i: int, role: str, calls: Any) -> None:
-    """An assistant turn's calls, as OpenAI sends them back: arguments a JSON string."""
-    if role != "assistant" or not isinstance(calls, list):
-        raise BadRequest(f"messages[{i}].tool_calls must be a list on an assistant message", "messages")
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
-                function.get("arguments", ""), str):
-            raise BadRequest(f"messages[{i}].tool_calls: each call needs function.name and function.arguments "
-                             "(a JSON string)", "messages")
+    try:
+        return chat_messages(messages)
+    except ChatOptionError as exc:
+        raise BadRequest(str(exc), exc.field) from exc

@@ -138,7 +138,7 @@ class OpenAIServing:
         if tools is not None and tools.keeps_special_tokens(self.config.tool_call_parser):
             params = msgspec.structs.replace(params, skip_special_tokens=False)
         if isinstance(body, ChatCompletionRequest):
-            validate_messages(body.messages)
+            body.messages = validate_messages(body.messages)
             validate_chat_options(body)
             prompts = [await self.tokenize(TokenizeRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,

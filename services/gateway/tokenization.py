@@ -36,7 +36,7 @@ async def tokenize(serving: OpenAIServing, request: Request) -> dict:
     body = parse_body(raw, TokenizeChatRequest if chat else TokenizePromptRequest)
     serving.check_model(body.model)
     if chat:
-        validate_messages(body.messages)
+        body.messages = validate_messages(body.messages)
         validate_chat_options(body)
         tools = tool_choice_of(body)
         wire = TokenizeRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,

@@ -579,6 +579,10 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None, None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False, changing nothing, while a request holds blocks."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(

@@ -71,6 +71,7 @@ class Tokenizer:
         if template is None and not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template: give one (--chat-template)")
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        messages = chat_messages(messages)
         if tools or has_tool_turns(messages):
             if _reads_tools(template) if template is not None else self.template_renders_tools:
                 messages, template = with_arguments_as_objects(messages), template or self.tool_template
@@ -109,6 +110,47 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
     reserved = sorted(set(chat_template_kwargs or {}) & _RESERVED)
     if reserved:
         raise ChatOptionError(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
+
+
+def chat_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages as OpenAI defines them, as a template reads them: a content of text
+    parts one string (joined by newlines, as vLLM joins them for such a template), an
+    assistant's missing content '' (a template would print None). Raises ChatOptionError
+    for what no template can render: a message without a role or content, a part that is
+    not text, tool calls without their function."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatOptionError(f"messages[{i}] must be an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatOptionError(f"messages[{i}] has no role", "messages")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ChatOptionError(f"messages[{i}].content: only text parts are supported", "messages")
+            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        elif content is None and role == "assistant":
+            message = {**message, "content": ""}
+        elif not isinstance(content, str):
+            raise ChatOptionError(f"messages[{i}] has no content", "messages")
+        if "tool_calls" in message:
+            _check_tool_calls(i, role, message["tool_calls"])
+        out.append(message)
+    return out
+
+
+def _check_tool_calls(i: int, role: str, calls: Any) -> None:
+    """An assistant turn's calls, as OpenAI sends them back: arguments a JSON string."""
+    if role != "assistant" or not isinstance(calls, list):
+        raise ChatOptionError(f"messages[{i}].tool_calls must be a list on an assistant message", "messages")
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(
+                function.get("arguments", ""), str):
+            raise ChatOptionError(f"messages[{i}].tool_calls: each call needs function.name and function.arguments "
+                                  "(a JSON string)", "messages")
 
 
 # What apply_chat_template takes itself, and what a template is given by it.
