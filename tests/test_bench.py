@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -162,3 +163,34 @@ def test_bench_moe_compares_sparse_dense_and_transformers_on_the_same_tokens(cap
         assert f"{side}: decode " in out
     assert "sparse/dense: decode" in out and "sparse/transformers: decode" in out
     assert "decode tokens: sparse, dense and transformers agree" in out
+
+
+def test_the_bench_client_reads_an_event_whole_whatever_its_json_holds_raw():
+    """Another server's events may hold U+2028 (valid raw in JSON), where httpx's
+    aiter_lines would end a line; the bench's reader ends lines at newlines alone, also
+    when one arrives split across reads."""
+    import asyncio
+
+    from llmbus.bench.serve import sse_data
+
+    events = [{"text": "a\u2028b\x85c"}, {"text": "d\u2029e"}]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"
+    raw = body.encode()
+
+    async def read() -> list[str]:
+        parts = [raw[i:i + 7] for i in range(0, len(raw), 7)]  # (reads that cut characters and lines)
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, stream=_Chunks(parts)))
+        async with httpx.AsyncClient(transport=transport) as client:
+            async with client.stream("GET", "http://x/") as resp:
+                return [data async for data in sse_data(resp)]
+
+    assert asyncio.run(read()) == [json.dumps(e, ensure_ascii=False) for e in events] + ["[DONE]"]
+
+
+class _Chunks(httpx.AsyncByteStream):
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+
+    async def __aiter__(self):
+        for part in self.parts:
+            yield part

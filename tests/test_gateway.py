@@ -138,6 +138,28 @@ def test_a_streamed_chat_reads_as_the_whole_answer(tokenizer):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_stream_is_one_line_an_event_to_a_reader_that_splits_at_unicode_line_breaks(tiny_llama):
+    """Text with U+2028, U+2029 and U+0085 (valid raw in JSON) streamed: read with httpx's
+    iter_lines, which splits at them as str.splitlines() does (as httpx-sse and our own
+    bench read), every event is still whole JSON, and the text comes back as it was."""
+    from test_responses_api import serve
+
+    script = "one\u2028two\u2029three\x85four"
+    test_client, _, _, _ = serve(tiny_llama, script)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
+    with test_client:
+        for path, body, text_of in (
+                ("/v1/completions", {"prompt": "hi", "max_tokens": 64},
+                 lambda e: e["choices"][0]["text"] if e["choices"] else ""),
+                ("/v1/chat/completions", chat,
+                 lambda e: e["choices"][0]["delta"].get("content") or "" if e["choices"] else ""),
+                ("/v1/responses", {"input": "hi"},
+                 lambda e: e["delta"] if e["type"] == "response.output_text.delta" else "")):
+            with test_client.stream("POST", path, json={"model": "tiny", "stream": True, **body}) as resp:
+                lines = [line for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+            assert "".join(text_of(json.loads(line[len("data: "):])) for line in lines) == script, path
+
+
 def test_a_stop_string_cuts_the_text_and_aborts_the_engine_request(tokenizer):
     client, engine = gateway(tokenizer)
     with client:

@@ -24,6 +24,7 @@ import time
 
 import httpx
 
+from llmbus.bench.serve import sse_data
 from llmbus.model_fetch import resolve_model
 from llmbus.nats_server import node_with_client
 from llmbus.serve import free_port, live_children
@@ -49,10 +50,10 @@ async def _stream_all(url: str, n: int, max_tokens: int, on_event, on_start=None
                 async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
                         return None, longest
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data: {"):
+                    async for data in sse_data(resp):
+                        if not data.startswith("{"):
                             continue
-                        event = json.loads(line[len("data: "):])
+                        event = json.loads(data)
                         if "error" in event:
                             return None, longest
                         now = time.monotonic()

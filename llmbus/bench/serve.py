@@ -130,6 +130,20 @@ STRUCTURED_SCHEMA = {
                        "city": {"type": "string", "maxLength": 24}}}}
 
 
+async def sse_data(resp: httpx.Response):
+    """A stream's events' data, lines ended at a newline alone as SSE ends them: httpx's
+    aiter_lines also ends one at U+2028 and the like, which a server's JSON may hold raw
+    (a token's text), and half an event is not JSON."""
+    rest = ""
+    async for text in resp.aiter_text():
+        *lines, rest = (rest + text).split("\n")
+        for line in lines:
+            if line.startswith("data: "):
+                yield line[len("data: "):].rstrip("\r")
+    if rest.startswith("data: "):
+        yield rest[len("data: "):]
+
+
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt, max_tokens: int,
                       extra: dict | None = None) -> Result:
     result = await _one_request(client, url, model, prompt, max_tokens, extra)
@@ -152,10 +166,10 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt, 
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in sse_data(resp):
+                if data == "[DONE]":
                     continue
-                payload = _json_decode(line[6:])
+                payload = _json_decode(data)
                 if payload.get("usage"):
                     result.output_tokens = payload["usage"].get("completion_tokens", 0)
                     result.prompt_tokens = payload["usage"].get("prompt_tokens", 0)

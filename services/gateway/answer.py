@@ -39,6 +39,21 @@ request_log = logging.getLogger("llmbus.requests")
 _json = msgspec.json.Encoder()
 
 
+# U+0085, U+2028 and U+2029 may stand unescaped in JSON, and msgspec leaves them so; but
+# Python's str.splitlines() ends a line at each, and SSE clients that read lines with it
+# (httpx's aiter_lines, and httpx-sse over it) cut an event in two where a token's text
+# holds one, then fail on half a JSON object. Escaped, an event is one line to any reader.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_event(data: bytes, event: str | None = None) -> bytes:
+    """One server-sent event whose data is this JSON."""
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:  # (UTF-8: these bytes are that character and nothing else)
+            data = data.replace(raw, escaped)
+    return (f"event: {event}\n".encode() if event else b"") + b"data: " + data + b"\n\n"
+
+
 def end_span(span, status: int, exc: BaseException | None = None) -> None:
     span.set_attribute("http.response.status_code", status)
     if exc is not None:
@@ -251,7 +266,7 @@ class Answer:
         chunk = r.Chunk(self.response_id, obj, self.created, self.model, choices, usage, prompt_token_ids)
         # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
         # its cost per chunk (one chunk per token per stream at 128 streams).
-        return b"data: " + _json.encode(chunk) + b"\n\n"
+        return sse_event(_json.encode(chunk))
 
     def _chunks(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
         """An event for each choice, as OpenAI's and vLLM's streams send them: a client
@@ -337,7 +352,7 @@ class Answer:
             status = 200
         except GatewayError as exc:
             status, failure = status_of(exc), exc
-            yield b"data: " + error_body(exc) + b"\n\n"
+            yield sse_event(error_body(exc))
         finally:
             self._finished(status, failure)
         yield b"data: [DONE]\n\n"

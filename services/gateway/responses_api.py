@@ -45,7 +45,7 @@ from fastapi.responses import Response
 
 from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, NotFound, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
-from services.gateway.answer import Answer, prepend
+from services.gateway.answer import Answer, prepend, sse_event
 from services.gateway.response_store import ResponseStore, StoredResponse
 from services.gateway.tool_parsers import ToolCall
 
@@ -311,8 +311,7 @@ class ResponsesAnswer(Answer):
 
     def _event(self, kind: str, **fields) -> bytes:
         self.sequence += 1
-        return (f"event: {kind}\ndata: ".encode() + _json.encode({"type": kind, "sequence_number": self.sequence,
-                                                                  **fields}) + b"\n\n")
+        return sse_event(_json.encode({"type": kind, "sequence_number": self.sequence, **fields}), kind)
 
     async def _sse(self, first) -> AsyncIterator[bytes]:
         self.sequence = -1
