@@ -29,9 +29,9 @@ from shared.bus import Subjects, inbox_of
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
-        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat"),
-        ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "{inbox}.>"),
-        False,
+        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat", "responses"),
+        ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "gateways.heartbeat", "responses", "{inbox}.>"),
+        True,  # (the other gateways' questions for its stored responses: response_peers.py)
     ),
     "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),
     "scheduler": (

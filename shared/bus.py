@@ -39,7 +39,8 @@ class Subjects:
         self.scheduler_info = f"{self.prefix}.scheduler.info"  # request/reply: SchedulerInfo
         self.scheduler_heartbeat = f"{self.prefix}.scheduler.heartbeat"  # SchedulerHeartbeat
         self.scheduler_stats = f"{self.prefix}.scheduler.stats"  # SchedulerStats, steadily and on change
-        self.gateway_heartbeat = f"{self.prefix}.gateways.heartbeat"  # gateway -> scheduler: GatewayHeartbeat
+        self.gateway_heartbeat = f"{self.prefix}.gateways.heartbeat"  # gateway -> scheduler, gateways: GatewayHeartbeat
+        self.responses = f"{self.prefix}.responses"  # gateway -> gateways: StoredResponseQuery, each answers
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput

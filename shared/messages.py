@@ -286,6 +286,34 @@ class GatewayHeartbeat(msgspec.Struct, **_WIRE):
     reply_subject: str  # its outputs subject, one per gateway process
 
 
+class StoredResponse(msgspec.Struct, **_WIRE):
+    """A Responses API response a gateway stored (services/gateway/response_store.py),
+    as kept and as another gateway of the deployment is sent it."""
+
+    response: bytes  # the response's JSON, as it was sent and as GET returns it
+    # JSON: the chat messages a response that goes on from this one starts with (the
+    # conversation before it, its input and its output; instructions, which OpenAI does
+    # not carry over, left out)
+    conversation: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.response) + len(self.conversation)
+
+
+class StoredResponseQuery(msgspec.Struct, **_WIRE):
+    """gateway -> the other gateways: the stored response of this id (response_peers.py)."""
+
+    response_id: str
+    asker: str  # the asking gateway's outputs subject (it does not answer itself)
+    delete: bool = False  # and drop it
+
+
+class StoredResponseAnswer(msgspec.Struct, **_WIRE):
+    found: bool
+    stored: StoredResponse | None = None  # (a query to delete is answered without it)
+
+
 class SchedulerHeartbeat(msgspec.Struct, **_WIRE):
     scheduler_id: str
     num_workers: int

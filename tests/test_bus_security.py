@@ -74,22 +74,24 @@ def test_anonymous_and_wrong_passwords_are_refused(closed_bus):
 
 # role identity -> (allowed subscriptions, allowed publishes, forbidden subscriptions, forbidden publishes)
 GRANTS = {
-    "g1": ([f"{P}.outputs.g1.a1", f"{P}.scheduler.heartbeat", f"{P}.scheduler.stats", "_INBOX.gateway.g1.x"],
-           [f"{P}.requests", f"{P}.abort", f"{P}.tokenize", f"{P}.scheduler.info", f"{P}.gateways.heartbeat"],
+    # (and the other gateways' heartbeats, and their questions for stored responses)
+    "g1": ([f"{P}.outputs.g1.a1", f"{P}.scheduler.heartbeat", f"{P}.scheduler.stats", "_INBOX.gateway.g1.x",
+            f"{P}.gateways.heartbeat", f"{P}.responses"],
+           [f"{P}.requests", f"{P}.abort", f"{P}.tokenize", f"{P}.scheduler.info", f"{P}.gateways.heartbeat",
+            f"{P}.responses"],
            [f"{P}.outputs.g2.a1", f"{P}.outputs.*.*", f"{P}.outputs.>", ">", "_INBOX.>", "_INBOX.scheduler.x",
-            "_INBOX.gateway.g2.x", "_INBOX.gateway.>", f"{P}.workers.w1.step", f"{P}.requests", f"{P}.tokenize",
-            f"{P}.gateways.heartbeat"],
+            "_INBOX.gateway.g2.x", "_INBOX.gateway.>", f"{P}.workers.w1.step", f"{P}.requests", f"{P}.tokenize"],
            [f"{P}.workers.w1.step", f"{P}.outputs.g2.a1", f"{P}.outputs.g1.a1", f"{P}.scheduler.heartbeat",
             f"{P}.workers.announce", "_INBOX.gateway.g2.x", "_INBOX.scheduler.x"]),
     "w1": ([f"{P}.workers.w1.step", f"{P}.scheduler.hello"], [f"{P}.workers.announce", "_INBOX.scheduler.x"],
            [f"{P}.workers.w2.step", f"{P}.workers.*.step", f"{P}.outputs.g1.a1", f"{P}.requests", "_INBOX.>",
             "_INBOX.scheduler.x"],
            [f"{P}.workers.w2.step", f"{P}.outputs.g1.a1", f"{P}.requests", f"{P}.scheduler.heartbeat",
-            f"{P}.gateways.heartbeat", "_INBOX.gateway.g1.x"]),
+            f"{P}.gateways.heartbeat", "_INBOX.gateway.g1.x", f"{P}.responses"]),
     # (A responder also publishes into its askers' inboxes: allow_responses is per server.)
     "tokenizer": ([f"{P}.tokenize"], ["_INBOX.gateway.g1.x"],
                   [f"{P}.requests", f"{P}.outputs.g1.a1", ">", "_INBOX.gateway.g1.x"],
-                  [f"{P}.tokenize", f"{P}.outputs.g1.a1", f"{P}.requests", "_INBOX.scheduler.x"]),
+                  [f"{P}.tokenize", f"{P}.outputs.g1.a1", f"{P}.requests", "_INBOX.scheduler.x", f"{P}.responses"]),
     "scheduler": ([f"{P}.requests", f"{P}.abort", f"{P}.workers.announce", f"{P}.scheduler.info",
                    f"{P}.gateways.heartbeat", "_INBOX.scheduler.x"],
                   [f"{P}.outputs.g1.a1", f"{P}.outputs.g2.b2", f"{P}.workers.w1.step", f"{P}.scheduler.hello",

@@ -496,6 +496,27 @@ def test_api_key_is_required_when_set(deployment, tmp_path):
     assert httpx.get(url + "/metrics", headers={"Authorization": "Bearer rotated"}, timeout=30).status_code == 200
 
 
+def test_a_conversation_goes_on_at_another_gateway(deployment, client, offline):
+    """Two `llmbus gateway` replicas, as behind a balancer: a response stored by one is
+    gone on from (previous_response_id), read and deleted at the other (the store asked
+    over the bus), and the turn is the offline chat of the whole conversation."""
+    url = deployment.start_gateway("gateway-2")
+    deployment.wait_healthy(url)
+    other = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    first = client.responses.create(model="tiny", input="A color?", temperature=0, max_output_tokens=8)
+    time.sleep(1.0)  # (the new gateway hears the first one's heartbeat, twice a second)
+    more = other.responses.create(model="tiny", previous_response_id=first.id, input="Another one",
+                                  temperature=0, max_output_tokens=8)
+    [want] = offline.chat([{"role": "user", "content": "A color?"}, {"role": "assistant", "content": first.output_text},
+                           {"role": "user", "content": "Another one"}], SamplingParams(temperature=0, max_tokens=8))
+    assert more.output_text == want.outputs[0].text
+    assert other.responses.retrieve(first.id).model_dump() == first.model_dump()
+    assert client.responses.retrieve(more.id).id == more.id  # (and the other way round)
+    other.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
 def test_tokenizer_answers_bad_messages_with_errors_not_timeouts(deployment):
     import msgspec
     import nats

@@ -50,6 +50,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         client = await client_factory(metrics.observe_stats)
         tracer_ = tracer or trace.get_tracer("llmbus.gateway")
         app.state.serving = OpenAIServing(client, tokenizer, config, metrics, tracer_)
+        await app.state.serving.start()
         yield
         close = getattr(client, "aclose", None)
         if close is not None:
@@ -176,14 +177,14 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     async def retrieve_response(request: Request, response_id: str):
         if request.query_params.get("stream", "false").lower() != "false":
             raise BadRequest("a stored response is sent whole: streaming it again is not supported", "stream")
-        entry = serving(request).stored_responses.get(response_id)
+        entry = await serving(request).find_response(response_id)
         if entry is None:
             raise no_response(response_id)
         return Response(entry.response, media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
-        if not serving(request).stored_responses.delete(response_id):
+        if not await serving(request).delete_response(response_id):
             raise no_response(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

@@ -1,11 +1,11 @@
 """The Responses API's stored responses: what `store` keeps, `previous_response_id` goes
 on from, and `GET`/`DELETE /v1/responses/{id}` read and drop.
 
-Kept by the gateway that answered, in its memory, as vLLM keeps them in its API server's:
-a gateway that restarts has none, and behind a balancer over several gateways a
-conversation must come back to its own. Unlike vLLM's (which never drops one), the store
-is bounded: beyond `--responses-store-mb` the least recently used go first, so a
-long-running gateway cannot grow without end.
+Kept by the gateway that answered, in its memory, as vLLM keeps them in its API server's
+(a gateway that restarts has lost its own); the deployment's other gateways ask it for
+one they do not hold (response_peers.py), so a conversation may go on at any of them.
+Unlike vLLM's (which never drops one), the store is bounded: beyond `--responses-store-mb`
+the least recently used go first, so a long-running gateway cannot grow without end.
 
 Each entry is held as encoded JSON, so its size is exactly what it costs and a read gives
 back the bytes a client was sent. It keeps the whole conversation so far (earlier turns,
@@ -18,21 +18,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 
-import msgspec
+from shared.messages import StoredResponse
 
 log = logging.getLogger("llmbus.gateway")
-
-
-class StoredResponse(msgspec.Struct, frozen=True):
-    response: bytes  # the response's JSON, as it was sent and as GET returns it
-    # JSON: the chat messages a response that goes on from this one starts with (the
-    # conversation before it, its input and its output; instructions, which OpenAI does
-    # not carry over, left out)
-    conversation: bytes
-
-    @property
-    def size(self) -> int:
-        return len(self.response) + len(self.conversation)
 
 
 class ResponseStore:

@@ -46,7 +46,7 @@ from fastapi.responses import Response
 from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, NotFound, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
 from services.gateway.answer import Answer, prepend, sse_event
-from services.gateway.response_store import ResponseStore, StoredResponse
+from shared.messages import StoredResponse
 from services.gateway.tool_parsers import ToolCall
 
 _json = msgspec.json.Encoder()
@@ -125,8 +125,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
               "max_tokens": "max_output_tokens", "logprobs": "include", "reasoning_effort": "reasoning"}
     INCLUDABLE = ("message.output_text.logprobs", "reasoning.encrypted_content")
 
-    def to_chat(self, stored: ResponseStore) -> ResponsesChat:
-        if self.store and not stored.enabled:
+    def to_chat(self, storing: bool, previous: StoredResponse | None = None) -> ResponsesChat:
+        """`storing`: whether this server stores responses; `previous`: the stored response
+        previous_response_id names, None where no gateway holds it."""
+        if self.store and not storing:
             raise BadRequest("this server stores no responses (--responses-store-mb 0): leave store out or set it "
                              "false", "store")
         if self.truncation not in (None, "disabled"):
@@ -134,14 +136,13 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                              "truncation")
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
         if self.previous_response_id is not None:
-            previous = stored.get(self.previous_response_id)
             if previous is None:
                 raise NotFound(f"Previous response with id '{self.previous_response_id}' not found.",
                                "previous_response_id", "previous_response_not_found")
             messages += msgspec.json.decode(previous.conversation)
         messages += _messages(self.input)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                "instructions": self.instructions, "store": self.store is not False and stored.enabled,
+                                "instructions": self.instructions, "store": self.store is not False and storing,
                                 "previous_response_id": self.previous_response_id}
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p), ("parallel_tool_calls", self.parallel_tool_calls),

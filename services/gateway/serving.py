@@ -28,12 +28,13 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from services.gateway.request_ids import client_request_id
+from services.gateway.response_peers import ResponsePeers
 from services.gateway.response_store import ResponseStore
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
-from shared.messages import TokenizeRequest
+from shared.messages import StoredResponse, TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
 
@@ -50,6 +51,25 @@ class OpenAIServing:
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
         self.stored_responses = ResponseStore(config.responses_store_bytes)  # (the Responses API's `store`)
+        self.response_peers: ResponsePeers | None = None  # the other gateways' stores, over the bus
+
+    async def start(self) -> None:
+        nc = getattr(self.client, "nc", None)  # (an engine client on the bus: the deployment's other gateways)
+        if nc is not None:
+            self.response_peers = ResponsePeers(nc, self.client.subjects, self.stored_responses,
+                                                self.client.reply_subject)
+            await self.response_peers.start()
+
+    async def find_response(self, response_id: str) -> StoredResponse | None:
+        """A stored response, this gateway's or another's."""
+        if self.response_peers is None:
+            return self.stored_responses.get(response_id)
+        return await self.response_peers.find(response_id)
+
+    async def delete_response(self, response_id: str) -> bool:
+        if self.response_peers is None:
+            return self.stored_responses.delete(response_id)
+        return await self.response_peers.delete(response_id)
 
     async def handle(self, request: Request, kind: type, answer: type = Answer) -> Response:
         """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
@@ -120,7 +140,9 @@ class OpenAIServing:
             raise Unavailable("the scheduler is not running")
         body = parse_body(await self.read_body(request), kind)
         if hasattr(body, "to_chat"):  # (a Responses API request: the chat it means)
-            body = body.to_chat(self.stored_responses)
+            previous = body.previous_response_id
+            body = body.to_chat(self.stored_responses.enabled,
+                                await self.find_response(previous) if previous is not None else None)
         self.check_model(body.model)
         client_request_id(request.headers, body.request_id)  # (a bad one is a 400 before anything runs)
         spec, spec_field = structured_outputs_of(body)
