@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.app import create_app
-from services.gateway.reasoning_parsers import new_parser, prompt_opens_thinking
+from services.gateway.reasoning_parsers import REASONING_PARSERS, TAGS, new_parser, prompt_opens_thinking
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from test_gateway import FakeEngine, sse_events
@@ -23,19 +23,26 @@ from test_gateway import FakeEngine, sse_events
     ("qwen3", "<think>\n\n</think>\n\n", "42", ("", "42")),  # enable_thinking false closes it in the prompt
     ("qwen3", "<|im_start|>assistant\n<think>\n", "hm</think>42", ("hm", "42")),  # the template opened it
     ("qwen3", "<|im_start|>assistant\n", "<thin", ("", "<thin")),  # a tag that never was
+    # Seed-OSS's tags; its thinking-budget notes are thinking too
+    ("seed_oss", "<seed:bos>assistant\n", "<seed:think>hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>"
+     "</seed:think>42", ("hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>", "42")),
+    ("seed_oss", "<seed:bos>assistant\n", "<think>a</think>42", ("", "<think>a</think>42")),
+    ("seed_oss", "<seed:bos>assistant\n<seed:think>", "hm</seed:think>42", ("hm", "42")),
 ])
 def test_the_thinking_is_read_apart(name, prompt_tail, text, expected):
     assert new_parser(name, prompt_tail).whole(text) == expected
 
 
-PIECES = ["<think>", "</think>", "<", "</", "th", "ink", ">", "a", "b", "\n", "é"]
+PIECES = ["<think>", "</think>", "<seed:think>", "</seed:think>", "<", "</", "seed:", "th", "ink", ">", "a", "b",
+          "\n", "é"]
 
 
 @settings(max_examples=300, deadline=None)
-@given(name=st.sampled_from(["deepseek_r1", "qwen3"]), opened=st.booleans(),
+@given(name=st.sampled_from(REASONING_PARSERS), opened=st.booleans(),
        text=st.lists(st.sampled_from(PIECES), max_size=12).map("".join), cuts=st.lists(st.integers(0, 60)))
 def test_streamed_deltas_add_up_to_the_whole(name, opened, text, cuts):
-    tail = "<think>\n" if opened else ""
+    open_tag, close_tag = TAGS[name]
+    tail = open_tag + "\n" if opened else ""
     whole = new_parser(name, tail).whole(text)
     parser, reasoning, content, at = new_parser(name, tail), "", "", 0
     for cut in sorted(set(c for c in cuts if c <= len(text))) + [len(text)]:
@@ -43,8 +50,8 @@ def test_streamed_deltas_add_up_to_the_whole(name, opened, text, cuts):
         reasoning, content, at = reasoning + r, content + c, cut
     r, c = parser.finish()
     assert (reasoning + r, content + c) == whole
-    assert (reasoning + r + content + c).replace("<think>", "").replace("</think>", "") == \
-        text.replace("<think>", "").replace("</think>", "")  # nothing but the tags lost
+    assert (reasoning + r + content + c).replace(open_tag, "").replace(close_tag, "") == \
+        text.replace(open_tag, "").replace(close_tag, "")  # nothing but the tags lost
 
 
 def test_prompt_opens_thinking_reads_the_last_tag():

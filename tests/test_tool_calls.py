@@ -302,7 +302,10 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                               '"days": 2}}, {"name": "get_time", "arguments": {}}]', "Let me look."),
                   "qwen3_coder": ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                                   "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n"
-                                  "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Let me look.")}
+                                  "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Let me look."),
+                  "seed_oss": ("Let me look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                               "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</seed:tool_call>\n"
+                               "<seed:tool_call>\n<function=get_time>\n</function>\n</seed:tool_call>", "Let me look.")}
 
 
 @pytest.mark.parametrize("parser", SERVED_PARSERS)

@@ -11,12 +11,16 @@ across deltas is held back until it is whole or cannot be one.
 - `qwen3`: reasoning where the answer begins with `<think>`, or where the prompt ends
   inside an open `<think>` (Qwen3.5's and the thinking-2507 templates put it there);
   otherwise (`enable_thinking: false` closes it in the prompt) all content.
+- `seed_oss`: as `qwen3`, between Seed-OSS's `<seed:think>` and `</seed:think>` (its
+  thinking-budget notes, `<seed:cot_budget_reflect>`, stay in the reasoning).
 Reasoning that never closes (max_tokens ran out) stays reasoning.
 """
 
 from __future__ import annotations
 
-OPEN, CLOSE = "<think>", "</think>"
+# name -> the tags around its thinking
+TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
+        "seed_oss": ("<seed:think>", "</seed:think>")}
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -29,7 +33,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ReasoningParser:
     # "open?": the answer may still begin with <think>; "reasoning"; "content"
-    def __init__(self, starts_in_reasoning: bool) -> None:
+    def __init__(self, starts_in_reasoning: bool, tags: tuple[str, str] = TAGS["qwen3"]) -> None:
+        self.open, self.close = tags
         self._state = "open?" if not starts_in_reasoning else "reasoning"
         self._leading_open = True  # a <think> at the very start is dropped in any mode
         self._held = ""
@@ -39,21 +44,21 @@ class ReasoningParser:
         text, self._held = self._held + text, ""
         reasoning = content = ""
         if self._leading_open:
-            if OPEN.startswith(text):  # all of it may still be the tag
+            if self.open.startswith(text):  # all of it may still be the tag
                 self._held = text
                 return "", ""
             self._leading_open = False
-            if text.startswith(OPEN):
-                text, self._state = text[len(OPEN):], "reasoning"
+            if text.startswith(self.open):
+                text, self._state = text[len(self.open):], "reasoning"
             elif self._state == "open?":
                 self._state = "content"
         if self._state == "reasoning":
-            end = text.find(CLOSE)
+            end = text.find(self.close)
             if end < 0:
-                keep = _partial_suffix(text, CLOSE)
+                keep = _partial_suffix(text, self.close)
                 reasoning, self._held = text[: len(text) - keep], text[len(text) - keep:]
                 return reasoning, ""
-            reasoning, text, self._state = text[:end], text[end + len(CLOSE):], "content"
+            reasoning, text, self._state = text[:end], text[end + len(self.close):], "content"
         content = text
         return reasoning, content
 
@@ -70,15 +75,16 @@ class ReasoningParser:
         return reasoning + more_reasoning, content + more_content
 
 
-def prompt_opens_thinking(prompt_tail: str) -> bool:
-    """Whether a prompt's text ends inside an open <think> (the template began the thinking)."""
-    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+def prompt_opens_thinking(prompt_tail: str, tags: tuple[str, str] = TAGS["qwen3"]) -> bool:
+    """Whether a prompt's text ends inside an open thinking tag (the template began the thinking)."""
+    return prompt_tail.rfind(tags[0]) > prompt_tail.rfind(tags[1])
 
 
 def new_parser(name: str, prompt_tail: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}: {', '.join(REASONING_PARSERS)}")
-    return ReasoningParser(starts_in_reasoning=name == "deepseek_r1" or prompt_opens_thinking(prompt_tail))
+    tags = TAGS[name]
+    return ReasoningParser(name == "deepseek_r1" or prompt_opens_thinking(prompt_tail, tags), tags)
 
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = tuple(TAGS)

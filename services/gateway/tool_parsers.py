@@ -17,7 +17,8 @@ whole text at once and assembles the same deltas, so both answers agree by const
 - `MistralToolParser` (`mistral`): content, then the calls after `[TOOL_CALLS]`;
   `GraniteToolParser` (`granite`) the same after Granite 3's `<|tool_call|>`.
 - `Qwen3CoderToolParser` (`qwen3_coder`): hermes' blocks around Qwen3-Coder's XML-like
-  calls, their values typed by the tools' schemas.
+  calls, their values typed by the tools' schemas; `SeedOssToolParser` (`seed_oss`) the
+  same calls in Seed-OSS's `<seed:tool_call>` blocks.
 """
 
 from __future__ import annotations
@@ -78,10 +79,9 @@ def parse_whole(parser: ToolCallParser, text: str) -> tuple[str, list[ToolCall]]
     return parsed.content, calls
 
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
 class HermesToolParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"  # a call's block
+
     def __init__(self, max_calls: int | None = None) -> None:
         self.max_calls = max_calls  # 1 when the client asked for no parallel calls
         self.buffer = ""
@@ -94,23 +94,23 @@ class HermesToolParser:
         out = ParsedDelta()
         while True:
             if self.in_call:
-                at = self.buffer.find(CLOSE)
+                at = self.buffer.find(self.CLOSE)
                 if at < 0:
                     return out
-                body, self.buffer = self.buffer[:at], self.buffer[at + len(CLOSE):]
+                body, self.buffer = self.buffer[:at], self.buffer[at + len(self.CLOSE):]
                 self.in_call = False
-                self._call(body, OPEN + body + CLOSE, out)
+                self._call(body, self.OPEN + body + self.CLOSE, out)
                 continue
-            at = self.buffer.find(OPEN)
+            at = self.buffer.find(self.OPEN)
             if at >= 0:
                 before = self.buffer[:at]
                 self._content(before.rstrip(), out)
                 self.space = before[len(before.rstrip()):]
-                self.buffer, self.in_call = self.buffer[at + len(OPEN):], True
+                self.buffer, self.in_call = self.buffer[at + len(self.OPEN):], True
                 continue
             # Held back: what may begin a tag, and trailing whitespace (dropped if a call
             # follows it, sent once other text does).
-            head = self.buffer[:len(self.buffer) - _partial_suffix(self.buffer, OPEN)].rstrip()
+            head = self.buffer[:len(self.buffer) - _partial_suffix(self.buffer, self.OPEN)].rstrip()
             self._content(head, out)
             self.buffer = self.buffer[len(head):]
             return out
@@ -118,7 +118,7 @@ class HermesToolParser:
     def finish(self) -> ParsedDelta:
         out = ParsedDelta()
         if self.in_call:  # a call the model did not close, as small models often end
-            self._call(self.buffer, OPEN + self.buffer, out)
+            self._call(self.buffer, self.OPEN + self.buffer, out)
         else:
             self._content(self.buffer, out)
         self.buffer, self.in_call = "", False
@@ -174,6 +174,12 @@ class Qwen3CoderToolParser(HermesToolParser):
         arguments = {key.strip(): _typed(value, (properties.get(key.strip()) or {}).get("type"))
                      for key, value in _PARAMETER.findall(function.group(2))}
         return name, json.dumps(arguments, ensure_ascii=False)
+
+
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """vLLM's `seed_oss`: Qwen3-Coder's calls in Seed-OSS's own blocks."""
+
+    OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 
 
 def _typed(value: str, kind) -> object:
@@ -590,4 +596,5 @@ class GraniteToolParser(MistralToolParser):
 # `--tool-call-parser`: how `tool_choice: auto` reads what the model wrote (vLLM's names).
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                                       "pythonic": PythonicToolParser, "mistral": MistralToolParser,
-                                      "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser}
+                                      "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
+                                      "seed_oss": SeedOssToolParser}
