@@ -1,11 +1,14 @@
 """The clients people point at an OpenAI-compatible server, against a running llmbus:
 LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
-json_mode; bind_tools with a named tool and with "any"; a tool round trip) and instructor
-(JSON_SCHEMA and TOOLS modes). Each line says what came back or why it failed.
+json_mode; bind_tools with a named tool and with "any"; a tool round trip), instructor
+(JSON_SCHEMA and TOOLS modes) and the OpenAI Agents SDK over the Responses API (an agent's
+answer, streamed too; an agent that calls a function tool and answers with its result; a
+run that goes on from the last one's stored response). Each line says what came back or
+why it failed.
 
 They pin an openai client of their own, so they live in their own environment:
 
-    python -m venv /tmp/clients && /tmp/clients/bin/pip install langchain-openai instructor
+    python -m venv /tmp/clients && /tmp/clients/bin/pip install -r scripts/client_check.requirements.txt
     llmbus serve &                          # the default model, SmolLM2-135M-Instruct
     /tmp/clients/bin/python scripts/client_check.py http://127.0.0.1:8000/v1 smollm2
 """
@@ -14,8 +17,11 @@ from __future__ import annotations
 
 import sys
 
+import asyncio
+
 import instructor
 import openai
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -68,8 +74,49 @@ def main(url: str, model: str) -> int:
         results.append(check(f"instructor {mode.name}", lambda: client.chat.completions.create(
             model=model, response_model=Person, max_retries=0, temperature=0, max_tokens=80,
             messages=[{"role": "user", "content": ask}])))
+    results += agents_checks(url, model)
     print(f"{sum(results)} of {len(results)} passed")
     return 0 if all(results) else 1
+
+
+def agents_checks(url: str, model: str) -> list[bool]:
+    set_tracing_disabled(True)  # (its traces would go to OpenAI's servers)
+    responses = OpenAIResponsesModel(model=model, openai_client=openai.AsyncOpenAI(base_url=url, api_key="none"))
+    settings = ModelSettings(temperature=0, max_tokens=60)
+    agent = Agent(name="plain", instructions="Be brief.", model=responses, model_settings=settings)
+    called: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the weather in a city."""
+        called.append(city)
+        return "sunny"
+
+    # tool_choice required, then reset by the SDK after the call: the agent's next turn answers
+    tool_agent = Agent(name="tools", instructions="Use the tools.", model=responses, tools=[get_weather],
+                       model_settings=ModelSettings(temperature=0, max_tokens=80, tool_choice="required"))
+
+    def tool_run():
+        result = Runner.run_sync(tool_agent, "What is the weather in Paris?", max_turns=3)
+        assert called, "the tool was not called"
+        return f"called with {called[0]!r}; {result.final_output[:60]!r}"
+
+    def chained():
+        first = Runner.run_sync(agent, "My name is Ada.")
+        return Runner.run_sync(agent, "What is my name?", previous_response_id=first.last_response_id).final_output
+
+    def streamed():
+        async def run():
+            result = Runner.run_streamed(agent, "Count to three.")
+            async for _ in result.stream_events():
+                pass
+            return result.final_output
+        return asyncio.run(run())
+
+    return [check("agents run", lambda: Runner.run_sync(agent, "Say hello.").final_output[:60]),
+            check("agents streamed run", lambda: streamed()[:60]),
+            check("agents function tool", tool_run),
+            check("agents previous_response_id", lambda: chained()[:60])]
 
 
 if __name__ == "__main__":
