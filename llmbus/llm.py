@@ -344,14 +344,17 @@ class LLM:
         served chat shows them (the output is the model's text: calls are not parsed).
         Messages are OpenAI's, as served: content a string or text parts."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                               continue_final_message=continue_final_message,
-                                               chat_template_kwargs=chat_template_kwargs,
-                                               chat_template=chat_template)
+        texts = [
+            self.tokenizer.render_chat(conv, add_generation_prompt, tools, continue_final_message,
+                                       chat_template_kwargs, chat_template)
             for conv in conversations  # type: ignore[union-attr]
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        # Token ids, as the template rendered them (its special tokens its own: no BOS added)
+        outputs = self.generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
+                                sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outputs, texts):
+            out.prompt = text  # (vLLM's: the rendered conversation)
+        return outputs
 
     # ---- the engine -------------------------------------------------------------------
 

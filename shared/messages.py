@@ -245,6 +245,7 @@ class TokenizeRequest(msgspec.Struct, **_WIRE):
     tools: list[dict] | None = None  # OpenAI's tools, rendered into the chat prompt
     continue_final_message: bool = False  # the last (assistant) message left open, to go on from
     chat_template_kwargs: dict | None = None  # more variables for the template (Qwen3's enable_thinking)
+    documents: list[dict] | None = None  # vLLM's: documents for a RAG template (Granite's, Command R's)
 
 
 class TokenizeResponse(msgspec.Struct, **_WIRE):

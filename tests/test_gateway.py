@@ -618,6 +618,23 @@ def test_chat_template_kwargs_and_continue_final_message_shape_the_prompt(tiny_l
     assert tokenized.json()["tokens"] == engine.submitted[1].prompt_token_ids
 
 
+def test_a_chat_s_documents_reach_a_rag_template(tiny_llama):
+    """vLLM's `documents`: what a RAG template (Granite's, Command R's) shows the model,
+    through the tokenizer's own path; a document that is not strings is a 400 naming it."""
+    template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tok = Tokenizer(tiny_llama, chat_template=template)
+    client, engine = gateway(tok)
+    ask = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    with client:
+        client.post("/v1/chat/completions", json={**ask, "documents": [{"title": "A", "text": "one"},
+                                                                       {"title": "B", "text": "two"}]})
+        client.post("/v1/chat/completions", json=ask)
+        bad = client.post("/v1/chat/completions", json={**ask, "documents": [{"title": 1}]})
+    assert [tok.hf.decode(r.prompt_token_ids) for r in engine.submitted] == ["[A: one][B: two]hi", "hi"]
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "documents")
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"continue_final_message": True}, "continue_final_message"),  # with add_generation_prompt (the default)
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),

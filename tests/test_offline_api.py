@@ -179,6 +179,7 @@ def test_chat_renders_the_template(llm):
     [out] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4))
     expected = llm.tokenizer.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n", False)
     assert out.prompt_token_ids == expected
+    assert out.prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"  # (vLLM's: the rendered text)
     # vLLM's chat_template: this call's own template in place of the model's
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %} [assistant]"
     [own] = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=4),

@@ -138,6 +138,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # OpenAI's; as vLLM's, the template's variable `reasoning_effort` (a template that
     # reads it — gpt-oss's, some reasoning models' — thinks as much; others ignore it)
     reasoning_effort: str | None = None
+    # vLLM's: documents for a RAG template (Granite's, Command R's: each a dict of strings,
+    # "title" and "text" as those read them); a template that reads none ignores them
+    documents: list[dict[str, str]] | None = None
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or a function
     parallel_tool_calls: bool | None = None
@@ -227,7 +230,7 @@ BEAM_SEARCH_FIELDS = frozenset({
     "length_penalty", "include_stop_str_in_output", "use_beam_search", "user", "metadata", "store", "service_tier",
     "safety_identifier", "prompt_cache_key", "modalities",
     "request_id", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
-    "truncate_prompt_tokens", "priority", "cache_salt", "reasoning_effort",
+    "truncate_prompt_tokens", "priority", "cache_salt", "reasoning_effort", "documents",
 })
 
 

@@ -165,7 +165,7 @@ class OpenAIServing:
             prompts = [await self.tokenize(TokenizeRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                 tools=tools.tools if tools is not None else None, continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.template_kwargs(),
+                chat_template_kwargs=body.template_kwargs(), documents=body.documents,
             ), ctx)]
         else:
             prompts = await self.encode(completion_prompts(body), ctx, add_special_tokens=body.add_special_tokens)

@@ -33,7 +33,8 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
     try:
         if request.messages is not None:
             ids = tokenizer.apply_chat_template(request.messages, request.add_generation_prompt, request.tools,
-                                                request.continue_final_message, request.chat_template_kwargs)
+                                                request.continue_final_message, request.chat_template_kwargs,
+                                                documents=request.documents)
         else:
             ids = tokenizer.encode(request.prompt, request.add_special_tokens)
     except ValueError as exc:

@@ -63,10 +63,12 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
-                    chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None) -> str:
+                    chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
+                    documents: list[dict] | None = None) -> str:
         """`chat_template_kwargs`: variables the template reads besides the messages (vLLM's
         field; Qwen3's `enable_thinking`), never the ones set here. `chat_template`: this
-        call's own template text (LLM.chat's), over the tokenizer's and the tool template."""
+        call's own template text (LLM.chat's), over the tokenizer's and the tool template.
+        `documents`: vLLM's, what a RAG template (Granite's, Command R's) shows the model."""
         template = chat_template
         if template is None and not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template: give one (--chat-template)")
@@ -79,7 +81,7 @@ class Tokenizer:
                 messages, tools = hermes_messages(messages, tools), None
         try:
             return self.hf.apply_chat_template(
-                messages, tools=tools, chat_template=template, tokenize=False,
+                messages, tools=tools, documents=documents, chat_template=template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **(chat_template_kwargs or {}),
             )
@@ -89,10 +91,10 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                             chat_template_kwargs: dict[str, Any] | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, documents: list[dict] | None = None) -> list[int]:
         # The rendered template already holds the special tokens it wants.
         text = self.render_chat(messages, add_generation_prompt, tools, continue_final_message, chat_template_kwargs,
-                                chat_template)
+                                chat_template, documents)
         return self.encode(text, add_special_tokens=False)
 
 
