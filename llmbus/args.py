@@ -283,13 +283,14 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          allow_credentials=args.allow_credentials,
                          enable_request_id_headers=args.enable_request_id_headers,
                          disable_fastapi_docs=args.disable_fastapi_docs,
-                         responses_store_bytes=int(args.responses_store_mb * (1 << 20)))
+                         responses_store_bytes=int(args.responses_store_mb * (1 << 20)),
+                         api_server_group=args.api_server_group)
 
 
-def runtime_lora_updating() -> bool:
+def runtime_lora_updating(warn: bool = True) -> bool:
     """vLLM's switch, under vLLM's name, so a deployment's environment carries over."""
     on = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
-    if on:
+    if on and warn:
         log.warning("runtime LoRA updating is on: anyone with an API key may load adapters from this "
                     "machine's disk (VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     return on

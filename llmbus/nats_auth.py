@@ -29,9 +29,10 @@ from shared.bus import Subjects, inbox_of
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
-        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat", "responses"),
-        ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "gateways.heartbeat", "responses", "{inbox}.>"),
-        True,  # (the other gateways' questions for its stored responses: response_peers.py)
+        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat", "responses", "gateways.metrics"),
+        ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "gateways.heartbeat", "responses",
+         "gateways.metrics", "{inbox}.>"),
+        True,  # (the other gateways' questions: stored responses, a shared port's metrics; peers.py)
     ),
     "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),
     "scheduler": (
@@ -70,13 +71,18 @@ def new_identity(role: str, instance: str = "") -> Identity:
     return Identity(role, instance, secrets.token_urlsafe(24))
 
 
-def deployment_identities(num_workers: int) -> dict[str, Identity]:
+def deployment_identities(num_workers: int, num_gateways: int = 1) -> dict[str, Identity]:
     """A deployment's identities by service name — scheduler, tokenizer (its replicas share
-    one), gateway, worker-1..N — with random instance ids, fixed for the deployment's life
-    so a restarted replica logs in as itself."""
+    one), gateway (and gateway-2..N), worker-1..N — with random instance ids, fixed for the
+    deployment's life so a restarted replica logs in as itself."""
     return {"scheduler": new_identity("scheduler"), "tokenizer": new_identity("tokenizer"),
-            "gateway": new_identity("gateway", uuid.uuid4().hex[:8]),
+            **{gateway_name(i): new_identity("gateway", uuid.uuid4().hex[:8]) for i in range(num_gateways)},
             **{f"worker-{i + 1}": new_identity("worker", uuid.uuid4().hex[:8]) for i in range(num_workers)}}
+
+
+def gateway_name(i: int) -> str:
+    """The i-th gateway's service name (from 0): "gateway", then "gateway-2", ..."""
+    return "gateway" if i == 0 else f"gateway-{i + 1}"
 
 
 def subjects_of(identity: Identity, subjects: Subjects) -> dict:

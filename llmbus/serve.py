@@ -27,7 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from llmbus.nats_auth import Identity, authorization_config, deployment_identities
+from llmbus.nats_auth import Identity, authorization_config, deployment_identities, gateway_name
 from llmbus.nats_server import NatsServer, cluster_nodes, free_port  # noqa: F401 - free_port for the tests' harness
 from llmbus.nats_tls import make_tls_files
 from llmbus.processes import child_setup
@@ -154,7 +154,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         # Instance ids fixed for the deployment's life, so a replica the supervisor restarts
         # comes back as the same identity, with the same grants (a worker with a new,
         # random incarnation, which the scheduler treats as a fresh one).
-        identities = deployment_identities(args.workers)
+        identities = deployment_identities(args.workers, args.api_server_count)
         nats_url = args.nats_url
         bus_env: dict[str, str] = {}  # what every service needs of our NATS besides its identity
         if not nats_url:
@@ -178,11 +178,11 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         if args.verbose:  # `llmbus -v serve`: every service logs at INFO too (cli.main reads it)
             env["LLMBUS_VERBOSE"] = "1"
 
-        def add(name: str, service: str, identity: Identity, fd: int | None = None) -> None:
+        def add(name: str, service: str, identity: Identity, fd: int | None = None, extra_env=None) -> None:
             # Against a NATS of the user's (--nats-url), their --nats-* flags, in service_env,
             # stand; against ours, the identity's credentials and nothing else.
             own = {} if args.nats_url else {**dict.fromkeys(NATS_AUTH_ENV, ""), **bus_env, **identity.env()}
-            child_env = dict(env, **own, **identity.id_env())
+            child_env = dict(env, **own, **identity.id_env(), **(extra_env or {}))
             argv, fds = [service, *common], ()
             if fd is not None:  # the port's socket, inherited
                 argv, fds = [*argv, "--fd", str(fd)], (fd,)
@@ -193,7 +193,11 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
         for i in range(args.workers):
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
-        add("gateway", "gateway", identities["gateway"], listener.fileno())
+        # vLLM's --api-server-count: that many gateways serve the one port (the kernel hands
+        # each connection to one), siblings that answer /metrics for all of them.
+        group = {"LLMBUS_API_SERVER_GROUP": secrets.token_hex(4)} if args.api_server_count > 1 else {}
+        for i in range(args.api_server_count):
+            add(gateway_name(i), "gateway", identities[gateway_name(i)], listener.fileno(), group)
         url = base_url(args.host, listener.getsockname()[1], https=bool(args.ssl_certfile))
         if not wait_healthy(url, supervisor.processes(), args.startup_timeout, args.workers,
                             lambda: stop_requested):

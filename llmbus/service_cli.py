@@ -27,6 +27,7 @@ from llmbus.args import (
     hf_overrides,
     lora_config,
     lora_modules,
+    runtime_lora_updating,
     scheduler_config,
 )
 from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
@@ -101,6 +102,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--responses-store-mb", type=float, default=float(env("--responses-store-mb", 256)),
                         help="memory for the Responses API's stored responses (store, previous_response_id), the "
                              "least recently used dropped first; 0 stores none")
+    # (set by llmbus serve --api-server-count for the gateways it runs on one port)
+    parser.add_argument("--api-server-group", default=env("--api-server-group", ""), help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
     from services.gateway.tool_parsers import TOOL_CALL_PARSERS
@@ -309,7 +312,7 @@ def https(args: argparse.Namespace) -> dict:
 
 # Flags of `serve` itself, not of any service it starts.
 _SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "nats_monitor", "tokenizers",
-               "workers", "startup_timeout", "model_tag", "config"}
+               "workers", "startup_timeout", "model_tag", "config", "api_server_count"}
 
 
 def cmd_serve(args) -> int:
@@ -320,6 +323,11 @@ def cmd_serve(args) -> int:
     if args.lora_modules and not args.enable_lora:
         raise SystemExit("llmbus serve: --lora-modules needs --enable-lora (the workers serve the adapters)")
     lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
+    if args.api_server_count < 1:
+        raise SystemExit("llmbus serve: --api-server-count must be at least 1")
+    if args.api_server_count > 1 and runtime_lora_updating(warn=False):
+        raise SystemExit("llmbus serve: runtime LoRA updating (VLLM_ALLOW_RUNTIME_LORA_UPDATING) loads an adapter "
+                         "into the one gateway asked, not its siblings: it takes --api-server-count 1")
     https(args)  # (and TLS files the gateway could not read)
     lora_modules(args.lora_modules, args.max_lora_rank)
     args.model, _ = _setup(args)  # fetch once here, not in every child
@@ -401,6 +409,9 @@ def add_service_commands(sub) -> None:
                    help="serve NATS's monitoring endpoint on 127.0.0.1 (connections, subscriptions; no login)")
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
+    p.add_argument("--api-server-count", "-asc", type=int, default=env("--api-server-count", 1),
+                   help="vLLM's: gateways serving the one port (one process tops out near 20k streamed tokens "
+                        "a second); /metrics at any is all of theirs")
     p.add_argument("--max-waiting-requests", type=int, default=env("--max-waiting-requests", 0))
     p.add_argument("--step-timeout", type=float, default=env("--step-timeout", 120.0))
     p.add_argument("--startup-timeout", type=float, default=env("--startup-timeout", 300.0))

@@ -41,6 +41,7 @@ class Subjects:
         self.scheduler_stats = f"{self.prefix}.scheduler.stats"  # SchedulerStats, steadily and on change
         self.gateway_heartbeat = f"{self.prefix}.gateways.heartbeat"  # gateway -> scheduler, gateways: GatewayHeartbeat
         self.responses = f"{self.prefix}.responses"  # gateway -> gateways: StoredResponseQuery, each answers
+        self.gateway_metrics = f"{self.prefix}.gateways.metrics"  # gateway -> its siblings: MetricsQuery
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput

@@ -134,6 +134,9 @@ class GatewayConfig:
     # The Responses API's stored responses (response_store.py): at most this much memory,
     # the least recently used dropped first; 0 stores none
     responses_store_bytes: int = 256 << 20
+    # The gateways serving one port together (`llmbus serve --api-server-count`) share an
+    # id: a scrape of /metrics at any of them is answered with all of theirs ("": alone)
+    api_server_group: str = ""
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -282,9 +282,27 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
 
 class GatewayHeartbeat(msgspec.Struct, **_WIRE):
     """A gateway's sign of life, twice a second: the scheduler drops the requests of one
-    it has not heard for --gateway-timeout (their clients went with it)."""
+    it has not heard for --gateway-timeout (their clients went with it); the other
+    gateways know whom to ask (services/gateway/peers.py)."""
 
     reply_subject: str  # its outputs subject, one per gateway process
+    group: str = ""  # its siblings' (`llmbus serve --api-server-count`: the gateways of one port)
+
+
+class MetricsQuery(msgspec.Struct, **_WIRE):
+    """gateway -> its siblings: your metrics, for a scrape of the port they share."""
+
+    asker: str
+    group: str
+
+
+class MetricFamily(msgspec.Struct, **_WIRE):
+    """One Prometheus metric family as a gateway's registry collects it."""
+
+    name: str
+    documentation: str
+    type: str
+    samples: list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
 
 
 class StoredResponse(msgspec.Struct, **_WIRE):

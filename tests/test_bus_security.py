@@ -76,9 +76,9 @@ def test_anonymous_and_wrong_passwords_are_refused(closed_bus):
 GRANTS = {
     # (and the other gateways' heartbeats, and their questions for stored responses)
     "g1": ([f"{P}.outputs.g1.a1", f"{P}.scheduler.heartbeat", f"{P}.scheduler.stats", "_INBOX.gateway.g1.x",
-            f"{P}.gateways.heartbeat", f"{P}.responses"],
+            f"{P}.gateways.heartbeat", f"{P}.responses", f"{P}.gateways.metrics"],
            [f"{P}.requests", f"{P}.abort", f"{P}.tokenize", f"{P}.scheduler.info", f"{P}.gateways.heartbeat",
-            f"{P}.responses"],
+            f"{P}.responses", f"{P}.gateways.metrics"],
            [f"{P}.outputs.g2.a1", f"{P}.outputs.*.*", f"{P}.outputs.>", ">", "_INBOX.>", "_INBOX.scheduler.x",
             "_INBOX.gateway.g2.x", "_INBOX.gateway.>", f"{P}.workers.w1.step", f"{P}.requests", f"{P}.tokenize"],
            [f"{P}.workers.w1.step", f"{P}.outputs.g2.a1", f"{P}.outputs.g1.a1", f"{P}.scheduler.heartbeat",

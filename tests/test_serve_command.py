@@ -247,6 +247,47 @@ def test_a_request_sent_while_the_gateway_restarts_waits_for_it_and_is_answered(
     assert [g.pid for g in live_children(proc.pid, "gateway")] not in ([], [victim.pid])
 
 
+def test_api_server_count_serves_one_port_with_sibling_gateways(tiny_llama, tmp_path):
+    """vLLM's --api-server-count 2: two gateways on the port, each answering requests; a
+    scrape of /metrics, whichever takes it, counts every request; a conversation stored by
+    either goes on at either; one killed, the other serves on while it restarts."""
+    proc, url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny", "--api-server-count", "2"],
+                             tmp_path / "stderr.log")
+    try:
+        gateways = live_children(proc.pid, "gateway")
+        assert len(gateways) == 2
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        stored = client.responses.create(model="tiny", input="hi", max_output_tokens=3)
+        for _ in range(8):  # (new connections: the kernel hands each to a gateway)
+            with httpx.Client() as fresh:
+                assert fresh.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                  timeout=60).status_code == 200
+                more = fresh.post(f"{url}/v1/responses", timeout=60, json={
+                    "model": "tiny", "input": "more", "previous_response_id": stored.id, "max_output_tokens": 2})
+                assert more.status_code == 200, more.text
+        time.sleep(1.0)  # (each has heard the other's heartbeat)
+
+        def finished() -> list[float]:
+            scrapes = []
+            for _ in range(4):
+                with httpx.Client() as fresh:
+                    text = fresh.get(f"{url}/metrics", timeout=30).text
+                scrapes.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                                   if line.startswith("llmbus:request_success_total{")))
+            return scrapes
+
+        assert finished() == [17.0] * 4  # 1 + 8 + 8, whichever gateway was scraped
+        gateways[0].kill()
+        gateways[0].wait(10)
+        for _ in range(4):
+            with httpx.Client() as fresh:
+                assert fresh.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                                  timeout=60).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
 def test_a_port_another_server_holds_is_one_line_and_nothing_starts(tiny_llama):
     """Where another server listens on --port, `llmbus serve` says so and exits at once: it
     once started everything, said it was serving (that server's /health answered) and gave

@@ -193,3 +193,17 @@ def test_vllm_s_config_file_gives_a_command_s_flags_and_the_command_line_wins(tm
     with pytest.raises(SystemExit):
         expand_config(parser, ["serve", "--config", str(tmp_path / "missing.yaml")])
     assert "No such file" in capsys.readouterr().err
+
+
+def test_api_server_count_takes_siblings_but_not_runtime_lora_loading(monkeypatch, capsys):
+    """--api-server-count N runs N gateways; an adapter loaded at runtime would reach only
+    the one gateway asked, so the two are refused together by name, before anything starts."""
+    from llmbus.cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--api-server-count", "0"])
+    assert "at least 1" in str(refused.value)
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    with pytest.raises(SystemExit) as refused:
+        main(["serve", "--api-server-count", "2"])
+    assert "--api-server-count 1" in str(refused.value)

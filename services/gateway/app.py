@@ -107,8 +107,9 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         }
 
     @app.get("/metrics")
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def prometheus_metrics(request: Request):
+        return Response(await serving(request).metrics_exposition(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def model_cards(request: Request) -> list[dict]:
         card = {"id": config.model_name, "object": "model", "created": 0, "owned_by": "llmbus",

@@ -37,7 +37,7 @@ log = logging.getLogger("llmbus.gateway")
 class EngineClient:
     def __init__(
         self, nc, subjects: Subjects, gateway_id: str, timeout_s: float = 10.0, on_stats=None,
-        scheduler_timeout_s: float = 2.5, resume_timeout_s: float = 30.0,
+        scheduler_timeout_s: float = 2.5, resume_timeout_s: float = 30.0, group: str = "",
     ) -> None:
         self.nc = nc
         self.subjects = subjects
@@ -45,7 +45,8 @@ class EngineClient:
         # This process's own: a gateway restarted under the same id (its bus identity)
         # reads none of the dead one's outputs, and the scheduler tells the two apart.
         self.reply_subject = subjects.outputs(gateway_id, uuid.uuid4().hex[:8])
-        self._heartbeat = encode(GatewayHeartbeat(self.reply_subject))
+        self.group = group  # its sibling gateways' (peers.py)
+        self._heartbeat = encode(GatewayHeartbeat(self.reply_subject, group))
         self.timeout_s = timeout_s
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)

@@ -7,15 +7,23 @@ with every `EngineCoreOutputs`): gauges as they are, cumulative counts as deltas
 dead one's last figures do not linger. Request-level figures are what this gateway saw of
 its own requests; generated tokens count as they are sent. Every series with known
 labels exists from the start, at 0, so `absent()` alerts and rates work before traffic.
+
+Sibling gateways (`llmbus serve --api-server-count N`, one port) answer a scrape with
+the deployment's figures, whichever of them takes it (`merged`): request-level families
+summed over the siblings (each saw its own requests); scheduler-side ones, which every
+sibling reads from the same stats, their largest value (the longest-running sibling's,
+which has counted the most of them).
 """
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
-from shared.messages import SchedulerStats
+from shared.messages import MetricFamily, SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
@@ -68,6 +76,10 @@ class GatewayMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("llmbus:request_queue_time_seconds", "Time waiting in the scheduler queue",
                                     ["model_name"], buckets=_E2E_BUCKETS, registry=r)
+        # What this gateway saw of its own requests: summed over siblings
+        self.request_level = frozenset(m._name for m in (self.prompt_tokens, self.generation_tokens,
+                                                         self.request_success, self.ttft, self.itl, self.e2e,
+                                                         self.queue_time))
         self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
         self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
         self.stale_s = stale_s
@@ -133,6 +145,39 @@ class GatewayMetrics:
         self._drop_stale(time.monotonic())
         return generate_latest(self.registry)
 
+    def families(self) -> bytes:
+        """This gateway's figures as a sibling is sent them (`merged`)."""
+        return _families.encode(self._collected())
+
+    def merged(self, siblings: list[bytes]) -> bytes:
+        """The exposition of this gateway's figures and its siblings' (`families`) as one."""
+        everyone = [self._collected()]
+        for data in siblings:
+            try:
+                everyone.append(_families_decoder.decode(data))
+            except msgspec.DecodeError:
+                continue
+        merged: dict[str, tuple[MetricFamily, dict]] = {}  # name -> (family, (sample, labels) -> value)
+        for family in (f for families in everyone for f in families):
+            into = merged.setdefault(family.name, (family, {}))[1]
+            add = family.name in self.request_level
+            for name, labels, value in family.samples:
+                key = (name, tuple(sorted(labels.items())))
+                if key not in into:
+                    into[key] = value
+                elif name.endswith("_created"):  # (when the series began: the earliest)
+                    into[key] = min(into[key], value)
+                else:
+                    into[key] = into[key] + value if add else max(into[key], value)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collected([_metric(family, samples) for family, samples in merged.values()]))
+        return generate_latest(registry)
+
+    def _collected(self) -> list[MetricFamily]:
+        self._drop_stale(time.monotonic())
+        return [MetricFamily(f.name, f.documentation, f.type, [(s.name, s.labels, s.value) for s in f.samples])
+                for f in self.registry.collect()]
+
     def _drop_stale(self, now: float) -> None:
         self._drop([s for s, seen in self._last_seen.items() if now - seen > self.stale_s])
 
@@ -143,3 +188,24 @@ class GatewayMetrics:
             for gauge in self._gauges.values():
                 gauge.remove(self._model, scheduler)
             del self._last_seen[scheduler]
+
+
+_families = msgspec.msgpack.Encoder()
+_families_decoder = msgspec.msgpack.Decoder(list[MetricFamily])
+
+
+def _metric(family: MetricFamily, samples: dict) -> Metric:
+    metric = Metric(family.name, family.documentation, family.type)
+    for (name, labels), value in samples.items():
+        metric.add_sample(name, dict(labels), value)
+    return metric
+
+
+class _Collected:
+    """A registry's collector of families already merged."""
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        return self.metrics

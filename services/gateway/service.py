@@ -35,7 +35,7 @@ def build_app(tokenizer_path: str, nats_url: str, config: GatewayConfig, timeout
 
         nc = await connect(nats_url, f"gateway-{gateway_id}", on_reconnect, auth)
         client = EngineClient(nc, Subjects(config.model_name), gateway_id, timeout_s, on_stats,
-                              resume_timeout_s=config.scheduler_resume_timeout_s)
+                              resume_timeout_s=config.scheduler_resume_timeout_s, group=config.api_server_group)
         holder.append(client)
         await client.start()
 

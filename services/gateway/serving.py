@@ -28,15 +28,20 @@ from services.gateway.protocol import (
     validate_messages,
 )
 from services.gateway.request_ids import client_request_id
+from services.gateway.peers import GatewayPeers
 from services.gateway.response_peers import ResponsePeers
 from services.gateway.response_store import ResponseStore
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
-from shared.messages import StoredResponse, TokenizeRequest
+from shared.bus import encode
+from shared.messages import MetricsQuery, StoredResponse, TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
+
+
+_metrics_query = msgspec.msgpack.Decoder(MetricsQuery)
 
 
 class OpenAIServing:
@@ -51,14 +56,35 @@ class OpenAIServing:
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
         self.stored_responses = ResponseStore(config.responses_store_bytes)  # (the Responses API's `store`)
-        self.response_peers: ResponsePeers | None = None  # the other gateways' stores, over the bus
+        self.peers: GatewayPeers | None = None  # the deployment's other gateways, over the bus
+        self.response_peers: ResponsePeers | None = None  # their stored responses
 
     async def start(self) -> None:
         nc = getattr(self.client, "nc", None)  # (an engine client on the bus: the deployment's other gateways)
-        if nc is not None:
-            self.response_peers = ResponsePeers(nc, self.client.subjects, self.stored_responses,
-                                                self.client.reply_subject)
-            await self.response_peers.start()
+        if nc is None:
+            return
+        self.peers = GatewayPeers(nc, self.client.subjects, self.client.reply_subject, self.client.group)
+        await self.peers.start()
+        self.response_peers = ResponsePeers(self.peers, self.stored_responses)
+        await self.response_peers.start()
+        if self.peers.group:
+            await nc.subscribe(self.client.subjects.gateway_metrics, cb=self._on_metrics_query)
+
+    async def metrics_exposition(self) -> bytes:
+        """/metrics: this gateway's figures, or, with siblings on its port, theirs all together."""
+        siblings = self.peers.live(siblings_only=True) if self.peers is not None and self.peers.group else 0
+        if not siblings:
+            return self.metrics.render()
+        question = encode(MetricsQuery(self.peers.me, self.peers.group))
+        return self.metrics.merged(await self.peers.gather(self.client.subjects.gateway_metrics, question, siblings))
+
+    async def _on_metrics_query(self, msg) -> None:
+        try:
+            query = _metrics_query.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if msg.reply and query.group == self.peers.group and query.asker != self.peers.me:
+            await msg.respond(self.metrics.families())
 
     async def find_response(self, response_id: str) -> StoredResponse | None:
         """A stored response, this gateway's or another's."""
