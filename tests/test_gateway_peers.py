@@ -33,8 +33,8 @@ def bus():
 async def gateway(url: str, name: str) -> ResponsePeers:
     peers = GatewayPeers(await nats.connect(url), SUBJECTS, SUBJECTS.outputs(name, "p1"))
     await peers.start()
-    responses = ResponsePeers(peers, ResponseStore(1 << 20))
-    await responses.start()
+    responses = ResponsePeers(ResponseStore(1 << 20))
+    await responses.start(peers)
     await peers.nc.flush()  # (its subscriptions in place before anyone speaks)
     return responses
 

@@ -108,7 +108,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):
-        return Response(await serving(request).metrics_exposition(),
+        return Response(await serving(request).port_metrics.exposition(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def model_cards(request: Request) -> list[dict]:
@@ -178,14 +178,14 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     async def retrieve_response(request: Request, response_id: str):
         if request.query_params.get("stream", "false").lower() != "false":
             raise BadRequest("a stored response is sent whole: streaming it again is not supported", "stream")
-        entry = await serving(request).find_response(response_id)
+        entry = await serving(request).responses.find(response_id)
         if entry is None:
             raise no_response(response_id)
         return Response(entry.response, media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):
-        if not await serving(request).delete_response(response_id):
+        if not await serving(request).responses.delete(response_id):
             raise no_response(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 

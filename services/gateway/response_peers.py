@@ -21,31 +21,37 @@ _query = msgspec.msgpack.Decoder(StoredResponseQuery)
 
 
 class ResponsePeers:
-    def __init__(self, peers: GatewayPeers, store: ResponseStore) -> None:
-        self.peers = peers
+    def __init__(self, store: ResponseStore) -> None:
         self.store = store
+        self.peers: GatewayPeers | None = None  # (set by start: the others, over the bus)
 
-    async def start(self) -> None:
-        await self.peers.nc.subscribe(self.peers.subjects.responses, cb=self._on_query)
+    async def start(self, peers: GatewayPeers) -> None:
+        self.peers = peers
+        await peers.nc.subscribe(peers.subjects.responses, cb=self._on_query)
 
     async def find(self, response_id: str) -> StoredResponse | None:
         """The response stored under this id here or at another gateway; None if none has it."""
         entry = self.store.get(response_id)
         if entry is None:
-            answers = await self._ask(StoredResponseQuery(response_id, self.peers.me), stop_when_found=True)
+            answers = await self._ask(StoredResponseQuery(response_id, self._me()), stop_when_found=True)
             entry = next((a.stored for a in answers if a.found), None)
         return entry
 
     async def delete(self, response_id: str) -> bool:
         """Dropped wherever it is stored (a client-named id may be at several); False if nowhere."""
         here = self.store.delete(response_id)
-        answers = await self._ask(StoredResponseQuery(response_id, self.peers.me, delete=True), stop_when_found=False)
+        answers = await self._ask(StoredResponseQuery(response_id, self._me(), delete=True), stop_when_found=False)
         return here or any(a.found for a in answers)
 
     async def _ask(self, query: StoredResponseQuery, stop_when_found: bool) -> list[StoredResponseAnswer]:
+        if self.peers is None:
+            return []
         answers = await self.peers.gather(self.peers.subjects.responses, encode(query), self.peers.live(),
                                           lambda data: stop_when_found and _found(data))
         return [a for a in map(_decoded, answers) if a is not None]
+
+    def _me(self) -> str:
+        return self.peers.me if self.peers is not None else ""
 
     async def _on_query(self, msg) -> None:
         try:

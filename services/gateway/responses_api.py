@@ -307,7 +307,7 @@ class ResponsesAnswer(Answer):
         encoded = _json.encode(response)
         if self.body.store:
             conversation = self.body.conversation() + _messages(response["output"])
-            self.s.stored_responses.put(self.response_id, StoredResponse(encoded, _json.encode(conversation)))
+            self.s.responses.store.put(self.response_id, StoredResponse(encoded, _json.encode(conversation)))
         return encoded
 
     def _event(self, kind: str, **fields) -> bytes:

@@ -31,17 +31,14 @@ from services.gateway.request_ids import client_request_id
 from services.gateway.peers import GatewayPeers
 from services.gateway.response_peers import ResponsePeers
 from services.gateway.response_store import ResponseStore
+from services.gateway.sibling_metrics import SiblingMetrics
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
 from shared.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
-from shared.bus import encode
-from shared.messages import MetricsQuery, StoredResponse, TokenizeRequest
+from shared.messages import TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
-
-
-_metrics_query = msgspec.msgpack.Decoder(MetricsQuery)
 
 
 class OpenAIServing:
@@ -55,47 +52,18 @@ class OpenAIServing:
         self.loras = LoRAModules(config.model_name, config.lora_modules)
         self.logprobs = r.LogprobsFormatter(tokenizer.backend)
         self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
-        self.stored_responses = ResponseStore(config.responses_store_bytes)  # (the Responses API's `store`)
-        self.peers: GatewayPeers | None = None  # the deployment's other gateways, over the bus
-        self.response_peers: ResponsePeers | None = None  # their stored responses
+        # The Responses API's stored responses, this gateway's and (once started) the others'
+        self.responses = ResponsePeers(ResponseStore(config.responses_store_bytes))
+        self.port_metrics = SiblingMetrics(metrics)  # /metrics: its own, or its siblings' too
 
     async def start(self) -> None:
-        nc = getattr(self.client, "nc", None)  # (an engine client on the bus: the deployment's other gateways)
-        if nc is None:
-            return
-        self.peers = GatewayPeers(nc, self.client.subjects, self.client.reply_subject, self.client.group)
-        await self.peers.start()
-        self.response_peers = ResponsePeers(self.peers, self.stored_responses)
-        await self.response_peers.start()
-        if self.peers.group:
-            await nc.subscribe(self.client.subjects.gateway_metrics, cb=self._on_metrics_query)
-
-    async def metrics_exposition(self) -> bytes:
-        """/metrics: this gateway's figures, or, with siblings on its port, theirs all together."""
-        siblings = self.peers.live(siblings_only=True) if self.peers is not None and self.peers.group else 0
-        if not siblings:
-            return self.metrics.render()
-        question = encode(MetricsQuery(self.peers.me, self.peers.group))
-        return self.metrics.merged(await self.peers.gather(self.client.subjects.gateway_metrics, question, siblings))
-
-    async def _on_metrics_query(self, msg) -> None:
-        try:
-            query = _metrics_query.decode(msg.data)
-        except msgspec.DecodeError:
-            return
-        if msg.reply and query.group == self.peers.group and query.asker != self.peers.me:
-            await msg.respond(self.metrics.families())
-
-    async def find_response(self, response_id: str) -> StoredResponse | None:
-        """A stored response, this gateway's or another's."""
-        if self.response_peers is None:
-            return self.stored_responses.get(response_id)
-        return await self.response_peers.find(response_id)
-
-    async def delete_response(self, response_id: str) -> bool:
-        if self.response_peers is None:
-            return self.stored_responses.delete(response_id)
-        return await self.response_peers.delete(response_id)
+        """The deployment's other gateways, where this one is on the bus (not in a test's app)."""
+        nc = getattr(self.client, "nc", None)
+        if nc is not None:
+            peers = GatewayPeers(nc, self.client.subjects, self.client.reply_subject, self.client.group)
+            await peers.start()
+            await self.responses.start(peers)
+            await self.port_metrics.start(peers)
 
     async def handle(self, request: Request, kind: type, answer: type = Answer) -> Response:
         """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
@@ -167,8 +135,8 @@ class OpenAIServing:
         body = parse_body(await self.read_body(request), kind)
         if hasattr(body, "to_chat"):  # (a Responses API request: the chat it means)
             previous = body.previous_response_id
-            body = body.to_chat(self.stored_responses.enabled,
-                                await self.find_response(previous) if previous is not None else None)
+            body = body.to_chat(self.responses.store.enabled,
+                                await self.responses.find(previous) if previous is not None else None)
         self.check_model(body.model)
         client_request_id(request.headers, body.request_id)  # (a bad one is a 400 before anything runs)
         spec, spec_field = structured_outputs_of(body)
