@@ -74,6 +74,7 @@ def test_a_gateway_finds_and_deletes_what_another_stored(bus):
 
 def test_a_gateway_that_stopped_beating_is_not_waited_for(bus, monkeypatch):
     monkeypatch.setattr(gateway_peers, "PEER_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(gateway_peers, "HEARD_ALL_S", 0.0)  # (not a gateway's first moments: test_..._just_started)
 
     async def run():
         a, b = await gateway(bus.url, "a"), await gateway(bus.url, "b")
@@ -90,6 +91,33 @@ def test_a_gateway_that_stopped_beating_is_not_waited_for(bus, monkeypatch):
         await a.peers.nc.close()
 
     asyncio.run(run())
+
+
+def test_a_gateway_just_started_waits_to_hear_the_others():
+    """Before a gateway has heard the others' heartbeats (twice a second), it does not take
+    them for absent: a response stored at another is found by one that has just started."""
+
+    async def run(url):
+        a = await gateway(url, "a")
+        entry = StoredResponse(b'{"id": "resp_1"}', b"[]")
+        a.store.put("resp_1", entry)
+        c = await gateway(url, "c")
+
+        async def a_beats_soon():
+            await asyncio.sleep(0.3)
+            await beat(a)
+
+        soon = asyncio.ensure_future(a_beats_soon())
+        assert await c.find("resp_1") == entry
+        await soon
+        for g in (a, c):
+            await g.peers.nc.close()
+
+    server = NatsServer().start()
+    try:
+        asyncio.run(run(server.url))
+    finally:
+        server.stop()
 
 
 def test_siblings_metrics_merge_as_one_ports():

@@ -27,6 +27,7 @@ log = logging.getLogger("llmbus.gateway")
 
 PEER_TIMEOUT_S = 2.0  # a gateway's heartbeats come twice a second
 QUERY_TIMEOUT_S = 1.0
+HEARD_ALL_S = 0.75  # from its start, when a gateway has heard every live one's heartbeat
 
 
 class GatewayPeers:
@@ -37,9 +38,19 @@ class GatewayPeers:
         self.group = group  # its siblings' ("" when it has none)
         self._seen: dict[str, tuple[str, float]] = {}  # outputs subject -> (group, last heard)
         self._beat = msgspec.msgpack.Decoder(GatewayHeartbeat)
+        self._started_at = time.monotonic()
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.gateway_heartbeat, cb=self._on_heartbeat)
+        self._started_at = time.monotonic()
+
+    async def heard_all(self) -> None:
+        """Returns once every live gateway has been heard: at once, but in a gateway's first
+        moments (one just restarted would take the others for absent, and a stored
+        response for missing)."""
+        wait = HEARD_ALL_S - (time.monotonic() - self._started_at)
+        if wait > 0:
+            await asyncio.sleep(wait)
 
     def live(self, siblings_only: bool = False) -> int:
         """How many other gateways are alive (of this one's sibling group, or any)."""

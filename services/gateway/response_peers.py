@@ -46,6 +46,7 @@ class ResponsePeers:
     async def _ask(self, query: StoredResponseQuery, stop_when_found: bool) -> list[StoredResponseAnswer]:
         if self.peers is None:
             return []
+        await self.peers.heard_all()
         answers = await self.peers.gather(self.peers.subjects.responses, encode(query), self.peers.live(),
                                           lambda data: stop_when_found and _found(data))
         return [a for a in map(_decoded, answers) if a is not None]

@@ -26,6 +26,8 @@ class SiblingMetrics:
             await peers.nc.subscribe(peers.subjects.gateway_metrics, cb=self._on_query)
 
     async def exposition(self) -> bytes:
+        if self.peers is not None:
+            await self.peers.heard_all()
         siblings = self.peers.live(siblings_only=True) if self.peers is not None else 0
         if not siblings:
             return self.metrics.render()
