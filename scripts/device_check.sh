@@ -70,6 +70,8 @@ for name in names:
 } >>"$LOG" 2>&1
 
 if [ "$MODE" = served ]; then
+    # (LLMBUS_API_SERVER_COUNT=4 bash scripts/device_check.sh served: the same with 4 gateways
+    # on the port, served.json says how many: is one gateway what bounds served batch 128?)
     step served 170 python3 scripts/served_check.py --assets .gpu_assets/smollm2 --out "$OUT"
     # What each kind of request's sampling costs a step on the GPU (every other figure is greedy).
     step sampler_times 40 python3 scripts/sampler_times.py --device cuda --logits random --batch 1 128 --runs 2 \

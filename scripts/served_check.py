@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -123,7 +124,9 @@ def main() -> int:
     capture = args.batch  # graphs up to the batched run's rows (W0 decodes one)
     config = json.loads((Path(args.assets) / "config.json").read_text())
     args.vocab_size = min(config["vocab_size"], 32000)
-    report: dict = {"command": "python scripts/served_check.py " + " ".join(sys.argv[1:])}
+    report: dict = {"command": "python scripts/served_check.py " + " ".join(sys.argv[1:]),
+                    # (LLMBUS_API_SERVER_COUNT=N in the environment: llmbus serve runs N gateways)
+                    "api_server_count": int(os.environ.get("LLMBUS_API_SERVER_COUNT", "1"))}
     prompts = [r.prompt_token_ids for r in random_workload(3, (args.input_len, args.input_len), (8, 8),
                                                            args.vocab_size, seed=5)]
     served_tokens = {}

@@ -108,7 +108,7 @@ def test_served_check_compares_llmbus_serve_with_offline_in_both_modes(tiny_llam
                              "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads((tmp_path / "served.json").read_text())
-    assert report["served_greedy_equals_offline"] is True
+    assert report["served_greedy_equals_offline"] is True and report["api_server_count"] == 1
     for key in ("served_w0_itl_ms_smollm2_bf16", "served_w0_itl_ms_no_overlap", "offline_w0_itl_ms_smollm2_bf16"):
         assert report[key] > 0, key
     assert report["served_b128_output_tok_s"] > 0 and report["offline_b128_output_tok_s"] > 0
