@@ -55,6 +55,21 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
     return out
 
 
+def human_int(text: str) -> int:
+    """vLLM's sizes: 4096, 32k (x1000), 32K (x1024), 1m, 1M, 1.5k; a whole number of tokens."""
+    import re
+
+    match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (4096, 32k = 32000, 32K = 32768)")
+    number, unit = match.groups()
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[unit]
+    value = float(number) * scale
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
 def json_object(text: str) -> str:
     """A flag's JSON object, checked here and kept as its text (it travels to the services
     as a variable, as it was typed)."""
@@ -78,8 +93,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=env("--model"),
         help=f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}",
     )
-    parser.add_argument("--max-model-len", type=int, default=env("--max-model-len"),
-                        help="context length (default: the model's)")
+    parser.add_argument("--max-model-len", type=human_int, default=env("--max-model-len"),
+                        help="context length (default: the model's; vLLM's sizes: 32k = 32000, 32K = 32768)")
+    parser.add_argument("--tokenizer-mode", default=env("--tokenizer-mode", "auto"), choices=["auto"],
+                        help="vLLM's; auto only: the tokenizer's fast (Rust) implementation, as vLLM's auto")
     # vLLM's flags: the model's recommended sampling defaults (shared/generation_config.py)
     parser.add_argument("--generation-config", default=env("--generation-config", "auto"), help=SOURCES_HELP)
     parser.add_argument("--override-generation-config", default=env("--override-generation-config", None),
@@ -122,9 +139,13 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                         help="default: triton on a GPU, torch on CPU")
     parser.add_argument("--threads", type=int, default=env("--threads"),
                         help="torch threads for the model (default: torch's, one per core)")
-    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
+    for flag, short in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                        ("--data-parallel-size", "-dp")):
         parser.add_argument(flag, short, type=one_device, default=env(flag, 1),
                             help="vLLM's; 1 only: a worker runs on one device (--workers adds replicas)")
+    parser.add_argument("--swap-space", type=float, default=env("--swap-space"),
+                        help="vLLM's; accepted as typed: a preempted request is recomputed, as in vLLM's V1 "
+                             "engine, so no CPU swap space is kept")
     parser.add_argument("--enforce-eager", action="store_true", default=env_flag("--enforce-eager"),
                         help="no CUDA graphs for decode steps (a GPU's default)")
     parser.add_argument("--max-cudagraph-capture-size", type=int, default=env("--max-cudagraph-capture-size", 256),
@@ -145,7 +166,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
-    parser.add_argument("--max-num-batched-tokens", type=int, default=env("--max-num-batched-tokens", 2048))
+    parser.add_argument("--max-num-batched-tokens", type=human_int, default=env("--max-num-batched-tokens", 2048))
     parser.add_argument("--no-prefix-caching", action="store_true", default=env_flag("--no-prefix-caching"))
     parser.add_argument("--no-chunked-prefill", action="store_true", default=env_flag("--no-chunked-prefill"),
                         help="prefill each prompt in one step (then --max-num-batched-tokens must cover "
@@ -166,6 +187,8 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         "--no-async-scheduling", action="store_true", default=env_flag("--no-async-scheduling"),
         help="wait for each step's answer before building the next (default: keep two in flight)",
     )
+    parser.add_argument("--async-scheduling", dest="no_async_scheduling", action="store_false",
+                        default=argparse.SUPPRESS, help="vLLM's spelling: two steps in flight (the default)")
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +205,7 @@ def one_device(value: str) -> int:
     size = int(value)
     if size != 1:
         raise argparse.ArgumentTypeError(
-            f"{size}: a worker runs its model on one device (no tensor or pipeline parallelism); serve more "
+            f"{size}: a worker runs its model on one device (no tensor, pipeline or data parallelism); serve more "
             f"requests with more replicas (--workers N, or `llmbus worker` on other machines)")
     return size
 
@@ -284,7 +307,10 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          enable_request_id_headers=args.enable_request_id_headers,
                          disable_fastapi_docs=args.disable_fastapi_docs,
                          responses_store_bytes=int(args.responses_store_mb * (1 << 20)),
-                         api_server_group=args.api_server_group)
+                         api_server_group=args.api_server_group,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         force_include_usage=args.enable_force_include_usage,
+                         server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path)
 
 
 def runtime_lora_updating(warn: bool = True) -> bool:

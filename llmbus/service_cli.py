@@ -77,6 +77,9 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
     """The tokenizers render chats with it and the gateway shows it (/tokenizer_info)."""
     parser.add_argument("--chat-template", default=env("--chat-template", None),
                         help="vLLM's: the chat template, a file or the Jinja text itself, in place of the model's")
+    parser.add_argument("--chat-template-content-format", default=env("--chat-template-content-format", "auto"),
+                        choices=["auto", "string"],
+                        help="vLLM's: a message's text parts reach the template as one string (joined by newlines)")
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +99,17 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help='vLLM\'s: LoRA adapters clients name as their `model`, each name=path or '
                              '\'{"name": ..., "path": ...}\' (the workers need --enable-lora)')
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
+    # vLLM's API server flags
+    for flag, what in (
+            ("--return-tokens-as-token-ids", "logprobs name every token as token_id:N (the request field's default)"),
+            ("--enable-force-include-usage", "every stream ends with a usage chunk, as if it asked for include_usage"),
+            ("--enable-server-load-tracking", "GET /load says how many requests this gateway is answering"),
+            ("--disable-uvicorn-access-log", "no access log line per HTTP request, whatever --uvicorn-log-level")):
+        parser.add_argument(flag, action="store_true", default=env_flag(flag), help=f"vLLM's: {what}")
+    parser.add_argument("--root-path", default=env("--root-path", ""),
+                        help="vLLM's: the path prefix a proxy in front serves the API under (for its docs' URLs)")
+    parser.add_argument("--max-log-len", type=int, default=env("--max-log-len"),
+                        help="vLLM's; accepted as typed: llmbus's request log lines hold no prompt to shorten")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         default=env_flag("--enable-tokenizer-info-endpoint"),
                         help="serve GET /tokenizer_info: the tokenizer's special tokens and chat template")
@@ -293,7 +307,8 @@ def cmd_gateway(args) -> int:
     if args.disable_log_requests:
         logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
     serve(tokenizer_folder(args, path), args.nats_url, gateway_config(args, name, path), args.host, args.port,
-          bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args), args.fd)
+          bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args), args.fd,
+          access_log=not args.disable_uvicorn_access_log)
     return 0
 
 

@@ -137,6 +137,11 @@ class GatewayConfig:
     # The gateways serving one port together (`llmbus serve --api-server-count`) share an
     # id: a scrape of /metrics at any of them is answered with all of theirs ("": alone)
     api_server_group: str = ""
+    # vLLM's API server flags
+    return_tokens_as_token_ids: bool = False  # the request field's default
+    force_include_usage: bool = False  # every stream ends with its usage
+    server_load_tracking: bool = False  # GET /load
+    root_path: str = ""  # the prefix a proxy serves the API under
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:

@@ -394,6 +394,12 @@ def test_any_of_several_api_keys_opens_v1_and_metrics_can_be_guarded_too(tokeniz
         assert {client.post(path, json={}).status_code
                 for path in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")} == {401}
         assert client.post("/v1/completions", json=body).json()["error"]["type"] == "authentication_error"
+    # Behind --root-path /api, a request sent with the prefix (past the proxy) is routed to
+    # the same endpoint, and guarded as it is
+    with TestClient(create_app(factory, tokenizer, config), root_path="/api") as client:
+        assert client.post("/api/v1/completions", json=body).status_code == 401
+        assert client.post("/api/v1/completions", json=body, headers={"Authorization": "Bearer k-one"}).status_code == 200
+        assert client.get("/api/metrics").status_code == 401
 
 
 def test_the_key_file_is_read_again_and_a_bad_reload_keeps_the_keys(tmp_path):

@@ -354,3 +354,24 @@ def test_a_stateless_client_gets_its_reasoning_back_to_send(tiny_llama):
     assert base64.b64decode(reasoning.encrypted_content).decode() == "Ask the tool." and reasoning.summary == []
     assert streamed[-1].response.output[0].encrypted_content == reasoning.encrypted_content
     assert engine.submitted[2].prompt_token_ids == weather_answered(tokenizer, call)
+
+
+def test_vllms_api_server_flags_change_what_they_say(tiny_llama):
+    """--return-tokens-as-token-ids (every request's default), --enable-force-include-usage
+    (a stream that did not ask ends with its usage), --enable-server-load-tracking (GET
+    /load: requests being answered). (--root-path: test_services_e2e, uvicorn's.)"""
+    test_client, client, _, _ = serve(tiny_llama, engine_class=LogprobsEngine, return_tokens_as_token_ids=True,
+                                      force_include_usage=True, server_load_tracking=True)
+    hi = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with test_client:
+        chat = client.chat.completions.create(logprobs=True, top_logprobs=1, **hi)
+        with test_client.stream("POST", "/v1/chat/completions", json={**hi, "stream": True}) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            during = test_client.get("/load").json()
+            events = [json.loads(line[len("data: "):]) for line in lines
+                      if line.startswith("data: {")]
+        after = test_client.get("/load").json()
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
+    assert (during, after) == ({"server_load": 1}, {"server_load": 0})

@@ -517,6 +517,15 @@ def test_a_conversation_goes_on_at_another_gateway(deployment, client, offline):
         client.responses.retrieve(first.id)
 
 
+def test_a_gateway_behind_a_proxys_prefix_says_so_in_its_docs(deployment):
+    """vLLM's --root-path (uvicorn's): a proxy serves the API under /api and strips it; the
+    API description's URLs carry it, the routes answer as before."""
+    url = deployment.start_gateway("gateway-root", "--root-path", "/api")
+    deployment.wait_healthy(url)
+    assert httpx.get(url + "/openapi.json", timeout=30).json()["servers"] == [{"url": "/api"}]
+    assert httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"] == "tiny"
+
+
 def test_tokenizer_answers_bad_messages_with_errors_not_timeouts(deployment):
     import msgspec
     import nats

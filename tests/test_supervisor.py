@@ -137,9 +137,20 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
 
     argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
             "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--enable-prompt-tokens-details", "--chat-template", "{{ x }}",
-            "--allowed-origins", '["https://ui.example"]', "--served-model-name", "mine", "gpt-4o-mini"]
+            "--allowed-origins", '["https://ui.example"]', "--served-model-name", "mine", "gpt-4o-mini",
+            # vLLM's sizes, spellings and API-server flags
+            "--max-model-len", "32k", "--max-num-batched-tokens", "8K", "--tokenizer-mode", "auto", "-dp", "1",
+            "--swap-space", "4", "--async-scheduling", "--chat-template-content-format", "string", "--max-log-len", "100",
+            "--disable-uvicorn-access-log", "--enable-force-include-usage", "--return-tokens-as-token-ids",
+            "--enable-server-load-tracking", "--root-path", "/api"]
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
+    assert (args.max_model_len, args.max_num_batched_tokens, args.no_async_scheduling) == (32000, 8192, False)
+    for flag in ("--max-model-len", "--max-num-batched-tokens", "--enable-force-include-usage",
+                 "--return-tokens-as-token-ids", "--enable-server-load-tracking", "--root-path"):
+        dest = flag.lstrip("-").replace("-", "_")
+        for name, value in as_env(args, [dest]).items():
+            monkeypatch.setenv(name, value)
     for name, value in as_env(args, ["no_prefix_caching", "no_chunked_prefill", "chat_template",
                                      "allowed_origins", "served_model_name"]).items():
         monkeypatch.setenv(name, value)
@@ -150,6 +161,13 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     assert gateway.chat_template == "{{ x }}"
     config = gateway_config(gateway, "mine", ".")
     assert (config.allowed_origins, config.model_aliases) == (("https://ui.example",), ("gpt-4o-mini",))
+    assert (config.force_include_usage, config.return_tokens_as_token_ids, config.server_load_tracking,
+            config.root_path) == (True, True, True, "/api")
+    assert build_parser().parse_args(["worker"]).max_model_len == 32000  # (a service reads serve's sizes back)
+    for refused in (["--tokenizer-mode", "slow"], ["-dp", "2"], ["--max-model-len", "1.5"],
+                    ["--chat-template-content-format", "openai"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *refused])
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--allowed-origins", "https://ui.example"])  # not a JSON list
     assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching is True

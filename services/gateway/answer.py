@@ -121,6 +121,7 @@ class Answer:
                 self.echo[p * params.n:(p + 1) * params.n] = [text] * params.n
 
     async def respond(self) -> Response:
+        self.s.server_load += 1  # (until _finished: vLLM's /load)
         if self.body.stream:
             try:
                 first = await self.stream.__anext__()
@@ -142,6 +143,7 @@ class Answer:
         return response
 
     def _finished(self, status: int, exc: BaseException | None = None) -> None:
+        self.s.server_load -= 1
         usage = self.usage
         self.stream_span.set_attribute("llmbus.completion_tokens", usage.completion_tokens)
         self.stream_span.end()
@@ -170,7 +172,8 @@ class Answer:
     def _logprobs(self, index: int, items, first_token: int | None = None) -> dict | None:
         """Choice `index`'s logprobs in the endpoint's shape (a completion's text offsets
         go on from its previous chunk's)."""
-        formatter = self.s.logprobs_as_ids if self.body.return_tokens_as_token_ids else self.s.logprobs
+        as_ids = self.body.return_tokens_as_token_ids or self.s.config.return_tokens_as_token_ids
+        formatter = self.s.logprobs_as_ids if as_ids else self.s.logprobs
         if self.chat:
             return formatter.chat(items)
         logprobs, self.text_offsets[index] = formatter.completion(items, first_token, self.text_offsets[index])
@@ -330,8 +333,8 @@ class Answer:
 
     async def _sse(self, first: list[ChoiceDelta]) -> AsyncIterator[bytes]:
         options = self.body.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous = include_usage and options.continuous_usage_stats
+        include_usage = bool(options and options.include_usage) or self.s.config.force_include_usage
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
         usage = None if include_usage else msgspec.UNSET  # null on every chunk but the last
         n = self.num_choices
         status, failure = CLIENT_LEFT, None  # a client that leaves mid-stream never sees the end

@@ -224,6 +224,11 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         async def tokenizer_info():
             return tokenization.tokenizer_info(tokenizer)
 
+    if config.server_load_tracking:
+        @app.get("/load")  # vLLM's (--enable-server-load-tracking): what a load balancer reads
+        async def load(request: Request):
+            return {"server_load": serving(request).server_load}
+
     @app.get("/version")
     async def version():
         return {"version": LLMBUS_VERSION}

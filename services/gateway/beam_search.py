@@ -42,11 +42,14 @@ class BeamSearchAnswer:
             include_stop_str_in_output=params.include_stop_str_in_output)
 
     async def respond(self) -> Response:
+        self.s.server_load += 1  # (vLLM's /load)
         try:
             body = await self._search()
         except Exception as exc:
             end_span(self.span, status_of(exc), exc)
             raise
+        finally:
+            self.s.server_load -= 1
         end_span(self.span, 200)
         return Response(_json.encode(body), media_type="application/json")
 

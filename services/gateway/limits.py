@@ -27,7 +27,7 @@ class Limits:
         self._guarded = (*guarded, "/metrics") if config.metrics_require_key else guarded
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self._guarded):
+        if scope["type"] == "http" and _route_path(scope).startswith(self._guarded):
             error = self._check(Headers(scope=scope))
             if error is not None:
                 await error_response(error)(scope, receive, send)
@@ -41,3 +41,11 @@ class Limits:
         if length is not None and length.isdigit() and int(length) > self.config.max_body_bytes:
             return TooLarge(f"request body is {length} bytes; the limit is {self.config.max_body_bytes}")
         return None
+
+
+def _route_path(scope) -> str:
+    """The path the routes see: behind --root-path (uvicorn's), a request may still come
+    with that prefix (sent to the gateway directly, past the proxy); the router strips it,
+    so the check must too, or /api/v1/... would reach /v1/... without its key."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path

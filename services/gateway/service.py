@@ -50,7 +50,7 @@ def build_app(tokenizer_path: str, nats_url: str, config: GatewayConfig, timeout
 
 def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,
           auth: BusAuth | None = None, gateway_id: str | None = None, uvicorn_log_level: str = "warning",
-          https: dict | None = None, fd: int | None = None) -> None:
+          https: dict | None = None, fd: int | None = None, access_log: bool = True) -> None:
     """`https`: uvicorn's ssl_certfile and ssl_keyfile, to serve HTTPS (vLLM's flags); `fd`: an
     inherited listening socket to serve on instead of binding host:port (llmbus serve's)."""
     app = build_app(tokenizer_path, nats_url, config, auth=auth, gateway_id=gateway_id)
@@ -61,9 +61,9 @@ def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, 
     # Its access log (a line per HTTP request) only where its level asks for INFO, as vLLM's.
     # log_config=None: its records go through our JSON lines on stderr, as every other log
     # (its own config would print plain text, the access log on stdout beside the banner).
-    access_log = uvicorn_log_level in ("info", "debug", "trace")
+    access_log = access_log and uvicorn_log_level in ("info", "debug", "trace")
     _Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level, access_log=access_log,
-                           log_config=None, **(https or {}))).run(sockets=sockets)
+                           log_config=None, root_path=config.root_path, **(https or {}))).run(sockets=sockets)
     shutdown_tracing()
 
 

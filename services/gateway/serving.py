@@ -55,6 +55,7 @@ class OpenAIServing:
         # The Responses API's stored responses, this gateway's and (once started) the others'
         self.responses = ResponsePeers(ResponseStore(config.responses_store_bytes))
         self.port_metrics = SiblingMetrics(metrics)  # /metrics: its own, or its siblings' too
+        self.server_load = 0  # requests being answered (vLLM's /load)
 
     async def start(self) -> None:
         """The deployment's other gateways, where this one is on the bus (not in a test's app)."""
