@@ -92,12 +92,18 @@ class LLM:
         hf_overrides: dict | None = None,  # vLLM's: keys over the model's config.json (model_fetch.with_hf_overrides)
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        swap_space: float | None = None,  # vLLM's: a preempted request is recomputed here (as in V1), nothing swapped
+        tokenizer_mode: str = "auto",  # vLLM's: the tokenizer's fast implementation (auto only)
     ) -> None:
         for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                           ("pipeline_parallel_size", pipeline_parallel_size)):
+                           ("pipeline_parallel_size", pipeline_parallel_size),
+                           ("data_parallel_size", data_parallel_size)):
             if size != 1:
-                raise ValueError(f"{name}={size}: a model runs on one device here (no tensor or pipeline "
+                raise ValueError(f"{name}={size}: a model runs on one device here (no tensor, pipeline or data "
                                  "parallelism); serve more requests with replicas (llmbus serve --workers N)")
+        if tokenizer_mode != "auto":
+            raise ValueError(f"tokenizer_mode={tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
         path = with_hf_overrides(resolve_model(model, revision, download_dir), hf_overrides)
         tokenizer_path = None if tokenizer is None else str(resolve_tokenizer(tokenizer, download_dir=download_dir))
         self.default_sampling = default_sampling(path, generation_config, override_generation_config)

@@ -165,7 +165,8 @@ def test_vllm_s_constructor_options_seed_and_one_device(tiny_llama):
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
 
     def run(seed: int) -> list[list[int]]:
-        llm = LLM(str(tiny_llama), max_model_len=256, seed=seed, trust_remote_code=True, tensor_parallel_size=1)
+        llm = LLM(str(tiny_llama), max_model_len=256, seed=seed, trust_remote_code=True, tensor_parallel_size=1,
+                  swap_space=4, tokenizer_mode="auto", data_parallel_size=1)
         return [o.outputs[0].token_ids for o in llm.generate(["naïve café", "The quick brown fox"] * 2, params)]
 
     first = run(7)
@@ -173,6 +174,10 @@ def test_vllm_s_constructor_options_seed_and_one_device(tiny_llama):
     assert first[0] != first[2]  # (a seed for the engine, not one per request)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         LLM("no/such-model", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size=2"):
+        LLM("no/such-model", data_parallel_size=2)
+    with pytest.raises(ValueError, match="tokenizer_mode='slow'"):
+        LLM("no/such-model", tokenizer_mode="slow")
 
 
 def test_chat_renders_the_template(llm):
