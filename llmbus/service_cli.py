@@ -149,6 +149,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     # vLLM's logging flags
     parser.add_argument("--disable-log-requests", action="store_true", default=env_flag("--disable-log-requests"),
                         help="no line per finished request (llmbus.requests; its one line at the default level)")
+    parser.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",
+                        default=argparse.SUPPRESS, help="vLLM's newer spelling: a line per finished request (the default)")
     parser.add_argument("--disable-log-stats", action="store_true", default=env_flag("--disable-log-stats"),
                         help="vLLM's; accepted as typed: llmbus logs no periodic stats (GET /metrics has them)")
     parser.add_argument("--uvicorn-log-level", default=env("--uvicorn-log-level", "warning"),

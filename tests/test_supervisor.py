@@ -142,10 +142,11 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
             "--max-model-len", "32k", "--max-num-batched-tokens", "8K", "--tokenizer-mode", "auto", "-dp", "1",
             "--swap-space", "4", "--async-scheduling", "--chat-template-content-format", "string", "--max-log-len", "100",
             "--disable-uvicorn-access-log", "--enable-force-include-usage", "--return-tokens-as-token-ids",
-            "--enable-server-load-tracking", "--root-path", "/api"]
+            "--enable-server-load-tracking", "--root-path", "/api", "--enable-log-requests"]
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
     assert (args.max_model_len, args.max_num_batched_tokens, args.no_async_scheduling) == (32000, 8192, False)
+    assert args.disable_log_requests is False
     for flag in ("--max-model-len", "--max-num-batched-tokens", "--enable-force-include-usage",
                  "--return-tokens-as-token-ids", "--enable-server-load-tracking", "--root-path"):
         dest = flag.lstrip("-").replace("-", "_")
