@@ -375,3 +375,30 @@ def test_vllms_api_server_flags_change_what_they_say(tiny_llama):
     assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 3
     assert (during, after) == ({"server_load": 1}, {"server_load": 0})
+
+
+def test_a_stored_response_lists_its_input_items(tiny_llama):
+    """GET /v1/responses/{id}/input_items through the openai client: the items it was
+    generated from, the chained turns' too (inputs and answers), the newest first or in
+    order, paged by limit and after; a call and its output as their items."""
+    test_client, client, _, _ = serve(tiny_llama)
+    with test_client:
+        first = client.responses.create(model="tiny", input="hi", instructions="Be brief.", max_output_tokens=200)
+        second = client.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=200, input=[
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"role": "user", "content": "more"}])
+        newest_first = client.responses.input_items.list(second.id)
+        in_order = list(client.responses.input_items.list(second.id, order="asc", limit=2))  # (every page)
+        page = client.responses.input_items.list(second.id, order="asc", limit=2)
+        bad = test_client.get(f"/v1/responses/{second.id}/input_items?limit=0")
+        gone = test_client.get("/v1/responses/resp_nope/input_items")
+    described = [(i.type, getattr(i, "role", None), i.content[0].text if i.type == "message" else
+                  getattr(i, "output", None) or getattr(i, "name", None)) for i in in_order]
+    assert described == [("message", "user", "hi"), ("message", "assistant", SCRIPT),
+                         ("function_call", None, "get_weather"), ("function_call_output", None, "sunny"),
+                         ("message", "user", "more")]
+    assert [i.id for i in newest_first.data] == [i.id for i in reversed(in_order)] and not newest_first.has_more
+    assert page.has_more and [i.id for i in page.data] == [i.id for i in in_order[:2]]
+    assert len({i.id for i in in_order}) == 5  # (each its own, the same at every read)
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "limit") and gone.status_code == 404

@@ -26,6 +26,7 @@ from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdap
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.request_ids import RequestIdHeader
+from services.gateway.response_items import input_items
 from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import classification, embeddings, scoring, tokenization
@@ -182,6 +183,13 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         if entry is None:
             raise no_response(response_id)
         return Response(entry.response, media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str):
+        entry = await serving(request).responses.find(response_id)
+        if entry is None:
+            raise no_response(response_id)
+        return input_items(response_id, entry, dict(request.query_params))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(request: Request, response_id: str):

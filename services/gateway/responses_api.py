@@ -13,7 +13,8 @@ request sent whole gets.
 A response is stored unless `store` is false (OpenAI's default; response_store.py keeps
 it): `previous_response_id` goes on from a stored one — its conversation, input and
 output, then this request's input, under this request's instructions alone, as OpenAI
-does — and `GET`/`DELETE /v1/responses/{id}` read and drop one.
+does — and `GET`/`DELETE /v1/responses/{id}` read and drop one (`/input_items`:
+response_items.py).
 
 With `include: ["message.output_text.logprobs"]` (or `top_logprobs`) the output text
 carries its tokens' logprobs, chat's entries; streamed, each text delta those of the
@@ -140,7 +141,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
                 raise NotFound(f"Previous response with id '{self.previous_response_id}' not found.",
                                "previous_response_id", "previous_response_not_found")
             messages += msgspec.json.decode(previous.conversation)
-        messages += _messages(self.input)
+        messages += chat_messages_of(self.input)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
                                 "instructions": self.instructions, "store": self.store is not False and storing,
                                 "previous_response_id": self.previous_response_id}
@@ -194,7 +195,7 @@ def _text_of(content: Any, where: str) -> str:
     raise BadRequest(f"{where}.content must be text (a string or input_text/output_text parts)", "input")
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as chat messages: a model's function calls (consecutive ones in one
     assistant turn) and their outputs as tool turns; a previous turn's reasoning item is
     dropped, as chat templates drop a past turn's thinking."""
@@ -306,7 +307,7 @@ class ResponsesAnswer(Answer):
         """A finished response's JSON, stored first where the request asks."""
         encoded = _json.encode(response)
         if self.body.store:
-            conversation = self.body.conversation() + _messages(response["output"])
+            conversation = self.body.conversation() + chat_messages_of(response["output"])
             self.s.responses.store.put(self.response_id, StoredResponse(encoded, _json.encode(conversation)))
         return encoded
 
