@@ -77,6 +77,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
+    # vLLM's; accepted as it changes nothing: it spaces special tokens apart in a slow
+    # tokenizer's decoding, and llmbus (as vLLM's fast detokenizer) decodes with fast ones
+    spaces_between_special_tokens: bool = True
     # vLLM's extra: logprobs name tokens as "token_id:{id}", for tokens that are not text.
     return_tokens_as_token_ids: bool = False
     prompt_logprobs: Int | None = None  # vLLM's: each prompt token's logprob and this many alternatives
@@ -230,7 +233,7 @@ BEAM_SEARCH_FIELDS = frozenset({
     "length_penalty", "include_stop_str_in_output", "use_beam_search", "user", "metadata", "store", "service_tier",
     "safety_identifier", "prompt_cache_key", "modalities",
     "request_id", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "add_special_tokens",
-    "truncate_prompt_tokens", "priority", "cache_salt", "reasoning_effort", "documents",
+    "truncate_prompt_tokens", "priority", "cache_salt", "reasoning_effort", "documents", "spaces_between_special_tokens",
 })
 
 
