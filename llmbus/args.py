@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
@@ -57,8 +58,6 @@ def as_env(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
 
 def human_int(text: str) -> int:
     """vLLM's sizes: 4096, 32k (x1000), 32K (x1024), 1m, 1M, 1.5k; a whole number of tokens."""
-    import re
-
     match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", str(text))
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (4096, 32k = 32000, 32K = 32768)")

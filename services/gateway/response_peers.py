@@ -47,9 +47,17 @@ class ResponsePeers:
         if self.peers is None:
             return []
         await self.peers.heard_all()
-        answers = await self.peers.gather(self.peers.subjects.responses, encode(query), self.peers.live(),
-                                          lambda data: stop_when_found and _found(data))
-        return [a for a in map(_decoded, answers) if a is not None]
+        answers: list[StoredResponseAnswer] = []
+
+        def settles(data: bytes) -> bool:  # (each answer decoded once, as it comes)
+            try:
+                answers.append(_answer.decode(data))
+            except msgspec.DecodeError:
+                return False
+            return stop_when_found and answers[-1].found
+
+        await self.peers.gather(self.peers.subjects.responses, encode(query), self.peers.live(), settles)
+        return answers
 
     def _me(self) -> str:
         return self.peers.me if self.peers is not None else ""
@@ -68,14 +76,3 @@ class ResponsePeers:
             answer = StoredResponseAnswer(entry is not None, entry)
         await msg.respond(encode(answer))
 
-
-def _decoded(data: bytes) -> StoredResponseAnswer | None:
-    try:
-        return _answer.decode(data)
-    except msgspec.DecodeError:
-        return None
-
-
-def _found(data: bytes) -> bool:
-    answer = _decoded(data)
-    return answer is not None and answer.found

@@ -393,8 +393,8 @@ class ResponsesAnswer(Answer):
                                   output_index=items[item["id"]], arguments=call.arguments)
                 yield self._event("response.output_item.done", output_index=items[item["id"]], item=item)
             done = self._response("completed", reasoning, content, calls, finish, logprobs)
-            self._kept(done)
-            yield self._event("response.completed", response=done)
+            # (the JSON it is stored as goes out as it is: encoded once)
+            yield self._event("response.completed", response=msgspec.Raw(self._kept(done)))
             status = 200
         except GatewayError as exc:
             status, failure = status_of(exc), exc
