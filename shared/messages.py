@@ -158,6 +158,9 @@ class EngineCoreOutput(msgspec.Struct, **_WIRE):
     index: int = 0
     prompt_logprobs: list[Logprobs] = []  # on the first output, when asked for (ModelRunnerOutput's)
     pooled: list[float] | None = None  # an embedding request's vector, on its first output
+    # Seconds between first scheduling it and landing its first token, on that output
+    # (vLLM's request_prefill_time, in the scheduler's clock as vLLM's in its engine core's).
+    prefill_time_s: float | None = None
 
 
 class SchedulerStats(msgspec.Struct, **_WIRE):

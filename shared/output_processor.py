@@ -37,6 +37,7 @@ class ChoiceDelta:
     needs_abort: bool = False  # a stop string ended it here; the engine still runs it
     prompt_logprobs: list[Logprobs] = field(default_factory=list)  # with the first delta, when asked for
     pooled: list[float] | None = None  # an embedding request's vector
+    prefill_time_s: float | None = None  # with the first token (EngineCoreOutput's)
 
 
 @dataclass(slots=True)
@@ -122,4 +123,5 @@ class ParentRequest:
             output.request_id, choice.index, detok.get_delta(choice.finished), output.new_token_ids,
             output.new_logprobs, finish_reason, detok.stop_string or stop_reason, output.error,
             output.num_cached_tokens, output.queue_time_s, needs_abort, output.prompt_logprobs, output.pooled,
+            output.prefill_time_s,
         )

@@ -13,6 +13,7 @@ import pytest
 
 from llmbus.serve import NatsServer
 from services.gateway import peers as gateway_peers
+from finished_usage import finished_usage
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peers import QUERY_TIMEOUT_S, GatewayPeers
 from services.gateway.response_peers import ResponsePeers
@@ -129,8 +130,8 @@ def test_siblings_metrics_merge_as_one_ports():
     for stats in (SchedulerStats(scheduler_id="s1", num_running_reqs=2, prefix_cache_queries=150),):
         older.observe_stats(stats)
         newer.observe_stats(stats)  # (started later: it saw the counts grow by less)
-    older.request_finished(5, ["stop"], 0.1, [0.01], 0.5, None)
-    newer.request_finished(7, ["length"], 0.2, [0.01, 0.02], 0.6, None)
+    older.request_finished(finished_usage([5], [2], "stop"))
+    newer.request_finished(finished_usage([7], [3], "length"))
     text = older.merged([newer.families()]).decode()
 
     def value(sample: str) -> float:

@@ -161,9 +161,9 @@ def test_metrics_move_as_they_should(traced):
     url = deployment.base_url
     before = httpx.get(url + "/metrics").text
     prefix = "Paged attention keeps the KV cache in fixed-size blocks. " * 3
-    for i in range(3):
+    for i, n in enumerate((1, 1, 1, 2)):
         resp = httpx.post(url + "/v1/completions", timeout=60, json={
-            "model": "tiny", "prompt": prefix + str(i), "max_tokens": 4, "ignore_eos": True})
+            "model": "tiny", "prompt": prefix + str(i), "max_tokens": 4, "ignore_eos": True, "n": n})
         assert resp.status_code == 200
     after = httpx.get(url + "/metrics").text
     assert after.startswith("# HELP") or "llmbus:" in after
@@ -171,13 +171,29 @@ def test_metrics_move_as_they_should(traced):
     def delta(name, **labels):
         return metric(after, name, **labels) - metric(before, name, **labels)
 
-    assert delta("llmbus:generation_tokens_total") == 12
+    # 5 engine requests (the last request's 2 choices are 2, as vLLM counts them) of 4 tokens
+    assert delta("llmbus:generation_tokens_total") == 20
     assert delta("llmbus:prompt_tokens_total") > 0
-    assert delta("llmbus:request_success_total", finished_reason="length") == 3
-    assert delta("llmbus:time_to_first_token_seconds_count") == 3
-    assert delta("llmbus:e2e_request_latency_seconds_count") == 3
-    assert delta("llmbus:request_queue_time_seconds_count") == 3
-    assert delta("llmbus:inter_token_latency_seconds_count") == 9
+    assert delta("llmbus:request_success_total", finished_reason="length") == 5
+    assert delta("llmbus:time_to_first_token_seconds_count") == 5
+    assert delta("llmbus:e2e_request_latency_seconds_count") == 5
+    assert delta("llmbus:request_queue_time_seconds_count") == 5
+    assert delta("llmbus:inter_token_latency_seconds_count") == 15  # 3 gaps a choice
+    for histogram in ("request_prefill_time_seconds", "request_decode_time_seconds",
+                      "request_inference_time_seconds", "request_time_per_output_token_seconds",
+                      "request_prompt_tokens", "request_params_max_tokens"):
+        assert delta(f"llmbus:{histogram}_count") == 5, histogram
+    assert delta("llmbus:request_generation_tokens_sum") == 20
+    assert delta("llmbus:request_params_max_tokens_sum") == 20
+    assert delta("llmbus:request_params_n_count") == 4
+    assert delta("llmbus:request_params_n_sum") == 5
+    assert delta("llmbus:request_max_num_generation_tokens_sum") == 16
+    # The scheduler's intervals lie inside the gateway's: queued + prefill before the first
+    # token reached the client, prefill + decode is inference.
+    queue, prefill = delta("llmbus:request_queue_time_seconds_sum"), delta("llmbus:request_prefill_time_seconds_sum")
+    assert 0 < prefill and queue + prefill < delta("llmbus:time_to_first_token_seconds_sum")
+    assert delta("llmbus:request_inference_time_seconds_sum") == pytest.approx(
+        prefill + delta("llmbus:request_decode_time_seconds_sum"))
     assert delta("llmbus:prefix_cache_queries_total") > 0
     assert delta("llmbus:prefix_cache_hits_total") > 0  # the repeated prefix
     assert metric(after, "llmbus:num_requests_running") == 0

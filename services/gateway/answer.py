@@ -150,8 +150,7 @@ class Answer:
         end_span(self.span, status, exc)
         e2e = time.monotonic() - usage.started_at
         if status == 200 and usage.finish_reasons:
-            self.s.metrics.request_finished(usage.prompt_tokens, usage.finish_reasons, usage.ttft, usage.itls, e2e,
-                                            usage.queue_time_s)
+            self.s.metrics.request_finished(usage)
         elif status == CLIENT_LEFT:
             # Its choices not finished by then end aborted: vLLM's finished_reason "abort",
             # which vLLM itself never counts (vllm-project/vllm#31503).

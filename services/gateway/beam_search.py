@@ -104,8 +104,8 @@ class BeamSearchAnswer:
                     choices.append(r.CompletionChoice(index, text, None, beam.finish_reason, beam.stop_reason))
         prompt_tokens = sum(map(len, self.prompts))
         # Counted as one request of its prompts' tokens, finished as its beams were
-        self.s.metrics.request_finished(prompt_tokens, [c.finish_reason or "stop" for c in choices], None, [],
-                                        time.monotonic() - self.started, None)
+        self.s.metrics.request_served(list(map(len, self.prompts)), [c.finish_reason or "stop" for c in choices],
+                                      time.monotonic() - self.started, None)
         request_log.info("request finished", extra={"request_id": self.request_id, "status": 200,
                                                     "prompt_tokens": prompt_tokens, "completion_tokens": generated,
                                                     "beam_search_steps": step})

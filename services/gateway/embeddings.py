@@ -102,7 +102,7 @@ async def embed(serving: OpenAIServing, inputs: list[str | list[int]], model: st
     # Counted as the other endpoints' requests are: its prompt tokens, one finished request
     # an input (ended as asked: "stop"), its latency; it generates nothing.
     e2e = time.monotonic() - usage.started_at
-    serving.metrics.request_finished(num_tokens, ["stop"] * len(prompts), None, [], e2e, usage.queue_time_s)
+    serving.metrics.request_served(list(map(len, prompts)), ["stop"] * len(prompts), e2e, usage.queue_time_s)
     request_log.info("request finished", extra={"request_id": request_id, "status": 200, "prompt_tokens": num_tokens,
                                                 "cached_tokens": usage.cached_tokens, "e2e_s": round(e2e, 4)})
     return [vectors[i] for i in range(len(prompts))], num_tokens

@@ -22,6 +22,27 @@ from shared.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class ChoiceTimes:
+    """One choice's (one engine request's) course at this gateway: vLLM's per-request
+    histograms observe each engine request, so n choices are n observations."""
+
+    prompt_tokens: int
+    num_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    itls: list[float] = field(default_factory=list)
+    queue_time_s: float | None = None  # the scheduler's: queued -> first scheduled
+    prefill_time_s: float | None = None  # the scheduler's: first scheduled -> first token
+    finish_reason: str | None = None
+    finished_at: float | None = None
+
+    @property
+    def decode_time_s(self) -> float:
+        """First token -> last token (vLLM's decode interval)."""
+        return 0.0 if self.first_token_at is None else self.last_token_at - self.first_token_at
+
+
+@dataclass(slots=True)
 class Usage:
     """Token counts for the response, and the timings the metrics and the log line need."""
 
@@ -30,32 +51,52 @@ class Usage:
     cached_tokens: int = 0
     started_at: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    last_token_at: float | None = None
-    itls: list[float] = field(default_factory=list)
     queue_time_s: float | None = None
     finish_reasons: list[str] = field(default_factory=list)
     on_tokens: Callable[[int], None] | None = None  # told of tokens as they go out (metrics)
+    # Choice index -> its course (`generate` opens one per choice: prompt p's i-th is p * n + i).
+    choices: dict[int, ChoiceTimes] = field(default_factory=dict)
+    n: int = 1
+    max_tokens: int | None = None
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started_at
 
+    def begin(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.prompt_tokens = sum(len(token_ids) for token_ids in prompts)
+        self.n, self.max_tokens = params.n, params.max_tokens
+        self.choices = {p * params.n + i: ChoiceTimes(len(token_ids))
+                        for p, token_ids in enumerate(prompts) for i in range(params.n)}
+
     def count(self, delta: ChoiceDelta) -> None:
+        choice = self.choices.get(delta.index)
+        now = time.monotonic() if delta.token_ids or delta.finish_reason is not None else 0.0
         if delta.token_ids:
-            now = time.monotonic()
             if self.first_token_at is None:
                 self.first_token_at = now
-            else:
-                self.itls.append(now - self.last_token_at)
-            self.last_token_at = now
+            if choice is not None:
+                if choice.first_token_at is None:
+                    choice.first_token_at = now
+                else:
+                    choice.itls.append(now - choice.last_token_at)
+                choice.last_token_at = now
+                choice.num_tokens += len(delta.token_ids)
         if delta.queue_time_s is not None and self.queue_time_s is None:
             self.queue_time_s = delta.queue_time_s
+        if choice is not None:
+            if delta.queue_time_s is not None and choice.queue_time_s is None:
+                choice.queue_time_s = delta.queue_time_s
+            if delta.prefill_time_s is not None and choice.prefill_time_s is None:
+                choice.prefill_time_s = delta.prefill_time_s
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
         if delta.token_ids and self.on_tokens is not None:
             self.on_tokens(len(delta.token_ids))
         if delta.finish_reason is not None:
             self.finish_reasons.append(str(delta.finish_reason))
+            if choice is not None:
+                choice.finish_reason, choice.finished_at = str(delta.finish_reason), now
 
 
 async def generate(
@@ -88,7 +129,7 @@ async def generate(
     ]
     of_child = {rid: parent for parent in parents for rid in parent.child_ids}
     client.open(list(of_child), queue)
-    usage.prompt_tokens = sum(len(token_ids) for token_ids in prompts)
+    usage.begin(prompts, params)
     try:
         for parent in parents:
             for request in parent.engine_requests:

@@ -18,6 +18,7 @@ which has counted the most of them).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -25,8 +26,21 @@ from prometheus_client.metrics_core import Metric
 
 from shared.messages import MetricFamily, SchedulerStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+if TYPE_CHECKING:
+    from services.gateway.generation import Usage
+
+# vLLM's buckets, so a dashboard's or an alert's `le` bounds are there as they are in vLLM's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+# vLLM's 1-2-5 steps up to max_model_len; a gateway starts before it knows the scheduler's,
+# so up to a million (vLLM's buckets are the first of these).
+_TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5) if m * 10 ** e <= 1_000_000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 # SchedulerStats field -> (metric, help): gauges as they are, cumulative counts as deltas.
@@ -64,26 +78,49 @@ class GatewayMetrics:
         self.lora_info = Gauge("llmbus:lora_requests_info", "Running and waiting LoRA adapters",
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self.worker_step = Histogram("llmbus:worker_step_seconds", "Duration of one engine step, per worker",
-                                     ["model_name", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
+                                     ["model_name", "worker"], buckets=_STEP_BUCKETS, registry=r)
         self.prompt_tokens = Counter("llmbus:prompt_tokens", "Prefill tokens processed", ["model_name"], registry=r)
         self.generation_tokens = Counter("llmbus:generation_tokens", "Generated tokens", ["model_name"], registry=r)
         self.request_success = Counter("llmbus:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram("llmbus:time_to_first_token_seconds", "Time to first token", ["model_name"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("llmbus:inter_token_latency_seconds", "Time between streamed tokens", ["model_name"],
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("llmbus:e2e_request_latency_seconds", "End-to-end request latency", ["model_name"],
-                             buckets=_E2E_BUCKETS, registry=r)
-        self.queue_time = Histogram("llmbus:request_queue_time_seconds", "Time waiting in the scheduler queue",
-                                    ["model_name"], buckets=_E2E_BUCKETS, registry=r)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram("llmbus:" + name, doc, ["model_name"], buckets=buckets, registry=r)
+
+        # Request-level, vLLM's: each engine request (a choice) observed when it finishes,
+        # its parent (a prompt's n choices) once for n and its longest choice.
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between streamed tokens", _TOKEN_GAP_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Decode time over the tokens after the first, per request", _TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting in the scheduler queue",
+                                    _REQUEST_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "First scheduled to first token, in the scheduler", _REQUEST_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "First token to last token", _REQUEST_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds", "Prefill time plus decode time",
+                                        _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a request",
+                                               _TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = histogram("request_generation_tokens", "Tokens a request generated",
+                                                   _TOKEN_COUNT_BUCKETS)
+        self.request_max_tokens = histogram("request_params_max_tokens", "The max_tokens a request asked for",
+                                            _TOKEN_COUNT_BUCKETS)
+        self.request_n = histogram("request_params_n", "The n a request asked for", _N_BUCKETS)
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "The most tokens one of a request's n choices generated",
+            _TOKEN_COUNT_BUCKETS)
+        request_histograms = (self.ttft, self.itl, self.tpot, self.e2e, self.queue_time, self.prefill_time,
+                              self.decode_time, self.inference_time, self.request_prompt_tokens,
+                              self.request_generation_tokens, self.request_max_tokens, self.request_n,
+                              self.request_max_generation_tokens)
         # What this gateway saw of its own requests: summed over siblings
         self.request_level = frozenset(m._name for m in (self.prompt_tokens, self.generation_tokens,
-                                                         self.request_success, self.ttft, self.itl, self.e2e,
-                                                         self.queue_time))
+                                                         self.request_success, *request_histograms))
         self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
         self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
         self.stale_s = stale_s
-        for metric in (self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time):
+        for metric in (self.prompt_tokens, self.generation_tokens, *request_histograms):
             metric.labels(model_name)
         for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
@@ -120,17 +157,50 @@ class GatewayMetrics:
     def tokens_generated(self, num_tokens: int) -> None:
         self.generation_tokens.labels(self._model).inc(num_tokens)
 
-    def request_finished(self, prompt_tokens: int, finish_reasons: list[str],
-                         ttft: float | None, itls: list[float], e2e: float, queue_time: float | None) -> None:
+    def request_finished(self, usage: Usage) -> None:
+        """A generation request that ran to its end: its prompt and each choice's end, and
+        vLLM's request-level histograms, each choice observed as vLLM observes each of a
+        parent's engine requests."""
         m = self._model
-        self.request_ended(prompt_tokens, finish_reasons)
-        if ttft is not None:
-            self.ttft.labels(m).observe(ttft)
-        for gap in itls:
-            self.itl.labels(m).observe(gap)
+        self.request_ended(usage.prompt_tokens, usage.finish_reasons)
+        longest: dict[int, int] = {}  # parent (prompt) -> its choices' most tokens
+        for index, choice in usage.choices.items():
+            if choice.finish_reason is None:
+                continue
+            parent = index // usage.n
+            longest[parent] = max(longest.get(parent, 0), choice.num_tokens)
+            if choice.first_token_at is not None:
+                self.ttft.labels(m).observe(choice.first_token_at - usage.started_at)
+            for gap in choice.itls:
+                self.itl.labels(m).observe(gap)
+            self.e2e.labels(m).observe(choice.finished_at - usage.started_at)
+            if choice.queue_time_s is not None:
+                self.queue_time.labels(m).observe(choice.queue_time_s)
+            decode = choice.decode_time_s
+            self.decode_time.labels(m).observe(decode)
+            if choice.prefill_time_s is not None:
+                self.prefill_time.labels(m).observe(choice.prefill_time_s)
+                self.inference_time.labels(m).observe(choice.prefill_time_s + decode)
+            self.tpot.labels(m).observe(decode / (choice.num_tokens - 1) if choice.num_tokens > 1 else 0.0)
+            self.request_prompt_tokens.labels(m).observe(choice.prompt_tokens)
+            self.request_generation_tokens.labels(m).observe(choice.num_tokens)
+            if usage.max_tokens:
+                self.request_max_tokens.labels(m).observe(usage.max_tokens)
+        for most in longest.values():
+            self.request_n.labels(m).observe(usage.n)
+            self.request_max_generation_tokens.labels(m).observe(most)
+
+    def request_served(self, prompt_lengths: list[int], finish_reasons: list[str], e2e: float,
+                       queue_time: float | None) -> None:
+        """A request answered whole rather than token by token (embeddings, a beam
+        search): its prompts, its ends, its latency."""
+        m = self._model
+        self.request_ended(sum(prompt_lengths), finish_reasons)
         self.e2e.labels(m).observe(e2e)
         if queue_time is not None:
             self.queue_time.labels(m).observe(queue_time)
+        for length in prompt_lengths:
+            self.request_prompt_tokens.labels(m).observe(length)
 
     def request_ended(self, prompt_tokens: int, finish_reasons: list[str]) -> None:
         """Its prompt's tokens and each choice's end, by reason: every request that ran, a

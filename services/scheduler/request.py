@@ -62,6 +62,7 @@ class Request:
     cache_salt: str | None = None  # its prefix-cache hits are the same salt's only (vLLM's)
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once
+    scheduled_at: float = 0.0  # first scheduled, this scheduler's clock
     queue_time_reported: bool = False
     queue_time_traced: bool = False
     # The span link of trace_headers, parsed once (step tracing only; see step_tracer.py).

@@ -337,7 +337,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             if request.queue_time_s is None:
-                request.queue_time_s = time.monotonic() - request.queued_at
+                request.scheduled_at = time.monotonic()
+                request.queue_time_s = request.scheduled_at - request.queued_at
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             request.long_rope = self.kv_cache_manager.runs_long(request)
@@ -507,8 +508,9 @@ class Scheduler:
                     prompt_logprobs=runner_output.prompt_logprobs.get(req_id, []) if index == 0 else [],
                     pooled=runner_output.pooled.get(req_id) if index == 0 else None,
                 )
-                if not request.queue_time_reported:
+                if not request.queue_time_reported:  # its first token
                     output.queue_time_s = request.queue_time_s
+                    output.prefill_time_s = time.monotonic() - request.scheduled_at
                     request.queue_time_reported = True
             if reason is not None:
                 self._finish(request, reason, stop_reason)

@@ -1,0 +1,101 @@
+"""vLLM's request-level histograms as a gateway observes them: each choice (each engine
+request) once when it finishes, each prompt's n choices once more for n and the longest,
+with vLLM's buckets, so vLLM's Grafana dashboard reads them as it reads vLLM's."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from finished_usage import finished_usage
+
+from services.gateway.metrics import GatewayMetrics
+
+
+def samples(metrics: GatewayMetrics) -> dict[str, float]:
+    out = {}
+    for line in metrics.render().decode().splitlines():
+        if not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[re.sub(r',?model_name="tiny",?', "", name).replace("{}", "")] = float(value)
+    return out
+
+
+def test_each_choice_is_a_request_and_each_prompt_a_parent():
+    metrics = GatewayMetrics("tiny")
+    usage = finished_usage([9], [4, 3], n=2, max_tokens=16, queue_time_s=0.25, prefill_time_s=0.125)
+    metrics.request_finished(usage)
+    got = samples(metrics)
+    assert got["llmbus:request_success_total{finished_reason=\"length\"}"] == 2
+    assert got["llmbus:time_to_first_token_seconds_count"] == 2
+    assert got["llmbus:e2e_request_latency_seconds_count"] == 2
+    # Gaps within each choice: 3 + 2 (the gap between one choice's token and the other's is none)
+    assert got["llmbus:inter_token_latency_seconds_count"] == 5
+    assert got["llmbus:request_generation_tokens_count"] == 2
+    assert got["llmbus:request_generation_tokens_sum"] == 7
+    assert got["llmbus:request_prompt_tokens_sum"] == 18
+    assert got["llmbus:request_params_max_tokens_sum"] == 32
+    assert got["llmbus:request_params_n_count"] == 1
+    assert got["llmbus:request_params_n_sum"] == 2
+    assert got["llmbus:request_max_num_generation_tokens_count"] == 1
+    assert got["llmbus:request_max_num_generation_tokens_sum"] == 4
+    assert got["llmbus:request_queue_time_seconds_sum"] == pytest.approx(0.5)
+    assert got["llmbus:request_prefill_time_seconds_sum"] == pytest.approx(0.25)
+    decode = sum(c.decode_time_s for c in usage.choices.values())
+    assert got["llmbus:request_decode_time_seconds_sum"] == pytest.approx(decode)
+    assert got["llmbus:request_inference_time_seconds_sum"] == pytest.approx(0.25 + decode)
+    assert got["llmbus:request_time_per_output_token_seconds_count"] == 2
+    tpot = sum(c.decode_time_s / (c.num_tokens - 1) for c in usage.choices.values())
+    assert got["llmbus:request_time_per_output_token_seconds_sum"] == pytest.approx(tpot)
+
+
+def test_a_batch_of_prompts_is_a_parent_each():
+    metrics = GatewayMetrics("tiny")
+    metrics.request_finished(finished_usage([3, 5, 8], [1, 2, 6], max_tokens=None))
+    got = samples(metrics)
+    assert got["llmbus:request_params_n_count"] == 3
+    assert got["llmbus:request_max_num_generation_tokens_sum"] == 9
+    assert got["llmbus:request_prompt_tokens_sum"] == 16
+    assert got["llmbus:request_params_max_tokens_count"] == 0  # none asked for
+    # One token alone has no decode: its time per output token is 0, as vLLM's
+    assert got["llmbus:request_time_per_output_token_seconds_bucket{le=\"0.01\"}"] >= 1
+
+
+def test_buckets_are_vllm_s():
+    got = samples(GatewayMetrics("tiny"))
+    for name, bounds in {
+        "time_to_first_token_seconds": ("0.001", "0.04", "2560.0"),
+        "inter_token_latency_seconds": ("0.01", "0.025", "0.075", "80.0"),
+        "request_time_per_output_token_seconds": ("0.01", "0.15", "80.0"),
+        "e2e_request_latency_seconds": ("0.3", "0.8", "7680.0"),
+        "request_prefill_time_seconds": ("0.3", "960.0"),
+        "request_prompt_tokens": ("1.0", "2.0", "5.0", "2000.0", "1e+06"),
+        "request_params_n": ("1.0", "2.0", "5.0", "10.0", "20.0"),
+    }.items():
+        for bound in bounds:
+            assert f'llmbus:{name}_bucket{{le="{bound}"}}' in got, (name, bound)
+    assert 'llmbus:inter_token_latency_seconds_bucket{le="0.005"}' not in got
+
+
+# The series the panels of vLLM's Grafana dashboard query
+# (examples/observability/prometheus_grafana/grafana.json), without their `vllm:` prefix.
+VLLM_DASHBOARD_SERIES = (
+    "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum", "e2e_request_latency_seconds_count",
+    "prompt_tokens_total", "generation_tokens_total",
+    "inter_token_latency_seconds_bucket", "inter_token_latency_seconds_sum", "inter_token_latency_seconds_count",
+    "num_requests_running", "num_requests_waiting",
+    "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum", "time_to_first_token_seconds_count",
+    "kv_cache_usage_perc", "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+    "request_success_total", "request_queue_time_seconds_sum", "request_prefill_time_seconds_sum",
+    "request_decode_time_seconds_sum", "request_max_num_generation_tokens_sum",
+)
+
+
+def test_every_series_of_vllm_s_dashboard_is_there_from_the_start():
+    from shared.messages import SchedulerStats
+
+    metrics = GatewayMetrics("tiny")
+    metrics.observe_stats(SchedulerStats(scheduler_id="s1"))
+    names = {name.split("{")[0] for name in samples(metrics)}
+    missing = [s for s in VLLM_DASHBOARD_SERIES if "llmbus:" + s not in names]
+    assert not missing, missing
