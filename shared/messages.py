@@ -188,6 +188,10 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     max_lora: int = 0
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Tokens a step, cumulative (vLLM's iteration_tokens_total histogram): steps by bucket
+    # of ITERATION_TOKENS_BUCKETS (one more at the end: beyond them) and their tokens.
+    iteration_tokens_by_bucket: list[int] = []
+    iteration_tokens_sum: int = 0
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
@@ -199,6 +203,7 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             total.kv_cache_usage = sum(p.kv_cache_usage for p in parts) / len(parts)
         total.spec_decode_num_accepted_tokens_per_pos = _sum_by_position(
             p.spec_decode_num_accepted_tokens_per_pos for p in parts)
+        total.iteration_tokens_by_bucket = _sum_by_position(p.iteration_tokens_by_bucket for p in parts)
         total.running_lora_adapters = sorted({n for p in parts for n in p.running_lora_adapters})
         total.waiting_lora_adapters = sorted({n for p in parts for n in p.waiting_lora_adapters})
         return total
@@ -210,6 +215,12 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.spec_decode_num_accepted_tokens_per_pos = _sum_by_position(
             [self.spec_decode_num_accepted_tokens_per_pos, other.spec_decode_num_accepted_tokens_per_pos])
+        self.iteration_tokens_by_bucket = _sum_by_position(
+            [self.iteration_tokens_by_bucket, other.iteration_tokens_by_bucket])
+
+
+# vLLM's buckets of iteration_tokens_total (the tokens of one engine step).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 def _sum_by_position(lists) -> list[int]:

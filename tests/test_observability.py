@@ -199,6 +199,9 @@ def test_metrics_move_as_they_should(traced):
     assert metric(after, "llmbus:num_requests_running") == 0
     assert metric(after, "llmbus:num_requests_waiting") == 0
     assert metric(after, "llmbus:worker_step_seconds_count") > 0
+    # Every step its tokens: at least one a step, the decodes of 20 tokens all counted
+    steps, step_tokens = delta("llmbus:iteration_tokens_total_count"), delta("llmbus:iteration_tokens_total_sum")
+    assert 0 < steps <= step_tokens and step_tokens >= 20 - 5
     assert 'scheduler="' in after
 
 

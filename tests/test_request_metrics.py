@@ -17,7 +17,8 @@ def samples(metrics: GatewayMetrics) -> dict[str, float]:
     for line in metrics.render().decode().splitlines():
         if not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[re.sub(r',?model_name="tiny",?', "", name).replace("{}", "")] = float(value)
+            name = re.sub(r'model_name="tiny",?', "", name).replace(",}", "}").replace("{}", "")
+            out[name] = float(value)
     return out
 
 
@@ -99,3 +100,41 @@ def test_every_series_of_vllm_s_dashboard_is_there_from_the_start():
     names = {name.split("{")[0] for name in samples(metrics)}
     missing = [s for s in VLLM_DASHBOARD_SERIES if "llmbus:" + s not in names]
     assert not missing, missing
+
+
+def test_iteration_tokens_are_the_scheduler_s_steps_by_their_tokens():
+    """vLLM's iteration_tokens_total: every step the scheduler builds, by its tokens (a
+    prefill of 40 tokens, then decodes of 2, of 1), a fleet's workers added up."""
+    from services.scheduler.scheduler import Scheduler
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerStats
+    from shared.sampling_params import SamplingParams
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
+                          num_kv_blocks=32, block_size=16, vocab_size=100)
+    for i, length in enumerate((30, 10)):
+        scheduler.add_request(EngineCoreRequest(f"r{i}", list(range(1, length + 1)), SamplingParams(max_tokens=3 - i),
+                                                eos_token_id=0))
+    sizes = []
+    while scheduler.has_work():
+        step = scheduler.schedule()
+        if not step.num_scheduled_tokens:
+            break
+        sizes.append(step.total_num_scheduled_tokens)
+        ids = list(step.num_scheduled_tokens)
+        scheduler.update_from_output(step, ModelRunnerOutput(step.step_id, ids, [[5]] * len(ids)))
+    assert sizes == [40, 2, 1]
+    one = scheduler.make_stats()
+    fleet = SchedulerStats.combine([one, one])
+    fleet.scheduler_id = "s1"
+    metrics = GatewayMetrics("tiny")
+    metrics.observe_stats(fleet)
+    got = samples(metrics)
+    series = 'llmbus:iteration_tokens_total_bucket{le="%s",scheduler="s1"}'
+    assert got[series % "1.0"] == 2  # the two 1-token steps
+    assert got[series % "8.0"] == 4
+    assert got[series % "32.0"] == 4
+    assert got[series % "64.0"] == 6
+    assert got[series % "+Inf"] == 6
+    assert got['llmbus:iteration_tokens_total_count{scheduler="s1"}'] == 6
+    assert got['llmbus:iteration_tokens_total_sum{scheduler="s1"}'] == 86

@@ -17,14 +17,15 @@ which has counted the most of them).
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 
-from shared.messages import MetricFamily, SchedulerStats
+from shared.messages import ITERATION_TOKENS_BUCKETS, MetricFamily, SchedulerStats
 
 if TYPE_CHECKING:
     from services.gateway.generation import Usage
@@ -74,6 +75,9 @@ class GatewayMetrics:
         self._counters = {f: Counter(name, doc, labels, registry=r) for f, (name, doc) in _COUNTERS.items()}
         self._per_pos = Counter("llmbus:" + _PER_POS, "Draft tokens accepted, by position", [*labels, "position"],
                                 registry=r)
+        # The scheduler's steps by their tokens: its cumulative counts, rendered as they are.
+        self._iteration_tokens = _IterationTokens(model_name)
+        r.register(self._iteration_tokens)
         # vLLM's: one sample, its value the time it was taken, its labels the adapters now
         self.lora_info = Gauge("llmbus:lora_requests_info", "Running and waiting LoRA adapters",
                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
@@ -147,6 +151,8 @@ class GatewayMetrics:
                     *labels, str(key[1]))
                 counter.inc(value - before.get(key, 0))
         self._last_counts[labels[1]] = now
+        self._iteration_tokens.by_scheduler[labels[1]] = (stats.iteration_tokens_by_bucket,
+                                                          stats.iteration_tokens_sum)
         if stats.max_lora:
             self.lora_info.clear()
             self.lora_info.labels(str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
@@ -257,6 +263,7 @@ class GatewayMetrics:
         for scheduler in schedulers:
             for gauge in self._gauges.values():
                 gauge.remove(self._model, scheduler)
+            self._iteration_tokens.by_scheduler.pop(scheduler, None)
             del self._last_seen[scheduler]
 
 
@@ -279,3 +286,22 @@ class _Collected:
 
     def collect(self):
         return self.metrics
+
+
+class _IterationTokens:
+    """vLLM's iteration_tokens_total: a histogram the scheduler counts (it sees every
+    step), which a gateway renders from its latest stats rather than observes."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.by_scheduler: dict[str, tuple[list[int], int]] = {}  # -> (steps by bucket, tokens)
+
+    def collect(self):
+        family = HistogramMetricFamily("llmbus:iteration_tokens_total", "Tokens per engine step",
+                                       labels=["model_name", "scheduler"])
+        for scheduler, (by_bucket, tokens) in self.by_scheduler.items():
+            counts = list(by_bucket) + [0] * (len(ITERATION_TOKENS_BUCKETS) + 1 - len(by_bucket))
+            cumulative = list(itertools.accumulate(counts))
+            buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
+            family.add_metric([self.model_name, scheduler], buckets + [("+Inf", cumulative[-1])], tokens)
+        yield family

@@ -26,6 +26,7 @@ from shared.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ITERATION_TOKENS_BUCKETS,
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
@@ -70,6 +71,9 @@ class Scheduler:
         k = config.num_speculative_tokens
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos = [0] * k
+        # Steps by their tokens (vLLM's iteration_tokens_total), per bucket, and the tokens.
+        self.iteration_tokens_by_bucket = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -420,12 +424,16 @@ class Scheduler:
                 )
         self._step_id += 1
         finished, self._finished_for_worker = self._finished_for_worker, set()
+        total = sum(num_scheduled.values())
+        if total:
+            self.iteration_tokens_by_bucket[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, total)] += 1
+            self.iteration_tokens_sum += total
         return SchedulerOutput(
             step_id=self._step_id,
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=CachedRequestData(cached_ids, cached_blocks, cached_computed),
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            total_num_scheduled_tokens=total,
             finished_req_ids=sorted(finished),
         )
 
@@ -602,6 +610,8 @@ class Scheduler:
             max_lora=self.max_loras,
             running_lora_adapters=_adapter_names(self.running),
             waiting_lora_adapters=_adapter_names(self.waiting),
+            iteration_tokens_by_bucket=list(self.iteration_tokens_by_bucket),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
 
