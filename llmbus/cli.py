@@ -14,6 +14,7 @@ from llmbus.model_fetch import DEFAULT_MODEL, ModelFetchError
 from llmbus.service_cli import add_service_commands
 from shared.bus import BusRefused
 from shared.logs import setup_logging
+from shared.tracing import use_traces_endpoint
 
 
 def cmd_model_fetch(args: argparse.Namespace) -> int:
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(expand_config(parser, sys.argv[1:] if argv is None else argv))
     setup_logging(args.verbose or os.environ.get("LLMBUS_VERBOSE") == "1")  # (the latter: a service `llmbus -v serve` started)
+    use_traces_endpoint(getattr(args, "otlp_traces_endpoint", None))  # (and the services serve starts)
     try:
         return args.func(args)
     except (ModelFetchError, ValueError, BusRefused) as exc:

@@ -43,6 +43,17 @@ def add_bus_args(parser: argparse.ArgumentParser) -> None:
                         help="one NATS URL, or a cluster's, comma-separated")
     add_served_model_name_arg(parser)
     add_bus_auth_args(parser)
+    add_tracing_args(parser)
+
+
+def add_tracing_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--otlp-traces-endpoint", default=env("--otlp-traces-endpoint", None),
+                        help="vLLM's: send traces here over OTLP (http(s)://: OTLP/HTTP; grpc://host:4317 or "
+                             "host:4317: OTLP/gRPC); or the OTEL_EXPORTER_OTLP_* variables")
+    parser.add_argument("--collect-detailed-traces", default=env("--collect-detailed-traces", None),
+                        choices=("model", "worker", "all", "model,worker", "worker,model"),
+                        help="vLLM's; accepted as typed: a worker's step spans always carry its forward and "
+                             "sampling times")
 
 
 def add_served_model_name_arg(parser: argparse.ArgumentParser) -> None:
@@ -409,6 +420,7 @@ def add_service_commands(sub) -> None:
                    help="log at INFO, in every service too (as `llmbus -v serve`)")
     p.add_argument("--nats-url", default=env("--nats-url"), help="use this NATS instead of starting one")
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
+    add_tracing_args(p)
     add_served_model_name_arg(p)
     add_model_args(p)
     add_worker_args(p)

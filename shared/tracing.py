@@ -1,13 +1,18 @@
 """OpenTelemetry setup and W3C trace-context propagation over NATS headers.
 
 Configured by the standard variables (`OTEL_EXPORTER_OTLP_ENDPOINT` or
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` and
-`_ARG`); with no endpoint set tracing is off and every span is a no-op.
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`,
+`OTEL_SERVICE_NAME`, `OTEL_TRACES_SAMPLER` and `_ARG`), or vLLM's `--otlp-traces-endpoint`
+(`use_traces_endpoint`); with no endpoint set tracing is off and every span is a no-op.
+Spans go over OTLP/HTTP to an `http(s)://` endpoint and over OTLP/gRPC to any other
+(`grpc://host:4317` in plain text, a bare `host:4317` as vLLM's docs write it, over TLS
+unless `OTEL_EXPORTER_OTLP_TRACES_INSECURE=true`), unless the protocol variable says.
 """
 
 from __future__ import annotations
 
 import os
+from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -28,7 +33,6 @@ def setup_tracing(service: str) -> Tracer:
     """A tracer for this service; exports over OTLP/HTTP only when an endpoint is set."""
     global _provider
     if tracing_enabled() and _provider is None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -37,9 +41,36 @@ def setup_tracing(service: str) -> Tracer:
         # OTEL_TRACES_SAMPLER(_ARG) through the SDK's own defaults.
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"llmbus-{service}"})
         _provider = TracerProvider(resource=resource)
-        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(), schedule_delay_millis=500))
+        _provider.add_span_processor(BatchSpanProcessor(_exporter(), schedule_delay_millis=500))
         trace.set_tracer_provider(_provider)
     return trace.get_tracer(f"llmbus.{service}")
+
+
+def use_traces_endpoint(url: str | None) -> None:
+    """vLLM's --otlp-traces-endpoint: where this process (and the services it starts)
+    send their spans. An OTLP/HTTP URL without a path gets the traces path, as the
+    general endpoint variable would."""
+    if not url:
+        return
+    if url.startswith(("http://", "https://")) and urlparse(url).path in ("", "/"):
+        url = url.rstrip("/") + "/v1/traces"
+    os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = url
+
+
+def _exporter():
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol is None:
+        protocol = "http/protobuf" if endpoint.startswith(("http://", "https://")) else "grpc"
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        # grpc:// is no scheme of OTLP's: plain text, as http:// is to the HTTP exporter
+        plain = True if urlparse(endpoint).scheme == "grpc" else None
+        return GrpcExporter(insecure=plain)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
 
 
 def shutdown_tracing() -> None:

@@ -5,6 +5,7 @@ exporting to a real OTLP/HTTP receiver started here."""
 
 import gzip
 import http.server
+import os
 import threading
 import time
 
@@ -231,3 +232,26 @@ def test_a_client_that_leaves_counts_its_unfinished_choices_as_aborted(traced):
     assert delta(after, "llmbus:request_success_total", finished_reason="length") == 0
     assert delta(after, "llmbus:prompt_tokens_total") > 0
     assert delta(after, "llmbus:e2e_request_latency_seconds_count") == 0
+
+
+@pytest.mark.parametrize("url, endpoint, exporter, plain", [
+    ("http://jaeger:4318", "http://jaeger:4318/v1/traces", "http", None),  # the path a bare HTTP URL lacks
+    ("https://otel.example/custom/path", "https://otel.example/custom/path", "http", None),
+    ("grpc://jaeger:4317", "grpc://jaeger:4317", "grpc", True),  # plain text, as http:// is
+    ("jaeger:4317", "jaeger:4317", "grpc", False),  # vLLM's docs' form: TLS unless the variable says
+])
+def test_otlp_traces_endpoint_picks_the_protocol_by_its_url(monkeypatch, url, endpoint, exporter, plain):
+    from shared import tracing
+
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL",
+                 "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_INSECURE",
+                 "OTEL_EXPORTER_OTLP_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    tracing.use_traces_endpoint(url)
+    assert os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint
+    made = tracing._exporter()
+    assert type(made).__module__.split(".")[-2] == exporter
+    if exporter == "grpc":
+        assert made._insecure is plain
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # the variable wins
+    assert type(tracing._exporter()).__module__.split(".")[-2] == "http"

@@ -23,8 +23,41 @@ pytestmark = pytest.mark.timeout(300)
 CHAT_TEMPLATE = "{% for m in messages %}### {{ m.role }} says:\n{{ m.content }}\n{% endfor %}### assistant says:\n"
 
 
+class GrpcTraceReceiver:
+    """An OTLP/gRPC trace collector: the service.name of every span it is sent."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+        self.services: list[str] = []
+        receiver = self
+
+        class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
+            def Export(self, request, context):
+                for resource_spans in request.resource_spans:
+                    attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                    count = sum(len(scope.spans) for scope in resource_spans.scope_spans)
+                    receiver.services += [attrs.get("service.name")] * count
+                return trace_service_pb2.ExportTraceServiceResponse()
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Servicer(), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+
 @pytest.fixture(scope="module")
-def served(tiny_llama, tmp_path_factory):
+def traces():
+    receiver = GrpcTraceReceiver()
+    yield receiver
+    receiver.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama, tmp_path_factory, traces):
     import shutil
 
     folder = tmp_path_factory.mktemp("serve")
@@ -44,7 +77,7 @@ def served(tiny_llama, tmp_path_factory):
          "--tokenizers", "2", "--num-kv-blocks", "64", "--chat-template", str(folder / "chat.jinja"),
          "--enable-tokenizer-info-endpoint", "-tp", "1", "--hf-overrides", '{"max_position_embeddings": 512}',
          "--enable-auto-tool-choice", "--disable-log-stats", "--disable-log-requests", "--uvicorn-log-level", "info",
-         "-v"],
+         "--otlp-traces-endpoint", f"grpc://127.0.0.1:{traces.port}", "--collect-detailed-traces", "all", "-v"],
         folder / "stderr.log",
         # A worker restarted by the supervisor is always back before the scheduler would
         # miss its heartbeats (test_a_restarted_worker_...).
@@ -75,6 +108,20 @@ def test_serve_starts_everything_and_answers(served):
     # vLLM's --hf-overrides: every service reads the config as overridden (the context, 1024)
     models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
     assert models[0]["max_model_len"] == 512
+
+
+def test_vllms_otlp_traces_endpoint_gets_every_services_spans_over_grpc(served, traces):
+    """vLLM's --otlp-traces-endpoint (its default protocol, gRPC): one request's spans
+    from each service that served it."""
+    _, url, _ = served
+    resp = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert resp.status_code == 200
+    wanted = {"llmbus-gateway", "llmbus-tokenizer", "llmbus-scheduler", "llmbus-worker"}
+    deadline = time.monotonic() + 20  # (each exports its batch within half a second)
+    while not wanted <= set(traces.services) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert wanted <= set(traces.services), sorted(set(traces.services))
 
 
 def test_v_logs_every_service_at_info_each_having_frozen_its_heap(served):
