@@ -309,7 +309,9 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          api_server_group=args.api_server_group,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          force_include_usage=args.enable_force_include_usage,
-                         server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path)
+                         server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
+                         log_request_inputs=args.enable_log_requests, log_outputs=args.enable_log_outputs,
+                         max_log_len=args.max_log_len)
 
 
 def runtime_lora_updating(warn: bool = True) -> bool:

@@ -120,7 +120,8 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root-path", default=env("--root-path", ""),
                         help="vLLM's: the path prefix a proxy in front serves the API under (for its docs' URLs)")
     parser.add_argument("--max-log-len", type=int, default=env("--max-log-len"),
-                        help="vLLM's; accepted as typed: llmbus's request log lines hold no prompt to shorten")
+                        help="vLLM's: the characters of a prompt or output and the token ids a request log line "
+                             "holds (default: all)")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                         default=env_flag("--enable-tokenizer-info-endpoint"),
                         help="serve GET /tokenizer_info: the tokenizer's special tokens and chat template")
@@ -160,8 +161,11 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     # vLLM's logging flags
     parser.add_argument("--disable-log-requests", action="store_true", default=env_flag("--disable-log-requests"),
                         help="no line per finished request (llmbus.requests; its one line at the default level)")
-    parser.add_argument("--enable-log-requests", dest="disable_log_requests", action="store_false",
-                        default=argparse.SUPPRESS, help="vLLM's newer spelling: a line per finished request (the default)")
+    parser.add_argument("--enable-log-requests", action="store_true", default=env_flag("--enable-log-requests"),
+                        help="vLLM's: also a line as each request arrives, with its prompt and sampling parameters "
+                             "(a line per finished request is the default)")
+    parser.add_argument("--enable-log-outputs", action="store_true", default=env_flag("--enable-log-outputs"),
+                        help="vLLM's: a finished request's line holds its choices' text and token ids")
     parser.add_argument("--disable-log-stats", action="store_true", default=env_flag("--disable-log-stats"),
                         help="vLLM's; accepted as typed: llmbus logs no periodic stats (GET /metrics has them)")
     parser.add_argument("--uvicorn-log-level", default=env("--uvicorn-log-level", "warning"),
@@ -317,7 +321,7 @@ def cmd_gateway(args) -> int:
 
     path, name = _setup(args)
     _without_torch()
-    if args.disable_log_requests:
+    if args.disable_log_requests and not (args.enable_log_requests or args.enable_log_outputs):
         logging.getLogger("llmbus.requests").setLevel(logging.WARNING)
     serve(tokenizer_folder(args, path), args.nats_url, gateway_config(args, name, path), args.host, args.port,
           bus_auth(args), args.gateway_id, args.uvicorn_log_level, https(args), args.fd,

@@ -142,6 +142,12 @@ class GatewayConfig:
     force_include_usage: bool = False  # every stream ends with its usage
     server_load_tracking: bool = False  # GET /load
     root_path: str = ""  # the prefix a proxy serves the API under
+    # vLLM's request logging: --enable-log-requests adds a line as each request arrives (its
+    # prompt and parameters), --enable-log-outputs its choices' text to its finished line,
+    # each prompt, text and id list cut to --max-log-len (None: whole)
+    log_request_inputs: bool = False
+    log_outputs: bool = False
+    max_log_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -150,6 +156,8 @@ class GatewayConfig:
             raise ValueError("idle_timeout_s must be positive")
         if self.responses_store_bytes < 0:
             raise ValueError("responses_store_bytes must not be negative")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError("max_log_len must not be negative")
 
 
 @dataclass(slots=True)

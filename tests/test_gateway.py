@@ -844,3 +844,38 @@ def test_a_client_that_leaves_a_whole_answer_aborts_its_requests_without_an_erro
     starts = [m for m in sent if m["type"] == "http.response.start"]
     assert [m["status"] for m in starts] == [499]
     assert len(engine.submitted) == n and sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)
+
+
+def test_vllms_request_logging_flags_log_prompts_params_and_outputs_cut_to_max_log_len(tokenizer, caplog):
+    """--enable-log-requests: a line as each request arrives (its prompt as tokenized and
+    its parameters); --enable-log-outputs: each choice's text and ids on its finished line;
+    --max-log-len cuts texts and id lists. Without them: neither."""
+    import logging
+
+    def lines(config, stream: bool):
+        caplog.clear()
+        client, _ = gateway(tokenizer, config=config)
+        body = {"model": "tiny", "prompt": "hello there friend", "max_tokens": 8, "n": 2, "temperature": 0.5,
+                "seed": 3, "stream": stream}
+        with caplog.at_level(logging.INFO, logger="llmbus.requests"), client:
+            with client.stream("POST", "/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                resp.read()
+        return ([r for r in caplog.records if r.getMessage() == "request received"],
+                [r for r in caplog.records if r.getMessage() == "request finished"])
+
+    prompt = tokenizer.encode("hello there friend")
+    answer = tokenizer.encode(SCRIPT, add_special_tokens=False)[:8]
+    for stream in (False, True):
+        received, finished = lines(GatewayConfig("tiny", log_request_inputs=True, log_outputs=True, max_log_len=5),
+                                   stream)
+        assert len(received) == len(finished) == 1
+        assert received[0].prompts == [{"text": tokenizer.decode(prompt, skip_special_tokens=False)[:5],
+                                        "token_ids": prompt[:5]}]
+        params = received[0].params
+        assert (params["n"], params["max_tokens"], params["temperature"], params["seed"]) == (2, 8, 0.5, 3)
+        shown = tokenizer.decode(answer, skip_special_tokens=True)[:5]
+        assert finished[0].outputs == [{"index": i, "text": shown, "token_ids": answer[:5], "finish_reason": "length"}
+                                       for i in range(2)]
+    received, finished = lines(GatewayConfig("tiny"), stream=True)
+    assert received == [] and len(finished) == 1 and not hasattr(finished[0], "outputs")

@@ -146,7 +146,7 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     args = build_parser().parse_args(argv)
     assert (args.model_tag, args.no_prefix_caching, args.no_chunked_prefill) == ("some/model", False, True)
     assert (args.max_model_len, args.max_num_batched_tokens, args.no_async_scheduling) == (32000, 8192, False)
-    assert args.disable_log_requests is False
+    assert args.disable_log_requests is False and args.enable_log_requests is True
     for flag in ("--max-model-len", "--max-num-batched-tokens", "--enable-force-include-usage",
                  "--return-tokens-as-token-ids", "--enable-server-load-tracking", "--root-path"):
         dest = flag.lstrip("-").replace("-", "_")

@@ -81,7 +81,7 @@ class Answer:
         self.request_id, self.client_id, self.response_id = request_names(
             self.ID_PREFIX or ("chatcmpl-" if chat else "cmpl-"), request.headers, body.request_id)
         self.created = int(time.time())
-        self.usage = Usage(on_tokens=serving.metrics.tokens_generated)
+        self.usage = Usage(on_tokens=serving.metrics.tokens_generated, keep_token_ids=serving.config.log_outputs)
         self.object = "chat.completion" if chat else "text_completion"
         self.stream_span = serving.tracer.start_span("gateway.stream", context=ctx)
         self.num_choices = len(prompts) * params.n
@@ -106,6 +106,8 @@ class Answer:
         # first output, so a stream sends the echo there rather than in a chunk of its own.
         # With max_tokens 0 the echo is all there is (the engine samples one token, unshown).
         self.prompt_ids = prompts
+        if serving.config.log_request_inputs:
+            self._log_received(body)
         self.echo_logprobs = not chat and body.echo and params.logprobs is not None
         self.echo_only = not chat and body.echo and body.max_tokens == 0
         self.echo_pending = [self.echo_logprobs] * self.num_choices
@@ -156,12 +158,35 @@ class Answer:
             # which vLLM itself never counts (vllm-project/vllm#31503).
             aborted = ["abort"] * max(0, self.num_choices - len(usage.finish_reasons))
             self.s.metrics.request_ended(usage.prompt_tokens, usage.finish_reasons + aborted)
-        request_log.info("request finished", extra={
+        line = {
             "request_id": self.request_id, "client_request_id": self.client_id, "status": status,
             "prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens, "cached_tokens": usage.cached_tokens,
             "ttft_s": None if usage.ttft is None else round(usage.ttft, 4), "e2e_s": round(e2e, 4),
             "finish_reason": ",".join(usage.finish_reasons) or None,
+        }
+        if usage.keep_token_ids:  # vLLM's --enable-log-outputs: each choice as generated, before any parser
+            clip, tokenizer = self._clip, self.s.tokenizer
+            line["outputs"] = [
+                {"index": index, "text": clip(tokenizer.decode(choice.token_ids, skip_special_tokens=True)),
+                 "token_ids": clip(choice.token_ids), "finish_reason": choice.finish_reason}
+                for index, choice in sorted(usage.choices.items())]
+        request_log.info("request finished", extra=line)
+
+    def _clip(self, items):
+        """A prompt's or an output's text or ids as --max-log-len lets a log line hold them."""
+        n = self.s.config.max_log_len
+        return items if n is None else items[:n]
+
+    def _log_received(self, body) -> None:
+        """vLLM's --enable-log-requests: the request as the engine gets it (each prompt as
+        tokenized, a chat's as its template rendered it), with its sampling parameters."""
+        clip, tokenizer = self._clip, self.s.tokenizer
+        request_log.info("request received", extra={
+            "request_id": self.request_id, "client_request_id": self.client_id, "model": body.model,
+            "prompts": [{"text": clip(tokenizer.decode(ids, skip_special_tokens=False)), "token_ids": clip(ids)}
+                        for ids in self.prompt_ids],
+            "params": msgspec.to_builtins(self.params),
         })
 
     def _usage(self) -> r.UsageInfo:

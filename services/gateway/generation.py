@@ -35,6 +35,7 @@ class ChoiceTimes:
     prefill_time_s: float | None = None  # the scheduler's: first scheduled -> first token
     finish_reason: str | None = None
     finished_at: float | None = None
+    token_ids: list[int] | None = None  # its tokens, kept for the request log (--enable-log-outputs)
 
     @property
     def decode_time_s(self) -> float:
@@ -58,6 +59,7 @@ class Usage:
     choices: dict[int, ChoiceTimes] = field(default_factory=dict)
     n: int = 1
     max_tokens: int | None = None
+    keep_token_ids: bool = False  # each choice keeps its tokens (ChoiceTimes.token_ids)
 
     @property
     def ttft(self) -> float | None:
@@ -66,7 +68,7 @@ class Usage:
     def begin(self, prompts: list[list[int]], params: SamplingParams) -> None:
         self.prompt_tokens = sum(len(token_ids) for token_ids in prompts)
         self.n, self.max_tokens = params.n, params.max_tokens
-        self.choices = {p * params.n + i: ChoiceTimes(len(token_ids))
+        self.choices = {p * params.n + i: ChoiceTimes(len(token_ids), token_ids=[] if self.keep_token_ids else None)
                         for p, token_ids in enumerate(prompts) for i in range(params.n)}
 
     def count(self, delta: ChoiceDelta) -> None:
@@ -82,6 +84,8 @@ class Usage:
                     choice.itls.append(now - choice.last_token_at)
                 choice.last_token_at = now
                 choice.num_tokens += len(delta.token_ids)
+                if choice.token_ids is not None:
+                    choice.token_ids += delta.token_ids
         if delta.queue_time_s is not None and self.queue_time_s is None:
             self.queue_time_s = delta.queue_time_s
         if choice is not None:
