@@ -116,6 +116,9 @@ HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt", "
 # Copies of the same weights in another layout (Mistral's consolidated.safetensors beside
 # the Hugging Face shards; Llama's original/ checkpoint): twice the download, never read.
 HUB_SKIPPED = ["consolidated*.safetensors", "original/*"]
+# PyTorch's pickled weights: fetched only for a repository without safetensors (older ones:
+# facebook/opt-125m, vLLM's quickstart model), read with torch.load's weights_only
+HUB_PYTORCH_FILES = ["pytorch_model*.bin", "pytorch_model.bin.index.json"]
 
 
 # What a tokenizer needs of a repository (vLLM's --tokenizer): no weights.
@@ -156,6 +159,8 @@ def from_hub(repo_id: str, revision: str | None = None, download_dir: str | None
                          f"{str(exc).splitlines()[0]}") from exc
     if not (folder / required).is_file():
         raise ValueError(f"{repo_id!r} on the Hugging Face Hub has no {required}")
+    if patterns is HUB_FILES and not any(folder.glob("*.safetensors")):
+        folder = from_hub(repo_id, revision, download_dir, HUB_PYTORCH_FILES, required)
     return folder
 
 

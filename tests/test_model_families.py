@@ -10,7 +10,11 @@ rotary (NoPE) among rotating ones, tied embeddings by its config's defaults. OLM
 norm on each branch's output and none before it, query/key norms over all heads. OLMo 3:
 OLMo 2's, windowed layers and a global one on YaRN with a base of its own. Mixtral and
 Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer; GraniteMoe: Granite's scalars over
-sparse layers whose experts come stacked, weighed by a softmax over the chosen logits."""
+sparse layers whose experts come stacked, weighed by a softmax over the chosen logits.
+The LayerNorm decoders: GPT-2 (learned positions, Conv1D products, gelu_new), OPT (learned
+positions two rows on, queries scaled first, ReLU), GPT-NeoX (attention and MLP side by
+side, q/k/v interleaved by head, partial rotary) and Phi (side by side off one norm, a
+biased LM head), each with biased LayerNorms and ungated biased MLPs."""
 
 import json
 
@@ -36,7 +40,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
-            "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe"]
+            "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
+            "gpt2", "opt", "gpt_neox", "phi"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -117,7 +122,7 @@ def test_what_each_family_reads_from_its_config(family):
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
     assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
     assert config.moe_topk_softmax == (name == "granite_moe")
-    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,)}.get(name, ())  # (EXAONE's global layer)
+    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "gpt2": (0, 1), "opt": (0, 1)}.get(name, ())  # (EXAONE's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
@@ -126,8 +131,24 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
         "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
         "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
-        "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False)}.get(name, ("silu", 0.0, False))
-    assert config.gated_mlp == (name not in ("arcee", "apertus"))  # (Arcee's MLP: down(relu(up x) ** 2))
+        "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
+        "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
+    }.get(name, ("silu", 0.0, False))
+    # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
+    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi"))
+    # The LayerNorm decoders: GPT-2's and OPT's learned positions (OPT's two rows on), no layer
+    # rotating; NeoX's and Phi's branches side by side, Phi's off one norm; Phi's biased head;
+    # OPT's queries scaled as they are projected
+    assert (config.layer_norm, config.norm_bias, config.parallel_residual, config.shared_norm,
+            config.position_embeddings, config.position_offset, config.lm_head_bias, config.scale_queries) == {
+        "gpt2": (True, True, False, False, 1024, 0, False, False),
+        "opt": (True, True, False, False, 1026, 2, False, True),
+        "gpt_neox": (True, True, True, False, 0, 0, False, False),
+        "phi": (True, True, True, True, 0, 0, True, False)}.get(name, (False, False, False, False, 0, 0, False, False))
+    if name in ("gpt2", "opt"):
+        assert config.nope_layers == (0, 1)
+    if name in ("gpt_neox", "phi"):
+        assert config.rotary_dim == 8 and config.mlp_bias
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
@@ -144,7 +165,7 @@ def test_what_each_family_reads_from_its_config(family):
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == (
         (True, 8, False) if name == "glm4" else (False, config.rotary_dim, config.o_bias))
-    assert config.qkv_bias == (name in ("glm4", "qwen2_moe"))
+    assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi"))
 
 
 def test_glm_matches_transformers(tmp_path):
@@ -593,3 +614,52 @@ def test_phi3_unsupported_rope_configs_are_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
         LLM(str(folder))
+
+
+def test_gpt2_and_pythia_as_the_hub_ships_them(tmp_path):
+    """GPT-2's checkpoint as openai-community/gpt2's: names without `transformer.`, its
+    causal-mask buffers beside the weights; Pythia's config as EleutherAI's: rotary_pct and
+    rotary_emb_base, not rope_parameters. Both equal to transformers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    gpt2 = build_tiny_model(tmp_path / "gpt2", "gpt2", seed=2)
+    want = hf_greedy(gpt2, PROMPTS, MAX_NEW)
+    weights = load_file(gpt2 / "model.safetensors")
+    hub = {name.removeprefix("transformer."): tensor for name, tensor in weights.items()}
+    hub.update({f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 8, 8)) for i in range(2)})
+    save_file(hub, gpt2 / "model.safetensors", metadata={"format": "pt"})
+    assert generate_ids(LLM(str(gpt2)), PROMPTS) == want
+
+    pythia = build_tiny_model(tmp_path / "pythia", "gpt_neox", seed=3)
+    want = hf_greedy(pythia, PROMPTS, MAX_NEW)
+    config = json.loads((pythia / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    (pythia / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(pythia))
+    assert llm.runner.model_config.rotary_dim == 8
+    assert generate_ids(llm, PROMPTS) == want
+
+
+def test_a_layer_normed_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
+    """opt-350m's projected embeddings and norms after each branch, GPT-2's per-layer
+    attention scale, Phi's query/key norms: each named, none loaded wrongly."""
+    opt = build_tiny_model(tmp_path / "opt", "opt", seed=2)
+    config = json.loads((opt / "config.json").read_text())
+    (opt / "config.json").write_text(json.dumps({**config, "word_embed_proj_dim": 32}))
+    with pytest.raises(ValueError, match="word_embed_proj_dim 32"):
+        LLM(str(opt))
+    (opt / "config.json").write_text(json.dumps({**config, "do_layer_norm_before": False}))
+    with pytest.raises(ValueError, match="do_layer_norm_before false"):
+        LLM(str(opt))
+    gpt2 = build_tiny_model(tmp_path / "gpt2", "gpt2", seed=2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "scale_attn_by_inverse_layer_idx": True}))
+    with pytest.raises(ValueError, match="scale_attn_by_inverse_layer_idx"):
+        LLM(str(gpt2))
+    phi = build_tiny_model(tmp_path / "phi", "phi", seed=2)
+    config = json.loads((phi / "config.json").read_text())
+    (phi / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
+    with pytest.raises(ValueError, match="qk_layernorm"):
+        LLM(str(phi))

@@ -91,3 +91,40 @@ def test_a_hub_tokenizer_serves_a_weights_only_folder(tmp_path, tiny_llama):
     own = run_generate(str(tiny_llama), cache, "--temperature", "0")
     assert found.returncode == 0, found.stderr[-2000:]
     assert found.stdout == own.stdout and found.stdout.strip()
+
+
+def test_a_repository_without_safetensors_serves_its_pytorch_model_bin(tmp_path):
+    """facebook/opt-125m (vLLM's quickstart model) ships pytorch_model.bin alone: read with
+    torch.load's weights_only, equal to transformers; one that pickles code is refused."""
+    import pickle
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from llmbus import LLM, SamplingParams
+    from tiny_models import build_tiny_model, hf_greedy, random_prompts
+
+    built = build_tiny_model(tmp_path / "built", "opt", seed=2)
+    folder = tmp_path / "opt"
+    folder.mkdir()
+    for f in built.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    torch.save(AutoModelForCausalLM.from_pretrained(built).state_dict(), folder / "pytorch_model.bin")
+    prompts = random_prompts([3, 17])
+    want = hf_greedy(built, prompts, 8)
+    cache = hub_cache(tmp_path, folder)
+    found = run_generate("org/tiny", cache)
+    assert found.returncode == 0, found.stderr[-2000:]
+    got = LLM(str(folder)).generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                    use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"x": Payload()}, f)
+    with pytest.raises(ValueError, match="cannot read the weights in .*pytorch_model.bin"):
+        LLM(str(folder))

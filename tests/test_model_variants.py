@@ -101,6 +101,6 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tiny_llama):
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(str(tmp_path))

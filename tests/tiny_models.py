@@ -351,6 +351,8 @@ def build_tiny_model(
                     param.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
+    elif arch in LAYER_NORMED:
+        model = _layer_normed_model(arch, common, overrides)
     else:
         raise ValueError(arch)
     if max_shard_size is not None:
@@ -358,6 +360,47 @@ def build_tiny_model(
     else:
         model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+# The LayerNorm decoders: biased LayerNorms and ungated biased MLPs (GPT-2 and OPT with
+# learned positions and tied heads, GPT-NeoX and Phi with attention and MLP side by side)
+LAYER_NORMED = ("gpt2", "opt", "gpt_neox", "phi")
+
+
+def _layer_normed_model(arch: str, common: dict, overrides: dict):
+    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig,
+                              OPTForCausalLM, PhiConfig, PhiForCausalLM)
+
+    ids = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    size, layers, heads = common["hidden_size"], common["num_hidden_layers"], common["num_attention_heads"]
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(**{**ids, "n_embd": size, "n_layer": layers, "n_head": heads,
+                                              "n_inner": common["intermediate_size"], "n_positions": 1024,
+                                              "initializer_range": 0.15, **overrides}))
+    elif arch == "opt":
+        model = OPTForCausalLM(OPTConfig(**{**ids, "hidden_size": size, "num_hidden_layers": layers,
+                                            "num_attention_heads": heads, "ffn_dim": common["intermediate_size"],
+                                            "word_embed_proj_dim": size, "max_position_embeddings": 1024,
+                                            "init_std": 0.15, **overrides}))
+    elif arch == "gpt_neox":  # half of each head rotating (Pythia's quarter turns 4 of 16 dims)
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(**{
+            **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "intermediate_size": common["intermediate_size"], "initializer_range": 0.15,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **overrides}))
+    else:  # phi: grouped queries too
+        model = PhiForCausalLM(PhiConfig(**{
+            **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
+            "initializer_range": 0.15,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            **overrides}))
+    with torch.no_grad():  # biases start at zero and norms at one; make them count
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                norm = "norm" in name or ".ln_" in name or name.startswith(("transformer.ln_f", "ln_f"))
+                param.normal_(1.0 if norm and name.endswith("weight") else 0.0, 0.3 if norm else 0.1)
+    return model
 
 
 def _biases_made_to_count(model) -> None:

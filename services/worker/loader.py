@@ -1,4 +1,5 @@
-"""Build the native model from a Hugging Face folder: config.json + safetensors."""
+"""Build the native model from a Hugging Face folder: config.json + safetensors (or, where a
+repository has none, PyTorch's pytorch_model.bin)."""
 
 from __future__ import annotations
 
@@ -56,17 +57,40 @@ def safetensors_files(folder: Path) -> list[Path]:
     if single.is_file():
         return [single]
     found = sorted(folder.glob("*.safetensors"))
-    if not found:
-        raise ValueError(f"{folder} has no safetensors weights")
+    if not found and not pytorch_files(folder):
+        raise ValueError(f"{folder} has no safetensors weights (nor PyTorch's pytorch_model.bin)")
     return found
 
 
+def pytorch_files(folder: Path) -> list[Path]:
+    """PyTorch's pickled checkpoint (pytorch_model.bin, or its shards by their index): what
+    older repositories hold alone (facebook/opt-125m, vLLM's quickstart model)."""
+    index = folder / "pytorch_model.bin.index.json"
+    if index.is_file():
+        return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(folder.glob("pytorch_model*.bin"))
+
+
 def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in safetensors_files(folder):
+    """The checkpoint's tensors by name: its safetensors, or where it has none (vLLM's
+    load_format auto) its pytorch_model.bin, unpickled with `weights_only` (tensors and
+    plain containers alone: a pickle that would run code is refused, not run)."""
+    files = safetensors_files(folder)
+    for path in files:
         with open_weights(path) as f:
             for name in f.keys():
                 if not name.startswith(MULTIMODAL_PARTS):  # a vision tower is left on disk, unread
                     yield name, f.get_tensor(name)
+    if files:
+        return
+    for path in pytorch_files(folder):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # (a partial download, or a pickle weights_only refuses)
+            raise ValueError(f"cannot read the weights in {path}: {str(exc).splitlines()[0]}") from exc
+        for name, tensor in state.items():
+            if not name.startswith(MULTIMODAL_PARTS):
+                yield name, tensor
 
 
 def open_weights(path: Path):
@@ -113,7 +137,8 @@ def load_model(
         quantize(model.model, quantization, dtype)
         if model.generates:
             head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-            model.lm_head = quantized_linear("int8", head, None, dtype)
+            bias = None if model.lm_head is None else model.lm_head.bias  # (Phi's)
+            model.lm_head = quantized_linear("int8", head, bias, dtype)
     # Parameters only: the RoPE tables stay float32, as transformers keeps them.
     for param in model.parameters():
         param.data = param.data.to(dtype)
@@ -142,4 +167,4 @@ def dummy_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
         if param.dim() >= 2:
             param.normal_(0.0, 0.02, generator=generator)
         else:
-            param.fill_(1.0 if "norm" in name else 0.0)
+            param.fill_(1.0 if "norm" in name and name.endswith("weight") else 0.0)  # (a LayerNorm's bias: 0)

@@ -68,7 +68,22 @@ SUPPORTED_ARCHITECTURES = {
     # Apertus (Apertus-8B, 70B): Arcee's ungated MLP with the xIELU activation (two learned
     # scalars a layer), Qwen3's query/key norms, the two norms under names of their own
     "ApertusForCausalLM": "llama",
+    # The LayerNorm decoders (LAYER_NORMED): biased LayerNorms, ungated biased MLPs.
+    # OPT (vLLM's quickstart model, facebook/opt-125m): learned positions offset by 2, no
+    # rotary, queries scaled before their product with the keys, ReLU.
+    "OPTForCausalLM": "llama",
+    # GPT-2: learned positions, no rotary, q/k/v fused, products stored transposed (Conv1D)
+    "GPT2LMHeadModel": "llama",
+    # GPT-NeoX (Pythia): attention and MLP side by side off the same residual (each its own
+    # norm), a quarter of each head rotating, q/k/v fused and interleaved head by head
+    "GPTNeoXForCausalLM": "llama",
+    # Phi (phi-1.5, phi-2): attention and MLP side by side off one norm, partial rotary, an
+    # LM head with a bias
+    "PhiForCausalLM": "llama",
 }
+LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM")
+# Learned absolute positions in place of rotary: the offset of a position's row in the table
+LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # No norm before attention and the MLP, one on each's output instead
@@ -93,7 +108,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                           "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee",
-                          "ApertusForCausalLM": "apertus"}
+                          "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
+                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -118,10 +134,14 @@ TEXT_MODELS_OF = {
 # What a text config's class leaves out that its model does: Qwen3-VL-MoE's router always
 # renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
 TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
-# transformers' names for the MLP's gate activation; relu2 (ReLU squared) for an MLP without a gate
-HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu", "relu2", "xielu")
-UNGATED = ("ArceeForCausalLM", "ApertusForCausalLM")
-UNGATED_ACTS = ("relu2", "xielu")
+# transformers' names for the MLP's gate activation (a gated MLP's), and those of an MLP
+# without a gate, by family: relu2 (ReLU squared), gelu_new (GPT-2's tanh form, as its code
+# computes it)
+GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+_LAYER_NORMED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+UNGATED = {"ArceeForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",),
+           **dict.fromkeys(LAYER_NORMED, _LAYER_NORMED_ACTS)}
+HIDDEN_ACTS = tuple(dict.fromkeys((*GATED_ACTS, *(a for acts in UNGATED.values() for a in acts))))
 
 
 @dataclass(slots=True)
@@ -205,6 +225,22 @@ class ModelConfig:
     # A sequence classifier's classes (shared/classification.py): its score head's rows, in
     # place of an LM head; 0: not a classifier
     num_labels: int = 0
+    # The LayerNorm decoders (LAYER_NORMED): LayerNorm (mean and variance, a bias where
+    # norm_bias) in place of RMSNorm, with rms_norm_eps as its eps
+    layer_norm: bool = False
+    norm_bias: bool = False
+    # GPT-NeoX, Phi: attention and MLP read the same residual and both outputs join it at
+    # once; Phi's MLP reads the attention's normed input (shared_norm), NeoX's its own norm
+    parallel_residual: bool = False
+    shared_norm: bool = False
+    # GPT-2, OPT: a learned table of absolute positions (this many rows, a position's row
+    # `position_offset` further on) added to the embeddings; their layers do not rotate
+    position_embeddings: int = 0
+    position_offset: int = 0
+    lm_head_bias: bool = False  # Phi
+    # OPT: queries scaled by 1/sqrt(head_dim) after their projection, the scores then
+    # unscaled (transformers' order of roundings)
+    scale_queries: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -231,6 +267,8 @@ class ModelConfig:
             )
         if arch in FILLED_BY_TRANSFORMERS:
             raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
+        if arch in LAYER_NORMED:
+            raw = _layer_normed(arch, raw)
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
@@ -242,9 +280,9 @@ class ModelConfig:
             # Gemma's first releases say "gelu" and mean the tanh approximation (transformers
             # and vLLM read it so)
             hidden_act = "gelu_pytorch_tanh"
-        if hidden_act not in HIDDEN_ACTS or (hidden_act in UNGATED_ACTS) != (arch in UNGATED):
-            raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch}: {', '.join(HIDDEN_ACTS)} "
-                             f"({' and '.join(UNGATED_ACTS)} for an MLP without a gate)")
+        if hidden_act not in UNGATED.get(arch, GATED_ACTS):
+            raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch}: "
+                             f"{', '.join(UNGATED.get(arch, GATED_ACTS))}")
         heads = raw["num_attention_heads"]
         # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
         # beside an optional `rope_scaling`.
@@ -330,7 +368,61 @@ class ModelConfig:
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
+            **_layer_normed_fields(arch, raw),
         )
+
+
+def _layer_normed(arch: str, raw: dict) -> dict:
+    """A LayerNorm decoder's config (as its transformers class fills it in) in the names the
+    rest of this reader takes, where they differ; what the loader would mishandle refused."""
+    raw = dict(raw)
+    if arch == "GPT2LMHeadModel":
+        for flag, runs in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                           ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+            if bool(raw.get(flag, runs)) != runs:
+                raise ValueError(f"unsupported {flag} {raw.get(flag)!r} for GPT-2: {runs} only")
+        raw.update(hidden_size=raw["n_embd"], num_hidden_layers=raw["n_layer"], num_attention_heads=raw["n_head"],
+                   intermediate_size=raw.get("n_inner") or 4 * raw["n_embd"],
+                   max_position_embeddings=raw["n_positions"], hidden_act=raw["activation_function"],
+                   layer_norm_eps=raw["layer_norm_epsilon"])
+    elif arch == "OPTForCausalLM":
+        if not raw.get("do_layer_norm_before", True) or raw.get("_remove_final_layer_norm"):
+            raise ValueError("unsupported OPT layer norms after each branch (do_layer_norm_before false: opt-350m): "
+                             "before only")
+        if raw.get("word_embed_proj_dim", raw["hidden_size"]) != raw["hidden_size"]:
+            raise ValueError(f"unsupported OPT word_embed_proj_dim {raw['word_embed_proj_dim']} (projected "
+                             f"embeddings: opt-350m): the hidden size {raw['hidden_size']} only")
+        if not raw.get("layer_norm_elementwise_affine", True):
+            raise ValueError("unsupported OPT layer_norm_elementwise_affine false: norms with weights only")
+        raw.update(intermediate_size=raw["ffn_dim"], hidden_act=raw["activation_function"], layer_norm_eps=1e-5,
+                   attention_bias=raw.get("enable_bias", True))
+    elif arch == "PhiForCausalLM" and raw.get("qk_layernorm"):
+        raise ValueError("unsupported qk_layernorm true for Phi: without query/key norms only")
+    raw["rms_norm_eps"] = raw.get("layer_norm_eps", 1e-5)  # (the norms' eps, whatever the norm)
+    if arch != "PhiForCausalLM":  # a head of keys and values to each query head, of hidden / heads dims,
+        raw["num_key_value_heads"] = raw["num_attention_heads"]  # whatever else the file holds
+        raw.pop("head_dim", None)
+    if arch != "OPTForCausalLM":  # (OPT's enable_bias says for both; the others' MLPs are always biased)
+        raw["attention_bias"] = raw.get("attention_bias", True) if arch == "GPTNeoXForCausalLM" else True
+        raw["mlp_bias"] = True
+    else:
+        raw["mlp_bias"] = raw["attention_bias"]
+    return raw
+
+
+def _layer_normed_fields(arch: str, raw: dict) -> dict:
+    if arch not in LAYER_NORMED:
+        return {}
+    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else True
+    fields = dict(layer_norm=True, norm_bias=biased,
+                  parallel_residual=(arch == "PhiForCausalLM" or (arch == "GPTNeoXForCausalLM"
+                                                                  and raw.get("use_parallel_residual", True))),
+                  shared_norm=arch == "PhiForCausalLM", lm_head_bias=arch == "PhiForCausalLM",
+                  scale_queries=arch == "OPTForCausalLM")
+    if arch in LEARNED_POSITIONS:
+        offset = LEARNED_POSITIONS[arch]
+        fields.update(position_embeddings=raw["max_position_embeddings"] + offset, position_offset=offset)
+    return fields
 
 
 def _filled(raw: dict, model_type: str) -> dict:
@@ -344,6 +436,8 @@ def _filled(raw: dict, model_type: str) -> dict:
 def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
     """SmolLM3's no_rope_layers: a 1 for each layer that rotates, a 0 for each that does not.
     EXAONE 4's global layers, where it has windowed ones (transformers rotates only those)."""
+    if arch in LEARNED_POSITIONS:  # their positions are learned: no layer rotates
+        return tuple(range(raw["num_hidden_layers"]))
     if arch == "Exaone4ForCausalLM" and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch != "SmolLM3ForCausalLM":

@@ -9,6 +9,7 @@ forward takes one step's flattened tokens, with no batch dimension and no paddin
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Iterable
 
@@ -20,10 +21,12 @@ import kernels.cpu as cpu_kernels
 import kernels.elementwise as triton_kernels
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
+from services.worker.models.layer_normed_names import checkpoint_tensor
 from services.worker.model_config import ModelConfig
 
 log = logging.getLogger("llmbus.worker")
@@ -84,6 +87,10 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = config.attention_scale if config.attention_scale is not None else self.head_dim**-0.5
+        # OPT scales the queries as they leave their projection, and the scores not at all
+        self.query_scale = None
+        if config.scale_queries:
+            self.query_scale, self.scale = self.scale, 1.0
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
@@ -118,6 +125,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = adapted(self.qkv_proj, self.qkv_lora, hidden)
+        if self.query_scale is not None:
+            qkv[:, : self.q_size] *= self.query_scale
         # Query and key heads are adjacent: rotate them in one pass, then split the result.
         qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (self.num_heads + self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and self.qk_norm_over_heads:  # OLMo 2: each token's queries, and keys, as one row
@@ -152,7 +161,12 @@ class Attention(nn.Module):
 # The gate's activation for the MLPs that are not SwiGLU (Gemma's GeGLU), as transformers'
 # ACT2FN names them, where the kernels do not take it (off the CPU, or GELU's exact form).
 GATE_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
-             "relu2": lambda x: F.relu(x).square()}  # (relu2: of an MLP without a gate, Arcee's)
+             "relu2": lambda x: F.relu(x).square(),  # (relu2: of an MLP without a gate, Arcee's)
+             # GPT-2's and Phi's tanh form, as transformers computes it (not PyTorch's fused one:
+             # the same function, other roundings)
+             "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi)
+                                                               * (x + 0.044715 * torch.pow(x, 3.0)))),
+             "relu": F.relu}
 
 
 class XIELU(nn.Module):
@@ -210,15 +224,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         triton = triton_elementwise(backend)
         # (OLMo 2 norms no branch's input: the residual add alone)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) if config.pre_norms \
-            else ResidualAdd()
+        self.input_layernorm = _norm(config, triton) if config.pre_norms else ResidualAdd()
         window = config.layer_windows[index] if config.layer_windows else 0
         if window and local_rotary is not None:  # Gemma 3: the windowed layers' own base
             rotary = local_rotary
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
         self.self_attn = Attention(config, rotary, backend, triton, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
+        # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
+        self.parallel = config.parallel_residual
+        self.post_attention_layernorm = None if config.shared_norm else _norm(config, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) \
                 if config.pre_norms else ResidualAdd()
@@ -241,6 +256,10 @@ class DecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
+        if self.parallel:  # x + attention(norm(x)) + mlp(norm'(x)), both off the same x (`residual`)
+            attended = self.self_attn(positions, hidden, kv_cache, metadata)
+            mlp_input = hidden if self.post_attention_layernorm is None else self.post_attention_layernorm(residual)
+            return attended + self.mlp(mlp_input), residual
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         if self.pre_feedforward_layernorm is None:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -249,6 +268,12 @@ class DecoderLayer(nn.Module):
         # does, as above): attention -> norm -> add -> norm -> MLP -> norm.
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+def _norm(config: ModelConfig, triton: bool) -> nn.Module:
+    if config.layer_norm:
+        return LayerNorm(config.hidden_size, config.rms_norm_eps, config.norm_bias)
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
 
 
 class LlamaModel(nn.Module):
@@ -267,7 +292,10 @@ class LlamaModel(nn.Module):
             DecoderLayer(config, rotary, backend, i, self.local_rotary, self.no_rotary)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton=triton_elementwise(backend))
+        self.norm = _norm(config, triton_elementwise(backend))
+        # GPT-2, OPT: learned absolute positions (their layers do not rotate)
+        self.embed_positions = nn.Embedding(config.position_embeddings, config.hidden_size) \
+            if config.position_embeddings else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -290,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
             self.generates = not config.num_labels
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
 
     @property
     def eager_only(self) -> bool:
@@ -308,15 +336,17 @@ class LlamaForCausalLM(nn.Module):
         if (self.fused_decode is not None and not self.eager_only
                 and self.fused_decode.takes(input_ids, metadata, kv_caches)):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
-        hidden, residual = self.embed(input_ids), None
+        hidden, residual = self.embed(input_ids, positions), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         if residual is None:  # no layers
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model.embed_tokens(input_ids)
+        if self.model.embed_positions is not None:  # GPT-2's, OPT's (tokens' rows + positions' rows)
+            return hidden + self.model.embed_positions(positions + self.config.position_offset)
         # Granite's and Gemma's multiplier on the looked-up rows, not folded into the table:
         # a tied LM head reads the same table.
         multiplier = self.config.embedding_multiplier
@@ -347,7 +377,12 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors in by Hugging Face name; every parameter must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        arch, heads = self.config.architecture, self.config.num_attention_heads
         for name, tensor in weights:
+            renamed = checkpoint_tensor(arch, name, tensor, heads)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's names)
+            if renamed is None:
+                continue
+            name, tensor = renamed
             for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
                 if name.startswith(theirs):
                     name = ours + name[len(theirs):]
