@@ -110,7 +110,12 @@ def fused_moe(
     w_down: torch.Tensor,  # [E, hidden, intermediate]
     topk_weights: torch.Tensor,  # [num_tokens, top_k]
     topk_ids: torch.Tensor,  # [num_tokens, top_k]
+    b_gate_up: torch.Tensor | None = None,  # [E, 2 * intermediate] (gpt-oss's biased experts)
+    b_down: torch.Tensor | None = None,  # [E, hidden]
+    activate=None,  # [pairs, 2 * intermediate] -> [pairs, intermediate]; None: SiLU-and-mul
 ) -> torch.Tensor:  # [num_tokens, hidden]
+    """Biased experts add their biases to each pair's rows by its expert (device gathers),
+    and weigh the down product after its bias, as transformers orders it."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, _ = w_gate_up.shape
     if num_tokens == 0:
@@ -119,7 +124,13 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     gate_up = torch.empty(num_pairs, two_i, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w_gate_up, gate_up, topk_weights, sorted_ids, block_experts, top_k, False)
-    act = F.silu(gate_up[:, : two_i // 2]) * gate_up[:, two_i // 2 :]
+    experts = topk_ids.flatten()  # each pair's (token-major, as the pairs are)
+    if b_gate_up is not None:
+        gate_up += b_gate_up[experts]
+    act = F.silu(gate_up[:, : two_i // 2]) * gate_up[:, two_i // 2 :] if activate is None else activate(gate_up)
     out = torch.empty(num_pairs, w_down.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w_down, out, topk_weights.flatten().contiguous(), sorted_ids, block_experts, 1, True)
+    pair_weights = topk_weights.flatten().contiguous()
+    _grouped_gemm(act.contiguous(), w_down, out, pair_weights, sorted_ids, block_experts, 1, b_down is None)
+    if b_down is not None:
+        out = (out + b_down[experts]) * pair_weights[:, None]
     return out.view(num_tokens, top_k, -1).sum(1)

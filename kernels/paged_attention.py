@@ -19,6 +19,10 @@ and WINDOW > 0 lets a query see only its last WINDOW positions (transformers' sl
 window: key > query - WINDOW); a windowed program starts at the first tile its queries
 can see, so it reads a window's keys, not the whole context's.
 
+Sinks (gpt-oss's, a constexpr switch too): a learned logit per query head that joins each
+row's softmax as one more column whose value is zero: folded into the online softmax's
+final (max, sum) once, after the keys (with splits, by the reduction).
+
 Split-KV (flash-decoding): with NUM_SPLITS > 1 each program covers one slice of the
 keys and writes an unnormalised partial (acc, max, sum); `_reduce_splits_kernel` merges
 the slices. It pays when few sequences with long contexts leave the GPU idle.
@@ -50,6 +54,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_reqs] int32
     scale,
     softcap,  # read when SOFTCAP
+    sinks_ptr,  # [num_heads] float32, read when SINKS (and NUM_SPLITS == 1)
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_c_block, stride_c_slot, stride_c_head,
@@ -65,6 +70,7 @@ def _paged_attention_kernel(
     FP32_DOT: tl.constexpr,  # products in exact float32 (no tf32): float32 queries, interpreter
     SOFTCAP: tl.constexpr,  # whether scores are soft-capped
     WINDOW: tl.constexpr,  # > 0: the sliding window, in positions
+    SINKS: tl.constexpr,  # whether each head's sink joins its softmax
 ):
     req = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -142,6 +148,12 @@ def _paged_attention_kernel(
 
         tok = q_start + q_tok
         if NUM_SPLITS == 1:
+            if SINKS:  # one more column of the softmax, worth exp(sink) and no value
+                sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+                m_all = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_all)
+                l_i = l_i * alpha + tl.exp(sink - m_all)
+                acc = acc * alpha[:, None]
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             o_offs = tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + d[None, :]
             tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -161,11 +173,13 @@ def _reduce_splits_kernel(
     part_acc_ptr,  # [num_tokens, num_heads, NUM_SPLITS, head_dim] float32
     part_max_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32
     part_sum_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32
+    sinks_ptr,  # [num_heads] float32, read when SINKS
     stride_o_tok, stride_o_head,
     num_heads,
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -175,8 +189,13 @@ def _reduce_splits_kernel(
     m = tl.load(part_max_ptr + base + splits)
     l_split = tl.load(part_sum_ptr + base + splits)
     m_all = tl.max(m, 0)
+    if SINKS:  # the head's sink: one more split of sum exp(sink) and no value
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_all = tl.maximum(m_all, sink)
     weight = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # a split that saw nothing adds 0
     total = tl.sum(weight * l_split, 0)
+    if SINKS:
+        total += tl.exp(sink - m_all)
     acc = tl.load(part_acc_ptr + (base + splits)[:, None] * HEAD_DIM + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
@@ -196,6 +215,7 @@ def paged_attention(
     tile_keys: int | None = None,
     window: int = 0,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -221,11 +241,13 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # unused
+    sinks_arg = out if sinks is None else sinks  # (unread without SINKS)
     _paged_attention_kernel[grid](
         out, part_acc, part_max, part_sum,
         query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
         scale,
         1.0 if softcap is None else softcap,
+        sinks_arg,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -243,14 +265,16 @@ def paged_attention(
         FP32_DOT=query.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1",
         SOFTCAP=softcap is not None,
         WINDOW=window,
+        SINKS=sinks is not None and num_splits == 1,  # (with splits the reduction takes them)
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum,
+            out, part_acc, part_max, part_sum, sinks_arg,
             out.stride(0), out.stride(1),
             num_heads,
             NUM_SPLITS=num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
+            SINKS=sinks is not None,
         )
     return out

@@ -118,9 +118,10 @@ def test_cache_write_puts_each_token_in_its_slot_and_skips_padding(dtype):
     assert int((cache != 0).flatten(2).any(-1).sum()) == 2 * 4  # K and V, four real tokens
 
 
-def windowed_reference(query, kv_cache, md, scale, window, softcap):
+def windowed_reference(query, kv_cache, md, scale, window, softcap, sinks=None):
     """Gemma 2's attention written out per token in float32: every key of the request
-    gathered through its block table, scores capped, then masked causally and to the window."""
+    gathered through its block table, scores capped, then masked causally and to the window;
+    gpt-oss's sinks a last column of each head's softmax, dropped after it."""
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     out = torch.zeros(num_tokens, num_heads, head_dim)
@@ -136,26 +137,35 @@ def windowed_reference(query, kv_cache, md, scale, window, softcap):
                 scores = softcap * torch.tanh(scores / softcap)
             keys = torch.arange(seq_len)
             hidden = (keys > pos) | ((keys <= pos - window) if window else False)
-            out[t] = torch.einsum("hk,khd->hd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+            scores = scores.masked_fill(hidden, float("-inf"))
+            if sinks is None:
+                probs = scores.softmax(-1)
+            else:
+                probs = torch.cat((scores, sinks.float()[:, None]), -1).softmax(-1)[:, :-1]
+            out[t] = torch.einsum("hk,khd->hd", probs, v)
     return out
 
 
-@pytest.mark.parametrize("window, softcap", [(5, None), (24, None), (0, 2.0), (24, 2.0)])
+@pytest.mark.parametrize("window, softcap, sinks", [(5, None, False), (24, None, False), (0, 2.0, False),
+                                                   (24, 2.0, False), (0, None, True), (24, None, True)])
 @pytest.mark.parametrize("tile_keys, num_splits", [(16, 1), (64, 2)])
-def test_sliding_window_and_soft_cap_match_the_written_out_attention(window, softcap, tile_keys, num_splits):
+def test_sliding_window_soft_cap_and_sinks_match_the_written_out_attention(window, softcap, sinks, tile_keys,
+                                                                           num_splits):
     """Both backends, on decodes with contexts far past the window, chunks starting
-    mid-sequence and a whole prompt; windows inside a block and across blocks."""
+    mid-sequence and a whole prompt; windows inside a block and across blocks; gpt-oss's
+    sinks, with and without split-KV (where the reduction takes them)."""
     query, kv_cache, md = make_batch([1, 1, 1, 7, 20], [3, 45, 140, 60, 20], 6, 2, 64, 16, torch.float32, seed=7)
     scale = 0.3  # scores wide enough for a cap of 2 to bend them
-    expected = windowed_reference(query, kv_cache, md, scale, window, softcap)
+    head_sinks = torch.linspace(-2.0, 3.0, 6) if sinks else None  # (some above the scores, some below)
+    expected = windowed_reference(query, kv_cache, md, scale, window, softcap, head_sinks)
     out = paged_attention(query, kv_cache[0], kv_cache[1], md.block_table, md.query_start_loc, md.seq_lens,
                           md.max_query_len, scale, num_splits=num_splits, tile_keys=tile_keys, window=window,
-                          softcap=softcap)
+                          softcap=softcap, sinks=head_sinks)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     unused = torch.zeros(query.shape[0], 2, 64)
     for cache in (kv_cache, heads_first(kv_cache)):
         md.backend_state = None
-        got = TorchAttentionBackend().forward(query, unused, unused, cache, md, scale, window, softcap)
+        got = TorchAttentionBackend().forward(query, unused, unused, cache, md, scale, window, softcap, head_sinks)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     plain = windowed_reference(query, kv_cache, md, scale, 0, None)
     assert not torch.allclose(plain, expected, atol=1e-3)  # the window or cap changed the output

@@ -41,7 +41,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi"]
+            "gpt2", "opt", "gpt_neox", "phi", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,7 +76,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2}.get(name, 0)
+    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -119,9 +119,13 @@ def test_what_each_family_reads_from_its_config(family):
         assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
     assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
-    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1)}.get(name, ())
+    assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
+                                 "gpt_oss": (0, 1)}.get(name, ())
     assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
-    assert config.moe_topk_softmax == (name == "granite_moe")
+    assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
+    # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
+    assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
+        (True, True, 1.702, 1.0) if name == "gpt_oss" else (False, False, 0.0, 0.0))
     assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "gpt2": (0, 1), "opt": (0, 1)}.get(name, ())  # (EXAONE's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
@@ -156,16 +160,18 @@ def test_what_each_family_reads_from_its_config(family):
         "olmo2": ((), None, None, True, None, None),
         "glm4": ((), None, None, True, None, None),
         "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
-        "olmo3": ((24, 0), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
+        "olmo3": ((24, 0), None, None, True, None, 10000.0),
+        "gpt_oss": ((24, 0), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     if name == "olmo3":  # its YaRN on the global layer alone
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
-    assert (config.num_experts, config.num_experts_per_tok) == ((8, 2) if "moe" in name or name == "mixtral" else (0, 0))
+    assert (config.num_experts, config.num_experts_per_tok) == (
+        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss") else (0, 0))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == (
         (True, 8, False) if name == "glm4" else (False, config.rotary_dim, config.o_bias))
-    assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi"))
+    assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss"))
 
 
 def test_glm_matches_transformers(tmp_path):
@@ -663,3 +669,52 @@ def test_a_layer_normed_config_the_loader_would_mishandle_is_refused_by_name(tmp
     (phi / "config.json").write_text(json.dumps({**config, "qk_layernorm": True}))
     with pytest.raises(ValueError, match="qk_layernorm"):
         LLM(str(phi))
+
+
+def test_mxfp4_widens_as_transformers_widens():
+    """gpt-oss's released experts: 4-bit e2m1 codes, two a byte, a power of two per 32."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from services.worker.models.gpt_oss_weights import widen_mxfp4
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(120, 134, (3, 8, 2), dtype=torch.uint8, generator=gen)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [experts, in, out]
+    assert torch.equal(widen_mxfp4(blocks, scales), theirs.transpose(1, 2))
+
+
+def test_gpt_oss_serves_its_mxfp4_experts(tmp_path):
+    """The released checkpoints' layout: experts as MXFP4 blocks and scales beside a
+    quantization_config. Expert weights drawn on the MXFP4 grid, so the same model saved
+    widened is transformers' reference, token for token."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from services.worker.models.gpt_oss_weights import widen_mxfp4
+
+    folder = build_tiny_model(tmp_path / "oss", "gpt_oss", seed=3)
+    weights = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    packed = {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, fan_in, out = weights[name].shape
+        blocks = torch.randint(0, 256, (experts, out, fan_in // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(122, 125, (experts, out, fan_in // 32), dtype=torch.uint8, generator=gen)
+        weights[name] = widen_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    want = hf_greedy(folder, PROMPTS, MAX_NEW)
+    released = {**{n: t for n, t in weights.items() if not n.endswith(("gate_up_proj", "down_proj"))}, **packed}
+    save_file(released, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                        "model.layers.*.mlp.router",
+                                                                                        "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert generate_ids(LLM(str(folder)), PROMPTS) == want
+    del released[next(n for n in released if n.endswith("down_proj_scales"))]
+    save_file(released, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj_blocks without its down_proj_scales"):
+        LLM(str(folder))

@@ -353,6 +353,21 @@ def build_tiny_model(
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     elif arch in LAYER_NORMED:
         model = _layer_normed_model(arch, common, overrides)
+    elif arch == "gpt_oss":
+        # 8 biased experts of 32, top 2, their clamp low enough to bite (1.0, where gpt-oss's
+        # is 7: these weights' gates reach past it); a window of 24 on layer 0, the global
+        # layer 1 on YaRN; sinks, biases and the router moved off their starts
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        oss = {"head_dim": 16, "max_position_embeddings": 256, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+               "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"], "swiglu_limit": 1.0,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}}
+        model = GptOssForCausalLM(GptOssConfig(**{**common, **oss, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("sinks", "bias")):
+                    param.normal_(0.0, 1.0 if name.endswith("sinks") else 0.1)
     else:
         raise ValueError(arch)
     if max_shard_size is not None:

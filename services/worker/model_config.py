@@ -68,6 +68,11 @@ SUPPORTED_ARCHITECTURES = {
     # Apertus (Apertus-8B, 70B): Arcee's ungated MLP with the xIELU activation (two learned
     # scalars a layer), Qwen3's query/key norms, the two norms under names of their own
     "ApertusForCausalLM": "llama",
+    # gpt-oss (gpt-oss-20b, 120b): a sparse MLP in every layer whose router and experts are
+    # biased and whose experts gate with a clamped SwiGLU of their own; per-head attention
+    # sinks; windowed and global layers alternating; YaRN. Its experts' MXFP4 blocks are
+    # widened to the model's dtype at load.
+    "GptOssForCausalLM": "llama",
     # The LayerNorm decoders (LAYER_NORMED): biased LayerNorms, ungated biased MLPs.
     # OPT (vLLM's quickstart model, facebook/opt-125m): learned positions offset by 2, no
     # rotary, queries scaled before their product with the keys, ReLU.
@@ -99,8 +104,9 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo3ForCausalLM", "Exaone4ForCausalLM", *EVERY_LAYER_WINDOWED,
-            *BY_LAYER_TYPE)
+# Windowed where `layer_types` says, always (no use_sliding_window switch)
+ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM")
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
@@ -109,7 +115,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                           "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee",
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
-                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi"}
+                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -241,6 +247,14 @@ class ModelConfig:
     # OPT: queries scaled by 1/sqrt(head_dim) after their projection, the scores then
     # unscaled (transformers' order of roundings)
     scale_queries: bool = False
+    # gpt-oss: a learned logit per query head (`sinks`) that joins each row's softmax as one
+    # more column, and is dropped after it: a share of attention that goes to no value
+    attention_sinks: bool = False
+    # gpt-oss's experts and router are biased; its experts gate with a clamped SwiGLU:
+    # gate at most limit, up within +-limit, (up + 1) * gate * sigmoid(alpha * gate)
+    moe_bias: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def max_model_len(self) -> int:
@@ -485,7 +499,7 @@ def _sliding_window_fields(arch: str, raw: dict) -> dict:
     window, num_layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if arch in EVERY_LAYER_WINDOWED and window:
         return dict(layer_windows=_layer_windows(["sliding_attention"] * num_layers, window, num_layers))
-    if arch in ("Olmo3ForCausalLM", "Exaone4ForCausalLM") and window:  # windowed where layer_types says, always
+    if arch in ALWAYS_BY_LAYER_TYPE and window:  # windowed where layer_types says, always
         return dict(layer_windows=_layer_windows(raw["layer_types"], window, num_layers))
     if arch in BY_LAYER_TYPE and window and raw.get("use_sliding_window"):
         first = raw.get("max_window_layers", num_layers)
@@ -571,6 +585,15 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
     Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
     moe_intermediate_size, renormalized if norm_topk_prob."""
+    if arch == "GptOssForCausalLM":
+        num_experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+        # (its hidden_act names no activation of its experts': theirs is their own)
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
+                    norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
+                    moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]),
+                    attention_sinks=True)
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"):
         return {}
     if raw.get("hidden_act", "silu") != "silu":

@@ -28,11 +28,13 @@ class AttentionBackend(Protocol):
         scale: float,
         window: int = 0,  # > 0: a query sees only the keys of its last `window` positions
         softcap: float | None = None,  # scores become softcap * tanh(scores / softcap)
+        sinks: torch.Tensor | None = None,  # [num_heads]: gpt-oss's logit a row's softmax also spreads over
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write the new keys/values into their cache slots, then attend over the cache. (The
         Triton backend also takes key and value None: its caller wrote them already.)
         `window`: a sliding window (Mistral's, Qwen's, Gemma's), which reads only the blocks
-        it covers; `softcap`: Gemma 2's."""
+        it covers; `softcap`: Gemma 2's; `sinks`: gpt-oss's (one more column in each
+        head's softmax, dropped after it)."""
         ...
 
 

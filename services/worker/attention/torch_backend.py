@@ -146,6 +146,7 @@ class TorchAttentionBackend:
         scale: float,
         window: int = 0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         block_size = kv_cache.shape[2]
         state = metadata.backend_state
@@ -156,9 +157,9 @@ class TorchAttentionBackend:
             # The window holds every key of the step: plain causal attention (the SDPA and
             # grouped paths where the CPU kernels do not load, not the per-request loop).
             window = 0
-        if (window or softcap is not None) and not state.kernel_prefills:
-            # (the CPU kernels, where they load, take windows and caps below)
-            return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap)
+        if sinks is not None or ((window or softcap is not None) and not state.kernel_prefills):
+            # (the CPU kernels, where they load, take windows and caps below; not sinks)
+            return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, sinks)
         if state.kernel_decodes:
             decodes = cpu_kernels.paged_decode_attention(
                 query[: metadata.num_decodes], kv_cache, metadata.block_table, metadata.seq_lens, scale, window, softcap
@@ -261,10 +262,12 @@ def capped_or_windowed(
     scale: float,
     window: int,  # 0: none
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
-    """Attention with a sliding window or a soft cap, one request at a time: scores in
-    float32, soft-capped, masked causally and to the window, as transformers' eager
-    attention computes them. A windowed request reads only the blocks from its first
+    """Attention with a sliding window, a soft cap or sinks, one request at a time: scores
+    in float32, soft-capped, masked causally and to the window, each head's sink a last
+    column of its softmax (dropped after it), as transformers' eager attention computes
+    them. A windowed request reads only the blocks from its first
     query's window on, so a long context costs a window's reading, not the context's.
     SDPA takes neither a soft cap nor a window: where the CPU kernels (which take both)
     do not load - another dtype, another head size - this loop runs such layers. A
@@ -302,7 +305,12 @@ def capped_or_windowed(
         if window:
             visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.view(num_kv_heads, -1, query_len, seq_len - offset).masked_fill_(~visible, float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads, -1, seq_len - offset)
+        if sinks is None:
+            probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads, -1, seq_len - offset)
+        else:
+            sink = sinks.float().view(num_kv_heads, -1, 1, 1).expand(-1, -1, query_len, 1)
+            probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1].to(v.dtype)
+            probs = probs.reshape(num_kv_heads, -1, seq_len - offset)
         o = torch.matmul(probs, v).view(num_kv_heads, num_heads // num_kv_heads, query_len, head_dim)
         out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim)
     return out

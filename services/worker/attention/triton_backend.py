@@ -52,6 +52,7 @@ class TritonAttentionBackend:
         scale: float,
         window: int = 0,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if key is not None:  # (None: the caller wrote them, kernels/elementwise.py's rotary_and_cache)
@@ -62,4 +63,5 @@ class TritonAttentionBackend:
         return paged_attention(
             query, key_cache, value_cache, metadata.block_table, metadata.query_start_loc,
             metadata.seq_lens, metadata.max_query_len, scale, num_splits=num_splits, window=window, softcap=softcap,
+            sinks=sinks,
         )

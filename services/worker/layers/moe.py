@@ -28,20 +28,21 @@ from torch import nn
 
 
 class Router(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # (gpt-oss's)
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0, router_bias: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
-        self.topk_softmax = topk_softmax  # GraniteMoe's: a softmax over the k chosen logits
-        self.gate = Router(num_experts, hidden_size)
+        self.topk_softmax = topk_softmax  # GraniteMoe's (and gpt-oss's): a softmax over the k chosen logits
+        self.gate = Router(num_experts, hidden_size, router_bias)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.shared_expert = expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
@@ -51,6 +52,9 @@ class SparseMoE(nn.Module):
         self.dense = False
         self.w_gate_up: torch.Tensor | None = None  # [E, 2 * intermediate, hidden]
         self.w_down: torch.Tensor | None = None  # [E, hidden, intermediate]
+        self.b_gate_up: torch.Tensor | None = None  # [E, 2 * intermediate] (gpt-oss's biases)
+        self.b_down: torch.Tensor | None = None  # [E, hidden]
+        self.activate = None  # the experts' own gate (gpt-oss's), or None: SiLU-and-mul
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -61,11 +65,18 @@ class SparseMoE(nn.Module):
         for i, e in enumerate(self.experts):
             e.gate_up_proj.weight.data, e.down_proj.weight.data = gate_up[i], down[i]
         self.w_gate_up, self.w_down = gate_up, down
+        first = self.experts[0]
+        if first.gate_up_proj.bias is not None:  # gpt-oss's biased experts, their gate its own
+            self.b_gate_up = torch.stack([e.gate_up_proj.bias.data for e in self.experts])
+            self.b_down = torch.stack([e.down_proj.bias.data for e in self.experts])
+            for i, e in enumerate(self.experts):
+                e.gate_up_proj.bias.data, e.down_proj.bias.data = self.b_gate_up[i], self.b_down[i]
+        self.activate = getattr(first, "activate", None)  # None: SiLU-and-mul
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, k] in x's dtype, experts [num_tokens, k]) of each token."""
         if self.topk_softmax:
-            top, chosen = F.linear(x, self.gate.weight).float().topk(self.top_k, dim=-1)
+            top, chosen = F.linear(x, self.gate.weight, self.gate.bias).float().topk(self.top_k, dim=-1)
             return top.softmax(-1).to(x.dtype), chosen
         probs = F.linear(x, self.gate.weight).softmax(-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
@@ -85,7 +96,8 @@ class SparseMoE(nn.Module):
         if self.w_gate_up is not None:
             from kernels.fused_moe import fused_moe  # Triton: only where its backend runs
 
-            return fused_moe(x, self.w_gate_up, self.w_down, weights, chosen)
+            return fused_moe(x, self.w_gate_up, self.w_down, weights, chosen, self.b_gate_up, self.b_down,
+                             self.activate)
         if self.dense:
             combine = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
             combine.scatter_(1, chosen, weights)

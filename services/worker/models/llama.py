@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,7 @@ from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
+from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.layer_normed_names import checkpoint_tensor
 from services.worker.model_config import ModelConfig
 
@@ -103,6 +105,8 @@ class Attention(nn.Module):
         # This layer's sliding window (0: none) and Gemma 2's soft cap on the scores
         self.window = window
         self.softcap = config.attn_logit_softcapping
+        # gpt-oss: a logit per query head that each row's softmax also spreads over
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
         # With the Triton kernels on (`triton_elementwise`), one kernel rotates queries and
         # keys and writes keys and values into the cache (kernels/elementwise.py), then the
         # backend attends over the cache. A partial rotary rotates in PyTorch.
@@ -139,13 +143,14 @@ class Attention(nn.Module):
         if self.rotary_writes_cache:
             q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
                                                 kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads)
-            out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale, self.window, self.softcap)
+            out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale, self.window, self.softcap,
+                                       self.sinks)
         else:
             qk = self.rotary(positions, qk)
             if self.qk_norm_after_rope:
                 qk = self._head_norms(qk, num_tokens)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap)
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks)
         return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
 
     def _head_norms(self, qk: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -218,6 +223,32 @@ class MLP(nn.Module):
         return adapted(self.down_proj, self.down_lora, act)
 
 
+class ClampedSwiGLUExpert(nn.Module):
+    """gpt-oss's expert: biased products, and between them a SwiGLU with clamps, its gate
+    at most `limit` and its up within +-`limit`, (up + 1) * gate * sigmoid(alpha * gate),
+    as transformers computes it. `gate_up_proj` holds the gate rows, then the up rows (the
+    checkpoint interleaves them: models/gpt_oss_weights.py reorders them at load)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.alpha, self.limit = alpha, limit
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.shard_sizes = (intermediate_size, intermediate_size)
+        self.gate_up_lora: LoRAStack | None = None  # (adapters are refused for it: attribute for the loader's walk)
+        self.down_lora: LoRAStack | None = None
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.shard_sizes, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.activate(self.gate_up_proj(x)))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
                  local_rotary: RotaryEmbedding | None = None, no_rotary: RotaryEmbedding | None = None):
@@ -241,10 +272,13 @@ class DecoderLayer(nn.Module):
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if index in config.moe_layers:
+            expert = MLP if not config.swiglu_limit else partial(
+                ClampedSwiGLUExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                                 config.num_experts_per_tok, config.norm_topk_prob, MLP, fused=backend.name == "triton",
+                                 config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
-                                 shared_intermediate_size=config.shared_expert_intermediate_size)
+                                 shared_intermediate_size=config.shared_expert_intermediate_size,
+                                 router_bias=config.moe_bias)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
@@ -378,6 +412,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         arch, heads = self.config.architecture, self.config.num_attention_heads
+        if arch == "GptOssForCausalLM":  # its stacked, interleaved, MXFP4 experts, one by one
+            weights = gpt_oss_tensors(weights)
         for name, tensor in weights:
             renamed = checkpoint_tensor(arch, name, tensor, heads)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's names)
             if renamed is None:
