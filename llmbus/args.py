@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+from pathlib import Path
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
@@ -288,12 +289,18 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
         log.info("default sampling parameters from the model's generation config: %s "
                  "(--generation-config vllm to ignore them)", defaults)
     aliases = tuple(name for name in args.served_model_name or [] if name and name != model_name)
+    reasoning_parser, tool_call_parser = args.reasoning_parser, args.tool_call_parser
+    if _architectures(model_path) & {"GptOssForCausalLM"}:
+        # gpt-oss answers in harmony, which vLLM always reads as harmony: its parsers, unless
+        # others were asked for (hermes, the default, means none was)
+        reasoning_parser = reasoning_parser or "openai_gptoss"
+        tool_call_parser = "openai" if tool_call_parser == "hermes" else tool_call_parser
     return GatewayConfig(model_name, aliases, tuple(args.api_key), args.api_key_file, args.metrics_require_key,
                          args.max_body_bytes,
                          scheduler_resume_timeout_s=args.scheduler_resume_timeout,
-                         tool_call_parser=args.tool_call_parser,
+                         tool_call_parser=tool_call_parser,
                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                         reasoning_parser=args.reasoning_parser,
+                         reasoning_parser=reasoning_parser,
                          default_sampling=defaults, model_eos_ids=model_eos_ids(model_path, args.generation_config),
                          unsupported_pooling=unsupported_pooling(model_path),
                          classifier=classifier_of(model_path),
@@ -312,6 +319,13 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                          log_request_inputs=args.enable_log_requests, log_outputs=args.enable_log_outputs,
                          max_log_len=args.max_log_len)
+
+
+def _architectures(model_path: str) -> set[str]:
+    try:
+        return set(json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return set()
 
 
 def runtime_lora_updating(warn: bool = True) -> bool:

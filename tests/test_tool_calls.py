@@ -305,7 +305,13 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                                   "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "Let me look."),
                   "seed_oss": ("Let me look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                                "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</seed:tool_call>\n"
-                               "<seed:tool_call>\n<function=get_time>\n</function>\n</seed:tool_call>", "Let me look.")}
+                               "<seed:tool_call>\n<function=get_time>\n</function>\n</seed:tool_call>", "Let me look."),
+                  # gpt-oss's harmony: a commentary preamble, then messages to functions (recipient
+                  # after the channel, and before it)
+                  "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+                             'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>'
+                             "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>",
+                             "Let me look.")}
 
 
 @pytest.mark.parametrize("parser", SERVED_PARSERS)
@@ -340,7 +346,7 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser
     # The tools reached the prompt; auto is not constrained; mistral's tag is a special
     # token, which its requests keep in their text.
     assert engine.submitted[0].sampling_params.structured_outputs is None
-    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser not in ("mistral", "granite"))
+    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser not in ("mistral", "granite", "openai"))
     assert "get_weather" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
 
 

@@ -13,6 +13,7 @@ across deltas is held back until it is whole or cannot be one.
   otherwise (`enable_thinking: false` closes it in the prompt) all content.
 - `seed_oss`: as `qwen3`, between Seed-OSS's `<seed:think>` and `</seed:think>` (its
   thinking-budget notes, `<seed:cot_budget_reflect>`, stay in the reasoning).
+- `openai_gptoss`: gpt-oss's harmony analysis channel (harmony.py).
 Reasoning that never closes (max_tokens ran out) stays reasoning.
 """
 
@@ -83,8 +84,15 @@ def prompt_opens_thinking(prompt_tail: str, tags: tuple[str, str] = TAGS["qwen3"
 def new_parser(name: str, prompt_tail: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}: {', '.join(REASONING_PARSERS)}")
+    if name == "openai_gptoss":
+        from services.gateway.harmony import HarmonyReasoningParser
+
+        return HarmonyReasoningParser()
     tags = TAGS[name]
     return ReasoningParser(name == "deepseek_r1" or prompt_opens_thinking(prompt_tail, tags), tags)
 
 
-REASONING_PARSERS = tuple(TAGS)
+# `openai_gptoss`: gpt-oss's harmony channels (harmony.py), read from its special tokens,
+# which the answer's text then keeps
+KEEPS_SPECIAL_TOKENS = ("openai_gptoss",)
+REASONING_PARSERS = (*TAGS, *KEEPS_SPECIAL_TOKENS)

@@ -27,6 +27,7 @@ from services.gateway.protocol import (
     validate_chat_options,
     validate_messages,
 )
+from services.gateway.reasoning_parsers import KEEPS_SPECIAL_TOKENS
 from services.gateway.request_ids import client_request_id
 from services.gateway.peers import GatewayPeers
 from services.gateway.response_peers import ResponsePeers
@@ -152,7 +153,9 @@ class OpenAIServing:
                                    self.config.model_eos_ids, self.tokenizer.eos_token_id)
         # (a few short words: encoded here, not sent to a tokenizer replica)
         params = with_bad_words_tokenized(params, lambda word: self.tokenizer.encode(word, add_special_tokens=False))
-        if tools is not None and tools.keeps_special_tokens(self.config.tool_call_parser):
+        if isinstance(body, ChatCompletionRequest) and (
+                (tools is not None and tools.keeps_special_tokens(self.config.tool_call_parser))
+                or self.config.reasoning_parser in KEEPS_SPECIAL_TOKENS):  # (the parsers take them out)
             params = msgspec.structs.replace(params, skip_special_tokens=False)
         if isinstance(body, ChatCompletionRequest):
             body.messages = validate_messages(body.messages)
