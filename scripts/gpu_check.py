@@ -72,6 +72,9 @@ MODELS = {
     # Gemma 2: the attention kernel's window and soft cap (constexpr switches), sandwich norms.
     # Not in a default run (its time is measured for the four above): `--models gemma2`.
     "gemma2": ("gemma2", {}),
+    # gpt-oss: the attention kernel's sinks (with and without split-KV), biased experts with
+    # its clamped SwiGLU on the grouped GEMMs, alternating windows: `--models gpt_oss`.
+    "gpt_oss": ("gpt_oss", {}),
 }
 DEFAULT_MODELS = ["llama_hd16", "qwen2_bias", "llama_hd64_gqa3", "qwen3_moe"]
 
