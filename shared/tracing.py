@@ -12,6 +12,7 @@ unless `OTEL_EXPORTER_OTLP_TRACES_INSECURE=true`), unless the protocol variable 
 from __future__ import annotations
 
 import os
+import threading
 from urllib.parse import urlparse
 
 from opentelemetry import context as otel_context
@@ -21,6 +22,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 _propagator = TraceContextTextMapPropagator()
 _provider = None
+_span_exporter = None
+# How long the spans left at exit may take to go out: a collector that cannot be reached
+# would hold the exit for the exporter's retries (its 10 s timeout), past a service's
+# shutdown limit (shared/bus.py's AFTER_CLOSE_S), which then ends the process with status 1
+SHUTDOWN_FLUSH_S = 2.0
 
 
 def tracing_enabled() -> bool:
@@ -31,7 +37,7 @@ def tracing_enabled() -> bool:
 
 def setup_tracing(service: str) -> Tracer:
     """A tracer for this service; exports over OTLP/HTTP only when an endpoint is set."""
-    global _provider
+    global _provider, _span_exporter
     if tracing_enabled() and _provider is None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -41,7 +47,8 @@ def setup_tracing(service: str) -> Tracer:
         # OTEL_TRACES_SAMPLER(_ARG) through the SDK's own defaults.
         resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or f"llmbus-{service}"})
         _provider = TracerProvider(resource=resource)
-        _provider.add_span_processor(BatchSpanProcessor(_exporter(), schedule_delay_millis=500))
+        _span_exporter = _exporter()
+        _provider.add_span_processor(BatchSpanProcessor(_span_exporter, schedule_delay_millis=500))
         trace.set_tracer_provider(_provider)
     return trace.get_tracer(f"llmbus.{service}")
 
@@ -73,10 +80,17 @@ def _exporter():
     return OTLPSpanExporter()
 
 
-def shutdown_tracing() -> None:
-    """Flush what is buffered; call on the way out."""
-    if _provider is not None:
-        _provider.shutdown()
+def shutdown_tracing(timeout_s: float = SHUTDOWN_FLUSH_S) -> None:
+    """Flush what is buffered; call on the way out. Bounded: spans that cannot go out
+    within `timeout_s` are dropped (the exporter's shutdown ends its retries)."""
+    if _provider is None:
+        return
+    flushing = threading.Thread(target=_provider.shutdown, daemon=True)
+    flushing.start()
+    flushing.join(timeout_s)
+    if flushing.is_alive():
+        _span_exporter.shutdown()  # (its retries wait on this, and end)
+        flushing.join(1.0)
 
 
 def inject(ctx: otel_context.Context | None = None) -> dict[str, str]:

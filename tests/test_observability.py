@@ -255,3 +255,28 @@ def test_otlp_traces_endpoint_picks_the_protocol_by_its_url(monkeypatch, url, en
         assert made._insecure is plain
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # the variable wins
     assert type(tracing._exporter()).__module__.split(".")[-2] == "http"
+
+
+def test_spans_a_collector_cannot_take_do_not_hold_a_service_s_exit(tmp_path):
+    """An unreachable collector (a name that does not resolve) would hold the last flush
+    for the exporter's retries, 10 s, past a service's shutdown limit (5 s after the bus
+    closed), which then ends it with status 1 (a drained worker was seen to): the flush is
+    bounded and the spans dropped."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from shared.tracing import setup_tracing, shutdown_tracing\n"
+        "tracer = setup_tracing('probe')\n"
+        "for i in range(50):\n"
+        "    tracer.start_span(f's{i}').end()\n"
+        "time.sleep(1.0)\n"  # (a first export has begun failing, and retries)
+        "start = time.monotonic()\n"
+        "shutdown_tracing()\n"
+        "print(round(time.monotonic() - start, 2))\n"
+    )
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.invalid:4318"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip().splitlines()[-1]) < 4.0
