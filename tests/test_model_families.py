@@ -41,7 +41,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "gpt_oss"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -129,7 +129,7 @@ def test_what_each_family_reads_from_its_config(family):
     assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "gpt2": (0, 1), "opt": (0, 1)}.get(name, ())  # (EXAONE's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
-               "gemma3": (8.0, 1.0, 24**-0.5, 1.0)}
+               "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0)}  # (Cohere's logit_scale 0.5)
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
@@ -137,9 +137,10 @@ def test_what_each_family_reads_from_its_config(family):
         "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
+        "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
-    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi"))
+    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2"))
     # The LayerNorm decoders: GPT-2's and OPT's learned positions (OPT's two rows on), no layer
     # rotating; NeoX's and Phi's branches side by side, Phi's off one norm; Phi's biased head;
     # OPT's queries scaled as they are projected
@@ -148,7 +149,12 @@ def test_what_each_family_reads_from_its_config(family):
         "gpt2": (True, True, False, False, 1024, 0, False, False),
         "opt": (True, True, False, False, 1026, 2, False, True),
         "gpt_neox": (True, True, True, False, 0, 0, False, False),
-        "phi": (True, True, True, True, 0, 0, True, False)}.get(name, (False, False, False, False, 0, 0, False, False))
+        "phi": (True, True, True, True, 0, 0, True, False),
+        "starcoder2": (True, True, False, False, 0, 0, False, False),
+        "stablelm": (True, True, False, False, 0, 0, False, False),
+        "cohere": (True, False, True, True, 0, 0, False, False),
+    }.get(name, (False, False, False, False, 0, 0, False, False))
+    assert config.residual_first == (name == "cohere")  # (StableLM's too, where it is parallel)
     if name in ("gpt2", "opt"):
         assert config.nope_layers == (0, 1)
     if name in ("gpt_neox", "phi"):
@@ -161,7 +167,8 @@ def test_what_each_family_reads_from_its_config(family):
         "glm4": ((), None, None, True, None, None),
         "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0),
-        "gpt_oss": ((24, 0), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
+        "gpt_oss": ((24, 0), None, None, False, None, None),
+        "starcoder2": ((24, 24), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     if name == "olmo3":  # its YaRN on the global layer alone
@@ -169,9 +176,11 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.num_experts, config.num_experts_per_tok) == (
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss") else (0, 0))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
-    assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == (
-        (True, 8, False) if name == "glm4" else (False, config.rotary_dim, config.o_bias))
-    assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss"))
+    assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
+        "glm4": (True, 8, False), "cohere": (True, 0, False), "stablelm": (False, 4, False)}.get(
+        name, (False, config.rotary_dim, config.o_bias))
+    assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
+                                        "stablelm"))
 
 
 def test_glm_matches_transformers(tmp_path):
@@ -718,3 +727,11 @@ def test_gpt_oss_serves_its_mxfp4_experts(tmp_path):
     save_file(released, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="down_proj_blocks without its down_proj_scales"):
         LLM(str(folder))
+
+
+def test_stablelm_with_its_branches_side_by_side_matches_transformers(tmp_path):
+    """use_parallel_residual: attention and MLP off one norm, summed residual first."""
+    folder = build_tiny_model(tmp_path / "s", "stablelm", seed=2, use_parallel_residual=True)
+    llm = LLM(str(folder))
+    assert (llm.runner.model_config.parallel_residual, llm.runner.model_config.residual_first) == (True, True)
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)

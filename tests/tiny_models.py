@@ -379,12 +379,13 @@ def build_tiny_model(
 
 # The LayerNorm decoders: biased LayerNorms and ungated biased MLPs (GPT-2 and OPT with
 # learned positions and tied heads, GPT-NeoX and Phi with attention and MLP side by side)
-LAYER_NORMED = ("gpt2", "opt", "gpt_neox", "phi")
+LAYER_NORMED = ("gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere")
 
 
 def _layer_normed_model(arch: str, common: dict, overrides: dict):
-    from transformers import (GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM, OPTConfig,
-                              OPTForCausalLM, PhiConfig, PhiForCausalLM)
+    from transformers import (CohereConfig, CohereForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+                              GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM, StableLmConfig,
+                              StableLmForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
     ids = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
     size, layers, heads = common["hidden_size"], common["num_hidden_layers"], common["num_attention_heads"]
@@ -403,6 +404,21 @@ def _layer_normed_model(arch: str, common: dict, overrides: dict):
             "intermediate_size": common["intermediate_size"], "initializer_range": 0.15,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
             **overrides}))
+    elif arch == "starcoder2":  # grouped queries, a window of 24 on every layer, tied
+        model = Starcoder2ForCausalLM(Starcoder2Config(**{
+            **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
+            "initializer_range": 0.15, "sliding_window": 24, **overrides}))
+    elif arch == "stablelm":  # q/k/v biased, a quarter of each head rotating, grouped queries
+        model = StableLmForCausalLM(StableLmConfig(**{
+            **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
+            "initializer_range": 0.15, "use_qkv_bias": True, **overrides}))
+    elif arch == "cohere":  # logits times 0.5, interleaved rotary, tied
+        model = CohereForCausalLM(CohereConfig(**{
+            **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
+            "initializer_range": 0.15, "logit_scale": 0.5, **overrides}))
     else:  # phi: grouped queries too
         model = PhiForCausalLM(PhiConfig(**{
             **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,

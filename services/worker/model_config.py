@@ -85,8 +85,19 @@ SUPPORTED_ARCHITECTURES = {
     # Phi (phi-1.5, phi-2): attention and MLP side by side off one norm, partial rotary, an
     # LM head with a bias
     "PhiForCausalLM": "llama",
+    # StarCoder2: biased LayerNorms and projections, an ungated MLP (c_fc, c_proj), GQA,
+    # a window on every layer where the config has one
+    "Starcoder2ForCausalLM": "llama",
+    # StableLM (stablelm-2, stablelm-3b-4e1t): Llama's gated MLP and GQA under biased
+    # LayerNorms, a quarter of each head rotating, q/k/v biased where `use_qkv_bias` says,
+    # attention and MLP side by side off one norm where `use_parallel_residual` says
+    "StableLmForCausalLM": "llama",
+    # Cohere (Command R, Aya): LayerNorms without a bias, attention and MLP side by side off
+    # one norm, interleaved rotary, logits times logit_scale, tied
+    "CohereForCausalLM": "llama",
 }
-LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM")
+LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
+                "StableLmForCausalLM", "CohereForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -99,7 +110,7 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
 # by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
-EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
+EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
 QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
@@ -115,7 +126,9 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                           "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee",
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
-                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss"}
+                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
+                          "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
+                          "CohereForCausalLM": "cohere"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -146,7 +159,8 @@ TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _LAYER_NORMED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 UNGATED = {"ArceeForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",),
-           **dict.fromkeys(LAYER_NORMED, _LAYER_NORMED_ACTS)}
+           **dict.fromkeys(("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM",
+                            "Starcoder2ForCausalLM"), _LAYER_NORMED_ACTS)}
 HIDDEN_ACTS = tuple(dict.fromkeys((*GATED_ACTS, *(a for acts in UNGATED.values() for a in acts))))
 
 
@@ -247,6 +261,9 @@ class ModelConfig:
     # OPT: queries scaled by 1/sqrt(head_dim) after their projection, the scores then
     # unscaled (transformers' order of roundings)
     scale_queries: bool = False
+    # StableLM's and Cohere's parallel sum, residual + attention + MLP in that order (NeoX's
+    # and Phi's: MLP and attention, then the residual): the same numbers, other roundings
+    residual_first: bool = False
     # gpt-oss: a learned logit per query head (`sinks`) that joins each row's softmax as one
     # more column, and is dropped after it: a share of attention that goes to no value
     attention_sinks: bool = False
@@ -356,7 +373,7 @@ class ModelConfig:
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
             o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
-                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", *GLMS)
+                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS)
                     and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
@@ -378,7 +395,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM"),
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "CohereForCausalLM"),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
@@ -410,29 +427,47 @@ def _layer_normed(arch: str, raw: dict) -> dict:
             raise ValueError("unsupported OPT layer_norm_elementwise_affine false: norms with weights only")
         raw.update(intermediate_size=raw["ffn_dim"], hidden_act=raw["activation_function"], layer_norm_eps=1e-5,
                    attention_bias=raw.get("enable_bias", True))
-    elif arch == "PhiForCausalLM" and raw.get("qk_layernorm"):
-        raise ValueError("unsupported qk_layernorm true for Phi: without query/key norms only")
-    raw["rms_norm_eps"] = raw.get("layer_norm_eps", 1e-5)  # (the norms' eps, whatever the norm)
-    if arch != "PhiForCausalLM":  # a head of keys and values to each query head, of hidden / heads dims,
-        raw["num_key_value_heads"] = raw["num_attention_heads"]  # whatever else the file holds
+    elif arch in ("PhiForCausalLM", "StableLmForCausalLM") and raw.get("qk_layernorm"):
+        raise ValueError(f"unsupported qk_layernorm true for {arch}: without query/key norms only")
+    elif arch == "CohereForCausalLM" and raw.get("use_qk_norm"):
+        raise ValueError("unsupported use_qk_norm true for Cohere (Command R+): without query/key norms only")
+    raw["rms_norm_eps"] = raw.get("layer_norm_eps", raw.get("norm_epsilon", 1e-5))  # (the norms' eps, whatever the norm)
+    if arch in ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM"):
+        # a head of keys and values to each query head, of hidden / heads dims, whatever
+        # else the file holds
+        raw["num_key_value_heads"] = raw["num_attention_heads"]
         raw.pop("head_dim", None)
-    if arch != "OPTForCausalLM":  # (OPT's enable_bias says for both; the others' MLPs are always biased)
+    if arch == "OPTForCausalLM":  # (its enable_bias says for both)
+        raw["mlp_bias"] = raw["attention_bias"]
+    elif arch == "Starcoder2ForCausalLM":
+        raw["attention_bias"] = raw["mlp_bias"] = raw.get("use_bias", True)
+    elif arch == "StableLmForCausalLM":  # q/k/v's bias alone (o_proj never: attention_out_bias)
+        raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("use_qkv_bias")), False
+    elif arch == "CohereForCausalLM":
+        raw["mlp_bias"] = False
+    else:  # (the MLPs of GPT-2, NeoX and Phi are always biased)
         raw["attention_bias"] = raw.get("attention_bias", True) if arch == "GPTNeoXForCausalLM" else True
         raw["mlp_bias"] = True
-    else:
-        raw["mlp_bias"] = raw["attention_bias"]
     return raw
 
 
 def _layer_normed_fields(arch: str, raw: dict) -> dict:
     if arch not in LAYER_NORMED:
         return {}
-    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else True
-    fields = dict(layer_norm=True, norm_bias=biased,
-                  parallel_residual=(arch == "PhiForCausalLM" or (arch == "GPTNeoXForCausalLM"
-                                                                  and raw.get("use_parallel_residual", True))),
-                  shared_norm=arch == "PhiForCausalLM", lm_head_bias=arch == "PhiForCausalLM",
-                  scale_queries=arch == "OPTForCausalLM")
+    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else arch != "CohereForCausalLM"
+    parallel = (arch in ("PhiForCausalLM", "CohereForCausalLM")
+                or (arch in ("GPTNeoXForCausalLM", "StableLmForCausalLM")
+                    and raw.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")))
+    fields = dict(layer_norm=True, norm_bias=biased, parallel_residual=parallel,
+                  shared_norm=parallel and arch != "GPTNeoXForCausalLM", lm_head_bias=arch == "PhiForCausalLM",
+                  scale_queries=arch == "OPTForCausalLM",
+                  # StableLM's and Cohere's sum: the residual and the attention first, then the MLP
+                  residual_first=parallel and arch in ("StableLmForCausalLM", "CohereForCausalLM"))
+    if arch == "CohereForCausalLM":
+        scale = float(raw.get("logit_scale", 1.0))
+        if scale == 0:
+            raise ValueError("logit_scale must not be 0")
+        fields["logits_scaling"] = 1.0 / scale
     if arch in LEARNED_POSITIONS:
         offset = LEARNED_POSITIONS[arch]
         fields.update(position_embeddings=raw["max_position_embeddings"] + offset, position_offset=offset)

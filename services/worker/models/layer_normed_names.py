@@ -1,4 +1,4 @@
-"""The LayerNorm decoders' checkpoint names (GPT-2, OPT, GPT-NeoX, Phi) in the Llama
+"""The LayerNorm decoders' checkpoint names (GPT-2, OPT, GPT-NeoX, Phi, StarCoder2) in the Llama
 layout the loader reads (models/llama.py), and their tensors as our modules hold them:
 GPT-2's products stored transposed (Conv1D), GPT-NeoX's q/k/v rows interleaved head by
 head. Buffers some checkpoints carry (causal masks) are skipped.
@@ -41,6 +41,10 @@ _RENAMES = {
         (r"^layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.down_proj."),
         (r"^layers\.", "model.layers."),
     ],
+    "Starcoder2ForCausalLM": [
+        (r"^model\.layers\.(\d+)\.mlp\.c_fc\.", r"model.layers.\1.mlp.up_proj."),
+        (r"^model\.layers\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj."),
+    ],
     "PhiForCausalLM": [
         (r"^model\.final_layernorm\.", "model.norm."),
         (r"^model\.layers\.(\d+)\.self_attn\.dense\.", r"model.layers.\1.self_attn.o_proj."),
@@ -50,7 +54,7 @@ _RENAMES = {
 }
 # The prefix each one's decoder is saved under (taken off; some checkpoints have none)
 _PREFIXES = {"GPT2LMHeadModel": ("transformer.",), "OPTForCausalLM": ("model.",), "GPTNeoXForCausalLM": ("gpt_neox.",),
-             "PhiForCausalLM": ()}
+             "PhiForCausalLM": (), "Starcoder2ForCausalLM": ()}
 _COMPILED = {arch: [(re.compile(p), r) for p, r in rules] for arch, rules in _RENAMES.items()}
 # Buffers, not weights: GPT-2's and GPT-NeoX's causal masks, old checkpoints' rotary tables
 _SKIPPED = re.compile(r"\.attn\.(masked_)?bias$|\.attention\.(masked_)?bias$|rotary_emb\.inv_freq$")

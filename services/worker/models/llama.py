@@ -264,6 +264,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, rotary, backend, triton, window)
         # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
         self.parallel = config.parallel_residual
+        self.residual_first = config.residual_first  # (StableLM's and Cohere's order of the sum)
         self.post_attention_layernorm = None if config.shared_norm else _norm(config, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) \
@@ -293,6 +294,8 @@ class DecoderLayer(nn.Module):
         if self.parallel:  # x + attention(norm(x)) + mlp(norm'(x)), both off the same x (`residual`)
             attended = self.self_attn(positions, hidden, kv_cache, metadata)
             mlp_input = hidden if self.post_attention_layernorm is None else self.post_attention_layernorm(residual)
+            if self.residual_first:  # (x + attention) + mlp, the next norm's add doing the second
+                return self.mlp(mlp_input), residual + attended
             return attended + self.mlp(mlp_input), residual
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         if self.pre_feedforward_layernorm is None:
