@@ -668,6 +668,9 @@ def test_a_layer_normed_config_the_loader_would_mishandle_is_refused_by_name(tmp
     (opt / "config.json").write_text(json.dumps({**config, "do_layer_norm_before": False}))
     with pytest.raises(ValueError, match="do_layer_norm_before false"):
         LLM(str(opt))
+    (opt / "config.json").write_text(json.dumps({**config, "architectures": ["OPTForSequenceClassification"]}))
+    with pytest.raises(ValueError, match="its ForSequenceClassification is not served"):
+        LLM(str(opt))
     gpt2 = build_tiny_model(tmp_path / "gpt2", "gpt2", seed=2)
     config = json.loads((gpt2 / "config.json").read_text())
     (gpt2 / "config.json").write_text(json.dumps({**config, "scale_attn_by_inverse_layer_idx": True}))

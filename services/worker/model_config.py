@@ -296,6 +296,10 @@ class ModelConfig:
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))} (and each family's "
                 f"{SUFFIX})"
             )
+        if arch in (*LAYER_NORMED, "GptOssForCausalLM") and is_classifier(raw):
+            # (their classifiers' heads and pooling are not held to transformers here)
+            raise ValueError(f"unsupported architecture {raw['architectures'][0]!r}: the {arch} family generates; "
+                             f"its {SUFFIX} is not served")
         if arch in FILLED_BY_TRANSFORMERS:
             raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
         if arch in LAYER_NORMED:
