@@ -11,6 +11,7 @@ norm on each branch's output and none before it, query/key norms over all heads.
 OLMo 2's, windowed layers and a global one on YaRN with a base of its own. Mixtral and
 Qwen3-MoE: sparse MLPs of 8 experts, top 2 (layers/moe.py), Qwen3-MoE with a dense last layer; GraniteMoe: Granite's scalars over
 sparse layers whose experts come stacked, weighed by a softmax over the chosen logits.
+OLMoE: OLMo 2's query/key norms with pre-norms, 8 experts, top 2, unnormalized.
 The LayerNorm decoders: GPT-2 (learned positions, Conv1D products, gelu_new), OPT (learned
 positions two rows on, queries scaled first, ReLU), GPT-NeoX (attention and MLP side by
 side, q/k/v interleaved by head, partial rotary) and Phi (side by side off one norm, a
@@ -41,7 +42,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "gpt_oss"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "gpt_oss", "olmoe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,7 +77,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
-    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2}.get(name, 0)
+    assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
+                           "olmoe": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -111,16 +113,18 @@ def test_logprobs_equal_transformers(family):
 def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
-    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "exaone4", "hunyuan",
+    assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name == "hunyuan")
     if name == "hunyuan":
         assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
-    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, False) if "olmo" in name else
+    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name == "olmoe" else
+                                                             (True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
-                                 "gpt_oss": (0, 1)}.get(name, ())
+                                 "gpt_oss": (0, 1), "olmoe": (0, 1)}.get(name, ())
+    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
     assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks

@@ -351,6 +351,15 @@ def build_tiny_model(
                     param.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
+    elif arch == "olmoe":  # 8 experts of 32, top 2, unnormalized; q/k norms over all heads, made to count
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+
+        model = OlmoeForCausalLM(OlmoeConfig(**{**common, "num_experts": 8, "num_experts_per_tok": 2,
+                                                "intermediate_size": 32, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.3)
     elif arch in LAYER_NORMED:
         model = _layer_normed_model(arch, common, overrides)
     elif arch == "gpt_oss":

@@ -30,6 +30,10 @@ SUPPORTED_ARCHITECTURES = {
     # Granite 3's MoE (granite-3.x-1b-a400m, 3b-a800m): Granite's scalars, every layer sparse,
     # its experts stacked in the checkpoint, weighed by a softmax over the k chosen logits.
     "GraniteMoeForCausalLM": "llama",
+    # OLMoE (OLMoE-1B-7B): OLMo 2's query/key norms over all heads, before the usual pre-norms,
+    # and a sparse MLP in every layer: 64 experts, top 8, weighed by the softmax over all
+    # (norm_topk_prob false) as Qwen3-MoE's
+    "OlmoeForCausalLM": "llama",
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
@@ -102,6 +106,8 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+# Query/key norms over all of a token's heads at once (OLMo 2's), wherever its norms are
+QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM")
 # No norm before attention and the MLP, one on each's output instead
 POST_NORMED = (*OLMOS, "Exaone4ForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
@@ -128,7 +134,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
-                          "CohereForCausalLM": "cohere"}
+                          "CohereForCausalLM": "cohere", "OlmoeForCausalLM": "olmoe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -387,10 +393,10 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
                              "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
-            qk_norm_over_heads=arch in OLMOS,
+            qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
             pre_norms=arch not in POST_NORMED,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
             long_rope_threshold=long_rope_threshold,
@@ -633,7 +639,12 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]),
                     attention_sinks=True)
-    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM"):
+    if arch == "OlmoeForCausalLM":
+        if raw.get("clip_qkv") is not None:
+            raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
+        raw = {**raw, "moe_intermediate_size": raw["intermediate_size"]}  # (its experts are of the dense size)
+    if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM",
+                    "OlmoeForCausalLM"):
         return {}
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
