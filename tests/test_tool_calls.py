@@ -408,3 +408,17 @@ def test_tool_requests_it_cannot_serve_are_400s_naming_the_field(tokenizer, fiel
     error = resp.json()["error"]
     assert error["param"] == param and words in error["message"]
     assert engine.submitted == []
+
+
+def test_an_assistant_turn_s_thinking_reaches_the_template_under_the_name_it_reads(tiny_llama, tmp_path):
+    """A client sends a turn's thinking back as `reasoning` (vLLM's) or `reasoning_content`;
+    Qwen3's template reads `reasoning_content`, gpt-oss's `thinking` (its tool-calling turn's
+    analysis channel). transformers' apply_chat_template gives each under the other names
+    too: llmbus passes the fields through to it untouched."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}|{{ m.thinking or '' }}|{{ m.reasoning_content or '' }}>"
+                        "{{ m.content }}{% endfor %}")
+    tokenizer = Tokenizer(tiny_llama, chat_template=template)
+    for field in ("reasoning", "reasoning_content", "thinking"):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", field: "hm"}]
+        assert tokenizer.render_chat(messages, False) == "<user||>hi<assistant|hm|hm>yo"
