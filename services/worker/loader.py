@@ -48,11 +48,15 @@ def resolve_dtype(name: str, folder: str | Path, device: torch.device) -> str:
     return name
 
 
+def _indexed_shards(index: Path) -> list[Path]:
+    """A sharded checkpoint's files, by its index's weight map."""
+    return [index.parent / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / shard for shard in shards]
+        return _indexed_shards(index)
     single = folder / "model.safetensors"
     if single.is_file():
         return [single]
@@ -67,7 +71,7 @@ def pytorch_files(folder: Path) -> list[Path]:
     older repositories hold alone (facebook/opt-125m, vLLM's quickstart model)."""
     index = folder / "pytorch_model.bin.index.json"
     if index.is_file():
-        return [folder / shard for shard in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return _indexed_shards(index)
     return sorted(folder.glob("pytorch_model*.bin"))
 
 
