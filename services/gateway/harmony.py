@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from services.gateway.reasoning_parsers import _partial_suffix
+from services.gateway.reasoning_parsers import StreamedReasoning, _partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -89,7 +89,7 @@ class HarmonyStream:
         return events
 
 
-class HarmonyReasoningParser:
+class HarmonyReasoningParser(StreamedReasoning):
     def __init__(self) -> None:
         self.stream = HarmonyStream()
         self.route = "content"  # of the open message's text: reasoning, content or call
@@ -99,11 +99,6 @@ class HarmonyReasoningParser:
 
     def finish(self) -> tuple[str, str]:
         return self._read(self.stream.finish())
-
-    def whole(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.feed(text)
-        more_reasoning, more_content = self.finish()
-        return reasoning + more_reasoning, content + more_content
 
     def _read(self, events: list[tuple]) -> tuple[str, str]:
         reasoning = content = ""

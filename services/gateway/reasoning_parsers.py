@@ -32,7 +32,21 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-class ReasoningParser:
+class StreamedReasoning:
+    """A parser fed a choice's text deltas (`feed`, then `finish`), (reasoning, content)
+    each; a whole answer is the same calls at once, so both agree by construction."""
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def finish(self) -> tuple[str, str]: ...
+
+    def whole(self, text: str) -> tuple[str, str]:
+        reasoning, content = self.feed(text)
+        more_reasoning, more_content = self.finish()
+        return reasoning + more_reasoning, content + more_content
+
+
+class ReasoningParser(StreamedReasoning):
     # "open?": the answer may still begin with <think>; "reasoning"; "content"
     def __init__(self, starts_in_reasoning: bool, tags: tuple[str, str] = TAGS["qwen3"]) -> None:
         self.open, self.close = tags
@@ -69,11 +83,6 @@ class ReasoningParser:
         if self._leading_open and self._state == "open?":
             return "", held
         return (held, "") if self._state == "reasoning" else ("", held)
-
-    def whole(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.feed(text)
-        more_reasoning, more_content = self.finish()
-        return reasoning + more_reasoning, content + more_content
 
 
 def prompt_opens_thinking(prompt_tail: str, tags: tuple[str, str] = TAGS["qwen3"]) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.gateway.harmony import HarmonyStream
+from services.gateway.reasoning_parsers import _partial_suffix
 
 
 @dataclass(slots=True)
@@ -213,14 +214,6 @@ def _typed(value: str, kind) -> object:
             return ast.literal_eval(text)
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             return value
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def _call_of(body: str) -> tuple[str, str] | None:
