@@ -72,35 +72,32 @@ class Usage:
                         for p, token_ids in enumerate(prompts) for i in range(params.n)}
 
     def count(self, delta: ChoiceDelta) -> None:
-        choice = self.choices.get(delta.index)
+        choice = self.choices[delta.index]  # (`begin` opened every choice)
         now = time.monotonic() if delta.token_ids or delta.finish_reason is not None else 0.0
         if delta.token_ids:
             if self.first_token_at is None:
                 self.first_token_at = now
-            if choice is not None:
-                if choice.first_token_at is None:
-                    choice.first_token_at = now
-                else:
-                    choice.itls.append(now - choice.last_token_at)
-                choice.last_token_at = now
-                choice.num_tokens += len(delta.token_ids)
-                if choice.token_ids is not None:
-                    choice.token_ids += delta.token_ids
+            if choice.first_token_at is None:
+                choice.first_token_at = now
+            else:
+                choice.itls.append(now - choice.last_token_at)
+            choice.last_token_at = now
+            choice.num_tokens += len(delta.token_ids)
+            if choice.token_ids is not None:
+                choice.token_ids += delta.token_ids
         if delta.queue_time_s is not None and self.queue_time_s is None:
             self.queue_time_s = delta.queue_time_s
-        if choice is not None:
-            if delta.queue_time_s is not None and choice.queue_time_s is None:
-                choice.queue_time_s = delta.queue_time_s
-            if delta.prefill_time_s is not None and choice.prefill_time_s is None:
-                choice.prefill_time_s = delta.prefill_time_s
+        if delta.queue_time_s is not None and choice.queue_time_s is None:
+            choice.queue_time_s = delta.queue_time_s
+        if delta.prefill_time_s is not None and choice.prefill_time_s is None:
+            choice.prefill_time_s = delta.prefill_time_s
         self.cached_tokens = max(self.cached_tokens, delta.num_cached_tokens)
         self.completion_tokens += len(delta.token_ids)
         if delta.token_ids and self.on_tokens is not None:
             self.on_tokens(len(delta.token_ids))
         if delta.finish_reason is not None:
             self.finish_reasons.append(str(delta.finish_reason))
-            if choice is not None:
-                choice.finish_reason, choice.finished_at = str(delta.finish_reason), now
+            choice.finish_reason, choice.finished_at = str(delta.finish_reason), now
 
 
 async def generate(
