@@ -396,6 +396,7 @@ class ModelConfig:
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
                              "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
+            attention_sinks=arch == "GptOssForCausalLM",
             qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
             pre_norms=arch not in POST_NORMED,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
@@ -637,8 +638,7 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         # (its hidden_act names no activation of its experts': theirs is their own)
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
-                    moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]),
-                    attention_sinks=True)
+                    moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
