@@ -60,7 +60,7 @@ def spy_steps(monkeypatch) -> list[list]:
     return steps
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma", "glm4", "arcee", "stablelm", "cohere"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3", "granite", "gemma", "glm4", "arcee", "stablelm", "cohere", "cohere2"])
 def test_each_family_under_two_adapters_and_none_in_one_batch_equals_peft(arch, tmp_path):
     base = build_tiny_model(tmp_path / "base", arch=arch, seed=4)
     # (Phi-3's adapters name its fused modules; GLM's its fused gate_up_proj, its q/k/v apart,

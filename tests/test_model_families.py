@@ -42,7 +42,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "gpt_oss", "olmoe"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -130,10 +130,12 @@ def test_what_each_family_reads_from_its_config(family):
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
         (True, True, 1.702, 1.0) if name == "gpt_oss" else (False, False, 0.0, 0.0))
-    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "gpt2": (0, 1), "opt": (0, 1)}.get(name, ())  # (EXAONE's global layer)
+    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "cohere2": (3,), "gpt2": (0, 1),
+                                  "opt": (0, 1)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
-               "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0)}  # (Cohere's logit_scale 0.5)
+               "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0),
+               "cohere2": (1.0, 1.0, None, 2.0)}  # (Cohere's logit_scale 0.5)
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
@@ -141,7 +143,7 @@ def test_what_each_family_reads_from_its_config(family):
         "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
-        "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True),
+        "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True), "cohere2": ("silu", 0.0, True),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
     assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2"))
@@ -157,8 +159,9 @@ def test_what_each_family_reads_from_its_config(family):
         "starcoder2": (True, True, False, False, 0, 0, False, False),
         "stablelm": (True, True, False, False, 0, 0, False, False),
         "cohere": (True, False, True, True, 0, 0, False, False),
+        "cohere2": (True, False, True, True, 0, 0, False, False),
     }.get(name, (False, False, False, False, 0, 0, False, False))
-    assert config.residual_first == (name == "cohere")  # (StableLM's too, where it is parallel)
+    assert config.residual_first == (name in ("cohere", "cohere2"))  # (StableLM's too, where it is parallel)
     if name in ("gpt2", "opt"):
         assert config.nope_layers == (0, 1)
     if name in ("gpt_neox", "phi"):
@@ -172,7 +175,8 @@ def test_what_each_family_reads_from_its_config(family):
         "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0),
         "gpt_oss": ((24, 0), None, None, False, None, None),
-        "starcoder2": ((24, 24), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
+        "starcoder2": ((24, 24), None, None, False, None, None),
+        "cohere2": ((24, 24, 24, 0), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     if name == "olmo3":  # its YaRN on the global layer alone
@@ -181,7 +185,7 @@ def test_what_each_family_reads_from_its_config(family):
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss") else (0, 0))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
-        "glm4": (True, 8, False), "cohere": (True, 0, False), "stablelm": (False, 4, False)}.get(
+        "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
                                         "stablelm"))

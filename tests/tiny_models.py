@@ -388,11 +388,11 @@ def build_tiny_model(
 
 # The LayerNorm decoders: biased LayerNorms and ungated biased MLPs (GPT-2 and OPT with
 # learned positions and tied heads, GPT-NeoX and Phi with attention and MLP side by side)
-LAYER_NORMED = ("gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere")
+LAYER_NORMED = ("gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2")
 
 
 def _layer_normed_model(arch: str, common: dict, overrides: dict):
-    from transformers import (CohereConfig, CohereForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
+    from transformers import (Cohere2Config, Cohere2ForCausalLM, CohereConfig, CohereForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig,
                               GPTNeoXForCausalLM, OPTConfig, OPTForCausalLM, PhiConfig, PhiForCausalLM, StableLmConfig,
                               StableLmForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
@@ -428,6 +428,12 @@ def _layer_normed_model(arch: str, common: dict, overrides: dict):
             **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,
             "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
             "initializer_range": 0.15, "logit_scale": 0.5, **overrides}))
+    elif arch == "cohere2":  # Cohere's, 4 layers: windows of 24 on three, the fourth global without rotary
+        model = Cohere2ForCausalLM(Cohere2Config(**{
+            **ids, "hidden_size": size, "num_hidden_layers": 4, "num_attention_heads": heads,
+            "num_key_value_heads": common["num_key_value_heads"], "intermediate_size": common["intermediate_size"],
+            "initializer_range": 0.15, "logit_scale": 0.5, "sliding_window": 24, "sliding_window_pattern": 4,
+            **overrides}))
     else:  # phi: grouped queries too
         model = PhiForCausalLM(PhiConfig(**{
             **ids, "hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads,

@@ -99,9 +99,13 @@ SUPPORTED_ARCHITECTURES = {
     # Cohere (Command R, Aya): LayerNorms without a bias, attention and MLP side by side off
     # one norm, interleaved rotary, logits times logit_scale, tied
     "CohereForCausalLM": "llama",
+    # Cohere 2 (Command R7B, Command A): Cohere's layer, three windowed layers to one global
+    # (layer_types), only the windowed ones rotating (the global ones NoPE)
+    "Cohere2ForCausalLM": "llama",
 }
+COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
-                "StableLmForCausalLM", "CohereForCausalLM")
+                "StableLmForCausalLM", *COHERES)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -122,7 +126,7 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
-ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM")
+ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM")
 WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
@@ -134,7 +138,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
-                          "CohereForCausalLM": "cohere", "OlmoeForCausalLM": "olmoe"}
+                          "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -406,7 +410,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "CohereForCausalLM"),
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", *COHERES),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
@@ -454,7 +458,7 @@ def _layer_normed(arch: str, raw: dict) -> dict:
         raw["attention_bias"] = raw["mlp_bias"] = raw.get("use_bias", True)
     elif arch == "StableLmForCausalLM":  # q/k/v's bias alone (o_proj never: attention_out_bias)
         raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("use_qkv_bias")), False
-    elif arch == "CohereForCausalLM":
+    elif arch in COHERES:
         raw["mlp_bias"] = False
     else:  # (the MLPs of GPT-2, NeoX and Phi are always biased)
         raw["attention_bias"] = raw.get("attention_bias", True) if arch == "GPTNeoXForCausalLM" else True
@@ -465,16 +469,16 @@ def _layer_normed(arch: str, raw: dict) -> dict:
 def _layer_normed_fields(arch: str, raw: dict) -> dict:
     if arch not in LAYER_NORMED:
         return {}
-    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else arch != "CohereForCausalLM"
-    parallel = (arch in ("PhiForCausalLM", "CohereForCausalLM")
+    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else arch not in COHERES
+    parallel = (arch in ("PhiForCausalLM", *COHERES)
                 or (arch in ("GPTNeoXForCausalLM", "StableLmForCausalLM")
                     and raw.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")))
     fields = dict(layer_norm=True, norm_bias=biased, parallel_residual=parallel,
                   shared_norm=parallel and arch != "GPTNeoXForCausalLM", lm_head_bias=arch == "PhiForCausalLM",
                   scale_queries=arch == "OPTForCausalLM",
                   # StableLM's and Cohere's sum: the residual and the attention first, then the MLP
-                  residual_first=parallel and arch in ("StableLmForCausalLM", "CohereForCausalLM"))
-    if arch == "CohereForCausalLM":
+                  residual_first=parallel and arch in ("StableLmForCausalLM", *COHERES))
+    if arch in COHERES:
         scale = float(raw.get("logit_scale", 1.0))
         if scale == 0:
             raise ValueError("logit_scale must not be 0")
@@ -500,6 +504,9 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
         return tuple(range(raw["num_hidden_layers"]))
     if arch == "Exaone4ForCausalLM" and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
+    if arch == "Cohere2ForCausalLM":  # only a windowed layer rotates: without a window, none
+        window = raw.get("sliding_window")
+        return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention" or not window)
     if arch != "SmolLM3ForCausalLM":
         return ()
     flags = raw["no_rope_layers"]
