@@ -8,6 +8,7 @@ from the decode graphs' buffers, chunked and preempted — and the overlap must 
 have happened. A GPU runner overlaps by default; here each test turns it on."""
 
 import pytest
+import torch
 
 from llmbus import LLM, SamplingParams
 from services.worker import model_runner
@@ -21,9 +22,10 @@ MAX_NEW = 20
 
 @pytest.fixture
 def overlaps(monkeypatch):
-    """How many steps were launched while another's tokens were still on the device, and
-    how many input ids were read from the device."""
-    seen = {"launched_behind": 0, "device_reads": 0}
+    """How many steps were launched while another's tokens were still on the device, how
+    many input ids were read from the device, and in how many steps all of them were
+    the last step's ids as they lay (LaunchedStep.fed_back: one copy, no gather)."""
+    seen = {"launched_behind": 0, "device_reads": 0, "fed_back": 0}
     launch, read = ModelRunner.launch, model_runner.read_device_tokens
 
     def counting_launch(self, so):
@@ -32,6 +34,7 @@ def overlaps(monkeypatch):
 
     def counting_read(input_ids, from_device):
         seen["device_reads"] += len(from_device)
+        seen["fed_back"] += isinstance(from_device, torch.Tensor)
         return read(input_ids, from_device)
 
     monkeypatch.setattr(ModelRunner, "launch", counting_launch)
@@ -70,6 +73,8 @@ def test_greedy_from_tokens_on_the_device_equals_transformers(tiny_llama, overla
         PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)]
     assert got == hf_greedy(tiny_llama, PROMPTS, MAX_NEW)
     assert overlaps["launched_behind"] >= MAX_NEW - 2 and overlaps["device_reads"] >= len(PROMPTS) * (MAX_NEW - 2)
+    if not options:  # every request decodes in lockstep once prefilled: the same batch, the same order
+        assert overlaps["fed_back"] >= MAX_NEW - 3
     assert not llm.runner._launched and all(s.num_pending == 0 for s in llm.runner.requests.values())
 
 

@@ -34,6 +34,19 @@ class LaunchedStep:
     sampled_states: Sequence[tuple[int, int, RequestState]] = ()
     on_finish: Callable[[LaunchedStep], None] | None = None  # the runner's bookkeeping (its queue of launched steps)
     finished: bool = False
+    # The states whose tokens are rows 0, 1, ... of `samples.ids`, where every request
+    # sampled one token in order (a decode step's usual case); None otherwise. A next step
+    # of the same requests in the same order reads them back as they lie (`fed_back`).
+    in_order: list[RequestState] | None = None
+
+    def fed_back(self, states: list[RequestState]) -> torch.Tensor | None:
+        """This step's sampled ids in row order, where `states` (the next step's requests,
+        in its order) are exactly the requests that sampled them, in the same order: each
+        next input is then the token of its own row, one copy on the device instead of a
+        gather by places (most steps of a steady decode: the batch and its order hold)."""
+        if self.in_order is not None and not self.finished and self.in_order == states:
+            return self.samples.ids
+        return None
 
     @classmethod
     def done(cls, output: ModelRunnerOutput) -> LaunchedStep:
@@ -102,8 +115,12 @@ def gather_device_tokens(places: list[tuple[int, tuple]]) -> list[tuple[list[int
     return [(keys, source[to_device(rows, source.device)]) for source, keys, rows in by_source.values()]
 
 
-def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tuple]]) -> None:
+def read_device_tokens(input_ids: torch.Tensor, from_device: list[tuple[int, tuple]] | torch.Tensor) -> None:
     """Fill the input ids of tokens still on the device (flat index, place) from the
-    steps that sampled them."""
+    steps that sampled them; or, given one step's ids (`LaunchedStep.fed_back`), the first
+    input ids from them as they lie."""
+    if isinstance(from_device, torch.Tensor):
+        input_ids[: len(from_device)].copy_(from_device)
+        return
     for flats, tokens in gather_device_tokens(from_device):
         input_ids[to_device(flats, input_ids.device)] = tokens.to(input_ids.device)

@@ -240,7 +240,7 @@ class ModelRunner:
         num_tokens = {
             rid: n - scheduler_output.num_draft_slots.get(rid, 0) + len(drafts.get(rid, ()))
             for rid, n in num_scheduled.items()
-        }
+        } if scheduler_output.num_draft_slots else num_scheduled  # (read only, below)
 
         # Decodes (one new token) first, shortest context first, so attention can batch
         # them in groups of similar length.
@@ -253,8 +253,9 @@ class ModelRunner:
                                                         requests[rid].num_computed_tokens))
             states = [requests[rid] for rid in order]
         long_offset = self.model.model.rotary.long_offset if self.model_config.long_rope_threshold is not None else None
+        fed_back = self._launched[-1].fed_back(states) if self._launched and not drafts else None
         inputs, sample_rows, last_token, from_device = StepInputs.build(states, num_tokens, drafts, self.block_size,
-                                                                        self.block_table, long_offset)
+                                                                        self.block_table, long_offset, fed_back)
         if self.loras is not None:  # each request's tokens: from the one after the last's to its last
             self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
                                 last_token + 1)
@@ -262,7 +263,7 @@ class ModelRunner:
         t_forward = time.time_ns()
         graphs = self.decode_graphs
         on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs)
-        patch = (lambda ids: read_device_tokens(ids, from_device)) if from_device else None
+        patch = (lambda ids: read_device_tokens(ids, from_device)) if len(from_device) else None
         if on_graph:
             hidden = graphs.run(inputs, patch)
         else:
@@ -360,7 +361,8 @@ class ModelRunner:
                     state.num_pending += 1
                     state.pending_token = (ids, row)
                     sampled_states.append((i, row, state))
-                launched = LaunchedStep(output, samples, sampled_states, on_finish=self._retire)
+                in_order = states if not drafts and len(sample_rows) == len(states) else None  # (row i: states[i])
+                launched = LaunchedStep(output, samples, sampled_states, on_finish=self._retire, in_order=in_order)
                 self._launched.append(launched)
         if launched.finished and not any(logprobs):  # (a launched step's finish() says so itself)
             output.logprobs = []

@@ -64,29 +64,30 @@ class StepInputs:
     @classmethod
     def build(
         cls, states: list[RequestState], num_tokens: dict[str, int], drafts: dict[str, list[int]], block_size: int,
-        block_table: BlockTable, long_offset: int | None = None,
-    ) -> tuple[StepInputs, list[int], np.ndarray, list]:
+        block_table: BlockTable, long_offset: int | None = None, fed_back: torch.Tensor | None = None,
+    ) -> tuple[StepInputs, list[int], np.ndarray, list | torch.Tensor]:
         """The step's flattened inputs. Rows are what attention sees: one per request, or,
         for a request verifying drafts, one per token it computes, each a one-token decode
         at its own position over the cache up to it. So a step of decodes and verifies is
         still decode-only (the fused decode path), and each draft position is computed as a
         decode of it would be. Also returns the requests that sample this step and the
         flat index of each request's last token, and the tokens to read from the device
-        (launched_step.py)."""
+        (launched_step.py): `fed_back`, the step launched last's ids, where that step
+        sampled row i for states[i] (LaunchedStep.fed_back) and each decodes it now."""
         num_states = len(states)
         # Each request's numbers, read in one pass over the states (a pass each cost more
         # than the array work after it at 128 requests).
         per_state = np.array([(s.num_computed_tokens, num_tokens[s.req_id], len(s.token_ids), s.num_pending,
                                s.block_row) for s in states], np.int64).reshape(num_states, 5)
         if not drafts and int(per_state[:, 1].sum()) == num_states:  # (every request computes >= 1 token)
-            return cls._decodes(states, per_state, block_size, block_table, long_offset)
+            return cls._decodes(states, per_state, block_size, block_table, long_offset, fed_back)
         return cls._any_rows(states, per_state, drafts, block_size, block_table, long_offset)
 
     @classmethod
     def _decodes(
         cls, states: list[RequestState], per_state: np.ndarray, block_size: int, block_table: BlockTable,
-        long_offset: int | None,
-    ) -> tuple[StepInputs, list[int], np.ndarray, list]:
+        long_offset: int | None, fed_back: torch.Tensor | None = None,
+    ) -> tuple[StepInputs, list[int], np.ndarray, list | torch.Tensor]:
         """`build` for a step of one token a request and no drafts, most steps of a busy
         engine: one row a request, so none of `_any_rows`' mapping between requests, rows
         and tokens (57 -> 32-40 us at 128 requests: docs/performance.md)."""
@@ -97,10 +98,13 @@ class StepInputs:
         if not (plain | on_device).all():  # (a decode has one or the other; `_any_rows` says what is wrong)
             return cls._any_rows(states, per_state, {}, block_size, block_table, long_offset)
         input_ids = np.zeros(num_states, np.int64)
-        plain_at = np.flatnonzero(plain).tolist()
-        input_ids[plain_at] = [states[i].token_ids[s] for i, s in zip(plain_at, req_starts[plain_at].tolist())]
-        device_at = np.flatnonzero(on_device).tolist()
-        from_device = list(zip(device_at, [states[i].pending_token for i in device_at]))
+        if fed_back is not None and on_device.all():  # (every token where the last step sampled it, in order)
+            from_device = fed_back
+        else:
+            plain_at = np.flatnonzero(plain).tolist()
+            input_ids[plain_at] = [states[i].token_ids[s] for i, s in zip(plain_at, req_starts[plain_at].tolist())]
+            device_at = np.flatnonzero(on_device).tolist()
+            from_device = list(zip(device_at, [states[i].pending_token for i in device_at]))
         rows = np.arange(num_states)
         positions = req_starts.copy()
         table = block_table.gather(block_rows)
