@@ -20,6 +20,10 @@ alone (`llmbus bench latency`'s clock). Writes $OUT/served.json:
   that decode all `--batch` requests (its LLMBUS_STEP_LOG): against gpu_figures' GPU busy
   time of such a step, the served path's GPU share, where the scheduling, stepping and
   detokenizing that one offline thread does run in processes of their own
+- gpu_busy_ms_decode_b128, served_gpu_busy_fraction_decode_b128: the GPU's kernel time in
+  such a step (gpu_figures' profile, of this run's offline engine: the same model and
+  graphs) and its share of the served step's period: the issue's GPU-busy figure with the
+  host's work split across the services' processes
 
 Needs nats-server and the services' packages (docs/kernels.md lists the wheels);
 `--cpu` runs it on CPU for the tests (any model folder: its config, random weights).
@@ -116,6 +120,7 @@ def main() -> int:
     from llmbus import LLM, SamplingParams
     from llmbus.bench.latency import llmbus_itls
     from llmbus.bench.workload import random_workload
+    from gpu_figures import gpu_busy_ms  # (scripts/, beside this one: imported on CPU too, so its test sees it)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,6 +168,10 @@ def main() -> int:
                         SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
     rate = sum(len(o.outputs[0].token_ids) for o in done) / (time.perf_counter() - started)
     report["offline_b128_output_tok_s"] = round(rate, 1)
+    if not args.cpu and report.get("served_decode_b128_step_ms"):
+        busy = gpu_busy_ms(llm, args.batch, args.input_len, 11)
+        report["gpu_busy_ms_decode_b128"] = round(busy, 3)
+        report["served_gpu_busy_fraction_decode_b128"] = round(busy / report["served_decode_b128_step_ms"], 3)
     report["served_over_offline_b128"] = round(report["served_b128_output_tok_s"] / report["offline_b128_output_tok_s"], 3)
     report["offline_w0_itl_ms_smollm2_bf16"] = round(statistics.median(itls) * 1e3, 3)
     report["served_minus_offline_itl_ms"] = round(report["served_w0_itl_ms_smollm2_bf16"]
