@@ -75,6 +75,9 @@ MODELS = {
     # gpt-oss: the attention kernel's sinks (with and without split-KV), biased experts with
     # its clamped SwiGLU on the grouped GEMMs, alternating windows: `--models gpt_oss`.
     "gpt_oss": ("gpt_oss", {}),
+    # GLM-4.5: DeepSeek-V3's grouped sigmoid router (device ops: graphs take it), ungated
+    # shared experts beside the grouped GEMMs, half-rotary heads: `--models glm4_moe`.
+    "glm4_moe": ("glm4_moe", {}),
 }
 DEFAULT_MODELS = ["llama_hd16", "qwen2_bias", "llama_hd64_gqa3", "qwen3_moe"]
 

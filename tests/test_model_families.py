@@ -20,6 +20,7 @@ biased LM head), each with biased LayerNorms and ungated biased MLPs."""
 import json
 
 import pytest
+import torch
 
 from llmbus import LLM, SamplingParams
 from services.worker.layers.moe import SparseMoE
@@ -42,7 +43,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -78,7 +79,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
-                           "olmoe": 2}.get(name, 0)
+                           "olmoe": 2, "glm4_moe": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -123,9 +124,14 @@ def test_what_each_family_reads_from_its_config(family):
                                                              (True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
-                                 "gpt_oss": (0, 1), "olmoe": (0, 1)}.get(name, ())
-    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss"))  # (OLMoE's: off)
-    assert config.shared_expert_intermediate_size == (64 if name == "qwen2_moe" else 0)
+                                 "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,)}.get(name, ())
+    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe"))  # (OLMoE's: off)
+    assert config.shared_expert_intermediate_size == (64 if name in ("qwen2_moe", "glm4_moe") else 0)  # (GLM's: 2 of 32)
+    # GLM-4.5: DeepSeek-V3's router (4 groups, the best 2 kept, scaled by 2.5), its shared
+    # experts unweighed, its multi-token-prediction layer skipped
+    assert (config.moe_sigmoid_router, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
+            config.shared_expert_gated, config.skipped_layers) == (
+        (True, 4, 2, 2.5, False, 1) if name == "glm4_moe" else (False, 1, 1, 1.0, True, 0))
     assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
@@ -185,10 +191,34 @@ def test_what_each_family_reads_from_its_config(family):
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss") else (0, 0))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
-        "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False)}.get(
+        "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
+        "glm4_moe": (False, 8, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
-                                        "stablelm"))
+                                        "stablelm", "glm4_moe"))
+
+
+def test_glm4_moe_skips_its_multi_token_prediction_layer(tmp_path):
+    """GLM-4.5's checkpoints hold a multi-token-prediction layer past the last one (a decoder
+    layer and more): skipped where the config counts it (num_nextn_predict_layers), as
+    transformers skips it, and named where it does not. With query/key norms (use_qk_norm)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "glm4_moe", "glm4_moe", seed=3, use_qk_norm=True)
+    reference = hf_greedy(folder, PROMPTS, MAX_NEW)
+    weights = load_file(folder / "model.safetensors")
+    assert not any(n.startswith("model.layers.2.") for n in weights)
+    for name in [n for n in weights if n.startswith("model.layers.1.")]:
+        weights[name.replace("model.layers.1.", "model.layers.2.")] = torch.randn_like(weights[name])
+    weights["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(folder))
+    assert llm.runner.model_config.qk_norm
+    assert generate_ids(llm, PROMPTS) == reference
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.2."):
+        LLM(str(folder))
 
 
 def test_glm_matches_transformers(tmp_path):

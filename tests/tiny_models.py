@@ -155,6 +155,24 @@ def build_tiny_model(
                "shared_expert_intermediate_size": 64, "mlp_only_layers": [common["num_hidden_layers"] - 1]}
         model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**{**moe, **common}))
         _biases_made_to_count(model)
+    elif arch == "glm4_moe":
+        # Layer 0 dense, layer 1 sparse: 8 experts of 32 in 4 groups, the best 2 groups kept,
+        # top 2, two shared experts; scaled by 2.5; q/k/v biased, half of each head rotating.
+        # The router's correction bias drawn wide enough to change what a token picks.
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+        moe = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "n_shared_experts": 2, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+               "first_k_dense_replace": 1, "attention_bias": True}
+        model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**common, **moe, **overrides}))
+        _biases_made_to_count(model)
+        with torch.no_grad():
+            for name, param in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.5)
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.3)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).

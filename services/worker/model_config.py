@@ -34,6 +34,12 @@ SUPPORTED_ARCHITECTURES = {
     # and a sparse MLP in every layer: 64 experts, top 8, weighed by the softmax over all
     # (norm_topk_prob false) as Qwen3-MoE's
     "OlmoeForCausalLM": "llama",
+    # GLM-4.5 and 4.6 (GLM-4.5-Air): GLM's biased q/k/v with half of each head rotating (as
+    # NeoX's halves), optional per-head query/key norms; after the first dense layers,
+    # DeepSeek-V3's experts: a sigmoid router whose choice adds a correction bias, within the
+    # best groups, its weights renormalized and scaled, and ungated shared experts; the
+    # checkpoint's multi-token-prediction layers are skipped, as transformers skips them
+    "Glm4MoeForCausalLM": "llama",
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
@@ -138,7 +144,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
-                          "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe"}
+                          "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
+                          "Glm4MoeForCausalLM": "glm4_moe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -237,7 +244,19 @@ class ModelConfig:
     moe_topk_softmax: bool = False
     moe_layers: tuple[int, ...] = ()
     # Qwen2-MoE: a dense expert every token takes (0: none), weighed by sigmoid(gate . x)
+    # (GLM-4.5's shared experts, one MLP of their summed size: unweighed, shared_expert_gated off)
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
+    # GLM-4.5's router (DeepSeek-V3's): sigmoid scores; the choice by score + a correction
+    # bias within the best `moe_topk_groups` of `moe_num_groups` groups of experts (a group
+    # by its two best); the chosen scores renormalized (norm_topk_prob) and scaled
+    moe_sigmoid_router: bool = False
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Layers a checkpoint holds past num_hidden_layers (GLM-4.5's multi-token prediction),
+    # skipped at load
+    skipped_layers: int = 0
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -306,7 +325,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))} (and each family's "
                 f"{SUFFIX})"
             )
-        if arch in (*LAYER_NORMED, "GptOssForCausalLM") and is_classifier(raw):
+        if arch in (*LAYER_NORMED, "GptOssForCausalLM", "Glm4MoeForCausalLM") and is_classifier(raw):
             # (their classifiers' heads and pooling are not held to transformers here)
             raise ValueError(f"unsupported architecture {raw['architectures'][0]!r}: the {arch} family generates; "
                              f"its {SUFFIX} is not served")
@@ -387,7 +406,8 @@ class ModelConfig:
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
             o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
-                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS)
+                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS,
+                                 "Glm4MoeForCausalLM")
                     and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
@@ -398,7 +418,8 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM"),
+                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM")
+            or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             attention_sinks=arch == "GptOssForCausalLM",
             qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
@@ -646,6 +667,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
+    if arch == "Glm4MoeForCausalLM":
+        return _glm4_moe_fields(raw)
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
@@ -671,3 +694,28 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                 norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                 moe_layers=tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
                 shared_expert_intermediate_size=shared)
+
+
+def _glm4_moe_fields(raw: dict) -> dict:
+    """GLM-4.5's experts (transformers' Glm4MoeMoE): dense layers before
+    first_k_dense_replace, then sparse ones of n_routed_experts, DeepSeek-V3's router, and
+    n_shared_experts ungated shared experts (one MLP of their summed size)."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+    num_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
+    groups, top_groups = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+    if num_experts % groups or num_experts // groups < 2 or not 0 < top_groups <= groups:
+        raise ValueError(f"n_group {groups} and topk_group {top_groups} must split {num_experts} experts into groups "
+                         "of at least 2 and keep some")
+    if top_k > top_groups * (num_experts // groups):
+        raise ValueError(f"num_experts_per_tok {top_k} is more than the {top_groups} kept groups hold")
+    first_sparse = raw.get("first_k_dense_replace", 1)
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                moe_layers=tuple(range(first_sparse, raw["num_hidden_layers"])),
+                shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+                shared_expert_gated=False, moe_sigmoid_router=True, moe_num_groups=groups, moe_topk_groups=top_groups,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                skipped_layers=raw.get("num_nextn_predict_layers") or 0)

@@ -13,7 +13,11 @@ plain weight, not an nn.Linear: quantizing it would move which experts a token p
 
 Qwen2-MoE adds a shared expert: a dense MLP every token takes, its output weighed by
 sigmoid(shared_expert_gate . x) and added to the routed experts' (its gate, one row, kept
-unquantized as the router is).
+unquantized as the router is). GLM-4.5's shared experts are added unweighed.
+
+GLM-4.5's router is DeepSeek-V3's (`GroupedSigmoidRouter` below): sigmoid scores, the
+choice made on the scores plus a learned correction bias among the best groups of
+experts, the chosen experts weighed by their plain scores, renormalized and scaled.
 
 With the Triton backend the experts' weights are stacked once at load ([E, N, K], each
 expert's weight then a view of it) and the products run as kernels/fused_moe.py's two
@@ -34,18 +38,44 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # (gpt-oss's)
 
 
+class GroupedSigmoidRouter(Router):
+    """DeepSeek-V3's routing, as transformers' Glm4MoeTopkRouter computes it, in float32."""
+
+    def __init__(self, num_experts: int, hidden_size: int, num_groups: int, topk_groups: int,
+                 scaling: float) -> None:
+        super().__init__(num_experts, hidden_size)
+        # A buffer: it stays float32 whatever the model's dtype (transformers keeps it so)
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
+
+    def route(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.topk_groups < self.num_groups:  # only the experts of the best groups (a group by its two best)
+            grouped = choice.view(len(x), self.num_groups, -1)
+            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(len(x), -1)
+        chosen = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * self.scaling).to(x.dtype), chosen
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False,
-                 shared_intermediate_size: int = 0, router_bias: bool = False) -> None:
+                 shared_intermediate_size: int = 0, router_bias: bool = False, shared_gated: bool = True,
+                 router: Router | None = None) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.topk_softmax = topk_softmax  # GraniteMoe's (and gpt-oss's): a softmax over the k chosen logits
-        self.gate = Router(num_experts, hidden_size, router_bias)
+        self.gate = router if router is not None else Router(num_experts, hidden_size, router_bias)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.shared_expert = expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
-        self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size else None
+        self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size and shared_gated else None
         self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
         # Every expert over every token, weighed by the router (zero where not picked): the
         # same outputs at the cost a sparse path must beat (`llmbus bench moe` only).
@@ -75,6 +105,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, k] in x's dtype, experts [num_tokens, k]) of each token."""
+        if isinstance(self.gate, GroupedSigmoidRouter):
+            return self.gate.route(x, self.top_k, self.renormalize)
         if self.topk_softmax:
             top, chosen = F.linear(x, self.gate.weight, self.gate.bias).float().topk(self.top_k, dim=-1)
             return top.softmax(-1).to(x.dtype), chosen
@@ -88,6 +120,8 @@ class SparseMoE(nn.Module):
         routed = self.routed(x)
         if self.shared_expert is None:
             return routed
+        if self.shared_expert_gate is None:  # (GLM-4.5's: unweighed)
+            return routed + self.shared_expert(x)
         return routed + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:

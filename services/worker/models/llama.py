@@ -24,7 +24,7 @@ from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
-from services.worker.layers.moe import SparseMoE
+from services.worker.layers.moe import GroupedSigmoidRouter, SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
@@ -62,6 +62,7 @@ NAMES_OF = {
     "ApertusForCausalLM": {".attention_layernorm.": ".input_layernorm.",
                            ".feedforward_layernorm.": ".post_attention_layernorm."},
     "HunYuanDenseV1ForCausalLM": {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm."},
+    "Glm4MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert."},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -275,11 +276,14 @@ class DecoderLayer(nn.Module):
         if index in config.moe_layers:
             expert = MLP if not config.swiglu_limit else partial(
                 ClampedSwiGLUExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+            router = GroupedSigmoidRouter(config.num_experts, config.hidden_size, config.moe_num_groups,
+                                          config.moe_topk_groups, config.routed_scaling_factor) \
+                if config.moe_sigmoid_router else None
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
                                  shared_intermediate_size=config.shared_expert_intermediate_size,
-                                 router_bias=config.moe_bias)
+                                 router_bias=config.moe_bias, shared_gated=config.shared_expert_gated, router=router)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
@@ -413,8 +417,12 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in by Hugging Face name; every parameter must be set."""
         params = dict(self.named_parameters())
+        # (GLM-4.5's routers' correction biases are float32 buffers, read as weights are)
+        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".e_score_correction_bias"))
         loaded: set[str] = set()
         arch, heads = self.config.architecture, self.config.num_attention_heads
+        num_layers = self.config.num_hidden_layers
+        skipped = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + self.config.skipped_layers))
         if arch == "GptOssForCausalLM":  # its stacked, interleaved, MXFP4 experts, one by one
             weights = gpt_oss_tensors(weights)
         for name, tensor in weights:
@@ -427,6 +435,8 @@ class LlamaForCausalLM(nn.Module):
                     name = ours + name[len(theirs):]
             if not name.startswith(("model.", "lm_head.", "score.")):
                 name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
+            if skipped and name.startswith(skipped):
+                continue  # (GLM-4.5's multi-token-prediction layers: transformers skips them too)
             if ".experts." in name or ".block_sparse_moe." in name:
                 for theirs, ours in ALIASES.items():
                     name = name.replace(theirs, ours)
