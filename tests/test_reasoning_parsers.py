@@ -25,6 +25,9 @@ from test_gateway import FakeEngine, sse_events
     ("qwen3", "<think>\n\n</think>\n\n", "42", ("", "42")),  # enable_thinking false closes it in the prompt
     ("qwen3", "<|im_start|>assistant\n<think>\n", "hm</think>42", ("hm", "42")),  # the template opened it
     ("qwen3", "<|im_start|>assistant\n", "<thin", ("", "<thin")),  # a tag that never was
+    # GLM-4.5: as qwen3 (its template closes an empty thinking in the prompt when it is off)
+    ("glm45", "<|assistant|>", "<think>hm</think>\n42", ("hm", "\n42")),
+    ("glm45", "<|assistant|>\n<think></think>\n", "42", ("", "42")),
     # Seed-OSS's tags; its thinking-budget notes are thinking too
     ("seed_oss", "<seed:bos>assistant\n", "<seed:think>hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>"
      "</seed:think>42", ("hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>", "42")),

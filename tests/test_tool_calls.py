@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.tool_parsers import (
+    Glm45ToolParser,
     HermesToolParser,
     GraniteToolParser,
     Llama3JsonToolParser,
@@ -189,6 +190,33 @@ def test_qwen3_coder_values_take_their_schema_s_type(kind, text, value):
     assert json.loads(calls[0].arguments) == {"p": value}
 
 
+GLM45_TEXT = ("Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>note</arg_key>\n<arg_value>line one\n"
+              "line two</arg_value>\n<arg_key>hours</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>\n"
+              "<tool_call>get_time\n</tool_call>")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.booleans(), st.lists(st.integers(0, 10_000), max_size=12))
+def test_glm45_calls_read_the_same_however_the_text_is_split(glm47, cuts):
+    """GLM-4.5's name line and key/value pairs (GLM-4.7's without the newline after the
+    name): a string parameter as written (city "42" stays text), the rest as JSON (days
+    2, hours a list); note, which the schema does not name, read as JSON and kept as text."""
+    text = GLM45_TEXT.replace("get_weather\n<arg_key>", "get_weather<arg_key>") if glm47 else GLM45_TEXT
+    parser = Glm45ToolParser(tools={"get_weather": WEATHER["function"]["parameters"]})
+    content, calls, announced = streamed(parser, splits(text, cuts))
+    assert content == "Sure." and announced == [0, 1]
+    assert calls == [("get_weather", json.dumps({"city": "42", "days": 2, "note": "line one\nline two",
+                                                 "hours": [1, 2]})), ("get_time", "{}")]
+
+
+@pytest.mark.parametrize("body", ['{"name": "get_time", "arguments": {}}', "", "get time\nnot a pair",
+                                  "<arg_key>city</arg_key><arg_value>x</arg_value>"])
+def test_a_glm45_block_that_is_no_call_stays_content(body):
+    content, calls = parse_whole(Glm45ToolParser(), f"Hi <tool_call>{body}</tool_call>")
+    assert (content, calls) == (f"Hi <tool_call>{body}</tool_call>", [])
+
+
 def test_mistral_without_parallel_calls_reads_the_first():
     for text in MISTRAL_TEXTS:
         content, calls = parse_whole(MistralToolParser(max_calls=1), text)
@@ -306,6 +334,9 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                   "seed_oss": ("Let me look.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                                "</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</seed:tool_call>\n"
                                "<seed:tool_call>\n<function=get_time>\n</function>\n</seed:tool_call>", "Let me look."),
+                  "glm45": ("Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+                            "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n"
+                            "<tool_call>get_time\n</tool_call>", "Let me look."),
                   # gpt-oss's harmony: a commentary preamble, then messages to functions (recipient
                   # after the channel, and before it)
                   "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "

@@ -11,6 +11,8 @@ across deltas is held back until it is whole or cannot be one.
 - `qwen3`: reasoning where the answer begins with `<think>`, or where the prompt ends
   inside an open `<think>` (Qwen3.5's and the thinking-2507 templates put it there);
   otherwise (`enable_thinking: false` closes it in the prompt) all content.
+- `glm45`: as `qwen3` (GLM-4.5's template closes an empty `<think></think>` in the prompt
+  when thinking is off).
 - `seed_oss`: as `qwen3`, between Seed-OSS's `<seed:think>` and `</seed:think>` (its
   thinking-budget notes, `<seed:cot_budget_reflect>`, stay in the reasoning).
 - `openai_gptoss`: gpt-oss's harmony analysis channel (harmony.py).
@@ -20,7 +22,7 @@ Reasoning that never closes (max_tokens ran out) stays reasoning.
 from __future__ import annotations
 
 # name -> the tags around its thinking
-TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"),
+TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "glm45": ("<think>", "</think>"),
         "seed_oss": ("<seed:think>", "</seed:think>")}
 
 

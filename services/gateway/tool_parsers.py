@@ -19,6 +19,8 @@ whole text at once and assembles the same deltas, so both answers agree by const
 - `Qwen3CoderToolParser` (`qwen3_coder`): hermes' blocks around Qwen3-Coder's XML-like
   calls, their values typed by the tools' schemas; `SeedOssToolParser` (`seed_oss`) the
   same calls in Seed-OSS's `<seed:tool_call>` blocks.
+- `Glm45ToolParser` (`glm45`, `glm47`): hermes' blocks around GLM-4.5's calls, the name and
+  then `<arg_key>`/`<arg_value>` pairs (GLM-4.7 writes no newline after the name).
 - `HarmonyToolParser` (`openai`): gpt-oss's calls, messages to `functions.NAME` (harmony.py).
 """
 
@@ -186,10 +188,44 @@ class SeedOssToolParser(Qwen3CoderToolParser):
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 
 
-def _typed(value: str, kind) -> object:
-    """A parameter's text as its schema's type says (vLLM's reading); as written otherwise."""
+class Glm45ToolParser(Qwen3CoderToolParser):
+    """vLLM's `glm45` (and `glm47`): a `<tool_call>` block holds the function's name, then
+    `<arg_key>key</arg_key><arg_value>value</arg_value>` pairs. A value the tool's schema
+    types as a string is the text as written (stripped); any other is read as JSON, then as
+    a Python literal, else kept as text (vLLM's reading)."""
+
+    def _read(self, body: str) -> tuple[str, str] | None:
+        name, _, rest = body.strip().partition("<arg_key>")
+        name, _, before = name.partition("\n")
+        name = name.strip()
+        if not name or before.strip() or any(c in name for c in "<>{}\n"):
+            return None
+        properties = (self.tools.get(name) or {}).get("properties") or {}
+        arguments = {}
+        for key, value in _GLM_ARGUMENT.findall("<arg_key>" + rest if rest else ""):
+            key, value = key.strip(), value.strip()
+            arguments[key] = value if (properties.get(key) or {}).get("type") == "string" else _literal(value, value)
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _literal(text: str, otherwise: object) -> object:
+    """A value as JSON, else as a Python literal, else `otherwise`."""
     import ast
 
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return otherwise
+
+
+def _typed(value: str, kind) -> object:
+    """A parameter's text as its schema's type says (vLLM's reading); as written otherwise."""
     if isinstance(kind, list):  # ["integer", "null"]: the first that is not null
         kind = next((k for k in kind if k != "null"), "string")
     if value.strip().lower() == "null":
@@ -207,13 +243,7 @@ def _typed(value: str, kind) -> object:
         return text.lower() == "true" if text.lower() in ("true", "false") else value
     if kind in (None, "string", "str", "text"):
         return value
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        try:
-            return ast.literal_eval(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return value
+    return _literal(text, value)
 
 
 def _call_of(body: str) -> tuple[str, str] | None:
@@ -634,5 +664,6 @@ class HarmonyToolParser:
 TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
                                       "pythonic": PythonicToolParser, "mistral": MistralToolParser,
                                       "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
-                                      "seed_oss": SeedOssToolParser}
+                                      "seed_oss": SeedOssToolParser, "glm45": Glm45ToolParser,
+                                      "glm47": Glm45ToolParser}
 TOOL_CALL_PARSERS["openai"] = HarmonyToolParser
