@@ -173,6 +173,20 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     param.normal_(1.0, 0.3)
+    elif arch == "dots1":
+        # Qwen3's attention, a window of 24 on layer 1 (max_window_layers); layer 0 dense,
+        # layer 1 sparse: 8 experts of 32 in 4 groups, the best 2 kept, top 2, unnormalized,
+        # scaled by 1.5, one shared expert; the correction bias drawn to count
+        from transformers import Dots1Config, Dots1ForCausalLM
+
+        moe = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
+               "first_k_dense_replace": 1, "sliding_window": 24, "max_window_layers": 1}
+        model = Dots1ForCausalLM(Dots1Config(**{**common, **moe, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.5)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).

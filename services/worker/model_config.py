@@ -40,6 +40,9 @@ SUPPORTED_ARCHITECTURES = {
     # best groups, its weights renormalized and scaled, and ungated shared experts; the
     # checkpoint's multi-token-prediction layers are skipped, as transformers skips them
     "Glm4MoeForCausalLM": "llama",
+    # dots.llm1: Qwen3's attention (windows by layer_types) with GLM-4.5's (DeepSeek-V3's)
+    # experts and shared experts after the first dense layers
+    "Dots1ForCausalLM": "llama",
     # Gemma: a GELU-gated MLP, norms that weigh by 1 + w, embeddings scaled by sqrt(hidden).
     "GemmaForCausalLM": "llama",
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
@@ -110,6 +113,8 @@ SUPPORTED_ARCHITECTURES = {
     "Cohere2ForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
+# DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
+DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
@@ -132,7 +137,8 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
-ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM")
+ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM",
+                        "Dots1ForCausalLM")
 WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
@@ -145,7 +151,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
-                          "Glm4MoeForCausalLM": "glm4_moe"}
+                          "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -325,7 +331,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))} (and each family's "
                 f"{SUFFIX})"
             )
-        if arch in (*LAYER_NORMED, "GptOssForCausalLM", "Glm4MoeForCausalLM") and is_classifier(raw):
+        if arch in (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES) and is_classifier(raw):
             # (their classifiers' heads and pooling are not held to transformers here)
             raise ValueError(f"unsupported architecture {raw['architectures'][0]!r}: the {arch} family generates; "
                              f"its {SUFFIX} is not served")
@@ -418,7 +424,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM")
+                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM", "Dots1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
             attention_sinks=arch == "GptOssForCausalLM",
@@ -667,8 +673,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
-    if arch == "Glm4MoeForCausalLM":
-        return _glm4_moe_fields(raw)
+    if arch in DEEPSEEK_V3_MOES:
+        return _deepseek_v3_moe_fields(raw)
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
@@ -696,8 +702,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                 shared_expert_intermediate_size=shared)
 
 
-def _glm4_moe_fields(raw: dict) -> dict:
-    """GLM-4.5's experts (transformers' Glm4MoeMoE): dense layers before
+def _deepseek_v3_moe_fields(raw: dict) -> dict:
+    """GLM-4.5's and dots.llm1's experts (transformers' DeepseekV3MoE): dense layers before
     first_k_dense_replace, then sparse ones of n_routed_experts, DeepSeek-V3's router, and
     n_shared_experts ungated shared experts (one MLP of their summed size)."""
     if raw.get("hidden_act", "silu") != "silu":
@@ -711,9 +717,9 @@ def _glm4_moe_fields(raw: dict) -> dict:
                          "of at least 2 and keep some")
     if top_k > top_groups * (num_experts // groups):
         raise ValueError(f"num_experts_per_tok {top_k} is more than the {top_groups} kept groups hold")
-    first_sparse = raw.get("first_k_dense_replace", 1)
+    first_sparse = raw["first_k_dense_replace"]
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
-                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                norm_topk_prob=bool(raw["norm_topk_prob"]),  # (transformers' default filled in: GLM's on, dots' off)
                 moe_layers=tuple(range(first_sparse, raw["num_hidden_layers"])),
                 shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
                 shared_expert_gated=False, moe_sigmoid_router=True, moe_num_groups=groups, moe_topk_groups=top_groups,

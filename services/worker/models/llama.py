@@ -29,7 +29,7 @@ from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import ModelConfig
+from services.worker.model_config import DEEPSEEK_V3_MOES, ModelConfig
 
 log = logging.getLogger("llmbus.worker")
 
@@ -62,7 +62,7 @@ NAMES_OF = {
     "ApertusForCausalLM": {".attention_layernorm.": ".input_layernorm.",
                            ".feedforward_layernorm.": ".post_attention_layernorm."},
     "HunYuanDenseV1ForCausalLM": {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm."},
-    "Glm4MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert."},
+    **dict.fromkeys(DEEPSEEK_V3_MOES, {".mlp.shared_experts.": ".mlp.shared_expert."}),
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
