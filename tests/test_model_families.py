@@ -43,7 +43,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -79,7 +79,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
-                           "olmoe": 2, "glm4_moe": 1, "dots1": 1}.get(name, 0)
+                           "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -115,23 +115,26 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
-                                       "apertus", "dots1"))
+                                       "apertus", "dots1", "hunyuan_moe"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
-    assert config.qk_norm_after_rope == (name == "hunyuan")
-    if name == "hunyuan":
+    assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
+    if name in ("hunyuan", "hunyuan_moe"):
         assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
     assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name == "olmoe" else
                                                              (True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
-                                 "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,)}.get(name, ())
-    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe"))  # (OLMoE's: off)
-    assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32}.get(name, 0)  # (GLM's: 2 of 32)
+                                 "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
+                                 "hunyuan_moe": (0, 1)}.get(name, ())
+    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe"))  # (OLMoE's: off)
+    assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
+                                                          "hunyuan_moe": 64}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_sigmoid_router, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
             config.shared_expert_gated, config.skipped_layers) == {
-        "glm4_moe": (True, 4, 2, 2.5, False, 1), "dots1": (True, 4, 2, 1.5, False, 0)}.get(name, (False, 1, 1, 1.0, True, 0))
+        "glm4_moe": (True, 4, 2, 2.5, False, 1), "dots1": (True, 4, 2, 1.5, False, 0),
+        "hunyuan_moe": (False, 1, 1, 1.0, False, 0)}.get(name, (False, 1, 1, 1.0, True, 0))
     assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (

@@ -324,6 +324,17 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if "layernorm" in name and "self_attn" in name:
                     param.normal_(1.0, 0.3)
+    elif arch == "hunyuan_moe":  # Hunyuan's attention; every layer sparse: 8 experts, top 2, a shared MLP
+        from transformers import HunYuanMoEV1Config, HunYuanMoEV1ForCausalLM
+
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 50.0, "factor": 1.0}
+        model = HunYuanMoEV1ForCausalLM(HunYuanMoEV1Config(**{
+            "head_dim": 16, "rope_parameters": rope, "num_experts": 8, "moe_topk": 2, **common,
+            "intermediate_size": 64, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "layernorm" in name and "self_attn" in name:
+                    param.normal_(1.0, 0.3)
     elif arch == "seed_oss":  # q/k/v biases (o_proj's and the MLP's where overrides ask), made to count
         from transformers import SeedOssConfig, SeedOssForCausalLM
 

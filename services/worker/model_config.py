@@ -76,6 +76,9 @@ SUPPORTED_ARCHITECTURES = {
     # Hunyuan dense (Hunyuan-0.5B to 7B): a Llama whose per-head query/key norms come after
     # rotary, not before (Qwen3's order); its rotary base raised by an NTK alpha
     "HunYuanDenseV1ForCausalLM": "llama",
+    # Hunyuan MoE (Hunyuan-A13B): Hunyuan's attention, every layer sparse (a float32 router,
+    # softmax, top-k renormalized) beside a shared MLP added unweighed
+    "HunYuanMoEV1ForCausalLM": "llama",
     # Arcee (AFM-4.5B): a Llama whose MLP has no gate: down(relu(up x) ** 2)
     "ArceeForCausalLM": "llama",
     # Apertus (Apertus-8B, 70B): Arcee's ungated MLP with the xIELU activation (two learned
@@ -115,6 +118,7 @@ SUPPORTED_ARCHITECTURES = {
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
+HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
@@ -146,7 +150,8 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EV
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ArceeForCausalLM": "arcee",
+                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
+                          "ArceeForCausalLM": "arcee",
                           "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
@@ -361,7 +366,7 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-        if arch == "HunYuanDenseV1ForCausalLM" and rope_type == "dynamic" and rope.get("alpha"):
+        if arch in HUNYUANS and rope_type == "dynamic" and rope.get("alpha"):
             # Hunyuan's NTK alpha: a fixed, larger base (transformers' ntk_alpha), whatever the length
             theta = theta * rope.pop("alpha") ** (head_dim / (head_dim - 2))
             rope = {"rope_type": "default"}
@@ -424,9 +429,9 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             "HunYuanDenseV1ForCausalLM", "ApertusForCausalLM", "Dots1ForCausalLM")
+                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
-            qk_norm_after_rope=arch == "HunYuanDenseV1ForCausalLM",
+            qk_norm_after_rope=arch in HUNYUANS,
             attention_sinks=arch == "GptOssForCausalLM",
             qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
             pre_norms=arch not in POST_NORMED,
@@ -675,6 +680,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
     if arch in DEEPSEEK_V3_MOES:
         return _deepseek_v3_moe_fields(raw)
+    if arch == "HunYuanMoEV1ForCausalLM":
+        return _hunyuan_moe_fields(raw)
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
@@ -725,3 +732,23 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
                 shared_expert_gated=False, moe_sigmoid_router=True, moe_num_groups=groups, moe_topk_groups=top_groups,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 skipped_layers=raw.get("num_nextn_predict_layers") or 0)
+
+
+def _hunyuan_moe_fields(raw: dict) -> dict:
+    """Hunyuan MoE (transformers' HunYuanMoEV1Moe): every layer sparse, experts and the shared
+    MLP of intermediate_size; `num_experts` and `moe_topk` may be given a layer each (the
+    checkpoints repeat one value: anything else is refused)."""
+    def one(key: str) -> int:
+        value = raw[key]
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ValueError(f"unsupported {key} {value}: one value for every layer only")
+            value = value[0]
+        return int(value)
+
+    num_experts, top_k = one("num_experts"), one("moe_topk")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"moe_topk {top_k} must be within 1..{num_experts} experts")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
+                norm_topk_prob=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
+                shared_expert_intermediate_size=raw["intermediate_size"], shared_expert_gated=False)

@@ -29,7 +29,7 @@ from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import DEEPSEEK_V3_MOES, ModelConfig
+from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, ModelConfig
 
 log = logging.getLogger("llmbus.worker")
 
@@ -61,7 +61,8 @@ NAMES_OF = {
     "Glm4ForCausalLM": GLM4_NORMS,
     "ApertusForCausalLM": {".attention_layernorm.": ".input_layernorm.",
                            ".feedforward_layernorm.": ".post_attention_layernorm."},
-    "HunYuanDenseV1ForCausalLM": {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm."},
+    **dict.fromkeys(HUNYUANS, {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm.",
+                               ".mlp.gate.wg.": ".mlp.gate.", ".mlp.shared_mlp.": ".mlp.shared_expert."}),
     **dict.fromkeys(DEEPSEEK_V3_MOES, {".mlp.shared_experts.": ".mlp.shared_expert."}),
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
