@@ -43,7 +43,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
-            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe"]
+            "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
+            "ernie4_5_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -79,7 +80,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     llm = LLM(str(folder), attention_backend="triton", max_num_batched_tokens=24)
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
-                           "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2}.get(name, 0)
+                           "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
+                           "ernie4_5_moe": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -125,16 +127,18 @@ def test_what_each_family_reads_from_its_config(family):
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
-                                 "hunyuan_moe": (0, 1)}.get(name, ())
-    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe"))  # (OLMoE's: off)
+                                 "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,)}.get(name, ())
+    assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
+                                                 "ernie4_5_moe"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
-                                                          "hunyuan_moe": 64}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "hunyuan_moe": 64, "ernie4_5_moe": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
-    assert (config.moe_sigmoid_router, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
+    assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
             config.shared_expert_gated, config.skipped_layers) == {
-        "glm4_moe": (True, 4, 2, 2.5, False, 1), "dots1": (True, 4, 2, 1.5, False, 0),
-        "hunyuan_moe": (False, 1, 1, 1.0, False, 0)}.get(name, (False, 1, 1, 1.0, True, 0))
+        "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
+        "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
+        "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
     assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
@@ -196,7 +200,7 @@ def test_what_each_family_reads_from_its_config(family):
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
-        "glm4_moe": (False, 8, False)}.get(
+        "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
                                         "stablelm", "glm4_moe"))
@@ -292,6 +296,20 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
         LLM(str(folder))
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture .*DeepseekV3ForCausalLM"):
+        LLM(str(folder))
+
+
+
+@pytest.mark.parametrize("arch, change, why", [
+    ("ernie4_5_moe", {"use_bias": True}, "unsupported use_bias true for ERNIE 4.5 MoE"),
+    ("hunyuan_moe", {"moe_topk": [2, 1]}, r"unsupported moe_topk \[2, 1\]: one value for every layer only"),
+    ("glm4_moe", {"n_group": 3}, "n_group 3 and topk_group 2 must split 8 experts"),
+])
+def test_a_moe_config_the_loader_would_mishandle_is_refused_by_name(tmp_path, arch, change, why):
+    folder = build_tiny_model(tmp_path / "m", arch, seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=why):
         LLM(str(folder))
 
 

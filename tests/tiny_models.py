@@ -187,6 +187,18 @@ def build_tiny_model(
             for name, param in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     param.normal_(0.0, 0.5)
+    elif arch == "ernie4_5_moe":
+        # ERNIE's interleaved rotary, tied; layer 0 dense, layer 1 sparse: 8 experts of 32,
+        # top 2 by probability + the correction bias (drawn to count), a shared expert
+        from transformers import Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM
+
+        moe = {"head_dim": 16, "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
+               "moe_num_shared_experts": 1, "moe_layer_start_index": 1}
+        model = Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(**{**common, **moe, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.1)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).

@@ -68,6 +68,10 @@ SUPPORTED_ARCHITECTURES = {
     # ERNIE 4.5 (dense: ERNIE-4.5-0.3B): a Llama rotating interleaved pairs (as GLM's), tied,
     # every projection biased where `use_bias` says
     "Ernie4_5ForCausalLM": "llama",
+    # ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, 300B-A47B): its dense layer and, every
+    # moe_layer_interval from moe_layer_start_index, experts chosen by softmax probability
+    # plus a correction bias (moe_statics), beside ungated shared experts
+    "Ernie4_5_MoeForCausalLM": "llama",
     # EXAONE 4.0: OLMo 2's output norms with Qwen3's per-head query/key norms; with a window,
     # three windowed layers to one global (layer_types), the global ones without rotary (NoPE).
     "Exaone4ForCausalLM": "llama",
@@ -149,6 +153,7 @@ WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EV
 # fourth layer): read through that class, as transformers reads them.
 FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                           "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
+                          "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                           "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
                           "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
                           "ArceeForCausalLM": "arcee",
@@ -258,13 +263,16 @@ class ModelConfig:
     # (GLM-4.5's shared experts, one MLP of their summed size: unweighed, shared_expert_gated off)
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True
-    # GLM-4.5's router (DeepSeek-V3's): sigmoid scores; the choice by score + a correction
-    # bias within the best `moe_topk_groups` of `moe_num_groups` groups of experts (a group
-    # by its two best); the chosen scores renormalized (norm_topk_prob) and scaled
-    moe_sigmoid_router: bool = False
+    # A router whose choice is by score + a learned correction bias ("": none): GLM-4.5's
+    # (DeepSeek-V3's) "sigmoid" scores, chosen within the best `moe_topk_groups` of
+    # `moe_num_groups` groups of experts (a group by its two best), the chosen scores
+    # renormalized (norm_topk_prob) and scaled; ERNIE 4.5's "softmax", its renormalizing
+    # sum floored at `moe_norm_min`
+    moe_score_correction: str = ""
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    moe_norm_min: float = 0.0
     # Layers a checkpoint holds past num_hidden_layers (GLM-4.5's multi-token prediction),
     # skipped at load
     skipped_layers: int = 0
@@ -442,7 +450,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", *COHERES),
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
@@ -682,6 +690,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw)
     if arch == "HunYuanMoEV1ForCausalLM":
         return _hunyuan_moe_fields(raw)
+    if arch == "Ernie4_5_MoeForCausalLM":
+        return _ernie_moe_fields(raw)
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
@@ -729,7 +739,7 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
                 norm_topk_prob=bool(raw["norm_topk_prob"]),  # (transformers' default filled in: GLM's on, dots' off)
                 moe_layers=tuple(range(first_sparse, raw["num_hidden_layers"])),
                 shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
-                shared_expert_gated=False, moe_sigmoid_router=True, moe_num_groups=groups, moe_topk_groups=top_groups,
+                shared_expert_gated=False, moe_score_correction="sigmoid", moe_num_groups=groups, moe_topk_groups=top_groups,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                 skipped_layers=raw.get("num_nextn_predict_layers") or 0)
 
@@ -752,3 +762,26 @@ def _hunyuan_moe_fields(raw: dict) -> dict:
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                 norm_topk_prob=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                 shared_expert_intermediate_size=raw["intermediate_size"], shared_expert_gated=False)
+
+
+def _ernie_moe_fields(raw: dict) -> dict:
+    """ERNIE 4.5 MoE (transformers' Ernie4_5_MoeSparseMoeBlock): sparse layers every
+    moe_layer_interval from moe_layer_start_index to moe_layer_end_index, experts of
+    moe_intermediate_size chosen by softmax probability + a correction bias, weighed by the
+    probabilities renormalized (their sum floored at moe_norm_min), and
+    moe_num_shared_experts ungated shared experts (one MLP of their summed size)."""
+    if raw.get("use_bias"):
+        raise ValueError("unsupported use_bias true for ERNIE 4.5 MoE: unbiased projections only")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+    num_experts, top_k = raw["moe_num_experts"], raw["moe_k"]
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"moe_k {top_k} must be within 1..{num_experts} experts")
+    interval, start, end = raw["moe_layer_interval"], raw["moe_layer_start_index"], raw["moe_layer_end_index"]
+    if interval < 1:
+        raise ValueError(f"moe_layer_interval {interval} must be at least 1")
+    layers = tuple(i for i in range(raw["num_hidden_layers"]) if (i + 1) % interval == 0 and start <= i <= end)
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=True, moe_layers=layers,
+                shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("moe_num_shared_experts") or 0),
+                shared_expert_gated=False, moe_score_correction="softmax", moe_norm_min=float(raw["moe_norm_min"]))

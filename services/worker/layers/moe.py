@@ -15,9 +15,10 @@ Qwen2-MoE adds a shared expert: a dense MLP every token takes, its output weighe
 sigmoid(shared_expert_gate . x) and added to the routed experts' (its gate, one row, kept
 unquantized as the router is). GLM-4.5's shared experts are added unweighed.
 
-GLM-4.5's router is DeepSeek-V3's (`GroupedSigmoidRouter` below): sigmoid scores, the
-choice made on the scores plus a learned correction bias among the best groups of
-experts, the chosen experts weighed by their plain scores, renormalized and scaled.
+GLM-4.5's router is DeepSeek-V3's (`CorrectedRouter` below): sigmoid scores, the choice
+made on the scores plus a learned correction bias among the best groups of experts, the
+chosen experts weighed by their plain scores, renormalized and scaled. ERNIE 4.5's is the
+same over softmax probabilities, without groups or scaling.
 
 With the Triton backend the experts' weights are stacked once at load ([E, N, K], each
 expert's weight then a view of it) and the products run as kernels/fused_moe.py's two
@@ -38,18 +39,23 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # (gpt-oss's)
 
 
-class GroupedSigmoidRouter(Router):
-    """DeepSeek-V3's routing, as transformers' Glm4MoeTopkRouter computes it, in float32."""
+class CorrectedRouter(Router):
+    """Experts chosen by their scores plus a learned correction bias, weighed by the scores
+    alone, in float32: DeepSeek-V3's (sigmoid scores, groups, scaled: transformers'
+    Glm4MoeTopkRouter) or ERNIE 4.5's (softmax, its sum floored at `norm_min`:
+    Ernie4_5_MoeTopKRouter)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, num_groups: int, topk_groups: int,
-                 scaling: float) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, scoring: str, num_groups: int = 1, topk_groups: int = 1,
+                 scaling: float = 1.0, norm_min: float = 0.0) -> None:
         super().__init__(num_experts, hidden_size)
         # A buffer: it stays float32 whatever the model's dtype (transformers keeps it so)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
-        self.num_groups, self.topk_groups, self.scaling = num_groups, topk_groups, scaling
+        self.scoring, self.num_groups, self.topk_groups = scoring, num_groups, topk_groups
+        self.scaling, self.norm_min = scaling, norm_min
 
     def route(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + self.e_score_correction_bias
         if self.topk_groups < self.num_groups:  # only the experts of the best groups (a group by its two best)
             grouped = choice.view(len(x), self.num_groups, -1)
@@ -59,8 +65,9 @@ class GroupedSigmoidRouter(Router):
         chosen = choice.topk(top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         if renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return (weights * self.scaling).to(x.dtype), chosen
+            total = weights.sum(-1, keepdim=True)
+            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + 1e-20)
+        return (weights * self.scaling if self.scaling != 1.0 else weights).to(x.dtype), chosen
 
 
 class SparseMoE(nn.Module):
@@ -105,7 +112,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [num_tokens, k] in x's dtype, experts [num_tokens, k]) of each token."""
-        if isinstance(self.gate, GroupedSigmoidRouter):
+        if isinstance(self.gate, CorrectedRouter):
             return self.gate.route(x, self.top_k, self.renormalize)
         if self.topk_softmax:
             top, chosen = F.linear(x, self.gate.weight, self.gate.bias).float().topk(self.top_k, dim=-1)

@@ -24,7 +24,7 @@ from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
-from services.worker.layers.moe import GroupedSigmoidRouter, SparseMoE
+from services.worker.layers.moe import CorrectedRouter, SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
@@ -64,6 +64,7 @@ NAMES_OF = {
     **dict.fromkeys(HUNYUANS, {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm.",
                                ".mlp.gate.wg.": ".mlp.gate.", ".mlp.shared_mlp.": ".mlp.shared_expert."}),
     **dict.fromkeys(DEEPSEEK_V3_MOES, {".mlp.shared_experts.": ".mlp.shared_expert."}),
+    "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -277,9 +278,9 @@ class DecoderLayer(nn.Module):
         if index in config.moe_layers:
             expert = MLP if not config.swiglu_limit else partial(
                 ClampedSwiGLUExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-            router = GroupedSigmoidRouter(config.num_experts, config.hidden_size, config.moe_num_groups,
-                                          config.moe_topk_groups, config.routed_scaling_factor) \
-                if config.moe_sigmoid_router else None
+            router = CorrectedRouter(config.num_experts, config.hidden_size, config.moe_score_correction,
+                                     config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
+                                     config.moe_norm_min) if config.moe_score_correction else None
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
@@ -448,6 +449,8 @@ class LlamaForCausalLM(nn.Module):
             name = name if theirs is None else name.replace(theirs, names[theirs])
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves
+            if name.endswith(".e_score_correction_bias") and tensor.dim() == 2 and len(tensor) == 1:
+                tensor = tensor[0]  # (ERNIE's [1, experts]: one group of statistics)
             stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
             if stacked is not None:
                 prefix = name[: -len(stacked)] + ".mlp.experts"
