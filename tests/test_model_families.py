@@ -44,7 +44,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
-            "ernie4_5_moe"]
+            "ernie4_5_moe", "minimax_m2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -81,7 +81,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
-                           "ernie4_5_moe": 1}.get(name, 0)
+                           "ernie4_5_moe": 1, "minimax_m2": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -117,19 +117,19 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
-                                       "apertus", "dots1", "hunyuan_moe"))
+                                       "apertus", "dots1", "hunyuan_moe", "minimax_m2"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
         assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
-    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name == "olmoe" else
+    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name in ("olmoe", "minimax_m2") else
                                                              (True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
-                                 "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,)}.get(name, ())
+                                 "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
-                                                 "ernie4_5_moe"))  # (OLMoE's: off)
+                                                 "ernie4_5_moe", "minimax_m2"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
@@ -138,7 +138,8 @@ def test_what_each_family_reads_from_its_config(family):
             config.shared_expert_gated, config.skipped_layers) == {
         "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
-        "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
+        "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
+        "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
     assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
@@ -196,7 +197,7 @@ def test_what_each_family_reads_from_its_config(family):
     if name == "olmo3":  # its YaRN on the global layer alone
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
-        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1") else (0, 0))
+        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2") else (0, 0))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),

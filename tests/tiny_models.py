@@ -199,6 +199,21 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("e_score_correction_bias"):
                     param.normal_(0.0, 0.1)
+    elif arch == "minimax_m2":
+        # q/k norms over all heads (made to count), half of each head rotating; every layer
+        # sparse: 8 experts of 64, top 2 by sigmoid score + the correction bias (drawn to count)
+        from transformers import MiniMaxM2Config, MiniMaxM2ForCausalLM
+
+        moe = {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+               "rotary_dim": 8}
+        model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**{**common, **moe, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    param.normal_(0.0, 0.5)
+            for name, param in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    param.normal_(1.0, 0.3)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).

@@ -34,6 +34,10 @@ SUPPORTED_ARCHITECTURES = {
     # and a sparse MLP in every layer: 64 experts, top 8, weighed by the softmax over all
     # (norm_topk_prob false) as Qwen3-MoE's
     "OlmoeForCausalLM": "llama",
+    # MiniMax-M2: OLMoE's query/key norms over all heads, a partial rotary (`rotary_dim`),
+    # every layer sparse: experts chosen by sigmoid score plus a correction bias, weighed by
+    # their scores renormalized (DeepSeek-V3's router without groups or scaling)
+    "MiniMaxM2ForCausalLM": "llama",
     # GLM-4.5 and 4.6 (GLM-4.5-Air): GLM's biased q/k/v with half of each head rotating (as
     # NeoX's halves), optional per-head query/key norms; after the first dense layers,
     # DeepSeek-V3's experts: a sigmoid router whose choice adds a correction bias, within the
@@ -130,7 +134,7 @@ LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Query/key norms over all of a token's heads at once (OLMo 2's), wherever its norms are
-QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM")
+QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")
 # No norm before attention and the MLP, one on each's output instead
 POST_NORMED = (*OLMOS, "Exaone4ForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
@@ -161,7 +165,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
-                          "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1"}
+                          "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
+                          "MiniMaxM2ForCausalLM": "minimax_m2"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -437,7 +442,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM")
+                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch in HUNYUANS,
             attention_sinks=arch == "GptOssForCausalLM",
@@ -692,6 +697,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _hunyuan_moe_fields(raw)
     if arch == "Ernie4_5_MoeForCausalLM":
         return _ernie_moe_fields(raw)
+    if arch == "MiniMaxM2ForCausalLM":  # (its scores renormalized always: transformers' router has no switch)
+        return dict(_moe_fields("MixtralForCausalLM", raw), moe_score_correction="sigmoid")
     if arch == "OlmoeForCausalLM":
         if raw.get("clip_qkv") is not None:
             raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")

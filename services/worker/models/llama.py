@@ -65,6 +65,8 @@ NAMES_OF = {
                                ".mlp.gate.wg.": ".mlp.gate.", ".mlp.shared_mlp.": ".mlp.shared_expert."}),
     **dict.fromkeys(DEEPSEEK_V3_MOES, {".mlp.shared_experts.": ".mlp.shared_expert."}),
     "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
+    # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
+    "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
