@@ -166,13 +166,7 @@ def build_tiny_model(
                "first_k_dense_replace": 1, "attention_bias": True}
         model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**common, **moe, **overrides}))
         _biases_made_to_count(model)
-        with torch.no_grad():
-            for name, param in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    param.normal_(0.0, 0.5)
-            for name, param in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    param.normal_(1.0, 0.3)
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "dots1":
         # Qwen3's attention, a window of 24 on layer 1 (max_window_layers); layer 0 dense,
         # layer 1 sparse: 8 experts of 32 in 4 groups, the best 2 kept, top 2, unnormalized,
@@ -183,10 +177,7 @@ def build_tiny_model(
                "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5,
                "first_k_dense_replace": 1, "sliding_window": 24, "max_window_layers": 1}
         model = Dots1ForCausalLM(Dots1Config(**{**common, **moe, **overrides}))
-        with torch.no_grad():
-            for name, param in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    param.normal_(0.0, 0.5)
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "ernie4_5_moe":
         # ERNIE's interleaved rotary, tied; layer 0 dense, layer 1 sparse: 8 experts of 32,
         # top 2 by probability + the correction bias (drawn to count), a shared expert
@@ -195,10 +186,7 @@ def build_tiny_model(
         moe = {"head_dim": 16, "moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                "moe_num_shared_experts": 1, "moe_layer_start_index": 1}
         model = Ernie4_5_MoeForCausalLM(Ernie4_5_MoeConfig(**{**common, **moe, **overrides}))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("e_score_correction_bias"):
-                    param.normal_(0.0, 0.1)
+        _router_bias_and_qk_norms_made_to_count(model, 0.1)  # (on probabilities: smaller)
     elif arch == "minimax_m2":
         # q/k norms over all heads (made to count), half of each head rotating; every layer
         # sparse: 8 experts of 64, top 2 by sigmoid score + the correction bias (drawn to count)
@@ -207,13 +195,7 @@ def build_tiny_model(
         moe = {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
                "rotary_dim": 8}
         model = MiniMaxM2ForCausalLM(MiniMaxM2Config(**{**common, **moe, **overrides}))
-        with torch.no_grad():
-            for name, param in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    param.normal_(0.0, 0.5)
-            for name, param in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    param.normal_(1.0, 0.3)
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "granite":  # each of its four scalars away from the identity
         # Attention softer than 1/sqrt(head_dim), as Granite's muP-style 1/head_dim is
         # (sharper, int4 parts from float32 at the first token on these random weights).
@@ -517,6 +499,17 @@ def _layer_normed_model(arch: str, common: dict, overrides: dict):
                 norm = "norm" in name or ".ln_" in name or name.startswith(("transformer.ln_f", "ln_f"))
                 param.normal_(1.0 if norm and name.endswith("weight") else 0.0, 0.3 if norm else 0.1)
     return model
+
+
+def _router_bias_and_qk_norms_made_to_count(model, bias_std: float) -> None:
+    """A corrected router's bias (a buffer in some families, a parameter in others) starts at
+    zero and query/key norms at one: draw them, so a bias or norm the engine dropped shows."""
+    with torch.no_grad():
+        for name, tensor in (*model.named_buffers(), *model.named_parameters()):
+            if name.endswith("e_score_correction_bias"):
+                tensor.normal_(0.0, bias_std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor.normal_(1.0, 0.3)
 
 
 def _biases_made_to_count(model) -> None:
