@@ -58,10 +58,10 @@ class CorrectedRouter(Router):
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
         choice = scores + self.e_score_correction_bias
         if self.topk_groups < self.num_groups:  # only the experts of the best groups (a group by its two best)
-            grouped = choice.view(len(x), self.num_groups, -1)
+            grouped = choice.unflatten(-1, (self.num_groups, -1))  # [tokens, groups, experts a group]
             best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
             kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
-            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).view(len(x), -1)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
         chosen = choice.topk(top_k, dim=-1).indices
         weights = scores.gather(1, chosen)
         if renormalize:
