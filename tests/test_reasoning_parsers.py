@@ -19,6 +19,7 @@ from test_gateway import FakeEngine, sse_events
     ("deepseek_r1", "", "let me see</think>42", ("let me see", "42")),
     ("deepseek_r1", "", "<think>let me see</think>42", ("let me see", "42")),
     ("deepseek_r1", "", "still thinking", ("still thinking", "")),  # never closed: max_tokens ran out
+    ("minimax_m2", "]~b]ai\n", "let me see</think>\n\n42", ("let me see", "\n\n42")),  # (no opening tag)
     ("qwen3", "<|im_start|>assistant\n", "<think>\nhm\n</think>\n\n42", ("\nhm\n", "\n\n42")),
     ("qwen3", "<|im_start|>assistant\n", "42", ("", "42")),
     ("qwen3", "<|im_start|>assistant\n", "4</think>2", ("", "4</think>2")),  # no thinking was opened

@@ -17,6 +17,7 @@ from services.gateway.tool_parsers import (
     HermesToolParser,
     GraniteToolParser,
     Llama3JsonToolParser,
+    MiniMaxM2ToolParser,
     MistralToolParser,
     NamedToolParser,
     ParsedDelta,
@@ -163,18 +164,36 @@ def test_mistral_and_granite_calls_read_the_same_however_the_text_is_split(parse
 QWEN3_CODER_TEXT = ("Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\na}\"[{b\n</parameter>\n"
                     "<parameter=days>\n2\n</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n"
                     "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>")
+GLM45_TEXT = ("Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
+              "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>note</arg_key>\n<arg_value>line one\n"
+              "line two</arg_value>\n<arg_key>hours</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>\n"
+              "<tool_call>get_time\n</tool_call>")
+MINIMAX_M2_TEXT = ('Sure.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">\n42\n</parameter>\n'
+                   '<parameter name="days">2</parameter>\n<parameter name="note">line one\nline two</parameter>\n'
+                   '</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>')
+# Each parser of schema-typed calls, on its models' text: a weather call and a call with no
+# arguments after "Sure."; values typed by the tool's schema (days an integer) where the
+# format says, note (which the schema does not name) a string.
+SCHEMA_TYPED = {
+    # each value as written (multi-line kept, its first and last newline not)
+    "qwen3_coder": (Qwen3CoderToolParser, QWEN3_CODER_TEXT, {"city": 'a}"[{b', "days": 2, "note": "line one\nline two"}),
+    # a string parameter as written (city "42" stays text), the rest read as JSON (hours a list)
+    "glm45": (Glm45ToolParser, GLM45_TEXT, {"city": "42", "days": 2, "note": "line one\nline two", "hours": [1, 2]}),
+    "glm47": (Glm45ToolParser, GLM45_TEXT.replace("get_weather\n<arg_key>", "get_weather<arg_key>"),  # (no newline)
+              {"city": "42", "days": 2, "note": "line one\nline two", "hours": [1, 2]}),
+    # both calls in one block, each value stripped
+    "minimax_m2": (MiniMaxM2ToolParser, MINIMAX_M2_TEXT, {"city": "42", "days": 2, "note": "line one\nline two"}),
+}
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 10_000), max_size=12))
-def test_qwen3_coder_calls_read_the_same_however_the_text_is_split(cuts):
-    """Each value as written (multi-line kept, its first and last newline not), typed by the
-    tool's schema: days an integer; note, which the schema does not name, a string."""
-    parser = Qwen3CoderToolParser(tools={"get_weather": WEATHER["function"]["parameters"]})
-    content, calls, announced = streamed(parser, splits(QWEN3_CODER_TEXT, cuts))
+@given(st.sampled_from(sorted(SCHEMA_TYPED)), st.lists(st.integers(0, 10_000), max_size=12))
+def test_schema_typed_calls_read_the_same_however_the_text_is_split(name, cuts):
+    parser_class, text, arguments = SCHEMA_TYPED[name]
+    parser = parser_class(tools={"get_weather": WEATHER["function"]["parameters"]})
+    content, calls, announced = streamed(parser, splits(text, cuts))
     assert content == "Sure." and announced == [0, 1]
-    assert calls == [("get_weather", json.dumps({"city": 'a}"[{b', "days": 2, "note": "line one\nline two"})),
-                     ("get_time", "{}")]
+    assert calls == [("get_weather", json.dumps(arguments)), ("get_time", "{}")]
 
 
 @pytest.mark.parametrize("kind, text, value", [
@@ -190,31 +209,16 @@ def test_qwen3_coder_values_take_their_schema_s_type(kind, text, value):
     assert json.loads(calls[0].arguments) == {"p": value}
 
 
-GLM45_TEXT = ("Sure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>42</arg_value>\n"
-              "<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n<arg_key>note</arg_key>\n<arg_value>line one\n"
-              "line two</arg_value>\n<arg_key>hours</arg_key>\n<arg_value>[1, 2]</arg_value>\n</tool_call>\n"
-              "<tool_call>get_time\n</tool_call>")
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.booleans(), st.lists(st.integers(0, 10_000), max_size=12))
-def test_glm45_calls_read_the_same_however_the_text_is_split(glm47, cuts):
-    """GLM-4.5's name line and key/value pairs (GLM-4.7's without the newline after the
-    name): a string parameter as written (city "42" stays text), the rest as JSON (days
-    2, hours a list); note, which the schema does not name, read as JSON and kept as text."""
-    text = GLM45_TEXT.replace("get_weather\n<arg_key>", "get_weather<arg_key>") if glm47 else GLM45_TEXT
-    parser = Glm45ToolParser(tools={"get_weather": WEATHER["function"]["parameters"]})
-    content, calls, announced = streamed(parser, splits(text, cuts))
-    assert content == "Sure." and announced == [0, 1]
-    assert calls == [("get_weather", json.dumps({"city": "42", "days": 2, "note": "line one\nline two",
-                                                 "hours": [1, 2]})), ("get_time", "{}")]
-
-
 @pytest.mark.parametrize("body", ['{"name": "get_time", "arguments": {}}', "", "get time\nnot a pair",
                                   "<arg_key>city</arg_key><arg_value>x</arg_value>"])
 def test_a_glm45_block_that_is_no_call_stays_content(body):
     content, calls = parse_whole(Glm45ToolParser(), f"Hi <tool_call>{body}</tool_call>")
     assert (content, calls) == (f"Hi <tool_call>{body}</tool_call>", [])
+
+
+def test_minimax_m2_without_parallel_calls_reads_the_first_of_a_block():
+    content, calls = parse_whole(MiniMaxM2ToolParser(max_calls=1), MINIMAX_M2_TEXT)
+    assert content == "Sure." and [c.name for c in calls] == ["get_weather"]
 
 
 def test_mistral_without_parallel_calls_reads_the_first():
@@ -337,6 +341,9 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                   "glm45": ("Let me look.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
                             "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n"
                             "<tool_call>get_time\n</tool_call>", "Let me look."),
+                  "minimax_m2": ('Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+                                 'Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n'
+                                 '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>', "Let me look."),
                   # gpt-oss's harmony: a commentary preamble, then messages to functions (recipient
                   # after the channel, and before it)
                   "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "

@@ -7,7 +7,8 @@ whole text at once, so both agree by construction (as tool_parsers.py). A tag sp
 across deltas is held back until it is whole or cannot be one.
 
 - `deepseek_r1`: the template opens the thinking in the prompt, so the answer is reasoning
-  from its first character (a leading `<think>` dropped) until `</think>`.
+  from its first character (a leading `<think>` dropped) until `</think>`; `minimax_m2`
+  the same (MiniMax-M2 writes no opening tag).
 - `qwen3`: reasoning where the answer begins with `<think>`, or where the prompt ends
   inside an open `<think>` (Qwen3.5's and the thinking-2507 templates put it there);
   otherwise (`enable_thinking: false` closes it in the prompt) all content.
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 # name -> the tags around its thinking
 TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "glm45": ("<think>", "</think>"),
-        "seed_oss": ("<seed:think>", "</seed:think>")}
+        "minimax_m2": ("<think>", "</think>"), "seed_oss": ("<seed:think>", "</seed:think>")}
+# The answer is reasoning from its first character, whatever the prompt says
+STARTS_IN_REASONING = ("deepseek_r1", "minimax_m2")
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -100,7 +103,7 @@ def new_parser(name: str, prompt_tail: str) -> ReasoningParser:
 
         return HarmonyReasoningParser()
     tags = TAGS[name]
-    return ReasoningParser(name == "deepseek_r1" or prompt_opens_thinking(prompt_tail, tags), tags)
+    return ReasoningParser(name in STARTS_IN_REASONING or prompt_opens_thinking(prompt_tail, tags), tags)
 
 
 # `openai_gptoss`: gpt-oss's harmony channels (harmony.py), read from its special tokens,

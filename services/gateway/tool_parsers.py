@@ -21,6 +21,8 @@ whole text at once and assembles the same deltas, so both answers agree by const
   same calls in Seed-OSS's `<seed:tool_call>` blocks.
 - `Glm45ToolParser` (`glm45`, `glm47`): hermes' blocks around GLM-4.5's calls, the name and
   then `<arg_key>`/`<arg_value>` pairs (GLM-4.7 writes no newline after the name).
+- `MiniMaxM2ToolParser` (`minimax_m2`): `<minimax:tool_call>` blocks of one or more
+  `<invoke name="...">` calls, their `<parameter name="...">` values typed as qwen3_coder's.
 - `HarmonyToolParser` (`openai`): gpt-oss's calls, messages to `functions.NAME` (harmony.py).
 """
 
@@ -137,17 +139,21 @@ class HermesToolParser:
             out.content += text
 
     def _call(self, body: str, raw: str, out: ParsedDelta) -> None:
-        call, space, self.space = self._read(body), self.space, ""
-        if call is None:
+        calls, space, self.space = self._calls(body), self.space, ""
+        if not calls:
             self._content(space + raw, out)
             return
-        if self.max_calls is not None and self.num_calls >= self.max_calls:
-            return  # a call beyond those asked for is neither a call nor content
-        name, arguments = call
-        out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), name), ToolCallDelta(self.num_calls, None,
-                                                                                             None, arguments)]
-        self.num_calls += 1
+        for name, arguments in calls:
+            if self.max_calls is not None and self.num_calls >= self.max_calls:
+                return  # a call beyond those asked for is neither a call nor content
+            out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), name),
+                               ToolCallDelta(self.num_calls, None, None, arguments)]
+            self.num_calls += 1
 
+    def _calls(self, body: str) -> list[tuple[str, str]]:
+        """A block's calls (hermes': one), each (name, JSON arguments); none: not a call."""
+        call = self._read(body)
+        return [] if call is None else [call]
 
     @staticmethod
     def _read(body: str) -> tuple[str, str] | None:
@@ -206,6 +212,35 @@ class Glm45ToolParser(Qwen3CoderToolParser):
             key, value = key.strip(), value.strip()
             arguments[key] = value if (properties.get(key) or {}).get("type") == "string" else _literal(value, value)
         return name, json.dumps(arguments, ensure_ascii=False)
+
+
+class MiniMaxM2ToolParser(Qwen3CoderToolParser):
+    """vLLM's `minimax_m2`: a `<minimax:tool_call>` block holds one or more
+    `<invoke name="f">` calls, each of `<parameter name="p">value</parameter>`s, a value
+    (stripped) typed by the tool's JSON schema as qwen3_coder's are."""
+
+    OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+
+    def _calls(self, body: str) -> list[tuple[str, str]]:
+        calls = []
+        for name, inner in _INVOKE.findall(body):
+            name = _unquoted(name)
+            properties = (self.tools.get(name) or {}).get("properties") or {}
+            arguments = {}
+            for key, value in _MINIMAX_PARAMETER.findall(inner):
+                key = _unquoted(key)
+                arguments[key] = _typed(value.strip(), (properties.get(key) or {}).get("type"))
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
+_INVOKE = re.compile(r"<invoke name=([^>\n]+)>(.*?)(?:</invoke>|$)", re.S)
+_MINIMAX_PARAMETER = re.compile(r"<parameter name=([^>\n]+)>(.*?)(?:</parameter>|$)", re.S)
+
+
+def _unquoted(text: str) -> str:
+    text = text.strip()
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "\"'" else text
 
 
 _GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
@@ -665,5 +700,5 @@ TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json":
                                       "pythonic": PythonicToolParser, "mistral": MistralToolParser,
                                       "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
                                       "seed_oss": SeedOssToolParser, "glm45": Glm45ToolParser,
-                                      "glm47": Glm45ToolParser}
+                                      "glm47": Glm45ToolParser, "minimax_m2": MiniMaxM2ToolParser}
 TOOL_CALL_PARSERS["openai"] = HarmonyToolParser
