@@ -305,6 +305,8 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     ("ernie4_5_moe", {"use_bias": True}, "unsupported use_bias true for ERNIE 4.5 MoE"),
     ("hunyuan_moe", {"moe_topk": [2, 1]}, r"unsupported moe_topk \[2, 1\]: one value for every layer only"),
     ("glm4_moe", {"n_group": 3}, "n_group 3 and topk_group 2 must split 8 experts"),
+    ("hunyuan_moe", {"architectures": ["HunYuanMoEV1ForSequenceClassification"]},
+     "the HunYuanMoEV1ForCausalLM family generates; its ForSequenceClassification is not served"),
 ])
 def test_a_moe_config_the_loader_would_mishandle_is_refused_by_name(tmp_path, arch, change, why):
     folder = build_tiny_model(tmp_path / "m", arch, seed=2)

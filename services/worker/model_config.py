@@ -129,6 +129,10 @@ DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
+# Families whose *ForSequenceClassification is refused: their classifiers' heads and
+# pooling are not held to transformers here
+UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, "HunYuanMoEV1ForCausalLM",
+                "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -349,8 +353,7 @@ class ModelConfig:
                 f"supported: {', '.join(sorted([*SUPPORTED_ARCHITECTURES, *BASE_MODELS]))} (and each family's "
                 f"{SUFFIX})"
             )
-        if arch in (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES) and is_classifier(raw):
-            # (their classifiers' heads and pooling are not held to transformers here)
+        if arch in UNCLASSIFIED and is_classifier(raw):
             raise ValueError(f"unsupported architecture {raw['architectures'][0]!r}: the {arch} family generates; "
                              f"its {SUFFIX} is not served")
         if arch in FILLED_BY_TRANSFORMERS:
