@@ -230,6 +230,16 @@ def test_glm4_moe_skips_its_multi_token_prediction_layer(tmp_path):
         LLM(str(folder))
 
 
+@pytest.mark.parametrize("arch, router_dtype", [("ernie4_5_moe", torch.float32), ("glm4_moe", torch.bfloat16)])
+def test_corrected_routers_keep_float32_where_transformers_does(tmp_path, arch, router_dtype):
+    """In bfloat16, a corrected router's bias stays float32 (every family's class keeps it
+    so) and ERNIE's weights too (its class keeps `gate.weight` float32); GLM's take the
+    model's dtype, as transformers casts them."""
+    llm = LLM(str(build_tiny_model(tmp_path / arch, arch, seed=2)), dtype="bfloat16")
+    moe = next(layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE))
+    assert (moe.gate.weight.dtype, moe.gate.e_score_correction_bias.dtype) == (router_dtype, torch.float32)
+
+
 def test_glm_matches_transformers(tmp_path):
     """GLM-4's first layer (glm-4-9b-chat-hf: GlmForCausalLM), without GLM-4-0414's four
     norms (the families' glm4): interleaved half-rotary, q/k/v biases, gate/up fused."""

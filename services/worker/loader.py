@@ -143,9 +143,11 @@ def load_model(
             head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
             bias = None if model.lm_head is None else model.lm_head.bias  # (Phi's)
             model.lm_head = quantized_linear("int8", head, bias, dtype)
-    # Parameters only: the RoPE tables stay float32, as transformers keeps them.
+    # Parameters only: the RoPE tables stay float32, as transformers keeps them, and so
+    # does a parameter marked `keep_float32` (ERNIE 4.5's router: its class keeps it so).
     for param in model.parameters():
-        param.data = param.data.to(dtype)
+        if not getattr(param, "keep_float32", False):
+            param.data = param.data.to(dtype)
     model = model.to(device)
     for module in model.modules():
         if isinstance(module, SparseMoE) and module.fused:

@@ -50,6 +50,9 @@ class CorrectedRouter(Router):
         super().__init__(num_experts, hidden_size)
         # A buffer: it stays float32 whatever the model's dtype (transformers keeps it so)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        # ERNIE's weights stay float32 too (transformers' Ernie4_5_MoeTopKRouter keeps them);
+        # DeepSeek-V3's take the model's dtype, as transformers casts them
+        self.weight.keep_float32 = scoring == "softmax"
         self.scoring, self.num_groups, self.topk_groups = scoring, num_groups, topk_groups
         self.scaling, self.norm_min = scaling, norm_min
 
