@@ -84,8 +84,8 @@ SUPPORTED_ARCHITECTURES = {
     # Hunyuan dense (Hunyuan-0.5B to 7B): a Llama whose per-head query/key norms come after
     # rotary, not before (Qwen3's order); its rotary base raised by an NTK alpha
     "HunYuanDenseV1ForCausalLM": "llama",
-    # Hunyuan MoE (Hunyuan-A13B): Hunyuan's attention, every layer sparse (a float32 router,
-    # softmax, top-k renormalized) beside a shared MLP added unweighed
+    # Hunyuan MoE (Hunyuan-A13B): Hunyuan's attention, every layer sparse (a softmax router,
+    # top-k renormalized) beside a shared MLP added unweighed
     "HunYuanMoEV1ForCausalLM": "llama",
     # Arcee (AFM-4.5B): a Llama whose MLP has no gate: down(relu(up x) ** 2)
     "ArceeForCausalLM": "llama",
@@ -682,14 +682,23 @@ def _granite_fields(arch: str, raw: dict) -> dict:
     return {name: float(value) for name, value in fields.items()}
 
 
+def _check_top_k(top_k: int, num_experts: int, key: str) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"{key} {top_k} must be within 1..{num_experts} experts")
+
+
+def _check_silu_experts(raw: dict) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+
+
 def _moe_fields(arch: str, raw: dict) -> dict:
     """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
     Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
     moe_intermediate_size, renormalized if norm_topk_prob."""
     if arch == "GptOssForCausalLM":
         num_experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
-        if not 0 < top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+        _check_top_k(top_k, num_experts, "num_experts_per_tok")
         # (its hidden_act names no activation of its experts': theirs is their own)
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
@@ -709,12 +718,10 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM",
                     "OlmoeForCausalLM"):
         return {}
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+    _check_silu_experts(raw)
     num_experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
     top_k = raw.get("num_experts_per_tok", 0)
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+    _check_top_k(top_k, num_experts, "num_experts_per_tok")
     layers = range(raw["num_hidden_layers"])
     if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
@@ -733,12 +740,10 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
     """GLM-4.5's and dots.llm1's experts (transformers' DeepseekV3MoE): dense layers before
     first_k_dense_replace, then sparse ones of n_routed_experts, DeepSeek-V3's router, and
     n_shared_experts ungated shared experts (one MLP of their summed size)."""
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+    _check_silu_experts(raw)
     num_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
     groups, top_groups = raw.get("n_group") or 1, raw.get("topk_group") or 1
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok {top_k} must be within 1..{num_experts} experts")
+    _check_top_k(top_k, num_experts, "num_experts_per_tok")
     if num_experts % groups or num_experts // groups < 2 or not 0 < top_groups <= groups:
         raise ValueError(f"n_group {groups} and topk_group {top_groups} must split {num_experts} experts into groups "
                          "of at least 2 and keep some")
@@ -767,8 +772,7 @@ def _hunyuan_moe_fields(raw: dict) -> dict:
         return int(value)
 
     num_experts, top_k = one("num_experts"), one("moe_topk")
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"moe_topk {top_k} must be within 1..{num_experts} experts")
+    _check_top_k(top_k, num_experts, "moe_topk")
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                 norm_topk_prob=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                 shared_expert_intermediate_size=raw["intermediate_size"], shared_expert_gated=False)
@@ -782,11 +786,9 @@ def _ernie_moe_fields(raw: dict) -> dict:
     moe_num_shared_experts ungated shared experts (one MLP of their summed size)."""
     if raw.get("use_bias"):
         raise ValueError("unsupported use_bias true for ERNIE 4.5 MoE: unbiased projections only")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} with experts: only silu")
+    _check_silu_experts(raw)
     num_experts, top_k = raw["moe_num_experts"], raw["moe_k"]
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"moe_k {top_k} must be within 1..{num_experts} experts")
+    _check_top_k(top_k, num_experts, "moe_k")
     interval, start, end = raw["moe_layer_interval"], raw["moe_layer_start_index"], raw["moe_layer_end_index"]
     if interval < 1:
         raise ValueError(f"moe_layer_interval {interval} must be at least 1")
