@@ -182,10 +182,15 @@ class Qwen3CoderToolParser(HermesToolParser):
         if function is None:
             return None
         name = function.group(1).strip()
-        properties = (self.tools.get(name) or {}).get("properties") or {}
-        arguments = {key.strip(): _typed(value, (properties.get(key.strip()) or {}).get("type"))
+        types = self._types(name)
+        arguments = {key.strip(): _typed(value, types.get(key.strip()))
                      for key, value in _PARAMETER.findall(function.group(2))}
         return name, json.dumps(arguments, ensure_ascii=False)
+
+    def _types(self, name: str) -> dict[str, object]:
+        """Each parameter's JSON-schema type, by the tool's schema (none for a tool it lacks)."""
+        properties = (self.tools.get(name) or {}).get("properties") or {}
+        return {key: (schema or {}).get("type") for key, schema in properties.items()}
 
 
 class SeedOssToolParser(Qwen3CoderToolParser):
@@ -206,11 +211,11 @@ class Glm45ToolParser(Qwen3CoderToolParser):
         name = name.strip()
         if not name or before.strip() or any(c in name for c in "<>{}\n"):
             return None
-        properties = (self.tools.get(name) or {}).get("properties") or {}
+        types = self._types(name)
         arguments = {}
         for key, value in _GLM_ARGUMENT.findall("<arg_key>" + rest if rest else ""):
             key, value = key.strip(), value.strip()
-            arguments[key] = value if (properties.get(key) or {}).get("type") == "string" else _literal(value, value)
+            arguments[key] = value if types.get(key) == "string" else _literal(value, value)
         return name, json.dumps(arguments, ensure_ascii=False)
 
 
@@ -225,11 +230,11 @@ class MiniMaxM2ToolParser(Qwen3CoderToolParser):
         calls = []
         for name, inner in _INVOKE.findall(body):
             name = _unquoted(name)
-            properties = (self.tools.get(name) or {}).get("properties") or {}
+            types = self._types(name)
             arguments = {}
             for key, value in _MINIMAX_PARAMETER.findall(inner):
                 key = _unquoted(key)
-                arguments[key] = _typed(value.strip(), (properties.get(key) or {}).get("type"))
+                arguments[key] = _typed(value.strip(), types.get(key))
             calls.append((name, json.dumps(arguments, ensure_ascii=False)))
         return calls
 
