@@ -361,7 +361,7 @@ class ModelRunner:
                     state.num_pending += 1
                     state.pending_token = (ids, row)
                     sampled_states.append((i, row, state))
-                in_order = states if not drafts and len(sample_rows) == len(states) else None  # (row i: states[i])
+                in_order = states if len(sample_rows) == len(states) else None  # (no drafts here: row i is states[i])
                 launched = LaunchedStep(output, samples, sampled_states, on_finish=self._retire, in_order=in_order)
                 self._launched.append(launched)
         if launched.finished and not any(logprobs):  # (a launched step's finish() says so itself)
