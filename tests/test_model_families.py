@@ -240,6 +240,14 @@ def test_corrected_routers_keep_float32_where_transformers_does(tmp_path, arch, 
     assert (moe.gate.weight.dtype, moe.gate.e_score_correction_bias.dtype) == (router_dtype, torch.float32)
 
 
+def test_hunyuan_moe_router_keeps_float32_in_bfloat16(tmp_path):
+    """As transformers' HunYuanMoEV1Gate keeps `wg` (tests/test_moe_routers.py: the routing
+    itself), while the experts take the model's dtype."""
+    llm = LLM(str(build_tiny_model(tmp_path / "hunyuan_moe", "hunyuan_moe", seed=2)), dtype="bfloat16")
+    moe = next(layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE))
+    assert (moe.gate.weight.dtype, moe.shared_expert.down_proj.dtype) == (torch.float32, torch.bfloat16)
+
+
 def test_glm_matches_transformers(tmp_path):
     """GLM-4's first layer (glm-4-9b-chat-hf: GlmForCausalLM), without GLM-4-0414's four
     norms (the families' glm4): interleaved half-rotary, q/k/v biases, gate/up fused."""

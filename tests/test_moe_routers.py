@@ -6,7 +6,7 @@ tokens, empty batches included."""
 import pytest
 import torch
 
-from services.worker.layers.moe import CorrectedRouter
+from services.worker.layers.moe import CorrectedRouter, SparseMoE
 
 
 def same_choice(ours, theirs_weights, theirs_chosen):
@@ -56,3 +56,25 @@ def test_ernie_routing_equals_ernie4_5_moe_s(tokens):
         x = torch.randn(tokens, 32, generator=gen)
         _, weights, chosen = theirs(x)
         same_choice(ours.route(x, 3, True), weights, chosen)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_hunyuan_routing_in_bfloat16_equals_hunyuan_v1_moe_s(tokens):
+    """Hunyuan MoE's router scores bfloat16 tokens in float32, as its transformers class
+    keeps `wg` (in the model's dtype the near-tied choices moved)."""
+    from transformers import HunYuanMoEV1Config
+    from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
+
+    from services.worker.models.llama import MLP
+
+    config = HunYuanMoEV1Config(hidden_size=32, num_experts=16, moe_topk=3, intermediate_size=8)
+    theirs = HunYuanMoEV1Gate(config)
+    ours = SparseMoE(32, 8, 16, 3, renormalize=True, expert=MLP, router_float32=True)  # (its weights as loaded:
+    # tests/test_model_families.py checks the loader keeps them float32)
+    gen = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        theirs.wg.weight.copy_(torch.randn(16, 32, generator=gen))
+        ours.gate.weight.copy_(theirs.wg.weight)
+        x = torch.randn(tokens, 32, generator=gen).to(torch.bfloat16)
+        _, weights, chosen = theirs(x)
+        same_choice(ours.route(x), weights.to(torch.bfloat16), chosen)

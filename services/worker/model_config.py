@@ -282,6 +282,7 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     moe_norm_min: float = 0.0
+    moe_router_float32: bool = False  # Hunyuan MoE's: the router's weights and product in float32
     # Layers a checkpoint holds past num_hidden_layers (GLM-4.5's multi-token prediction),
     # skipped at load
     skipped_layers: int = 0
@@ -775,7 +776,8 @@ def _hunyuan_moe_fields(raw: dict) -> dict:
     _check_top_k(top_k, num_experts, "moe_topk")
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                 norm_topk_prob=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
-                shared_expert_intermediate_size=raw["intermediate_size"], shared_expert_gated=False)
+                shared_expert_intermediate_size=raw["intermediate_size"], shared_expert_gated=False,
+                moe_router_float32=True)
 
 
 def _ernie_moe_fields(raw: dict) -> dict:

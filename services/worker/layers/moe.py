@@ -33,10 +33,15 @@ from torch import nn
 
 
 class Router(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False, float32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_experts)) if bias else None  # (gpt-oss's)
+        # Hunyuan MoE's router weighs tokens in float32 whatever the model's dtype, as
+        # transformers' HunYuanMoEV1Gate does (its `wg` kept float32): in bfloat16 the
+        # model's dtype moved near-tied choices of experts
+        self.float32 = float32
+        self.weight.keep_float32 = float32
 
 
 class CorrectedRouter(Router):
@@ -77,12 +82,13 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False,
                  shared_intermediate_size: int = 0, router_bias: bool = False, shared_gated: bool = True,
-                 router: Router | None = None) -> None:
+                 router: Router | None = None, router_float32: bool = False) -> None:
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.topk_softmax = topk_softmax  # GraniteMoe's (and gpt-oss's): a softmax over the k chosen logits
-        self.gate = router if router is not None else Router(num_experts, hidden_size, router_bias)
+        self.gate = router if router is not None else Router(
+            num_experts, hidden_size, router_bias, router_float32)
         self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.shared_expert = expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size and shared_gated else None
@@ -120,7 +126,8 @@ class SparseMoE(nn.Module):
         if self.topk_softmax:
             top, chosen = F.linear(x, self.gate.weight, self.gate.bias).float().topk(self.top_k, dim=-1)
             return top.softmax(-1).to(x.dtype), chosen
-        probs = F.linear(x, self.gate.weight).softmax(-1, dtype=torch.float32)
+        logits = F.linear(x.float(), self.gate.weight) if self.gate.float32 else F.linear(x, self.gate.weight)
+        probs = logits.softmax(-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -287,7 +287,8 @@ class DecoderLayer(nn.Module):
                                  config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
                                  shared_intermediate_size=config.shared_expert_intermediate_size,
-                                 router_bias=config.moe_bias, shared_gated=config.shared_expert_gated, router=router)
+                                 router_bias=config.moe_bias, shared_gated=config.shared_expert_gated, router=router,
+                                 router_float32=config.moe_router_float32)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
