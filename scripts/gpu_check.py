@@ -78,6 +78,10 @@ MODELS = {
     # GLM-4.5: DeepSeek-V3's grouped sigmoid router (device ops: graphs take it), ungated
     # shared experts beside the grouped GEMMs, half-rotary heads: `--models glm4_moe`.
     "glm4_moe": ("glm4_moe", {}),
+    # DeepSeek-V3: latent attention (one KV head of 40, the Triton kernel's masked head dims;
+    # the absorbed products as batched matmuls: graphs take them), DeepSeek-V3's experts:
+    # `--models deepseek_v3`.
+    "deepseek_v3": ("deepseek_v3", {}),
 }
 DEFAULT_MODELS = ["llama_hd16", "qwen2_bias", "llama_hd64_gqa3", "qwen3_moe"]
 

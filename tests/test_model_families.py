@@ -18,6 +18,7 @@ side, q/k/v interleaved by head, partial rotary) and Phi (side by side off one n
 biased LM head), each with biased LayerNorms and ungated biased MLPs."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
-            "ernie4_5_moe", "minimax_m2"]
+            "ernie4_5_moe", "minimax_m2", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -81,7 +82,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
-                           "ernie4_5_moe": 1, "minimax_m2": 2}.get(name, 0)
+                           "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -127,16 +128,19 @@ def test_what_each_family_reads_from_its_config(family):
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
-                                 "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1)}.get(name, ())
+                                 "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1),
+                                 "deepseek_v3": (1,)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
-                                                 "ernie4_5_moe", "minimax_m2"))  # (OLMoE's: off)
+                                                 "ernie4_5_moe", "minimax_m2", "deepseek_v3"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
-                                                          "hunyuan_moe": 64, "ernie4_5_moe": 32}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "hunyuan_moe": 64, "ernie4_5_moe": 32,
+                                                          "deepseek_v3": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
             config.shared_expert_gated, config.skipped_layers) == {
         "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
+        "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -149,7 +153,9 @@ def test_what_each_family_reads_from_its_config(family):
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0),
-               "cohere2": (1.0, 1.0, None, 2.0)}  # (Cohere's logit_scale 0.5)
+               "cohere2": (1.0, 1.0, None, 2.0),  # (Cohere's logit_scale 0.5)
+               # DeepSeek-V3: 1/sqrt(16 + 8) times YaRN's mscale of mscale_all_dim 0.7 at factor 4, squared
+               "deepseek_v3": (1.0, 1.0, pytest.approx(24**-0.5 * (0.07 * math.log(4) + 1) ** 2), 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
@@ -197,11 +203,16 @@ def test_what_each_family_reads_from_its_config(family):
     if name == "olmo3":  # its YaRN on the global layer alone
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
-        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2") else (0, 0))
+        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3") else (0, 0))
+    # DeepSeek-V3's latent attention: the cache's one head of the latent (32) and the rotating key (8)
+    assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
+            config.v_head_dim, config.head_dim, config.num_key_value_heads, config.rotary_head_dim) == (
+        (32, 32, 16, 8, 16, 40, 1, 8) if name == "deepseek_v3" else (0, 0, 0, 0, 0, config.head_dim,
+                                                                     config.num_key_value_heads, config.head_dim))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
-        "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False)}.get(
+        "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False), "deepseek_v3": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
                                         "stablelm", "glm4_moe"))
@@ -246,6 +257,26 @@ def test_hunyuan_moe_router_keeps_float32_in_bfloat16(tmp_path):
     llm = LLM(str(build_tiny_model(tmp_path / "hunyuan_moe", "hunyuan_moe", seed=2)), dtype="bfloat16")
     moe = next(layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE))
     assert (moe.gate.weight.dtype, moe.shared_expert.down_proj.dtype) == (torch.float32, torch.bfloat16)
+
+
+def test_deepseek_v3_with_one_query_projection_and_a_latent_head_of_64_matches_transformers(tmp_path):
+    """DeepSeek-V2-Lite's queries (q_lora_rank None: one q_proj, not a third of a fused
+    qkv_proj), rotating by halves (rope_interleave false: no rows reordered); a latent head
+    56 + 8 = 64 wide, the width the fused C decode layer takes for ordinary heads, which
+    must still step aside for latent attention."""
+    folder = build_tiny_model(tmp_path / "ds", "deepseek_v3", seed=2, q_lora_rank=None, kv_lora_rank=56,
+                              rope_interleave=False,
+                              first_k_dense_replace=2)  # (every layer dense: the C layer takes no experts)
+    llm = LLM(str(folder))
+    assert llm.runner.model.fused_decode is None and llm.runner.model_config.head_dim == 64
+    assert llm.runner.model.model.layers[0].self_attn.q_proj is not None
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_latent_attention_refuses_lora_by_name(tmp_path):
+    folder = build_tiny_model(tmp_path / "ds", "deepseek_v3", seed=2)
+    with pytest.raises(ValueError, match="--enable-lora is not supported for DeepseekV3ForCausalLM"):
+        LLM(str(folder), enable_lora=True)
 
 
 def test_glm_matches_transformers(tmp_path):
@@ -313,8 +344,8 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
     with pytest.raises(ValueError, match="num_experts_per_tok 9 must be within 1..8"):
         LLM(str(folder))
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
-    with pytest.raises(ValueError, match="unsupported architecture .*DeepseekV3ForCausalLM"):
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture .*Qwen3NextForCausalLM"):
         LLM(str(folder))
 
 
@@ -323,6 +354,8 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     ("ernie4_5_moe", {"use_bias": True}, "unsupported use_bias true for ERNIE 4.5 MoE"),
     ("hunyuan_moe", {"moe_topk": [2, 1]}, r"unsupported moe_topk \[2, 1\]: one value for every layer only"),
     ("glm4_moe", {"n_group": 3}, "n_group 3 and topk_group 2 must split 8 experts"),
+    ("deepseek_v3", {"attention_bias": True}, "unsupported attention_bias true for DeepseekV3ForCausalLM"),
+    ("deepseek_v3", {"qk_rope_head_dim": 7}, "unsupported latent attention dims"),
     ("hunyuan_moe", {"architectures": ["HunYuanMoEV1ForSequenceClassification"]},
      "the HunYuanMoEV1ForCausalLM family generates; its ForSequenceClassification is not served"),
 ])

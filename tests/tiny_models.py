@@ -167,6 +167,22 @@ def build_tiny_model(
         model = Glm4MoeForCausalLM(Glm4MoeConfig(**{**common, **moe, **overrides}))
         _biases_made_to_count(model)
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "deepseek_v3":
+        # Multi-head latent attention: queries through a rank-32 latent (q_lora_rank; None:
+        # one projection, as DeepSeek-V2-Lite's), keys and values from one rank-32 latent per
+        # token and an 8-dim rotating key shared by every head, interleaved pairs; YaRN with
+        # DeepSeek's mscale pair, so its softmax scale moves too. Layer 0 dense, layer 1
+        # sparse: GLM-4.5's experts (DeepSeek-V3's router), the correction bias drawn to count.
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        mla = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+               "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+               "routed_scaling_factor": 2.5, "first_k_dense_replace": 1,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.9,
+                                   "mscale_all_dim": 0.7, "original_max_position_embeddings": 256}}
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**common, **mla, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "dots1":
         # Qwen3's attention, a window of 24 on layer 1 (max_window_layers); layer 0 dense,
         # layer 1 sparse: 8 experts of 32 in 4 groups, the best 2 kept, top 2, unnormalized,
@@ -508,7 +524,7 @@ def _router_bias_and_qk_norms_made_to_count(model, bias_std: float) -> None:
         for name, tensor in (*model.named_buffers(), *model.named_parameters()):
             if name.endswith("e_score_correction_bias"):
                 tensor.normal_(0.0, bias_std)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            elif name.endswith(("q_norm.weight", "k_norm.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")):
                 tensor.normal_(1.0, 0.3)
 
 

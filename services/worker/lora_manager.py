@@ -30,6 +30,9 @@ log = logging.getLogger("llmbus.worker")
 
 class LoRAManager:
     def __init__(self, model, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
+        if model.config.kv_lora_rank:  # (its projections are not the qkv_proj an adapter's targets map to)
+            raise ValueError(f"--enable-lora is not supported for {model.config.architecture}: LoRA adapters "
+                             "are not served on latent attention")
         self.model = model
         self.config = config
         self.mapping = LoRAMapping()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,10 @@ SUPPORTED_ARCHITECTURES = {
     # best groups, its weights renormalized and scaled, and ungated shared experts; the
     # checkpoint's multi-token-prediction layers are skipped, as transformers skips them
     "Glm4MoeForCausalLM": "llama",
+    # DeepSeek-V3 (and R1, Kimi K2, Moonlight): multi-head latent attention (keys and values
+    # from one small latent a token, the cache holding the latent) with GLM-4.5's experts
+    # after the first dense layers; its multi-token-prediction layers skipped as GLM's
+    "DeepseekV3ForCausalLM": "llama",
     # dots.llm1: Qwen3's attention (windows by layer_types) with GLM-4.5's (DeepSeek-V3's)
     # experts and shared experts after the first dense layers
     "Dots1ForCausalLM": "llama",
@@ -125,7 +130,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
-DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM")
+DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM")
+# Multi-head latent attention (models/latent_attention.py) in place of the usual heads
+LATENT_ATTENTION = ("DeepseekV3ForCausalLM",)
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
@@ -170,7 +177,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
                           "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
-                          "MiniMaxM2ForCausalLM": "minimax_m2"}
+                          "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -286,6 +293,17 @@ class ModelConfig:
     # Layers a checkpoint holds past num_hidden_layers (GLM-4.5's multi-token prediction),
     # skipped at load
     skipped_layers: int = 0
+    # Multi-head latent attention where kv_lora_rank > 0 (DeepSeek-V3's:
+    # models/latent_attention.py): keys and values from a kv_lora_rank latent a token,
+    # queries through a q_lora_rank one (0: one projection), each query head's
+    # qk_nope_head_dim unrotated dims and qk_rope_head_dim rotating ones, values of
+    # v_head_dim. head_dim and num_key_value_heads then describe the cache's one latent
+    # head (kv_lora_rank + qk_rope_head_dim wide), attention_scale the softmax's.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -330,6 +348,12 @@ class ModelConfig:
     moe_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """The width a rotary table is built for: a head's (its leading rotary_dim rotating),
+        or latent attention's rotating dims alone."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def max_model_len(self) -> int:
@@ -414,6 +438,9 @@ class ModelConfig:
             rope["original_max_position_embeddings"] = original
             if rope.get("factor") is None:
                 rope["factor"] = raw.get("max_position_embeddings", 2048) / original
+        latent = _latent_attention_fields(arch, raw, rope)
+        if latent:  # the cache's one latent head; the rotary over the rotating dims alone
+            head_dim, rotary_dim = latent["kv_lora_rank"] + latent["qk_rope_head_dim"], 0
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):  # several EOS ids: the first is the one we stop on
             eos = eos[0] if eos else None
@@ -424,7 +451,7 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=raw["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            num_key_value_heads=1 if latent else raw.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -459,12 +486,35 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES),
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES)
+            or (arch in LATENT_ATTENTION and bool(raw.get("rope_interleave", True))),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
             **_layer_normed_fields(arch, raw),
+            **latent,
         )
+
+
+def _latent_attention_fields(arch: str, raw: dict, rope: dict) -> dict:
+    """DeepSeek-V3's latent attention (transformers' DeepseekV3Attention): its dims, and
+    its softmax scale, 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) times YaRN's mscale
+    (of mscale_all_dim) squared, as transformers' yarn_apply_mscale makes it."""
+    if arch not in LATENT_ATTENTION:
+        return {}
+    if raw.get("attention_bias"):
+        raise ValueError(f"unsupported attention_bias true for {arch}: latent attention without biases only")
+    dims = {k: int(raw[k] or 0) for k in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim")}
+    if min(dims["kv_lora_rank"], dims["qk_nope_head_dim"], dims["qk_rope_head_dim"], dims["v_head_dim"]) < 1 \
+            or dims["qk_rope_head_dim"] % 2:
+        raise ValueError(f"unsupported latent attention dims {dims}: every one positive, qk_rope_head_dim even")
+    scale = (dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5
+    factor, m_all = rope.get("factor") or 1.0, rope.get("mscale_all_dim")
+    if rope.get("rope_type", "default") != "default" and m_all and factor > 1:
+        mscale = 0.1 * m_all * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return dict(dims, attention_scale=scale)
 
 
 def _layer_normed(arch: str, raw: dict) -> dict:

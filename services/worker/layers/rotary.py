@@ -15,16 +15,17 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 
 
-def interleaved_as_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int = 0) -> torch.Tensor:
+def interleaved_as_halves(rows: torch.Tensor, head_dim: int, rotary_dim: int = 0, start: int = 0) -> torch.Tensor:
     """A query or key projection's output rows (a weight, a bias, a LoRA B: dim 0 is heads
     x head_dim) for a rotary that turns interleaved pairs (GLM's: dims 2i and 2i+1 by
     frequency i), reordered to the rotate-half layout (dims i and i + rotary_dim/2) every
     kernel here computes. Attention reads queries and keys only through their dot product,
     which one permutation of both leaves as it is, so the model is unchanged, the KV cache
-    holding keys in the new order. `rotary_dim` as the config has it (0: the whole head)."""
+    holding keys in the new order. `rotary_dim` as the config has it (0: the whole head);
+    the rotating dims begin at `start` of each head (DeepSeek's come last)."""
     rotary_dim = rotary_dim or head_dim
-    order = torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2),
-                       torch.arange(rotary_dim, head_dim)])
+    order = torch.cat([torch.arange(start), start + torch.arange(0, rotary_dim, 2),
+                       start + torch.arange(1, rotary_dim, 2), torch.arange(start + rotary_dim, head_dim)])
     heads = rows.shape[0] // head_dim
     return rows.reshape(heads, head_dim, *rows.shape[1:])[:, order].reshape(rows.shape)
 

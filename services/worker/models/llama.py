@@ -28,6 +28,7 @@ from services.worker.layers.moe import CorrectedRouter, SparseMoE
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
+from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
 from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, ModelConfig
 
@@ -266,7 +267,8 @@ class DecoderLayer(nn.Module):
             rotary = local_rotary
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
-        self.self_attn = Attention(config, rotary, backend, triton, window)
+        self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
+            else Attention(config, rotary, backend, triton, window)
         # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
         self.parallel = config.parallel_residual
         self.residual_first = config.residual_first  # (StableLM's and Cohere's order of the sum)
@@ -328,12 +330,12 @@ class LlamaModel(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # One table shared by every layer (a plain attribute, not a submodule per layer).
-        rotary = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling,
+        rotary = RotaryEmbedding(config.rotary_head_dim, max_position, config.rope_theta, config.rope_scaling,
                                  config.rotary_dim)
         self.rotary = rotary
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
-            config.head_dim, max_position, config.local_rope_theta, {"rope_type": "default"}, config.rotary_dim)
-        self.no_rotary = RotaryEmbedding.identity(config.head_dim, max_position) if config.nope_layers else None
+            config.rotary_head_dim, max_position, config.local_rope_theta, {"rope_type": "default"}, config.rotary_dim)
+        self.no_rotary = RotaryEmbedding.identity(config.rotary_head_dim, max_position) if config.nope_layers else None
         self.layers = nn.ModuleList(
             DecoderLayer(config, rotary, backend, i, self.local_rotary, self.no_rotary)
             for i in range(config.num_hidden_layers)
@@ -454,6 +456,8 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding serves
             if name.endswith(".e_score_correction_bias") and tensor.dim() == 2 and len(tensor) == 1:
                 tensor = tensor[0]  # (ERNIE's [1, experts]: one group of statistics)
+            if self.config.kv_lora_rank and self.config.rotary_interleaved:  # (DeepSeek's interleaved rotating rows)
+                tensor = rope_rows_as_halves(name, tensor, self.config)
             stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
             if stacked is not None:
                 prefix = name[: -len(stacked)] + ".mlp.experts"
@@ -467,7 +471,8 @@ class LlamaForCausalLM(nn.Module):
                     loaded.add(target)
                 continue
             for part, (fused, shard) in PACKED_WEIGHTS.items():
-                if f".{part}." in name:
+                # (latent attention's q_proj is its own, not a third of a fused one)
+                if f".{part}." in name and not (part == "q_proj" and self.config.kv_lora_rank):
                     if part == "up_proj" and not self.config.gated_mlp:
                         shard = 0  # (the up rows are all an ungated MLP's gate_up_proj holds)
                     target = name.replace(part, fused)
