@@ -13,9 +13,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from services.gateway.tool_parsers import (
+    DeepSeekV3ToolParser,
+    DeepSeekV31ToolParser,
     Glm45ToolParser,
     HermesToolParser,
     GraniteToolParser,
+    KimiK2ToolParser,
     Llama3JsonToolParser,
     MiniMaxM2ToolParser,
     MistralToolParser,
@@ -42,8 +45,9 @@ HERMES_TEXT = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": 
 REQUIRED_TEXT = '[{"name": "get_weather", "arguments": {"city": "a}\\"[{b", "days": 3}}, {"name": "get_time", "arguments": {}}]'
 
 
-def streamed(parser, pieces: list[str]) -> tuple[str, list[tuple[str, str]], list[int]]:
-    """Content, (name, arguments) per call, and the order calls were announced in."""
+def streamed(parser, pieces: list[str], ids: list[str] | None = None) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """Content, (name, arguments) per call, and the order calls were announced in; each
+    call's id ours (call_...), or the model's where `ids` lists them."""
     out = ParsedDelta()
     for piece in pieces:
         out.add(parser.feed(piece))
@@ -51,7 +55,8 @@ def streamed(parser, pieces: list[str]) -> tuple[str, list[tuple[str, str]], lis
     calls, announced = [], []
     for d in out.tool_calls:
         if d.id is not None:
-            assert d.id.startswith("call_") and d.arguments == "" and d.index == len(calls)
+            assert (d.id == ids[d.index] if ids else d.id.startswith("call_")) and d.arguments == ""
+            assert d.index == len(calls)
             calls.append([d.name, ""])
             announced.append(d.index)
         else:
@@ -216,6 +221,45 @@ def test_a_glm45_block_that_is_no_call_stays_content(body):
     assert (content, calls) == (f"Hi <tool_call>{body}</tool_call>", [])
 
 
+DEEPSEEK_V3_TEXT = ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n'
+                    '{"city": "a}\\"[{b", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                    'get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+# Each parser of a block of calls after the content, on its models' text; Kimi K2's calls
+# keep the ids the model wrote
+BLOCKS_OF_CALLS = {
+    "deepseek_v3": (DeepSeekV3ToolParser, DEEPSEEK_V3_TEXT, None),
+    "deepseek_v31": (DeepSeekV31ToolParser, 'Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+                     '{"city": "a}\\"[{b", "days": 2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{}'
+                     '<｜tool▁call▁end｜><｜tool▁calls▁end｜>', None),
+    "kimi_k2": (KimiK2ToolParser, 'Sure. <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                '<|tool_call_argument_begin|>{"city": "a}\\"[{b", "days": 2}<|tool_call_end|><|tool_call_begin|>'
+                'functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>',
+                ["functions.get_weather:0", "functions.get_time:1"]),
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(BLOCKS_OF_CALLS)), st.lists(st.integers(0, 10_000), max_size=12))
+def test_blocks_of_calls_read_the_same_however_the_text_is_split(name, cuts):
+    parser_class, text, ids = BLOCKS_OF_CALLS[name]
+    content, calls, announced = streamed(parser_class(), splits(text, cuts), ids)
+    assert content == "Sure." and announced == [0, 1] and calls == WANT
+
+
+@pytest.mark.parametrize("name", sorted(BLOCKS_OF_CALLS))
+def test_a_block_of_calls_without_parallel_calls_reads_the_first_and_one_left_open_still_reads(name):
+    parser_class, text, _ = BLOCKS_OF_CALLS[name]
+    content, calls = parse_whole(parser_class(max_calls=1), text)
+    assert content == "Sure." and [c.name for c in calls] == ["get_weather"]
+    content, calls = parse_whole(parser_class(), text[: text.rindex("<")])  # (its section's end cut off)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == WANT
+
+
+def test_deepseek_v3_block_with_no_call_in_it_stays_content():
+    text = "Sure.<｜tool▁calls▁begin｜>nothing<｜tool▁calls▁end｜>"
+    assert parse_whole(DeepSeekV3ToolParser(), text) == (text, [])
+
+
 def test_minimax_m2_without_parallel_calls_reads_the_first_of_a_block():
     content, calls = parse_whole(MiniMaxM2ToolParser(max_calls=1), MINIMAX_M2_TEXT)
     assert content == "Sure." and [c.name for c in calls] == ["get_weather"]
@@ -344,6 +388,8 @@ SERVED_PARSERS = {"hermes": (HERMES_TEXT, "Let me look."),
                   "minimax_m2": ('Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
                                  'Paris</parameter>\n<parameter name="days">2</parameter>\n</invoke>\n'
                                  '<invoke name="get_time">\n</invoke>\n</minimax:tool_call>', "Let me look."),
+                  "deepseek_v3": (DEEPSEEK_V3_TEXT.replace("Sure.", "Let me look.").replace('a}\\"[{b', "Paris"),
+                                  "Let me look."),
                   # gpt-oss's harmony: a commentary preamble, then messages to functions (recipient
                   # after the channel, and before it)
                   "openai": ("<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
@@ -381,10 +427,11 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser
     assert content == (want_content or "")
     assert [tuple(v) for v in streamed_calls.values()] == [(name, args) for _, name, args in calls]
     assert deltas[-1]["finish_reason"] == "tool_calls"
-    # The tools reached the prompt; auto is not constrained; mistral's tag is a special
-    # token, which its requests keep in their text.
+    # The tools reached the prompt; auto is not constrained; mistral's tag (DeepSeek's
+    # markers, harmony's) is a special token, which its requests keep in their text.
     assert engine.submitted[0].sampling_params.structured_outputs is None
-    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser not in ("mistral", "granite", "openai"))
+    assert engine.submitted[0].sampling_params.skip_special_tokens == (parser not in ("mistral", "granite", "openai",
+                                                                                     "deepseek_v3"))
     assert "get_weather" in tokenizer.decode(engine.submitted[0].prompt_token_ids)
 
 

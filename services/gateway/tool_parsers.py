@@ -23,6 +23,10 @@ whole text at once and assembles the same deltas, so both answers agree by const
   then `<arg_key>`/`<arg_value>` pairs (GLM-4.7 writes no newline after the name).
 - `MiniMaxM2ToolParser` (`minimax_m2`): `<minimax:tool_call>` blocks of one or more
   `<invoke name="...">` calls, their `<parameter name="...">` values typed as qwen3_coder's.
+- `DeepSeekV3ToolParser` (`deepseek_v3`, and `deepseek_v31`: `DeepSeekV31ToolParser`): one
+  `<｜tool▁calls▁begin｜>` block of calls after the content, each name then its arguments
+  (in a json fence for V3 and R1, bare for V3.1); `KimiK2ToolParser` (`kimi_k2`): Kimi K2's
+  block, its calls keeping the model's own ids.
 - `HarmonyToolParser` (`openai`): gpt-oss's calls, messages to `functions.NAME` (harmony.py).
 """
 
@@ -143,15 +147,17 @@ class HermesToolParser:
         if not calls:
             self._content(space + raw, out)
             return
-        for name, arguments in calls:
+        for name, arguments, *model_id in calls:
             if self.max_calls is not None and self.num_calls >= self.max_calls:
                 return  # a call beyond those asked for is neither a call nor content
-            out.tool_calls += [ToolCallDelta(self.num_calls, new_call_id(), name),
+            call_id = model_id[0] if model_id else new_call_id()
+            out.tool_calls += [ToolCallDelta(self.num_calls, call_id, name),
                                ToolCallDelta(self.num_calls, None, None, arguments)]
             self.num_calls += 1
 
-    def _calls(self, body: str) -> list[tuple[str, str]]:
-        """A block's calls (hermes': one), each (name, JSON arguments); none: not a call."""
+    def _calls(self, body: str) -> list[tuple[str, ...]]:
+        """A block's calls (hermes': one), each (name, JSON arguments), or (name, arguments,
+        the id the model gave it) where a format names its calls; none: not a call."""
         call = self._read(body)
         return [] if call is None else [call]
 
@@ -217,6 +223,43 @@ class Glm45ToolParser(Qwen3CoderToolParser):
             key, value = key.strip(), value.strip()
             arguments[key] = value if types.get(key) == "string" else _literal(value, value)
         return name, json.dumps(arguments, ensure_ascii=False)
+
+
+class DeepSeekV3ToolParser(HermesToolParser):
+    """vLLM's `deepseek_v3` (DeepSeek-V3, R1): after the content, one
+    `<｜tool▁calls▁begin｜>` block of calls, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
+    then the name and its JSON arguments in a json code fence, `<｜tool▁call▁end｜>`. The
+    markers are special tokens: these requests keep them in their text."""
+
+    keeps_special_tokens = True
+    OPEN, CLOSE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL = re.compile(r"<｜tool▁call▁begin｜>[^<]*?<｜tool▁sep｜>([^\n<]+)\n```(?:json)?\n(.*?)\n```\s*"
+                      r"(?:<｜tool▁call▁end｜>|$)", re.S)
+
+    def _calls(self, body: str) -> list[tuple[str, ...]]:
+        return [(name.strip(), arguments.strip() or "{}") for name, arguments in self.CALL.findall(body)]
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """vLLM's `deepseek_v31` (DeepSeek-V3.1): the same block, each call the name, then
+    `<｜tool▁sep｜>` and its JSON arguments as written, no fence."""
+
+    CALL = re.compile(r"<｜tool▁call▁begin｜>([^<]+?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S)
+
+
+class KimiK2ToolParser(DeepSeekV3ToolParser):
+    """vLLM's `kimi_k2`: a `<|tool_calls_section_begin|>` block of calls, each
+    `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}<|tool_call_end|>`.
+    The call keeps the model's id (`functions.NAME:INDEX`), as vLLM's does: Kimi's template
+    renders a tool's result under that id, the form its model was trained to read."""
+
+    OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<\s]+:\d+)\s*<\|tool_call_argument_begin\|>(.*?)"
+                      r"(?:<\|tool_call_end\|>|$)", re.S)
+
+    def _calls(self, body: str) -> list[tuple[str, ...]]:
+        return [(call_id.rpartition(":")[0].removeprefix("functions."), arguments.strip() or "{}", call_id)
+                for call_id, arguments in self.CALL.findall(body)]
 
 
 class MiniMaxM2ToolParser(Qwen3CoderToolParser):
@@ -705,5 +748,7 @@ TOOL_CALL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json":
                                       "pythonic": PythonicToolParser, "mistral": MistralToolParser,
                                       "qwen3_coder": Qwen3CoderToolParser, "granite": GraniteToolParser,
                                       "seed_oss": SeedOssToolParser, "glm45": Glm45ToolParser,
-                                      "glm47": Glm45ToolParser, "minimax_m2": MiniMaxM2ToolParser}
+                                      "glm47": Glm45ToolParser, "minimax_m2": MiniMaxM2ToolParser,
+                                      "deepseek_v3": DeepSeekV3ToolParser, "deepseek_v31": DeepSeekV31ToolParser,
+                                      "kimi_k2": KimiK2ToolParser}
 TOOL_CALL_PARSERS["openai"] = HarmonyToolParser
