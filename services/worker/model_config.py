@@ -45,7 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     # best groups, its weights renormalized and scaled, and ungated shared experts; the
     # checkpoint's multi-token-prediction layers are skipped, as transformers skips them
     "Glm4MoeForCausalLM": "llama",
-    # DeepSeek-V3 (and R1, Kimi K2, Moonlight): multi-head latent attention (keys and values
+    # DeepSeek-V3 (and R1, V3.1; Kimi K2's and Moonlight's weights): multi-head latent attention (keys and values
     # from one small latent a token, the cache holding the latent) with GLM-4.5's experts
     # after the first dense layers; its multi-token-prediction layers skipped as GLM's
     "DeepseekV3ForCausalLM": "llama",
