@@ -78,3 +78,25 @@ def test_hunyuan_routing_in_bfloat16_equals_hunyuan_v1_moe_s(tokens):
         x = torch.randn(tokens, 32, generator=gen).to(torch.bfloat16)
         _, weights, chosen = theirs(x)
         same_choice(ours.route(x), weights.to(torch.bfloat16), chosen)
+
+
+@pytest.mark.parametrize("method, groups, kept", [("greedy", 1, 1), ("group_limited_greedy", 4, 2),
+                                                  ("group_limited_greedy", 8, 3)])
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+def test_deepseek_v2_routing_equals_deepseek_v2_s(method, groups, kept, tokens):
+    """Softmax scores alone (no correction), a group ranked by its best expert, the chosen
+    scores scaled and never renormalized."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=groups,
+                              topk_group=kept, topk_method=method, routed_scaling_factor=1.5)
+    theirs = DeepseekV2TopkRouter(config)
+    ours = CorrectedRouter(16, 32, "softmax", groups, kept, 1.5, corrected=False, group_by_max=True)
+    gen = torch.Generator().manual_seed(groups * 100 + tokens)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16, 32, generator=gen))
+        ours.weight.copy_(theirs.weight)
+        x = torch.randn(tokens, 32, generator=gen)
+        _, weights, chosen = theirs(x)
+        same_choice(ours.route(x, 3, False), weights, chosen)

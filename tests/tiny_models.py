@@ -183,6 +183,18 @@ def build_tiny_model(
                                    "mscale_all_dim": 0.7, "original_max_position_embeddings": 256}}
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**common, **mla, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "deepseek_v2":
+        # DeepSeek-V3's latent attention (one q_proj, as V2-Lite's); layer 0 dense, layer 1
+        # sparse: 8 experts by softmax score within the best 2 of 4 groups (a group by its
+        # best), top 2, unnormalized, scaled by 1.5, two shared experts
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        mla = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+               "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "n_shared_experts": 2, "n_group": 4, "topk_group": 2,
+               "topk_method": "group_limited_greedy", "routed_scaling_factor": 1.5, "first_k_dense_replace": 1}
+        model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**common, **mla, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)  # (its latent norms)
     elif arch == "dots1":
         # Qwen3's attention, a window of 24 on layer 1 (max_window_layers); layer 0 dense,
         # layer 1 sparse: 8 experts of 32 in 4 groups, the best 2 kept, top 2, unnormalized,

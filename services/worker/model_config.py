@@ -49,6 +49,10 @@ SUPPORTED_ARCHITECTURES = {
     # from one small latent a token, the cache holding the latent) with GLM-4.5's experts
     # after the first dense layers; its multi-token-prediction layers skipped as GLM's
     "DeepseekV3ForCausalLM": "llama",
+    # DeepSeek-V2 (V2-Lite, V2.5, Coder-V2): V3's latent attention; after the first dense
+    # layers, experts chosen by softmax score alone (within the best groups, a group by its
+    # best expert, where topk_method says), unnormalized and scaled, beside shared experts
+    "DeepseekV2ForCausalLM": "llama",
     # dots.llm1: Qwen3's attention (windows by layer_types) with GLM-4.5's (DeepSeek-V3's)
     # experts and shared experts after the first dense layers
     "Dots1ForCausalLM": "llama",
@@ -132,13 +136,13 @@ COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM")
 # Multi-head latent attention (models/latent_attention.py) in place of the usual heads
-LATENT_ATTENTION = ("DeepseekV3ForCausalLM",)
+LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
-UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, "HunYuanMoEV1ForCausalLM",
+UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, "DeepseekV2ForCausalLM", "HunYuanMoEV1ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
@@ -177,7 +181,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
                           "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
-                          "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+                          "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                          "DeepseekV2ForCausalLM": "deepseek_v2"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -289,7 +294,11 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     moe_norm_min: float = 0.0
-    moe_router_float32: bool = False  # Hunyuan MoE's: the router's weights and product in float32
+    moe_router_float32: bool = False  # Hunyuan MoE's, ERNIE's: the router's weights kept float32 (its product is)
+    # DeepSeek-V2's router: the choice by its softmax scores alone (no correction bias:
+    # moe_score_correction names the scoring), groups ranked by their best expert
+    moe_correction_bias: bool = True
+    moe_group_by_max: bool = False
     # Layers a checkpoint holds past num_hidden_layers (GLM-4.5's multi-token prediction),
     # skipped at load
     skipped_layers: int = 0
@@ -756,6 +765,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
     if arch in DEEPSEEK_V3_MOES:
         return _deepseek_v3_moe_fields(raw)
+    if arch == "DeepseekV2ForCausalLM":
+        return _deepseek_v2_moe_fields(raw)
     if arch == "HunYuanMoEV1ForCausalLM":
         return _hunyuan_moe_fields(raw)
     if arch == "Ernie4_5_MoeForCausalLM":
@@ -810,6 +821,37 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
                 skipped_layers=raw.get("num_nextn_predict_layers") or 0)
 
 
+def _deepseek_v2_moe_fields(raw: dict) -> dict:
+    """DeepSeek-V2's experts (transformers' DeepseekV2Moe): dense layers before
+    first_k_dense_replace, then sparse ones: the top k of n_routed_experts by softmax score
+    (topk_method "greedy"), or among the best topk_group of n_group groups, a group ranked by
+    its best score ("group_limited_greedy"), weighed by their scores times
+    routed_scaling_factor, never renormalized (transformers' router has no switch for it: a
+    config asking for it is refused, where vLLM's would renormalize), beside n_shared_experts
+    ungated shared experts."""
+    _check_silu_experts(raw)
+    if raw.get("norm_topk_prob"):
+        raise ValueError("unsupported norm_topk_prob true for DeepSeek-V2: its router's weights unnormalized only")
+    if raw.get("mlp_bias"):
+        raise ValueError("unsupported mlp_bias true for DeepSeek-V2: unbiased MLPs only")
+    method = raw.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"unsupported topk_method {method!r} for DeepSeek-V2: greedy or group_limited_greedy")
+    grouped = method == "group_limited_greedy"
+    num_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
+    groups, top_groups = (raw.get("n_group") or 1, raw.get("topk_group") or 1) if grouped else (1, 1)
+    _check_top_k(top_k, num_experts, "num_experts_per_tok")
+    if grouped and (num_experts % groups or not 0 < top_groups <= groups or top_k > top_groups * (num_experts // groups)):
+        raise ValueError(f"n_group {groups} and topk_group {top_groups} must split {num_experts} experts into groups "
+                         f"whose kept ones hold num_experts_per_tok {top_k}")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                moe_layers=tuple(range(raw["first_k_dense_replace"], raw["num_hidden_layers"])),
+                shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+                shared_expert_gated=False, moe_score_correction="softmax", moe_correction_bias=False,
+                moe_group_by_max=True, moe_num_groups=groups, moe_topk_groups=top_groups,
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
+
+
 def _hunyuan_moe_fields(raw: dict) -> dict:
     """Hunyuan MoE (transformers' HunYuanMoEV1Moe): every layer sparse, experts and the shared
     MLP of intermediate_size; `num_experts` and `moe_topk` may be given a layer each (the
@@ -848,4 +890,5 @@ def _ernie_moe_fields(raw: dict) -> dict:
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=True, moe_layers=layers,
                 shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("moe_num_shared_experts") or 0),
-                shared_expert_gated=False, moe_score_correction="softmax", moe_norm_min=float(raw["moe_norm_min"]))
+                shared_expert_gated=False, moe_score_correction="softmax", moe_norm_min=float(raw["moe_norm_min"]),
+                moe_router_float32=True)

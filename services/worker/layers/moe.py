@@ -48,26 +48,31 @@ class CorrectedRouter(Router):
     """Experts chosen by their scores plus a learned correction bias, weighed by the scores
     alone, in float32: DeepSeek-V3's (sigmoid scores, groups, scaled: transformers'
     Glm4MoeTopkRouter) or ERNIE 4.5's (softmax, its sum floored at `norm_min`:
-    Ernie4_5_MoeTopKRouter)."""
+    Ernie4_5_MoeTopKRouter); with `corrected` off, DeepSeek-V2's (softmax scores alone,
+    groups ranked by their best expert with `group_by_max`, scaled: DeepseekV2TopkRouter)."""
 
     def __init__(self, num_experts: int, hidden_size: int, scoring: str, num_groups: int = 1, topk_groups: int = 1,
-                 scaling: float = 1.0, norm_min: float = 0.0) -> None:
-        super().__init__(num_experts, hidden_size)
+                 scaling: float = 1.0, norm_min: float = 0.0, float32: bool = False, corrected: bool = True,
+                 group_by_max: bool = False) -> None:
+        # ERNIE's weights stay float32 (transformers' Ernie4_5_MoeTopKRouter keeps them);
+        # DeepSeek's take the model's dtype, as transformers casts them (products in float32 all)
+        super().__init__(num_experts, hidden_size, float32=float32)
         # A buffer: it stays float32 whatever the model's dtype (transformers keeps it so)
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
-        # ERNIE's weights stay float32 too (transformers' Ernie4_5_MoeTopKRouter keeps them);
-        # DeepSeek-V3's take the model's dtype, as transformers casts them
-        self.weight.keep_float32 = scoring == "softmax"
+        if corrected:
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+        else:
+            self.e_score_correction_bias = None
         self.scoring, self.num_groups, self.topk_groups = scoring, num_groups, topk_groups
-        self.scaling, self.norm_min = scaling, norm_min
+        self.scaling, self.norm_min, self.group_by_max = scaling, norm_min, group_by_max
 
     def route(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.topk_groups < self.num_groups:  # only the experts of the best groups (a group by its two best)
             grouped = choice.unflatten(-1, (self.num_groups, -1))  # [tokens, groups, experts a group]
-            best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+            rank = grouped.amax(-1) if self.group_by_max else grouped.topk(2, dim=-1).values.sum(-1)
+            best = rank.topk(self.topk_groups, dim=-1).indices
             kept = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
             choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
         chosen = choice.topk(top_k, dim=-1).indices

@@ -64,7 +64,7 @@ NAMES_OF = {
                            ".feedforward_layernorm.": ".post_attention_layernorm."},
     **dict.fromkeys(HUNYUANS, {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm.",
                                ".mlp.gate.wg.": ".mlp.gate.", ".mlp.shared_mlp.": ".mlp.shared_expert."}),
-    **dict.fromkeys(DEEPSEEK_V3_MOES, {".mlp.shared_experts.": ".mlp.shared_expert."}),
+    **dict.fromkeys((*DEEPSEEK_V3_MOES, "DeepseekV2ForCausalLM"), {".mlp.shared_experts.": ".mlp.shared_expert."}),
     "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
     # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
     "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
@@ -284,7 +284,8 @@ class DecoderLayer(nn.Module):
                 ClampedSwiGLUExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
             router = CorrectedRouter(config.num_experts, config.hidden_size, config.moe_score_correction,
                                      config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
-                                     config.moe_norm_min) if config.moe_score_correction else None
+                                     config.moe_norm_min, config.moe_router_float32, config.moe_correction_bias,
+                                     config.moe_group_by_max) if config.moe_score_correction else None
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
