@@ -279,6 +279,17 @@ def test_deepseek_v3_with_one_query_projection_and_a_latent_head_of_64_matches_t
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_latent_attention_caches_one_latent_a_token_for_its_keys_and_values(tmp_path, backend):
+    """The cache's K and V of a latent-attention layer are one memory (the latent is both),
+    so a budget holds twice the blocks it would for two halves: 40 values a token a layer."""
+    folder = build_tiny_model(tmp_path / "ds", "deepseek_v3", seed=2)
+    llm = LLM(str(folder), kv_cache_memory_bytes=1 << 20, block_size=16, attention_backend=backend)
+    assert llm.runner.num_blocks == (1 << 20) // (2 * 16 * 40 * 4)  # (2 layers, float32)
+    cache = llm.runner.kv_caches[0]
+    assert cache[0].data_ptr() == cache[1].data_ptr() and cache.stride(0) == 0
+
+
 def test_latent_attention_refuses_lora_by_name(tmp_path):
     folder = build_tiny_model(tmp_path / "ds", "deepseek_v3", seed=2)
     with pytest.raises(ValueError, match="--enable-lora is not supported for DeepseekV3ForCausalLM"):

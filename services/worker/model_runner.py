@@ -97,6 +97,9 @@ class ModelRunner:
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, load_format)
+        # Latent attention caches one latent a token, read as its keys and its values: one
+        # memory for both (models/latent_attention.py)
+        self.values_are_keys = bool(self.model_config.kv_lora_rank)
         self.num_blocks = self._num_kv_blocks()
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
@@ -109,7 +112,7 @@ class ModelRunner:
         self.kv_caches = [
             backend.new_kv_cache(
                 self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
-                self.device,
+                self.device, values_are_keys=self.values_are_keys,
             )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
             for _ in range(cfg.num_hidden_layers)
         ]
@@ -152,8 +155,8 @@ class ModelRunner:
         a GPU); refused (before any is allocated) where they and the pad block do not fit."""
         cfg = self.model_config
         bytes_per_block = (
-            2 * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads * cfg.head_dim
-            * self.kv_cache_dtype.itemsize
+            (1 if self.values_are_keys else 2) * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+            * cfg.head_dim * self.kv_cache_dtype.itemsize
         )
         cc = self.cache_config
         if cc.num_kv_blocks is not None:

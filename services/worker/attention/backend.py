@@ -13,9 +13,12 @@ class AttentionBackend(Protocol):
     name: str
 
     def new_kv_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+                     dtype: torch.dtype, device: torch.device | str, values_are_keys: bool = False) -> torch.Tensor:
         """One layer's zeroed cache, [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
-        as every backend indexes it, laid out in memory as this backend reads it fastest."""
+        as every backend indexes it, laid out in memory as this backend reads it fastest.
+        `values_are_keys` (latent attention's, whose values are its keys): K and V one
+        memory, the second a stride-0 view of the first (half the bytes; the same rows are
+        written to both)."""
         ...
 
     def forward(

@@ -49,16 +49,17 @@ def widen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+                 dtype: torch.dtype, device: torch.device | str, values_are_keys: bool = False) -> torch.Tensor:
     """Zeros of logical shape [2, num_blocks, block_size, num_kv_heads, head_dim], heads-first
     in memory; on the CPU on 2 MB pages where Linux offers them (kernels/cpu/huge_pages.py:
-    decode attention reads scattered blocks, 10-17% faster without a TLB walk per 4 KB)."""
-    shape = (2, num_kv_heads, num_blocks, block_size, head_dim)
+    decode attention reads scattered blocks, 10-17% faster without a TLB walk per 4 KB).
+    `values_are_keys`: one half's memory, seen twice (backend.py)."""
+    shape = (1 if values_are_keys else 2, num_kv_heads, num_blocks, block_size, head_dim)
     if torch.device(device).type == "cpu":
         cache = huge_pages.empty(math.prod(shape), dtype).zero_().view(shape)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
-    return cache.permute(0, 2, 3, 1, 4)
+    return cache.expand(2, *shape[1:]).permute(0, 2, 3, 1, 4)
 
 
 def write_kv_cache(

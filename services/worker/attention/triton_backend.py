@@ -37,10 +37,12 @@ class TritonAttentionBackend:
 
     @staticmethod
     def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                     dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+                     dtype: torch.dtype, device: torch.device | str, values_are_keys: bool = False) -> torch.Tensor:
         # Token-major: a block's keys for all heads are one contiguous tile (the kernels
-        # take strides, so other layouts work too).
-        return torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        # take strides, so other layouts work too: the stride-0 K/V of values_are_keys too).
+        cache = torch.zeros(1 if values_are_keys else 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype,
+                            device=device)
+        return cache.expand(2, *cache.shape[1:])
 
     def forward(
         self,

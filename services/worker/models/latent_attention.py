@@ -8,17 +8,17 @@ of their own (`q_a_proj`, `q_a_layernorm`, `q_b_proj`), each head's [nope | pe] 
 
 What the cache holds is the latent, not the expanded heads (vLLM's layout; transformers
 caches the latent too): one KV "head" of [c | k_pe] a token, kv_lora_rank + qk_rope_head_dim
-wide (576 for DeepSeek-V3, against 128 heads x (192 + 128) expanded). Attention runs on it
-as multi-query attention with the key matrices absorbed into the queries:
+wide (576 for DeepSeek-V3, against 128 heads x (192 + 128) expanded: ~71x less). Attention
+runs on it as multi-query attention with the key matrices absorbed into the queries:
 
     q_nope . (W_UK c) + q_pe . k_pe  ==  (W_UK^T q_nope) . c + q_pe . k_pe
 
 so each head's query becomes [W_UK^T q_nope | q_pe] against the one cached row [c | k_pe].
 The values are the same rows: attention's output's first kv_lora_rank dims are the
 softmax-weighed sum of the c's, which W_UV turns into each head's value output (the
-linearity lets the expansion come after the sum). The backends take equal key and value
-widths, so the latent is written as both key and value: twice the latent, still ~36x
-less than the expanded heads at DeepSeek-V3's shape.
+linearity lets the expansion come after the sum). The backends read keys and values from
+the cache's two halves; here those are one memory (the runner's `values_are_keys`: V a
+stride-0 view of K), the same rows written to both.
 
 `kv_b_proj` is kept a plain weight (not an nn.Linear): its two halves are read per head in
 the absorbed products, so quantizing or packing it (as the loader does to linear layers)
