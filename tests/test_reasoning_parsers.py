@@ -29,6 +29,9 @@ from test_gateway import FakeEngine, sse_events
     # GLM-4.5: as qwen3 (its template closes an empty thinking in the prompt when it is off)
     ("glm45", "<|assistant|>", "<think>hm</think>\n42", ("hm", "\n42")),
     ("glm45", "<|assistant|>\n<think></think>\n", "42", ("", "42")),
+    # DeepSeek-V3.1: its template ends the prompt with <think> (thinking on) or </think> (off)
+    ("deepseek_v3", "<｜Assistant｜><think>", "hm</think>42", ("hm", "42")),
+    ("deepseek_v3", "<｜Assistant｜></think>", "42", ("", "42")),
     # Seed-OSS's tags; its thinking-budget notes are thinking too
     ("seed_oss", "<seed:bos>assistant\n", "<seed:think>hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>"
      "</seed:think>42", ("hm<seed:cot_budget_reflect>12 left</seed:cot_budget_reflect>", "42")),

@@ -13,7 +13,9 @@ across deltas is held back until it is whole or cannot be one.
   inside an open `<think>` (Qwen3.5's and the thinking-2507 templates put it there);
   otherwise (`enable_thinking: false` closes it in the prompt) all content.
 - `glm45`: as `qwen3` (GLM-4.5's template closes an empty `<think></think>` in the prompt
-  when thinking is off).
+  when thinking is off); `deepseek_v3` the same (DeepSeek-V3.1's template ends the prompt
+  with `<think>` when `thinking` is on and `</think>` when off, where vLLM's parser reads
+  chat_template_kwargs to choose between R1's parser and none).
 - `seed_oss`: as `qwen3`, between Seed-OSS's `<seed:think>` and `</seed:think>` (its
   thinking-budget notes, `<seed:cot_budget_reflect>`, stay in the reasoning).
 - `openai_gptoss`: gpt-oss's harmony analysis channel (harmony.py).
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 # name -> the tags around its thinking
 TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "glm45": ("<think>", "</think>"),
-        "minimax_m2": ("<think>", "</think>"), "seed_oss": ("<seed:think>", "</seed:think>")}
+        "minimax_m2": ("<think>", "</think>"), "seed_oss": ("<seed:think>", "</seed:think>"),
+        "deepseek_v3": ("<think>", "</think>")}
 # The answer is reasoning from its first character, whatever the prompt says
 STARTS_IN_REASONING = ("deepseek_r1", "minimax_m2")
 
