@@ -6,7 +6,9 @@ tokenizer files), so the engine loads them through its ordinary path.
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -619,3 +621,34 @@ def peft_greedy(base: Path, adapter: Path, prompts: list[list[int]], max_new_tok
                                  do_sample=False, eos_token_id=None, pad_token_id=0)
             results.append(out[0, len(prompt):].tolist())
     return results
+
+
+def fp8_checkpoint(source: Path, dest: Path, block: tuple[int, int]) -> Path:
+    """`source`'s model as an FP8 checkpoint with block scales (DeepSeek-V3's and Qwen3-FP8's
+    format): each decoder layer's projection weights float8_e4m3fn, scaled per block of
+    `block` by the block's largest magnitude over e4m3's 448, the scale (what the FP8 values
+    are multiplied by) stored as the format names it, `weight_scale_inv`; the rest as it is."""
+    from safetensors.torch import load_file, save_file
+
+    dest = Path(dest)
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    out = {}
+    for name, tensor in tensors.items():
+        if ".layers." not in name or not name.endswith("_proj.weight") or tensor.dim() != 2:
+            out[name] = tensor
+            continue
+        rows, columns = tensor.shape
+        padded = torch.zeros(-(-rows // block[0]) * block[0], -(-columns // block[1]) * block[1])
+        padded[:rows, :columns] = tensor.float()
+        tiles = padded.unflatten(0, (-1, block[0])).unflatten(2, (-1, block[1]))  # [R, b0, C, b1]
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0  # [R, C]
+        spread = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
+        out[name] = (tensor.float() / spread).to(torch.float8_e4m3fn)
+        out[name[: -len(".weight")] + ".weight_scale_inv"] = scale
+    save_file(out, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest

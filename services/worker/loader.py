@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.models.fp8_weights import fp8_widened
 from services.worker.models.fused_decode import FusedDecode
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
@@ -129,7 +130,10 @@ def load_model(
     else:
         with torch.device("cpu"):
             model = LlamaForCausalLM(config, backend, max_position)
-        model.load_weights(iter_weights(folder))
+        weights = iter_weights(folder)
+        if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
+            weights = fp8_widened(weights, config.fp8_weight_block)
+        model.load_weights(weights)
     if quantization is not None:
         # From the checkpoint's own precision, every matmul weight of the decoder layers.
         # The LM head (a fifth of SmolLM2's weights) in int8 either way, whose per-channel

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.worker.models.fp8_weights import fp8_weight_block
 from shared.classification import SUFFIX, is_classifier, num_labels
 
 # Architectures whose modules `models/llama.py` reproduces: Qwen2 differs only by its
@@ -313,6 +314,9 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # A checkpoint in FP8 with block scales: its block (rows, columns), the weights widened
+    # at load (models/fp8_weights.py); () for any other
+    fp8_weight_block: tuple[int, ...] = ()
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -374,6 +378,7 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"{folder} is not a model folder: it has no config.json")
         raw = json.loads(path.read_text())
+        fp8_block = fp8_weight_block(raw)  # (any other quantized checkpoint refused here, by its method)
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)
         if multimodal is not None:
             raw = _text_config(raw, TEXT_MODELS_OF[multimodal])
@@ -502,6 +507,7 @@ class ModelConfig:
             num_labels=num_labels(raw) if is_classifier(raw) else 0,
             **_layer_normed_fields(arch, raw),
             **latent,
+            fp8_weight_block=fp8_block or (),
         )
 
 
