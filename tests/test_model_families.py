@@ -45,7 +45,7 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
-            "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2"]
+            "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -82,7 +82,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     sparse = [layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE)]
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
-                           "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1}.get(name, 0)
+                           "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
+                           "glm4_moe_lite": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -129,18 +130,19 @@ def test_what_each_family_reads_from_its_config(family):
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
                                  "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1),
-                                 "deepseek_v3": (1,), "deepseek_v2": (1,)}.get(name, ())
+                                 "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
-                                                 "ernie4_5_moe", "minimax_m2", "deepseek_v3"))  # (OLMoE's: off)
+                                                 "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
-                                                          "deepseek_v3": 32, "deepseek_v2": 64}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
             config.shared_expert_gated, config.skipped_layers) == {
         "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
         "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1), "deepseek_v2": ("softmax", 4, 2, 1.5, False, 0),
+        "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -156,7 +158,8 @@ def test_what_each_family_reads_from_its_config(family):
                "cohere2": (1.0, 1.0, None, 2.0),  # (Cohere's logit_scale 0.5)
                # DeepSeek-V3: 1/sqrt(16 + 8) times YaRN's mscale of mscale_all_dim 0.7 at factor 4, squared
                "deepseek_v3": (1.0, 1.0, pytest.approx(24**-0.5 * (0.07 * math.log(4) + 1) ** 2), 1.0),
-               "deepseek_v2": (1.0, 1.0, pytest.approx(24**-0.5), 1.0)}  # (no YaRN)
+               "deepseek_v2": (1.0, 1.0, pytest.approx(24**-0.5), 1.0),  # (no YaRN)
+               "glm4_moe_lite": (1.0, 1.0, pytest.approx(24**-0.5), 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
@@ -212,25 +215,30 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim, config.head_dim, config.num_key_value_heads, config.rotary_head_dim) == (
         (32, 32, 16, 8, 16, 40, 1, 8) if name == "deepseek_v3" else (32, 0, 16, 8, 16, 40, 1, 8) if name == "deepseek_v2"
+        else (32, 32, 16, 8, 24, 40, 1, 8) if name == "glm4_moe_lite"
         else (0, 0, 0, 0, 0, config.head_dim,
                                                                      config.num_key_value_heads, config.head_dim))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
         "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False), "deepseek_v3": (True, 0, False),
-        "deepseek_v2": (True, 0, False)}.get(
+        "deepseek_v2": (True, 0, False), "glm4_moe_lite": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
                                         "stablelm", "glm4_moe"))
 
 
-def test_glm4_moe_skips_its_multi_token_prediction_layer(tmp_path):
+@pytest.mark.parametrize("arch, overrides", [("glm4_moe", {"use_qk_norm": True}), ("glm4_moe_lite", {})])
+def test_glm4_moe_skips_its_multi_token_prediction_layer(tmp_path, arch, overrides):
     """GLM-4.5's checkpoints hold a multi-token-prediction layer past the last one (a decoder
     layer and more): skipped where the config counts it (num_nextn_predict_layers), as
-    transformers skips it, and named where it does not. With query/key norms (use_qk_norm)."""
+    transformers skips it, and named where it does not. With query/key norms (use_qk_norm).
+    GLM-4.7-Flash's config leaves the count out (transformers' class has no such field and
+    skips its layer by name): one is skipped."""
     from safetensors.torch import load_file, save_file
 
-    folder = build_tiny_model(tmp_path / "glm4_moe", "glm4_moe", seed=3, use_qk_norm=True)
+    folder = build_tiny_model(tmp_path / arch, arch, seed=3, **overrides)
+    assert ("num_nextn_predict_layers" in json.loads((folder / "config.json").read_text())) == (arch == "glm4_moe")
     reference = hf_greedy(folder, PROMPTS, MAX_NEW)
     weights = load_file(folder / "model.safetensors")
     assert not any(n.startswith("model.layers.2.") for n in weights)
@@ -239,7 +247,7 @@ def test_glm4_moe_skips_its_multi_token_prediction_layer(tmp_path):
     weights["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(folder))
-    assert llm.runner.model_config.qk_norm
+    assert llm.runner.model_config.qk_norm == (arch == "glm4_moe")
     assert generate_ids(llm, PROMPTS) == reference
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))

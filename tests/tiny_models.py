@@ -185,6 +185,17 @@ def build_tiny_model(
                                    "mscale_all_dim": 0.7, "original_max_position_embeddings": 256}}
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**common, **mla, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "glm4_moe_lite":
+        # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts, its layers' kinds by
+        # mlp_layer_types (layer 0 sparse, layer 1 dense: the reverse of first_k_dense_replace's)
+        from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
+
+        mla = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+               "v_head_dim": 24, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+               "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+               "routed_scaling_factor": 1.8, "mlp_layer_types": ["sparse", "dense"]}
+        model = Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**{**common, **mla, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "deepseek_v2":
         # DeepSeek-V3's latent attention (one q_proj, as V2-Lite's); layer 0 dense, layer 1
         # sparse: 8 experts by softmax score within the best 2 of 4 groups (a group by its

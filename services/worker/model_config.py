@@ -54,6 +54,8 @@ SUPPORTED_ARCHITECTURES = {
     # layers, experts chosen by softmax score alone (within the best groups, a group by its
     # best expert, where topk_method says), unnormalized and scaled, beside shared experts
     "DeepseekV2ForCausalLM": "llama",
+    # GLM-4.7-Flash: DeepSeek-V3's model, its dense and sparse layers by mlp_layer_types
+    "Glm4MoeLiteForCausalLM": "llama",
     # dots.llm1: Qwen3's attention (windows by layer_types) with GLM-4.5's (DeepSeek-V3's)
     # experts and shared experts after the first dense layers
     "Dots1ForCausalLM": "llama",
@@ -135,9 +137,9 @@ SUPPORTED_ARCHITECTURES = {
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
-DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # Multi-head latent attention (models/latent_attention.py) in place of the usual heads
-LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
@@ -183,7 +185,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
                           "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
                           "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                          "DeepseekV2ForCausalLM": "deepseek_v2"}
+                          "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -805,9 +807,12 @@ def _moe_fields(arch: str, raw: dict) -> dict:
 
 
 def _deepseek_v3_moe_fields(raw: dict) -> dict:
-    """GLM-4.5's and dots.llm1's experts (transformers' DeepseekV3MoE): dense layers before
-    first_k_dense_replace, then sparse ones of n_routed_experts, DeepSeek-V3's router, and
-    n_shared_experts ungated shared experts (one MLP of their summed size)."""
+    """DeepSeek-V3's experts (transformers' DeepseekV3MoE), GLM-4.5's and dots.llm1's: dense
+    layers before first_k_dense_replace (or as mlp_layer_types says, GLM-4.7-Flash's), then
+    sparse ones of n_routed_experts, DeepSeek-V3's router, and n_shared_experts ungated
+    shared experts (one MLP of their summed size); the multi-token-prediction layers past
+    the last skipped (GLM-4.7-Flash's config may leave their count out: transformers skips
+    its one by name)."""
     _check_silu_experts(raw)
     num_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
     groups, top_groups = raw.get("n_group") or 1, raw.get("topk_group") or 1
@@ -817,14 +822,19 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
                          "of at least 2 and keep some")
     if top_k > top_groups * (num_experts // groups):
         raise ValueError(f"num_experts_per_tok {top_k} is more than the {top_groups} kept groups hold")
-    first_sparse = raw["first_k_dense_replace"]
+    kinds = raw.get("mlp_layer_types")  # (GLM-4.7-Flash's: "dense" or "sparse" a layer)
+    if kinds is not None and (len(kinds) != raw["num_hidden_layers"] or set(kinds) - {"dense", "sparse"}):
+        raise ValueError(f"unsupported mlp_layer_types {kinds!r}: 'dense' or 'sparse' for each of the "
+                         f"{raw['num_hidden_layers']} layers")
+    sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"] if kinds is not None \
+        else range(raw["first_k_dense_replace"], raw["num_hidden_layers"])
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=bool(raw["norm_topk_prob"]),  # (transformers' default filled in: GLM's on, dots' off)
-                moe_layers=tuple(range(first_sparse, raw["num_hidden_layers"])),
+                moe_layers=tuple(sparse),
                 shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
                 shared_expert_gated=False, moe_score_correction="sigmoid", moe_num_groups=groups, moe_topk_groups=top_groups,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                skipped_layers=raw.get("num_nextn_predict_layers") or 0)
+                skipped_layers=raw.get("num_nextn_predict_layers", 1 if kinds is not None else 0) or 0)
 
 
 def _deepseek_v2_moe_fields(raw: dict) -> dict:
