@@ -25,7 +25,7 @@ import torch
 
 from llmbus import LLM, SamplingParams
 from services.worker.layers.moe import SparseMoE
-from tiny_models import build_tiny_model, hf_greedy, random_prompts
+from tiny_models import build_tiny_model, causal_lm_class, hf_greedy, random_prompts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -45,7 +45,8 @@ def generate_ids(llm: LLM, prompts, params=GREEDY) -> list[list[int]]:
 FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", "olmo2", "olmo3", "exaone4", "glm4",
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
-            "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"]
+            "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
+            "youtu"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -83,7 +84,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
                            "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
-                           "glm4_moe_lite": 1}.get(name, 0)
+                           "glm4_moe_lite": 1, "mistral4": 1}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -100,13 +101,12 @@ def test_logprobs_equal_transformers(family):
     """The distribution, not only its argmax: Granite's logits divisor, which greedy output
     cannot see, is in these."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     folder, _, _ = family
     prompts = PROMPTS[2:5]
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2, ignore_eos=True)
     outputs = LLM(str(folder)).generate(prompts, params, use_tqdm=False)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = causal_lm_class(folder).from_pretrained(folder, dtype=torch.float32)
     for prompt, output in zip(prompts, outputs, strict=True):
         with torch.no_grad():
             logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
@@ -130,19 +130,22 @@ def test_what_each_family_reads_from_its_config(family):
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
                                  "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1),
-                                 "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,)}.get(name, ())
+                                 "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,),
+                                 "mistral4": (1,)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
-                                                 "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite"))  # (OLMoE's: off)
+                                                 "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
+                                                 "mistral4"))  # (OLMoE's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
-                                                          "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32,
+                                                          "mistral4": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
             config.shared_expert_gated, config.skipped_layers) == {
         "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
         "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1), "deepseek_v2": ("softmax", 4, 2, 1.5, False, 0),
-        "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1),
+        "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1), "mistral4": ("softmax", 4, 2, 1.5, False, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -159,7 +162,9 @@ def test_what_each_family_reads_from_its_config(family):
                # DeepSeek-V3: 1/sqrt(16 + 8) times YaRN's mscale of mscale_all_dim 0.7 at factor 4, squared
                "deepseek_v3": (1.0, 1.0, pytest.approx(24**-0.5 * (0.07 * math.log(4) + 1) ** 2), 1.0),
                "deepseek_v2": (1.0, 1.0, pytest.approx(24**-0.5), 1.0),  # (no YaRN)
-               "glm4_moe_lite": (1.0, 1.0, pytest.approx(24**-0.5), 1.0)}
+               "glm4_moe_lite": (1.0, 1.0, pytest.approx(24**-0.5), 1.0),
+               "mistral4": (1.0, 1.0, pytest.approx(24**-0.5 * (0.1 * math.log(4) + 1) ** 2), 1.0),
+               "youtu": (1.0, 1.0, pytest.approx(24**-0.5), 1.0)}
     assert (config.embedding_multiplier, config.residual_multiplier, config.attention_scale,
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
@@ -168,6 +173,7 @@ def test_what_each_family_reads_from_its_config(family):
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
         "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True), "cohere2": ("silu", 0.0, True),
+        "youtu": ("silu", 0.0, True),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
     assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2"))
@@ -207,22 +213,29 @@ def test_what_each_family_reads_from_its_config(family):
     if name == "olmo3":  # its YaRN on the global layer alone
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
-        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2")
+        (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2",
+                                            "mistral4")
         else (0, 0))
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
-    assert (config.moe_correction_bias, config.moe_group_by_max) == ((False, True) if name == "deepseek_v2" else (True, False))
+    assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
+                                                                     "mistral4": (False, False)}.get(name, (True, False))
+    # Ministral 3's and Mistral 4's queries scaled past the pretrained context (beta 0.5, 16)
+    assert (config.query_scale_beta, config.query_scale_original) == (
+        (0.5, 16) if name in ("ministral3", "mistral4") else (0.0, 0))
     # DeepSeek-V3's latent attention: the cache's one head of the latent (32) and the rotating key (8)
     assert (config.kv_lora_rank, config.q_lora_rank, config.qk_nope_head_dim, config.qk_rope_head_dim,
             config.v_head_dim, config.head_dim, config.num_key_value_heads, config.rotary_head_dim) == (
         (32, 32, 16, 8, 16, 40, 1, 8) if name == "deepseek_v3" else (32, 0, 16, 8, 16, 40, 1, 8) if name == "deepseek_v2"
         else (32, 32, 16, 8, 24, 40, 1, 8) if name == "glm4_moe_lite"
+        else (32, 32, 16, 8, 16, 40, 1, 8) if name in ("mistral4", "youtu")
         else (0, 0, 0, 0, 0, config.head_dim,
                                                                      config.num_key_value_heads, config.head_dim))
     # GLM: half of each head of 16 rotating, by interleaved pairs; q/k/v biases but none on o_proj
     assert (config.rotary_interleaved, config.rotary_dim, config.o_bias) == {
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
         "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False), "deepseek_v3": (True, 0, False),
-        "deepseek_v2": (True, 0, False), "glm4_moe_lite": (True, 0, False)}.get(
+        "deepseek_v2": (True, 0, False), "glm4_moe_lite": (True, 0, False), "mistral4": (True, 0, False),
+        "youtu": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
                                         "stablelm", "glm4_moe"))
@@ -296,6 +309,17 @@ def test_latent_attention_caches_one_latent_a_token_for_its_keys_and_values(tmp_
     assert llm.runner.num_blocks == (1 << 20) // (2 * 16 * 40 * 4)  # (2 layers, float32)
     cache = llm.runner.kv_caches[0]
     assert cache[0].data_ptr() == cache[1].data_ptr() and cache.stride(0) == 0
+
+
+def test_ministral3_one_call_decode_layer_steps_aside_past_the_pretrained_context(tmp_path):
+    """The C decode layer knows nothing of Llama 4's temperature: it takes a step only while
+    every position is within original_max_position_embeddings (16 here), where the scale is
+    exactly 1; the prompts and their outputs cross it, and greedy still equals transformers."""
+    folder = build_tiny_model(tmp_path / "m3", "ministral3", seed=2, hidden_size=256, head_dim=64,
+                              intermediate_size=256, initializer_range=0.08)
+    llm = LLM(str(folder))
+    assert llm.runner.model.fused_decode is not None and llm.runner.model_config.query_scale_original == 16
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
 def test_latent_attention_refuses_lora_by_name(tmp_path):
@@ -462,18 +486,21 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_leaves_the_v
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
-def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+@pytest.mark.parametrize("arch, text_model", [("mistral3_multimodal", "MistralForCausalLM"),
+                                              ("ministral3_multimodal", "Ministral3ForCausalLM")])
+def test_mistral3_multimodal_checkpoint_serves_its_language_model(tmp_path, arch, text_model):
     """Mistral Small 3.1/3.2 ship as Mistral3ForConditionalGeneration (Pixtral's vision tower
-    beside a Mistral): its language model serves text, equal to transformers' multimodal
-    model on text, the tower unread; a text model_type it does not know is refused by name."""
+    beside a Mistral), Ministral 3 too (beside a Ministral 3): its language model serves
+    text, equal to transformers' multimodal model on text, the tower unread; a text
+    model_type it does not know is refused by name."""
     from transformers import Mistral3ForConditionalGeneration
 
     from services.worker.loader import iter_weights
 
-    folder = build_tiny_model(tmp_path / "mm", "mistral3_multimodal", seed=2)
+    folder = build_tiny_model(tmp_path / "mm", arch, seed=2)
     assert not any("vision" in name or "projector" in name for name, _ in iter_weights(folder))
     llm = LLM(str(folder))
-    assert llm.runner.model_config.architecture == "MistralForCausalLM"
+    assert llm.runner.model_config.architecture == text_model
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW,
                                                    model_class=Mistral3ForConditionalGeneration)
     config = json.loads((folder / "config.json").read_text())
@@ -631,13 +658,12 @@ def test_gemma_scales_its_embeddings_by_the_scale_rounded_as_transformers_does(t
     """sqrt(48) is 6.93 but 6.94 in bfloat16, which transformers multiplies by (its
     buffer cast to the weights' dtype): the same bits."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     folder = build_tiny_model(tmp_path / "g", "gemma", seed=1, hidden_size=48, num_attention_heads=4,
                               num_key_value_heads=2)
     ids = torch.tensor(PROMPTS[3])
     model = LLM(str(folder), dtype="bfloat16").runner.model
-    theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).model.embed_tokens(ids[None])[0]
+    theirs = causal_lm_class(folder).from_pretrained(folder, dtype=torch.bfloat16).model.embed_tokens(ids[None])[0]
     assert torch.equal(model.embed(ids), theirs)
     assert not torch.equal(model.model.embed_tokens(ids) * 48**0.5, theirs)  # unrounded, some bits differ
 

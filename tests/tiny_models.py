@@ -6,6 +6,7 @@ tokenizer files), so the engine loads them through its ordinary path.
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -63,6 +64,13 @@ def build_config_of_tiny_gemma3(common: dict, overrides: dict):
               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0},
                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
     return Gemma3TextConfig(**{**common, **gemma3, **overrides})
+
+
+# Llama 4's temperature on the queries past a pretrained context of 16 (beta 0.5, so prompts
+# of 17 tokens and more meet it), under YaRN as Ministral 3's and Mistral 4's checkpoints ship it
+MINISTRAL3_ROPE = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                       "original_max_position_embeddings": 16, "llama_4_scaling_beta": 0.5}}
 
 
 def build_tiny_model(
@@ -185,6 +193,31 @@ def build_tiny_model(
                                    "mscale_all_dim": 0.7, "original_max_position_embeddings": 256}}
         model = DeepseekV3ForCausalLM(DeepseekV3Config(**{**common, **mla, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch in ("ministral3", "mistral4"):
+        # MINISTRAL3_ROPE's temperature on the queries. Mistral 4: DeepSeek-V3's latent attention; layer 0 dense, layer 1 sparse: 8 experts
+        # by softmax score within the best 2 of 4 groups (a group by its two best), top 2,
+        # renormalized, scaled by 1.5, a shared expert
+        from transformers import Ministral3Config, Ministral3ForCausalLM, Mistral4Config, Mistral4ForCausalLM
+
+        rope = copy.deepcopy(MINISTRAL3_ROPE)  # (transformers' config writes into it)
+        if arch == "ministral3":
+            model = Ministral3ForCausalLM(Ministral3Config(**{"head_dim": 16, **common, **rope, **overrides}))
+        else:  # (its head_dim is its query heads' nope + rope dims: no other may be given)
+            common.pop("head_dim", None), overrides.pop("head_dim", None)
+            mla = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                   "v_head_dim": 16, "num_key_value_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "n_shared_experts": 1, "n_group": 4, "topk_group": 2,
+                   "routed_scaling_factor": 1.5, "first_k_dense_replace": 1}
+            model = Mistral4ForCausalLM(Mistral4Config(**{**common, **mla, **rope, **overrides}))
+            _router_bias_and_qk_norms_made_to_count(model, 0.5)  # (its latent norms)
+    elif arch == "youtu":
+        # Youtu-LLM: DeepSeek-V3's latent attention in a dense Llama, tied
+        from transformers import YoutuConfig, YoutuForCausalLM
+
+        mla = {"q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+               "v_head_dim": 16, "num_key_value_heads": 4, "tie_word_embeddings": True}
+        model = YoutuForCausalLM(YoutuConfig(**{**common, **mla, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)  # (its latent norms)
     elif arch == "glm4_moe_lite":
         # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts, its layers' kinds by
         # mlp_layer_types (layer 0 sparse, layer 1 dense: the reverse of first_k_dense_replace's)
@@ -321,12 +354,16 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
-    elif arch == "mistral3_multimodal":
+    elif arch in ("mistral3_multimodal", "ministral3_multimodal"):
         # Mistral Small 3.1's shape of files: a Mistral text_config and language model beside
-        # Pixtral's vision tower and a projector; untied, as the outer config says.
+        # Pixtral's vision tower and a projector; untied, as the outer config says. Ministral
+        # 3's: the same around a Ministral 3 (its queries scaled past the pretrained context).
+        from transformers import Ministral3Config
+
         vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      image_size=28, patch_size=14)
-        text = MistralConfig(**{"sliding_window": None, **common, **overrides})
+        text = MistralConfig(**{"sliding_window": None, **common, **overrides}) if arch == "mistral3_multimodal" \
+            else Ministral3Config(**{"head_dim": 16, **common, **copy.deepcopy(MINISTRAL3_ROPE), **overrides})
         model = Mistral3ForConditionalGeneration(Mistral3Config(
             text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_index=common["vocab_size"] - 1,
             tie_word_embeddings=common["tie_word_embeddings"]))
@@ -567,6 +604,17 @@ def random_prompts(lengths, vocab_size: int = 384, seed: int = 0) -> list[list[i
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
+def causal_lm_class(folder: Path):
+    """transformers' class for a folder's causal LM: AutoModelForCausalLM, or the class
+    itself where the auto classes do not map it (Mistral 4's text model)."""
+    import transformers
+
+    architectures = json.loads((Path(folder) / "config.json").read_text())["architectures"]
+    if architectures == ["Mistral4ForCausalLM"]:
+        return transformers.Mistral4ForCausalLM
+    return transformers.AutoModelForCausalLM
+
+
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu", model_class=None,
               **generate_kwargs) -> list[list[int]]:
     """The oracle: transformers' own generate, one prompt at a time (no padding), EOS off;
@@ -574,7 +622,7 @@ def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int, devic
     `generate_kwargs` go to generate as they are (e.g. `sequence_bias`)."""
     from transformers import AutoModelForCausalLM
 
-    model = (model_class or AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    model = (model_class or causal_lm_class(folder)).from_pretrained(folder, dtype=torch.float32).to(device).eval()
     results = []
     with torch.no_grad():
         for prompt in prompts:

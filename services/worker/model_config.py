@@ -15,6 +15,9 @@ from shared.classification import SUFFIX, is_classifier, num_labels
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    # Ministral 3 (3B, 8B, 14B): a Mistral whose queries grow past the pretrained context
+    # (Llama 4's temperature by position, layers/query_scale.py)
+    "Ministral3ForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
     # Phi-3: q/k/v and gate/up come fused in the checkpoint, as our modules hold them;
@@ -56,6 +59,11 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "llama",
     # GLM-4.7-Flash: DeepSeek-V3's model, its dense and sparse layers by mlp_layer_types
     "Glm4MoeLiteForCausalLM": "llama",
+    # Youtu-LLM (2B): DeepSeek-V3's latent attention in a dense Llama
+    "YoutuForCausalLM": "llama",
+    # Mistral 4: DeepSeek-V3's latent attention with Ministral 3's queries by position, its
+    # experts chosen by softmax score alone within the best groups (a group by its two best)
+    "Mistral4ForCausalLM": "llama",
     # dots.llm1: Qwen3's attention (windows by layer_types) with GLM-4.5's (DeepSeek-V3's)
     # experts and shared experts after the first dense layers
     "Dots1ForCausalLM": "llama",
@@ -139,13 +147,17 @@ COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 # Multi-head latent attention (models/latent_attention.py) in place of the usual heads
-LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM")
+LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                    "YoutuForCausalLM")
+# Llama 4's temperature by position on the queries (rope's llama_4_scaling_beta)
+QUERIES_SCALED_BY_POSITION = ("Ministral3ForCausalLM", "Mistral4ForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
-UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, "DeepseekV2ForCausalLM", "HunYuanMoEV1ForCausalLM",
+UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
+                "HunYuanMoEV1ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
@@ -161,7 +173,8 @@ GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
 # by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
-EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM")
+EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM",
+                        "Ministral3ForCausalLM")
 QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
@@ -185,7 +198,9 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
                           "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
                           "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                          "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite"}
+                          "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+                          "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
+                          "YoutuForCausalLM": "youtu"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -197,7 +212,8 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 TEXT_MODELS_OF = {
     "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
     # Mistral Small 3.1 and 3.2: a Mistral behind Pixtral's vision tower
-    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"},
+    "Mistral3ForConditionalGeneration": {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM",
+                                         "ministral3": "Ministral3ForCausalLM", "mistral4": "Mistral4ForCausalLM"},
     # Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a Qwen2 (Qwen3) whose rotary splits each head into
     # sections rotated by a token's time, height and width positions (MRoPE). A text token's
     # three positions are all its index, so on text MRoPE is the ordinary rotary.
@@ -316,6 +332,10 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Ministral 3's and Mistral 4's queries times 1 + beta * log(1 + floor(position / original))
+    # (the rope config's llama_4_scaling_beta; 0: none): layers/query_scale.py
+    query_scale_beta: float = 0.0
+    query_scale_original: int = 0
     # A checkpoint in FP8 with block scales: its block (rows, columns), the weights widened
     # at load (models/fp8_weights.py); () for any other
     fp8_weight_block: tuple[int, ...] = ()
@@ -422,6 +442,7 @@ class ModelConfig:
         theta = rope.pop("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
+        beta = rope.pop("llama_4_scaling_beta", None)  # (read by the families whose transformers class reads it)
         head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
         if arch in HUNYUANS and rope_type == "dynamic" and rope.get("alpha"):
             # Hunyuan's NTK alpha: a fixed, larger base (transformers' ntk_alpha), whatever the length
@@ -510,7 +531,20 @@ class ModelConfig:
             **_layer_normed_fields(arch, raw),
             **latent,
             fp8_weight_block=fp8_block or (),
+            **_query_scale_fields(arch, beta, rope),
         )
+
+
+def _query_scale_fields(arch: str, beta: float | None, rope: dict) -> dict:
+    """Ministral 3's and Mistral 4's Llama 4 temperature: its beta, and the pretrained
+    context it is counted in (the rope config's original_max_position_embeddings)."""
+    if arch not in QUERIES_SCALED_BY_POSITION or not beta:
+        return {}
+    original = rope.get("original_max_position_embeddings")
+    if not original:
+        raise ValueError(f"llama_4_scaling_beta {beta} for {arch} needs the rope config's "
+                         "original_max_position_embeddings")
+    return dict(query_scale_beta=float(beta), query_scale_original=int(original))
 
 
 def _latent_attention_fields(arch: str, raw: dict, rope: dict) -> dict:
@@ -775,6 +809,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
+    if arch == "Mistral4ForCausalLM":  # (DeepSeek-V3's experts chosen by softmax score alone: no correction bias)
+        return dict(_deepseek_v3_moe_fields(raw), moe_score_correction="softmax", moe_correction_bias=False)
     if arch == "HunYuanMoEV1ForCausalLM":
         return _hunyuan_moe_fields(raw)
     if arch == "Ernie4_5_MoeForCausalLM":

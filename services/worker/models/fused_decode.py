@@ -81,9 +81,11 @@ class FusedDecode:
 
     def takes(self, input_ids: torch.Tensor, metadata: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """Whether this step is one it runs: decodes only, one unpadded token each."""
+        limit = self.model.config.query_scale_original  # (Ministral 3's queries scale past it: the C layer's do not)
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
             and metadata.num_reqs > 0
+            and (not limit or metadata.max_seq_len <= limit)
             and cpu_kernels.kv_format(self.dtype, kv_caches[0].dtype) is not None and kv_caches[0].stride(-1) == 1
         )
 

@@ -75,6 +75,7 @@ class LatentAttention(nn.Module):
         self.scale = config.attention_scale
         self.rotary = rotary  # over qk_rope_head_dim
         self.backend = backend
+        self.position_scale = None  # (set by the decoder layer where the model has one)
 
     def forward(
         self,
@@ -97,6 +98,8 @@ class LatentAttention(nn.Module):
         # Each head's unrotated query through its W_UK, into the latent's space: [tokens, heads, rank]
         q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), w[:, : self.nope]).transpose(0, 1)
         query = torch.cat((q_latent, pe[:, :heads]), dim=-1)
+        if self.position_scale is not None:  # (Mistral 4's, by position: layers/query_scale.py)
+            query = query * self.position_scale(positions, query.dtype)
         key = torch.cat((c, pe[:, heads]), dim=-1).unsqueeze(1)  # [tokens, 1, rank + pe]: keys and values
         out = self.backend.forward(query, key, key, kv_cache, metadata, self.scale)
         # The weighed sum of latents, through each head's W_UV: [tokens, heads, v_dim]

@@ -25,6 +25,7 @@ from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping, LoRAStack, adapted
 from services.worker.layers.moe import CorrectedRouter, SparseMoE
+from services.worker.layers.query_scale import QueryScale
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
@@ -64,7 +65,8 @@ NAMES_OF = {
                            ".feedforward_layernorm.": ".post_attention_layernorm."},
     **dict.fromkeys(HUNYUANS, {".query_layernorm.": ".q_norm.", ".key_layernorm.": ".k_norm.",
                                ".mlp.gate.wg.": ".mlp.gate.", ".mlp.shared_mlp.": ".mlp.shared_expert."}),
-    **dict.fromkeys((*DEEPSEEK_V3_MOES, "DeepseekV2ForCausalLM"), {".mlp.shared_experts.": ".mlp.shared_expert."}),
+    **dict.fromkeys((*DEEPSEEK_V3_MOES, "DeepseekV2ForCausalLM", "Mistral4ForCausalLM"),
+                    {".mlp.shared_experts.": ".mlp.shared_expert."}),
     "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
     # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
     "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
@@ -76,6 +78,9 @@ NAMES_OF = {
 STACKED_EXPERTS = {".mlp.input_linear.weight": "gate_up_proj", ".mlp.output_linear.weight": "down_proj",
                    ".mlp.experts.gate_up_proj": "gate_up_proj", ".mlp.experts.down_proj": "down_proj"}
 TRANSPOSED_FIRST = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+# Families whose checkpoints stack their experts in their transformers class's own layout,
+# [experts, out, in], whatever the shapes (transformers converts none on load: Mistral 4's)
+STACKED_OUT_IN = ("Mistral4ForCausalLM",)
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -108,6 +113,7 @@ class Attention(nn.Module):
         self.o_lora: LoRAStack | None = None
         self.rotary = rotary
         self.backend = backend
+        self.position_scale = None  # Llama 4's temperature by position, where the model has one (set by its layer)
         # This layer's sliding window (0: none) and Gemma 2's soft cap on the scores
         self.window = window
         self.softcap = config.attn_logit_softcapping
@@ -149,6 +155,8 @@ class Attention(nn.Module):
         if self.rotary_writes_cache:
             q = triton_kernels.rotary_and_cache(qk, v, positions, self.rotary.cos_cache, self.rotary.sin_signed_cache,
                                                 kv_cache[0], kv_cache[1], metadata.slot_mapping, self.num_heads)
+            if self.position_scale is not None:
+                q = q * self.position_scale(positions, q.dtype)
             out = self.backend.forward(q, None, None, kv_cache, metadata, self.scale, self.window, self.softcap,
                                        self.sinks)
         else:
@@ -156,6 +164,8 @@ class Attention(nn.Module):
             if self.qk_norm_after_rope:
                 qk = self._head_norms(qk, num_tokens)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            if self.position_scale is not None:
+                q = q * self.position_scale(positions, q.dtype)
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks)
         return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
 
@@ -257,7 +267,8 @@ class ClampedSwiGLUExpert(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, index: int,
-                 local_rotary: RotaryEmbedding | None = None, no_rotary: RotaryEmbedding | None = None):
+                 local_rotary: RotaryEmbedding | None = None, no_rotary: RotaryEmbedding | None = None,
+                 position_scale: QueryScale | None = None):
         super().__init__()
         triton = triton_elementwise(backend)
         # (OLMo 2 norms no branch's input: the residual add alone)
@@ -269,6 +280,7 @@ class DecoderLayer(nn.Module):
             rotary = no_rotary
         self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
             else Attention(config, rotary, backend, triton, window)
+        self.self_attn.position_scale = position_scale
         # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
         self.parallel = config.parallel_residual
         self.residual_first = config.residual_first  # (StableLM's and Cohere's order of the sum)
@@ -337,8 +349,11 @@ class LlamaModel(nn.Module):
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.rotary_head_dim, max_position, config.local_rope_theta, {"rope_type": "default"}, config.rotary_dim)
         self.no_rotary = RotaryEmbedding.identity(config.rotary_head_dim, max_position) if config.nope_layers else None
+        # Ministral 3's and Mistral 4's queries scaled by position (layers/query_scale.py)
+        position_scale = QueryScale(config.query_scale_beta, config.query_scale_original) if config.query_scale_beta \
+            else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, backend, i, self.local_rotary, self.no_rotary)
+            DecoderLayer(config, rotary, backend, i, self.local_rotary, self.no_rotary, position_scale)
             for i in range(config.num_hidden_layers)
         )
         self.norm = _norm(config, triton_elementwise(backend))
@@ -466,7 +481,7 @@ class LlamaForCausalLM(nn.Module):
                     target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
                     if target not in params:
                         raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
-                    if stacked in TRANSPOSED_FIRST and rows.T.shape == params[target].shape:
+                    if stacked in TRANSPOSED_FIRST and arch not in STACKED_OUT_IN and rows.T.shape == params[target].shape:
                         rows = rows.T
                     _copy(params[target].data, rows, name)
                     loaded.add(target)
