@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu"]
+            "youtu", "internlm3", "helium"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -235,10 +235,12 @@ def test_what_each_family_reads_from_its_config(family):
         "glm4": (True, 8, False), "cohere": (True, 0, False), "cohere2": (True, 0, False), "stablelm": (False, 4, False),
         "glm4_moe": (False, 8, False), "ernie4_5_moe": (True, 0, False), "deepseek_v3": (True, 0, False),
         "deepseek_v2": (True, 0, False), "glm4_moe_lite": (True, 0, False), "mistral4": (True, 0, False),
-        "youtu": (True, 0, False)}.get(
+        "youtu": (True, 0, False), "internlm3": (False, 0, True), "helium": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
-                                        "stablelm", "glm4_moe"))
+                                        "stablelm", "glm4_moe", "internlm3", "helium"))
+    if name == "internlm3":  # (its MLP biased too; its dynamic NTK rope the default frequencies here)
+        assert config.mlp_bias and config.rope_scaling == {"rope_type": "default"} and config.rope_theta == 50000.0
 
 
 @pytest.mark.parametrize("arch, overrides", [("glm4_moe", {"use_qk_norm": True}), ("glm4_moe_lite", {})])
@@ -320,6 +322,23 @@ def test_ministral3_one_call_decode_layer_steps_aside_past_the_pretrained_contex
     llm = LLM(str(folder))
     assert llm.runner.model.fused_decode is not None and llm.runner.model_config.query_scale_original == 16
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
+
+
+def test_internlm3_config_as_its_checkpoints_write_it(tmp_path):
+    """internlm3-8b-instruct's config.json names its biases qkv_bias and bias (transformers'
+    attribute map) and its rope in the older rope_scaling, dynamic NTK of factor 6."""
+    folder = build_tiny_model(tmp_path / "i3", "internlm3", seed=2)
+    reference = hf_greedy(folder, PROMPTS, MAX_NEW)
+    config = json.loads((folder / "config.json").read_text())
+    for ours, theirs in (("attention_bias", "qkv_bias"), ("mlp_bias", "bias")):
+        config[theirs] = config.pop(ours)
+    config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
+    config["rope_scaling"] = {"type": "dynamic", "factor": 6.0}
+    (folder / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(folder))
+    config = llm.runner.model_config
+    assert config.architecture == "InternLM3ForCausalLM" and config.qkv_bias and config.mlp_bias
+    assert generate_ids(llm, PROMPTS) == reference
 
 
 def test_latent_attention_refuses_lora_by_name(tmp_path):

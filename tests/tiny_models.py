@@ -210,6 +210,22 @@ def build_tiny_model(
                    "routed_scaling_factor": 1.5, "first_k_dense_replace": 1}
             model = Mistral4ForCausalLM(Mistral4Config(**{**common, **mla, **rope, **overrides}))
             _router_bias_and_qk_norms_made_to_count(model, 0.5)  # (its latent norms)
+    elif arch == "internlm3":
+        # transformers runs it as a Llama (its auto classes map internlm3 there), its biases
+        # under qkv_bias/bias, drawn to count; the checkpoint names InternLM3ForCausalLM (its
+        # own remote code's class: written below), dynamic NTK rope as internlm3-8b-instruct's
+        from transformers import InternLM3Config
+
+        model = LlamaForCausalLM(InternLM3Config(**{"head_dim": 16, **common, "qkv_bias": True, "bias": True,
+                                                    "rope_parameters": {"rope_type": "dynamic", "factor": 6.0,
+                                                                        "rope_theta": 50000.0}, **overrides}))
+        _biases_made_to_count(model)
+    elif arch == "helium":
+        # interleaved rotary pairs; q/k/v biased (drawn to count), o_proj never
+        from transformers import HeliumConfig, HeliumForCausalLM
+
+        model = HeliumForCausalLM(HeliumConfig(**{"head_dim": 16, **common, "attention_bias": True, **overrides}))
+        _biases_made_to_count(model)
     elif arch == "youtu":
         # Youtu-LLM: DeepSeek-V3's latent attention in a dense Llama, tied
         from transformers import YoutuConfig, YoutuForCausalLM
@@ -513,6 +529,9 @@ def build_tiny_model(
         model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     else:
         model.save_pretrained(folder, safe_serialization=True)
+    if arch == "internlm3":  # (save_pretrained writes the class it ran, LlamaForCausalLM)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": ["InternLM3ForCausalLM"]}))
     return folder
 
 

@@ -15,6 +15,11 @@ from shared.classification import SUFFIX, is_classifier, num_labels
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    # InternLM3 (internlm3-8b-instruct): a Llama, its biases under names of its own (qkv_bias,
+    # bias), dynamic NTK rope (the default frequencies at every length llmbus serves)
+    "InternLM3ForCausalLM": "llama",
+    # Helium (Kyutai's helium-1): a Llama rotating interleaved pairs, o_proj never biased
+    "HeliumForCausalLM": "llama",
     # Ministral 3 (3B, 8B, 14B): a Mistral whose queries grow past the pretrained context
     # (Llama 4's temperature by position, layers/query_scale.py)
     "Ministral3ForCausalLM": "llama",
@@ -200,7 +205,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
                           "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                           "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
-                          "YoutuForCausalLM": "youtu"}
+                          "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
+                          "HeliumForCausalLM": "helium"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -449,6 +455,12 @@ class ModelConfig:
             theta = theta * rope.pop("alpha") ** (head_dim / (head_dim - 2))
             rope = {"rope_type": "default"}
             rope_type = "default"
+        if rope_type == "dynamic":
+            # Dynamic NTK (InternLM3's): transformers raises the base only for a sequence past
+            # max_position_embeddings, and at that length or under its factor leaves the
+            # default frequencies bit for bit; llmbus never serves past it (max_model_len)
+            rope = {"rope_type": "default"}
+            rope_type = "default"
         if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
             raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn or longrope")
         rope["rope_type"] = rope_type
@@ -499,7 +511,7 @@ class ModelConfig:
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
             o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
                     arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS,
-                                 "Glm4MoeForCausalLM")
+                                 "Glm4MoeForCausalLM", "HeliumForCausalLM")
                     and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
@@ -523,7 +535,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES)
+            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")
             or (arch in LATENT_ATTENTION and bool(raw.get("rope_interleave", True))),
             **_sliding_window_fields(arch, raw),
             nope_layers=_nope_layers(arch, raw),
