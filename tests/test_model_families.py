@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu", "internlm3", "helium"]
+            "youtu", "internlm3", "helium", "flex_olmo", "solar_open"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -84,7 +84,7 @@ def test_on_triton_attention_under_the_interpreter(family):
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
                            "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
-                           "glm4_moe_lite": 1, "mistral4": 1}.get(name, 0)
+                           "glm4_moe_lite": 1, "mistral4": 1, "flex_olmo": 2, "solar_open": 2}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -119,7 +119,7 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
-                                       "apertus", "dots1", "hunyuan_moe", "minimax_m2"))
+                                       "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -131,14 +131,14 @@ def test_what_each_family_reads_from_its_config(family):
                                  "gpt_oss": (0, 1), "olmoe": (0, 1), "glm4_moe": (1,), "dots1": (1,),
                                  "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1),
                                  "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,),
-                                 "mistral4": (1,)}.get(name, ())
+                                 "mistral4": (1,), "flex_olmo": (0, 1), "solar_open": (0, 1)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
                                                  "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
-                                                 "mistral4"))  # (OLMoE's: off)
+                                                 "mistral4", "solar_open"))  # (OLMoE's, FlexOlmo's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
                                                           "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32,
-                                                          "mistral4": 32}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "mistral4": 32, "solar_open": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
@@ -146,6 +146,7 @@ def test_what_each_family_reads_from_its_config(family):
         "glm4_moe": ("sigmoid", 4, 2, 2.5, False, 1), "dots1": ("sigmoid", 4, 2, 1.5, False, 0),
         "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1), "deepseek_v2": ("softmax", 4, 2, 1.5, False, 0),
         "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1), "mistral4": ("softmax", 4, 2, 1.5, False, 0),
+        "solar_open": ("sigmoid", 4, 2, 2.5, False, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -200,7 +201,7 @@ def test_what_each_family_reads_from_its_config(family):
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
         "gemma3": ((24, 0, 24), None, None, True, None, 10000.0),
-        "olmo2": ((), None, None, True, None, None),
+        "olmo2": ((), None, None, True, None, None), "flex_olmo": ((), None, None, True, None, None),
         "glm4": ((), None, None, True, None, None),
         "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0),
@@ -214,8 +215,8 @@ def test_what_each_family_reads_from_its_config(family):
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2",
-                                            "mistral4")
-        else (0, 0))
+                                            "mistral4", "solar_open")
+        else (7, 5) if name == "flex_olmo" else (0, 0))
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
     assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
                                                                      "mistral4": (False, False)}.get(name, (True, False))
@@ -238,7 +239,7 @@ def test_what_each_family_reads_from_its_config(family):
         "youtu": (True, 0, False), "internlm3": (False, 0, True), "helium": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
-                                        "stablelm", "glm4_moe", "internlm3", "helium"))
+                                        "stablelm", "glm4_moe", "internlm3", "helium", "solar_open"))
     if name == "internlm3":  # (its MLP biased too; its dynamic NTK rope the default frequencies here)
         assert config.mlp_bias and config.rope_scaling == {"rope_type": "default"} and config.rope_theta == 50000.0
 

@@ -226,6 +226,25 @@ def build_tiny_model(
 
         model = HeliumForCausalLM(HeliumConfig(**{"head_dim": 16, **common, "attention_bias": True, **overrides}))
         _biases_made_to_count(model)
+    elif arch == "flex_olmo":
+        # OLMo 2's layer (its q/k norms over all heads drawn to count) with OLMoE's experts in
+        # every layer: 7 experts of 64, top 5, weighed by the softmax over all (unnormalized)
+        from transformers import FlexOlmoConfig, FlexOlmoForCausalLM
+
+        model = FlexOlmoForCausalLM(FlexOlmoConfig(**{**common, "intermediate_size": 64, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "solar_open":
+        # a Llama's attention, q/k/v biased (drawn to count: o_proj never); every layer sparse:
+        # 8 experts of 32 in 4 groups, the best 2 kept, top 2, scaled by 2.5, a shared expert,
+        # the correction bias drawn to count
+        from transformers import SolarOpenConfig, SolarOpenForCausalLM
+
+        moe = {"head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+               "n_shared_experts": 1, "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+               "attention_bias": True}
+        model = SolarOpenForCausalLM(SolarOpenConfig(**{**common, **moe, **overrides}))
+        _biases_made_to_count(model)
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "youtu":
         # Youtu-LLM: DeepSeek-V3's latent attention in a dense Llama, tied
         from transformers import YoutuConfig, YoutuForCausalLM

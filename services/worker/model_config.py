@@ -44,6 +44,12 @@ SUPPORTED_ARCHITECTURES = {
     # and a sparse MLP in every layer: 64 experts, top 8, weighed by the softmax over all
     # (norm_topk_prob false) as Qwen3-MoE's
     "OlmoeForCausalLM": "llama",
+    # FlexOlmo (FlexOlmo-7x7B): OLMo 2's layer (norms after each branch, query/key norms over
+    # all heads) with OLMoE's sparse MLP in every layer
+    "FlexOlmoForCausalLM": "llama",
+    # Solar Open (Solar-Open-100B): a Llama's attention (o_proj unbiased) with GLM-4.5's
+    # experts (DeepSeek-V3's router, shared experts) in every layer
+    "SolarOpenForCausalLM": "llama",
     # MiniMax-M2: OLMoE's query/key norms over all heads, a partial rotary (`rotary_dim`),
     # every layer sparse: experts chosen by sigmoid score plus a correction bias, weighed by
     # their scores renormalized (DeepSeek-V3's router without groups or scaling)
@@ -150,7 +156,8 @@ SUPPORTED_ARCHITECTURES = {
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
-DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+                    "SolarOpenForCausalLM")
 # Multi-head latent attention (models/latent_attention.py) in place of the usual heads
 LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
                     "YoutuForCausalLM")
@@ -169,9 +176,9 @@ LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Query/key norms over all of a token's heads at once (OLMo 2's), wherever its norms are
-QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM")
+QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM")
 # No norm before attention and the MLP, one on each's output instead
-POST_NORMED = (*OLMOS, "Exaone4ForCausalLM")
+POST_NORMED = (*OLMOS, "Exaone4ForCausalLM", "FlexOlmoForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
 ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -206,7 +213,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                           "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
                           "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
-                          "HeliumForCausalLM": "helium"}
+                          "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
+                          "SolarOpenForCausalLM": "solar_open"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -511,7 +519,7 @@ class ModelConfig:
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
             o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
                     arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS,
-                                 "Glm4MoeForCausalLM", "HeliumForCausalLM")
+                                 "Glm4MoeForCausalLM", "HeliumForCausalLM", "SolarOpenForCausalLM")
                     and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
@@ -829,12 +837,12 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _ernie_moe_fields(raw)
     if arch == "MiniMaxM2ForCausalLM":  # (its scores renormalized always: transformers' router has no switch)
         return dict(_moe_fields("MixtralForCausalLM", raw), moe_score_correction="sigmoid")
-    if arch == "OlmoeForCausalLM":
+    if arch in ("OlmoeForCausalLM", "FlexOlmoForCausalLM"):
         if raw.get("clip_qkv") is not None:
-            raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for OLMoE: unclipped queries, keys and values only")
+            raise ValueError(f"unsupported clip_qkv {raw['clip_qkv']} for {arch}: unclipped queries, keys and values only")
         raw = {**raw, "moe_intermediate_size": raw["intermediate_size"]}  # (its experts are of the dense size)
     if arch not in ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "GraniteMoeForCausalLM",
-                    "OlmoeForCausalLM"):
+                    "OlmoeForCausalLM", "FlexOlmoForCausalLM"):
         return {}
     _check_silu_experts(raw)
     num_experts = raw.get("num_local_experts") or raw.get("num_experts") or 0
@@ -875,7 +883,7 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
         raise ValueError(f"unsupported mlp_layer_types {kinds!r}: 'dense' or 'sparse' for each of the "
                          f"{raw['num_hidden_layers']} layers")
     sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"] if kinds is not None \
-        else range(raw["first_k_dense_replace"], raw["num_hidden_layers"])
+        else range(raw.get("first_k_dense_replace") or 0, raw["num_hidden_layers"])  # (Solar Open's: none dense)
     return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
                 norm_topk_prob=bool(raw["norm_topk_prob"]),  # (transformers' default filled in: GLM's on, dots' off)
                 moe_layers=tuple(sparse),
