@@ -422,6 +422,19 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(1.0, 0.3)
+    elif arch == "exaone_moe":
+        # EXAONE 4.0's attention (windows of 24 on three layers in four, the fourth global
+        # without rotary, q/k norms drawn to count) under pre-norms; layers 0 and 2 dense, 1
+        # and 3 sparse: 8 experts of 32 in 4 groups, the best 2 kept, top 2, scaled by 2.5,
+        # a shared expert, the correction bias drawn to count
+        from transformers import ExaoneMoeConfig, ExaoneMoeForCausalLM
+
+        exaone = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 4,
+                  "mlp_layer_types": ["dense", "sparse", "dense", "sparse"], "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "num_shared_experts": 1, "n_group": 4,
+                  "topk_group": 2, "routed_scaling_factor": 2.5}
+        model = ExaoneMoeForCausalLM(ExaoneMoeConfig(**{**common, **exaone, **overrides}))
+        _router_bias_and_qk_norms_made_to_count(model, 0.5)
     elif arch == "arcee":  # an MLP without a gate: down(relu(up x) ** 2)
         from transformers import ArceeConfig, ArceeForCausalLM
 

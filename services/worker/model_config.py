@@ -110,6 +110,10 @@ SUPPORTED_ARCHITECTURES = {
     # EXAONE 4.0: OLMo 2's output norms with Qwen3's per-head query/key norms; with a window,
     # three windowed layers to one global (layer_types), the global ones without rotary (NoPE).
     "Exaone4ForCausalLM": "llama",
+    # EXAONE MoE (K-EXAONE): EXAONE 4.0's attention (per-head query/key norms, windows by
+    # layer_types, the global layers NoPE) under the usual pre-norms, with DeepSeek-V3's
+    # experts where mlp_layer_types says; its multi-token-prediction weights (mtp.*) unread
+    "ExaoneMoeForCausalLM": "llama",
     # Seed-OSS: a Llama with q/k/v biases by default, o_proj's apart (attention_out_bias)
     "SeedOssForCausalLM": "llama",
     # Hunyuan dense (Hunyuan-0.5B to 7B): a Llama whose per-head query/key norms come after
@@ -164,11 +168,13 @@ LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLi
 # Llama 4's temperature by position on the queries (rope's llama_4_scaling_beta)
 QUERIES_SCALED_BY_POSITION = ("Ministral3ForCausalLM", "Mistral4ForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
+EXAONES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
                 "StableLmForCausalLM", *COHERES)
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
+                "ExaoneMoeForCausalLM",
                 "HunYuanMoEV1ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
@@ -192,7 +198,7 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
-ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM", "Cohere2ForCausalLM",
+ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM",
                         "Dots1ForCausalLM")
 WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
@@ -214,7 +220,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
                           "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
-                          "SolarOpenForCausalLM": "solar_open"}
+                          "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -530,7 +536,8 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM")
+                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
+                             "ExaoneMoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch in HUNYUANS,
             attention_sinks=arch == "GptOssForCausalLM",
@@ -672,7 +679,7 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
     EXAONE 4's global layers, where it has windowed ones (transformers rotates only those)."""
     if arch in LEARNED_POSITIONS:  # their positions are learned: no layer rotates
         return tuple(range(raw["num_hidden_layers"]))
-    if arch == "Exaone4ForCausalLM" and raw.get("sliding_window"):
+    if arch in EXAONES and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch == "Cohere2ForCausalLM":  # only a windowed layer rotates: without a window, none
         window = raw.get("sliding_window")
@@ -829,6 +836,9 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
+    if arch == "ExaoneMoeForCausalLM":  # (DeepSeek-V3's experts under names of its own; its MTP is mtp.*, no layer)
+        raw = {**raw, "n_routed_experts": raw["num_experts"], "n_shared_experts": raw.get("num_shared_experts")}
+        return dict(_deepseek_v3_moe_fields(raw), skipped_layers=0)
     if arch == "Mistral4ForCausalLM":  # (DeepSeek-V3's experts chosen by softmax score alone: no correction bias)
         return dict(_deepseek_v3_moe_fields(raw), moe_score_correction="softmax", moe_correction_bias=False)
     if arch == "HunYuanMoEV1ForCausalLM":

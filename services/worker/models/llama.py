@@ -70,6 +70,8 @@ NAMES_OF = {
     "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
     # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
     "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
+    "ExaoneMoeForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
+                             ".mlp.shared_experts.": ".mlp.shared_expert."},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -81,6 +83,9 @@ TRANSPOSED_FIRST = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 # Families whose checkpoints stack their experts in their transformers class's own layout,
 # [experts, out, in], whatever the shapes (transformers converts none on load: Mistral 4's)
 STACKED_OUT_IN = ("Mistral4ForCausalLM",)
+# Checkpoint tensors a family holds beside its model that transformers leaves unread
+# (EXAONE MoE's multi-token-prediction module)
+UNREAD_PREFIXES = {"ExaoneMoeForCausalLM": ("mtp.",)}
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -448,7 +453,10 @@ class LlamaForCausalLM(nn.Module):
         skipped = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + self.config.skipped_layers))
         if arch == "GptOssForCausalLM":  # its stacked, interleaved, MXFP4 experts, one by one
             weights = gpt_oss_tensors(weights)
+        unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
+            if unread and name.startswith(unread):
+                continue
             renamed = checkpoint_tensor(arch, name, tensor, heads)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's names)
             if renamed is None:
                 continue
