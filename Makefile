@@ -3,10 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 # Two processes, a test file each at a time (a file's deployments and fixtures stay in
-# one): most served tests wait on processes and timeouts, so two run in about 60% of
-# one's time even on two cores. PYTEST_WORKERS=0 runs the suite in this process.
+# one; tests/conftest.py groups them, a model family apart): most served tests wait on
+# processes and timeouts, so two run in about 60% of one's time even on two cores.
+# PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 
 .PHONY: install test test-fast serve fetch bench clean
 

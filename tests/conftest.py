@@ -8,6 +8,26 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_tiny_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(items) -> None:
+    """`make test`'s two workers take the suite by xdist group (--dist loadgroup): a test
+    file's tests together, so its deployments and module fixtures stay in one process, as
+    loadfile kept them; but tests/test_model_families.py's a group per family (its
+    module-scoped `family` fixture, or an `arch` parameter), so that file's ~45 families,
+    over 10 minutes on one core, spread over both workers rather than bound the run."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = item.nodeid.split("::")[0]
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        family = params.get("family", params.get("arch"))
+        if group == FAMILY_FILE and isinstance(family, str):
+            group += f"[{family}]"
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+FAMILY_FILE = "tests/test_model_families.py"
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
