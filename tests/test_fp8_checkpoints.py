@@ -39,6 +39,9 @@ def test_partial_blocks_take_their_block_s_scale():
         for c in range(50):
             want[r, c] = weight[r, c].float() * scale[r // 16, c // 16]
     assert torch.equal(widen_fp8(weight, scale, (16, 16)), want)
+    # stacked experts: each its own scales
+    assert torch.equal(widen_fp8(torch.stack([weight, weight]), torch.stack([scale, 2 * scale]), (16, 16)),
+                       torch.stack([want, 2 * want]))
     with pytest.raises(ValueError, match=r"FP8 scales \(3, 3\) do not tile a weight of \(37, 50\)"):
         widen_fp8(weight, scale[:, :3], (16, 16))
 

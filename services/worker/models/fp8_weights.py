@@ -48,14 +48,14 @@ def fp8_weight_block(raw_config: dict) -> tuple[int, int] | None:
 
 
 def widen_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """[rows, columns] FP8 values times their blocks' scales ([ceil(rows / block[0]),
-    ceil(columns / block[1])]), in float32."""
-    rows, columns = weight.shape
-    grid = (-(-rows // block[0]), -(-columns // block[1]))
-    if tuple(scale.shape) != grid:
+    """[..., rows, columns] FP8 values times their blocks' scales ([..., ceil(rows /
+    block[0]), ceil(columns / block[1])]: stacked experts' too), in float32."""
+    rows, columns = weight.shape[-2:]
+    grid = (*weight.shape[:-2], -(-rows // block[0]), -(-columns // block[1]))
+    if weight.dim() < 2 or tuple(scale.shape) != grid:
         raise ValueError(f"FP8 scales {tuple(scale.shape)} do not tile a weight of {tuple(weight.shape)} in blocks of "
                          f"{block} ({grid} expected)")
-    scales = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :columns]
+    scales = scale.float().repeat_interleave(block[0], -2)[..., :rows, :].repeat_interleave(block[1], -1)[..., :columns]
     return weight.float() * scales
 
 
