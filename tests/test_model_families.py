@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe"]
+            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -175,10 +175,10 @@ def test_what_each_family_reads_from_its_config(family):
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
         "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True), "cohere2": ("silu", 0.0, True),
-        "youtu": ("silu", 0.0, True),
+        "youtu": ("silu", 0.0, True), "jais2": ("relu2", 0.0, False),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
-    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2"))
+    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "jais2"))
     # The LayerNorm decoders: GPT-2's and OPT's learned positions (OPT's two rows on), no layer
     # rotating; NeoX's and Phi's branches side by side, Phi's off one norm; Phi's biased head;
     # OPT's queries scaled as they are projected
@@ -189,6 +189,7 @@ def test_what_each_family_reads_from_its_config(family):
         "gpt_neox": (True, True, True, False, 0, 0, False, False),
         "phi": (True, True, True, True, 0, 0, True, False),
         "starcoder2": (True, True, False, False, 0, 0, False, False),
+        "jais2": (True, True, False, False, 0, 0, False, False),
         "stablelm": (True, True, False, False, 0, 0, False, False),
         "cohere": (True, False, True, True, 0, 0, False, False),
         "cohere2": (True, False, True, True, 0, 0, False, False),
@@ -241,7 +242,7 @@ def test_what_each_family_reads_from_its_config(family):
         "youtu": (True, 0, False), "internlm3": (False, 0, True), "helium": (True, 0, False)}.get(
         name, (False, config.rotary_dim, config.o_bias))
     assert config.qkv_bias == (name in ("glm4", "qwen2_moe", "gpt2", "opt", "gpt_neox", "phi", "gpt_oss", "starcoder2",
-                                        "stablelm", "glm4_moe", "internlm3", "helium", "solar_open"))
+                                        "stablelm", "glm4_moe", "internlm3", "helium", "solar_open", "jais2"))
     if name == "internlm3":  # (its MLP biased too; its dynamic NTK rope the default frequencies here)
         assert config.mlp_bias and config.rope_scaling == {"rope_type": "default"} and config.rope_theta == 50000.0
 
@@ -831,9 +832,9 @@ def test_phi3_unsupported_rope_configs_are_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="long_factor of 8 values"):
         LLM(str(folder))
-    bad = {**config, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}
+    bad = {**config, "rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}}
     (folder / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+    with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
         LLM(str(folder))
 
 

@@ -435,6 +435,15 @@ def build_tiny_model(
                   "topk_group": 2, "routed_scaling_factor": 2.5}
         model = ExaoneMoeForCausalLM(ExaoneMoeConfig(**{**common, **exaone, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "jais2":  # biased LayerNorms and projections (drawn to count), GQA, an ungated relu2 MLP
+        from transformers import Jais2Config, Jais2ForCausalLM
+
+        model = Jais2ForCausalLM(Jais2Config(**{"head_dim": 16, **common, **overrides}))
+        _biases_made_to_count(model)
+        with torch.no_grad():  # the LayerNorms start at one and zero: make them count
+            for name, param in model.named_parameters():
+                if "norm." in name:
+                    param.normal_(1.0 if name.endswith("weight") else 0.0, 0.3 if name.endswith("weight") else 0.1)
     elif arch == "arcee":  # an MLP without a gate: down(relu(up x) ** 2)
         from transformers import ArceeConfig, ArceeForCausalLM
 

@@ -157,6 +157,9 @@ SUPPORTED_ARCHITECTURES = {
     # Cohere 2 (Command R7B, Command A): Cohere's layer, three windowed layers to one global
     # (layer_types), only the windowed ones rotating (the global ones NoPE)
     "Cohere2ForCausalLM": "llama",
+    # Jais 2 (Jais-2-8B): biased LayerNorms and projections (StarCoder2's layer) with GQA,
+    # rotary, and an ungated relu2 MLP (up_proj, down_proj)
+    "Jais2ForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
@@ -170,7 +173,7 @@ QUERIES_SCALED_BY_POSITION = ("Ministral3ForCausalLM", "Mistral4ForCausalLM")
 HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
 EXAONES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
 LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
-                "StableLmForCausalLM", *COHERES)
+                "StableLmForCausalLM", *COHERES, "Jais2ForCausalLM")
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
@@ -220,7 +223,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
                           "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
-                          "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe"}
+                          "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
+                          "Jais2ForCausalLM": "jais2"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -251,7 +255,7 @@ TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 # computes it)
 GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _LAYER_NORMED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-UNGATED = {"ArceeForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",),
+UNGATED = {"ArceeForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",), "Jais2ForCausalLM": ("relu2",),
            **dict.fromkeys(("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM",
                             "Starcoder2ForCausalLM"), _LAYER_NORMED_ACTS)}
 HIDDEN_ACTS = tuple(dict.fromkeys((*GATED_ACTS, *(a for acts in UNGATED.values() for a in acts))))
@@ -637,6 +641,8 @@ def _layer_normed(arch: str, raw: dict) -> dict:
         raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("use_qkv_bias")), False
     elif arch in COHERES:
         raw["mlp_bias"] = False
+    elif arch == "Jais2ForCausalLM":  # (as its config says: both biased by default)
+        raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("attention_bias", True)), bool(raw.get("mlp_bias", True))
     else:  # (the MLPs of GPT-2, NeoX and Phi are always biased)
         raw["attention_bias"] = raw.get("attention_bias", True) if arch == "GPTNeoXForCausalLM" else True
         raw["mlp_bias"] = True
