@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2"]
+            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -159,6 +159,7 @@ def test_what_each_family_reads_from_its_config(family):
                                   "opt": (0, 1)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
+               "vaultgemma": (8.0, 1.0, 24**-0.5, 1.0),
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0),
                "cohere2": (1.0, 1.0, None, 2.0),  # (Cohere's logit_scale 0.5)
                # DeepSeek-V3: 1/sqrt(16 + 8) times YaRN's mscale of mscale_all_dim 0.7 at factor 4, squared
@@ -171,6 +172,7 @@ def test_what_each_family_reads_from_its_config(family):
             config.logits_scaling) == scalars.get(name, (1.0, 1.0, None, 1.0))
     assert (config.hidden_act, config.norm_weight_offset, config.tie_word_embeddings) == {
         "gemma": ("gelu_pytorch_tanh", 1.0, True), "gemma2": ("gelu_pytorch_tanh", 1.0, False),
+        "vaultgemma": ("gelu_pytorch_tanh", 1.0, False),
         "gemma3": ("gelu_pytorch_tanh", 1.0, False), "smollm3": ("silu", 0.0, True),
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
@@ -202,6 +204,7 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.layer_windows, config.attn_logit_softcapping, config.final_logit_softcapping,
             config.sandwich_norms, config.sliding_window, config.local_rope_theta) == {
         "gemma2": ((24, 0, 24), 5.0, 10.0, True, None, None),
+        "vaultgemma": ((24, 0), 5.0, 10.0, False, None, None),
         "gemma3": ((24, 0, 24), None, None, True, None, 10000.0),
         "olmo2": ((), None, None, True, None, None), "flex_olmo": ((), None, None, True, None, None),
         "glm4": ((), None, None, True, None, None),
@@ -360,6 +363,16 @@ def test_exaone_moe_leaves_its_multi_token_prediction_module_unread(tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weight 'model.stray.weight'"):
         LLM(str(folder))
+
+
+def test_vaultgemma_on_the_one_call_decode_layer_matches_transformers(tmp_path):
+    """Gemma 2's attention and norms without its output norms: a plain pre-norm layer the
+    C decode layer takes (heads of 64), its caps and windows with it."""
+    folder = build_tiny_model(tmp_path / "vg", "vaultgemma", seed=2, hidden_size=256, head_dim=64,
+                              intermediate_size=256, initializer_range=0.08)
+    llm = LLM(str(folder))
+    assert llm.runner.model.fused_decode is not None and not llm.runner.model_config.sandwich_norms
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 
 def test_latent_attention_refuses_lora_by_name(tmp_path):

@@ -435,6 +435,18 @@ def build_tiny_model(
                   "topk_group": 2, "routed_scaling_factor": 2.5}
         model = ExaoneMoeForCausalLM(ExaoneMoeConfig(**{**common, **exaone, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "vaultgemma":
+        # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
+        # 24) without its output norms; the norms drawn to count
+        from transformers import VaultGemmaConfig, VaultGemmaForCausalLM
+
+        vault = {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
+                 "final_logit_softcapping": 10.0}
+        model = VaultGemmaForCausalLM(VaultGemmaConfig(**{**common, **vault, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)  # (weighing by 1 + w)
     elif arch == "jais2":  # biased LayerNorms and projections (drawn to count), GQA, an ungated relu2 MLP
         from transformers import Jais2Config, Jais2ForCausalLM
 

@@ -83,6 +83,9 @@ SUPPORTED_ARCHITECTURES = {
     # Gemma 2: Gemma with norms after attention and after the MLP too, every other layer
     # attending over a sliding window, and attention scores and logits soft-capped (tanh).
     "Gemma2ForCausalLM": "llama",
+    # VaultGemma (vaultgemma-1b): Gemma 2 without the norms on the attention's and the MLP's
+    # outputs (its pre_feedforward_layernorm the MLP's input norm, as a Llama's)
+    "VaultGemmaForCausalLM": "llama",
     # Gemma 3 (text): Gemma 2's layer without the caps, with Qwen3's query/key norms, five
     # windowed layers to one global, and the windowed ones rotating with a base of their own.
     "Gemma3ForCausalLM": "llama",
@@ -190,7 +193,7 @@ QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "Flex
 POST_NORMED = (*OLMOS, "Exaone4ForCausalLM", "FlexOlmoForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
 ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
-GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
 # by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
@@ -203,7 +206,7 @@ BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
 ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM",
                         "Dots1ForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
@@ -224,7 +227,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
                           "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
-                          "Jais2ForCausalLM": "jais2"}
+                          "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -761,7 +764,9 @@ def _gemma_fields(arch: str, raw: dict) -> dict:
     fields = dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
                   norm_weight_offset=1.0)
     if arch != "GemmaForCausalLM":
-        fields.update(_windowed_gemma_fields(raw, pattern=2 if arch == "Gemma2ForCausalLM" else 6))
+        fields.update(_windowed_gemma_fields(raw, pattern=6 if arch == "Gemma3ForCausalLM" else 2))
+    if arch == "VaultGemmaForCausalLM":  # (Gemma 2's layer without its two output norms)
+        fields["sandwich_norms"] = False
     return fields
 
 

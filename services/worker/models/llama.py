@@ -70,6 +70,7 @@ NAMES_OF = {
     "Ernie4_5_MoeForCausalLM": {".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
     # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
     "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
+    "VaultGemmaForCausalLM": {".pre_feedforward_layernorm.": ".post_attention_layernorm."},
     "ExaoneMoeForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
                              ".mlp.shared_experts.": ".mlp.shared_expert."},
 }
