@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma"]
+            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -84,7 +84,8 @@ def test_on_triton_attention_under_the_interpreter(family):
     assert len(sparse) == {"mixtral": 2, "qwen3_moe": 1, "qwen2_moe": 1, "granite_moe": 2, "gpt_oss": 2,
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
                            "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
-                           "glm4_moe_lite": 1, "mistral4": 1, "flex_olmo": 2, "solar_open": 2, "exaone_moe": 2}.get(name, 0)
+                           "glm4_moe_lite": 1, "mistral4": 1, "flex_olmo": 2, "solar_open": 2, "exaone_moe": 2,
+                           "afmoe": 3}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -119,7 +120,8 @@ def test_what_each_family_reads_from_its_config(family):
     folder, _, name = family
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
-                                       "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe"))
+                                       "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
+                                       "afmoe"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -132,14 +134,15 @@ def test_what_each_family_reads_from_its_config(family):
                                  "hunyuan_moe": (0, 1), "ernie4_5_moe": (1,), "minimax_m2": (0, 1),
                                  "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,),
                                  "mistral4": (1,), "flex_olmo": (0, 1), "solar_open": (0, 1),
-                                 "exaone_moe": (1, 3)}.get(name, ())
+                                 "exaone_moe": (1, 3), "afmoe": (1, 2, 3)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
                                                  "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
-                                                 "mistral4", "solar_open", "exaone_moe"))  # (OLMoE's, FlexOlmo's: off)
+                                                 "mistral4", "solar_open", "exaone_moe", "afmoe"))  # (OLMoE's, FlexOlmo's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
                                                           "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32,
-                                                          "mistral4": 32, "solar_open": 32, "exaone_moe": 32}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "mistral4": 32, "solar_open": 32, "exaone_moe": 32,
+                                                          "afmoe": 32}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
@@ -148,6 +151,7 @@ def test_what_each_family_reads_from_its_config(family):
         "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1), "deepseek_v2": ("softmax", 4, 2, 1.5, False, 0),
         "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1), "mistral4": ("softmax", 4, 2, 1.5, False, 0),
         "solar_open": ("sigmoid", 4, 2, 2.5, False, 0), "exaone_moe": ("sigmoid", 4, 2, 2.5, False, 0),
+        "afmoe": ("sigmoid", 1, 1, 2.5, False, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -155,11 +159,12 @@ def test_what_each_family_reads_from_its_config(family):
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
         (True, True, 1.702, 1.0) if name == "gpt_oss" else (False, False, 0.0, 0.0))
-    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "exaone_moe": (3,), "cohere2": (3,), "gpt2": (0, 1),
+    assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "exaone_moe": (3,), "afmoe": (3,), "cohere2": (3,),
+                                  "gpt2": (0, 1),
                                   "opt": (0, 1)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
-               "vaultgemma": (8.0, 1.0, 24**-0.5, 1.0),
+               "vaultgemma": (8.0, 1.0, 24**-0.5, 1.0), "afmoe": (8.0, 1.0, None, 1.0),  # (muP: sqrt(64))
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0),
                "cohere2": (1.0, 1.0, None, 2.0),  # (Cohere's logit_scale 0.5)
                # DeepSeek-V3: 1/sqrt(16 + 8) times YaRN's mscale of mscale_all_dim 0.7 at factor 4, squared
@@ -210,6 +215,7 @@ def test_what_each_family_reads_from_its_config(family):
         "glm4": ((), None, None, True, None, None),
         "exaone4": ((24, 24, 24, 0), None, None, True, None, None),
         "exaone_moe": ((24, 24, 24, 0), None, None, False, None, None),
+        "afmoe": ((24, 24, 24, 0), None, None, True, None, None),
         "olmo3": ((24, 0), None, None, True, None, 10000.0),
         "gpt_oss": ((24, 0), None, None, False, None, None),
         "starcoder2": ((24, 24), None, None, False, None, None),
@@ -221,8 +227,9 @@ def test_what_each_family_reads_from_its_config(family):
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2",
-                                            "mistral4", "solar_open", "exaone_moe")
+                                            "mistral4", "solar_open", "exaone_moe", "afmoe")
         else (7, 5) if name == "flex_olmo" else (0, 0))
+    assert config.attention_gate == (name == "afmoe")  # (AFMoE's gated attention output)
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
     assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
                                                                      "mistral4": (False, False)}.get(name, (True, False))

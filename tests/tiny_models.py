@@ -435,6 +435,23 @@ def build_tiny_model(
                   "topk_group": 2, "routed_scaling_factor": 2.5}
         model = ExaoneMoeForCausalLM(ExaoneMoeConfig(**{**common, **exaone, **overrides}))
         _router_bias_and_qk_norms_made_to_count(model, 0.5)
+    elif arch == "afmoe":
+        # Trinity's shape: four layers, windows of 24 on three (they alone rotate), the fourth
+        # global; q/k norms and the four norms drawn to count, the attention gate as drawn;
+        # layer 0 dense, then 8 experts of 32, top 2 by sigmoid score + the expert bias (drawn
+        # to count), renormalized, scaled by 2.5, a shared expert; muP's embedding scale
+        from transformers import AfmoeConfig, AfmoeForCausalLM
+
+        afmoe = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24, "global_attn_every_n_layers": 4,
+                 "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                 "num_shared_experts": 1, "route_scale": 2.5, "mup_enabled": True}
+        model = AfmoeForCausalLM(AfmoeConfig(**{**common, **afmoe, **overrides}))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(1.0, 0.3)
+                elif name.endswith("expert_bias") or name.endswith("router.gate.weight"):
+                    param.normal_(0.0, 0.5)  # (transformers starts its router at zero)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

@@ -160,6 +160,11 @@ SUPPORTED_ARCHITECTURES = {
     # Cohere 2 (Command R7B, Command A): Cohere's layer, three windowed layers to one global
     # (layer_types), only the windowed ones rotating (the global ones NoPE)
     "Cohere2ForCausalLM": "llama",
+    # AFMoE (Arcee's Trinity): Qwen3's query/key norms, attention outputs gated by a sigmoid
+    # of the layer's input, windowed layers rotating and global ones not (layer_types), Gemma
+    # 2's four norms, then after the first dense layers experts chosen by sigmoid score plus
+    # a correction bias, renormalized and scaled, beside shared experts
+    "AfmoeForCausalLM": "llama",
     # Jais 2 (Jais-2-8B): biased LayerNorms and projections (StarCoder2's layer) with GQA,
     # rotary, and an ungated relu2 MLP (up_proj, down_proj)
     "Jais2ForCausalLM": "llama",
@@ -180,7 +185,7 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
-                "ExaoneMoeForCausalLM",
+                "ExaoneMoeForCausalLM", "AfmoeForCausalLM",
                 "HunYuanMoEV1ForCausalLM",
                 "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
@@ -204,7 +209,7 @@ QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2Mo
 # default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
 BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
-ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM",
+ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM", "AfmoeForCausalLM",
                         "Dots1ForCausalLM")
 WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
 # Families whose config.json may leave out what their transformers config class defaults
@@ -227,7 +232,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
                           "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
-                          "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma"}
+                          "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
+                          "AfmoeForCausalLM": "afmoe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -340,6 +346,9 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     moe_norm_min: float = 0.0
+    # AFMoE's: the attention's output times sigmoid(gate_proj(x)) of the layer's input x,
+    # before o_proj
+    attention_gate: bool = False
     moe_router_float32: bool = False  # Hunyuan MoE's, ERNIE's: the router's weights kept float32 (its product is)
     # DeepSeek-V2's router: the choice by its softmax scores alone (no correction bias:
     # moe_score_correction names the scoring), groups ranked by their best expert
@@ -544,7 +553,7 @@ class ModelConfig:
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
                              *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
-                             "ExaoneMoeForCausalLM")
+                             "ExaoneMoeForCausalLM", "AfmoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch in HUNYUANS,
             attention_sinks=arch == "GptOssForCausalLM",
@@ -556,7 +565,10 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM") else {}),
+            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM", "AfmoeForCausalLM") else {}),
+            attention_gate=arch == "AfmoeForCausalLM",
+            **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
+               else {}),
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")
             or (arch in LATENT_ATTENTION and bool(raw.get("rope_interleave", True))),
             **_sliding_window_fields(arch, raw),
@@ -689,6 +701,8 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
     if arch in LEARNED_POSITIONS:  # their positions are learned: no layer rotates
         return tuple(range(raw["num_hidden_layers"]))
     if arch in EXAONES and raw.get("sliding_window"):
+        return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
+    if arch == "AfmoeForCausalLM":  # only a windowed layer rotates, window or not
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch == "Cohere2ForCausalLM":  # only a windowed layer rotates: without a window, none
         window = raw.get("sliding_window")
@@ -847,6 +861,15 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
+    if arch == "AfmoeForCausalLM":
+        _check_silu_experts(raw)
+        num_experts, top_k = raw["num_experts"], raw["num_experts_per_tok"]
+        _check_top_k(top_k, num_experts, "num_experts_per_tok")
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                    norm_topk_prob=True, moe_layers=tuple(range(raw.get("num_dense_layers") or 0, raw["num_hidden_layers"])),
+                    shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("num_shared_experts") or 0),
+                    shared_expert_gated=False, moe_score_correction="sigmoid",
+                    routed_scaling_factor=float(raw.get("route_scale") or 1.0))
     if arch == "ExaoneMoeForCausalLM":  # (DeepSeek-V3's experts under names of its own; its MTP is mtp.*, no layer)
         raw = {**raw, "n_routed_experts": raw["num_experts"], "n_shared_experts": raw.get("num_shared_experts")}
         return dict(_deepseek_v3_moe_fields(raw), skipped_layers=0)

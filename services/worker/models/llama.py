@@ -71,6 +71,10 @@ NAMES_OF = {
     # (its bias beside the router, in the block Mixtral's names call block_sparse_moe)
     "MiniMaxM2ForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
     "VaultGemmaForCausalLM": {".pre_feedforward_layernorm.": ".post_attention_layernorm."},
+    "AfmoeForCausalLM": {".pre_mlp_layernorm.": ".pre_feedforward_layernorm.",
+                         ".post_mlp_layernorm.": ".post_feedforward_layernorm.", ".mlp.router.gate.": ".mlp.gate.",
+                         ".mlp.expert_bias": ".mlp.gate.e_score_correction_bias",
+                         ".mlp.shared_experts.": ".mlp.shared_expert.", ".self_attn.gate_proj.": ".self_attn.output_gate."},
     "ExaoneMoeForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
                              ".mlp.shared_experts.": ".mlp.shared_expert."},
 }
@@ -112,6 +116,9 @@ class Attention(nn.Module):
             self.query_scale, self.scale = self.scale, 1.0
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # AFMoE's: the heads' output gated by sigmoid(gate_proj(x)), x the attention's input
+        # (its checkpoint's self_attn.gate_proj, renamed: `gate_proj` is an MLP's half here)
+        self.output_gate = nn.Linear(config.hidden_size, self.q_size, bias=False) if config.attention_gate else None
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         # LoRA adapters' products on top of qkv_proj's and o_proj's (layers/lora.py), where
         # the worker serves adapters (lora_manager.py attaches them)
@@ -173,7 +180,10 @@ class Attention(nn.Module):
             if self.position_scale is not None:
                 q = q * self.position_scale(positions, q.dtype)
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks)
-        return adapted(self.o_proj, self.o_lora, out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if self.output_gate is not None:
+            out = out * torch.sigmoid(self.output_gate(hidden))
+        return adapted(self.o_proj, self.o_lora, out)
 
     def _head_norms(self, qk: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Each query and key head normed over its head_dim (Qwen3's, Hunyuan's)."""
