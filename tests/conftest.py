@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(items) -> None:
     """`make test`'s two workers take the suite by xdist group (--dist loadgroup): a test
     file's tests together, so its deployments and module fixtures stay in one process, as
     loadfile kept them; but tests/test_model_families.py's a group per family (its
-    module-scoped `family` fixture, or an `arch` parameter), so that file's ~45 families,
+    module-scoped `family` fixture, or an `arch` parameter), so that file's ~50 families,
     over 10 minutes on one core, spread over both workers rather than bound the run."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
