@@ -185,9 +185,8 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # Families whose *ForSequenceClassification is refused: their classifiers' heads and
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
-                "ExaoneMoeForCausalLM", "AfmoeForCausalLM",
-                "HunYuanMoEV1ForCausalLM",
-                "Ernie4_5_MoeForCausalLM", "MiniMaxM2ForCausalLM")
+                "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
+                "MiniMaxM2ForCausalLM")
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -483,12 +482,11 @@ class ModelConfig:
         if arch in HUNYUANS and rope_type == "dynamic" and rope.get("alpha"):
             # Hunyuan's NTK alpha: a fixed, larger base (transformers' ntk_alpha), whatever the length
             theta = theta * rope.pop("alpha") ** (head_dim / (head_dim - 2))
-            rope = {"rope_type": "default"}
-            rope_type = "default"
         if rope_type == "dynamic":
             # Dynamic NTK (InternLM3's): transformers raises the base only for a sequence past
             # max_position_embeddings, and at that length or under its factor leaves the
-            # default frequencies bit for bit; llmbus never serves past it (max_model_len)
+            # default frequencies bit for bit; llmbus never serves past it (max_model_len).
+            # (Hunyuan's alpha, a fixed base whatever the length, is in theta by now.)
             rope = {"rope_type": "default"}
             rope_type = "default"
         if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
@@ -857,8 +855,8 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["intermediate_size"],
                     norm_topk_prob=True, moe_topk_softmax=True, moe_layers=tuple(range(raw["num_hidden_layers"])),
                     moe_bias=True, swiglu_alpha=float(raw["swiglu_alpha"]), swiglu_limit=float(raw["swiglu_limit"]))
-    if arch in DEEPSEEK_V3_MOES:
-        return _deepseek_v3_moe_fields(raw)
+    if arch in DEEPSEEK_V3_MOES:  # (GLM-4.7-Flash's config may leave its one MTP layer uncounted)
+        return _deepseek_v3_moe_fields(raw, mtp_layers=1 if arch == "Glm4MoeLiteForCausalLM" else 0)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
     if arch == "AfmoeForCausalLM":
@@ -906,13 +904,13 @@ def _moe_fields(arch: str, raw: dict) -> dict:
                 shared_expert_intermediate_size=shared)
 
 
-def _deepseek_v3_moe_fields(raw: dict) -> dict:
+def _deepseek_v3_moe_fields(raw: dict, mtp_layers: int = 0) -> dict:
     """DeepSeek-V3's experts (transformers' DeepseekV3MoE), GLM-4.5's and dots.llm1's: dense
     layers before first_k_dense_replace (or as mlp_layer_types says, GLM-4.7-Flash's), then
     sparse ones of n_routed_experts, DeepSeek-V3's router, and n_shared_experts ungated
     shared experts (one MLP of their summed size); the multi-token-prediction layers past
-    the last skipped (GLM-4.7-Flash's config may leave their count out: transformers skips
-    its one by name)."""
+    the last skipped, num_nextn_predict_layers of them (`mtp_layers` where the config leaves
+    the count out: GLM-4.7-Flash's, whose one transformers skips by name)."""
     _check_silu_experts(raw)
     num_experts, top_k = raw["n_routed_experts"], raw["num_experts_per_tok"]
     groups, top_groups = raw.get("n_group") or 1, raw.get("topk_group") or 1
@@ -934,7 +932,7 @@ def _deepseek_v3_moe_fields(raw: dict) -> dict:
                 shared_expert_intermediate_size=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
                 shared_expert_gated=False, moe_score_correction="sigmoid", moe_num_groups=groups, moe_topk_groups=top_groups,
                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-                skipped_layers=raw.get("num_nextn_predict_layers", 1 if kinds is not None else 0) or 0)
+                skipped_layers=raw.get("num_nextn_predict_layers", mtp_layers) or 0)
 
 
 def _deepseek_v2_moe_fields(raw: dict) -> dict:
