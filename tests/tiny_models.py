@@ -322,10 +322,7 @@ def build_tiny_model(
         head_dim = common.get("head_dim") or common["hidden_size"] // common["num_attention_heads"]
         model = GemmaForCausalLM(GemmaConfig(**{**common, "head_dim": head_dim, "tie_word_embeddings": True,
                                                 "hidden_act": "gelu"}))
-        with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+        _norms_made_to_count(model, 0.0)  # (they weigh by 1 + w)
     elif arch == "gemma2":
         # Windows of 24 (not a block's multiple) on layers 0 and 2 of 3, so every prompt's
         # outputs slide; caps low enough to bend these weights' scores and logits (without
@@ -337,10 +334,7 @@ def build_tiny_model(
                   "sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
                   "final_logit_softcapping": 10.0}
         model = Gemma2ForCausalLM(Gemma2Config(**{**common, **gemma2, **overrides}))
-        with torch.no_grad():  # the norms' weights start at zero (they weigh by 1 + w); make them count
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+        _norms_made_to_count(model, 0.0)  # (they weigh by 1 + w)
     elif arch == "gemma3_multimodal":
         # Gemma 3's language model inside the multimodal checkpoint (gemma-3-4b-it's shape
         # of files: text_config, language_model.* weights, a vision tower and projector).
@@ -361,10 +355,7 @@ def build_tiny_model(
         # rotating with a base of their own, apart from the full layer's (with linear
         # scaling): bases far apart, so a layer on the other's table changes the outputs.
         model = Gemma3ForCausalLM(build_config_of_tiny_gemma3(common, overrides))
-        with torch.no_grad():  # as Gemma 2's, the q/k norms' weights too
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)
+        _norms_made_to_count(model, 0.0)  # as Gemma 2's, the q/k norms' weights too
     elif arch == "smollm3":
         # Layer 1 of 2 without rotary (NoPE every second layer, where SmolLM3's is every
         # fourth), and tied: left at SmolLM3's default, so config.json leaves it out.
@@ -372,10 +363,7 @@ def build_tiny_model(
                                                     "no_rope_layer_interval": 2, **overrides}))
     elif arch == "olmo2":
         model = Olmo2ForCausalLM(Olmo2Config(**common))
-        with torch.no_grad():  # the norms' weights start at one; make them count (q/k's over all heads too)
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.3)
+        _norms_made_to_count(model, 1.0)  # (q/k's over all heads too)
     elif arch == "olmo3":
         # A window of 24 on layer 0 and the global layer 1 on YaRN-scaled rotary, its base
         # apart from the windowed layer's: a layer on the other's table changes the outputs.
@@ -385,10 +373,7 @@ def build_tiny_model(
                      "full_attention": {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
                                         "original_max_position_embeddings": 64}}}
         model = Olmo3ForCausalLM(Olmo3Config(**{**common, **olmo3, **overrides}))
-        with torch.no_grad():  # as OLMo 2's
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.3)
+        _norms_made_to_count(model, 1.0)  # as OLMo 2's
     elif arch in ("mistral3_multimodal", "ministral3_multimodal"):
         # Mistral Small 3.1's shape of files: a Mistral text_config and language model beside
         # Pixtral's vision tower and a projector; untied, as the outer config says. Ministral
@@ -418,10 +403,7 @@ def build_tiny_model(
 
         exaone = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 4}
         model = Exaone4ForCausalLM(Exaone4Config(**{**common, **exaone, **overrides}))
-        with torch.no_grad():  # the norms' weights start at one; make them count
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(1.0, 0.3)
+        _norms_made_to_count(model, 1.0)
     elif arch == "exaone_moe":
         # EXAONE 4.0's attention (windows of 24 on three layers in four, the fourth global
         # without rotary, q/k norms drawn to count) under pre-norms; layers 0 and 2 dense, 1
@@ -460,10 +442,7 @@ def build_tiny_model(
         vault = {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 5.0,
                  "final_logit_softcapping": 10.0}
         model = VaultGemmaForCausalLM(VaultGemmaConfig(**{**common, **vault, **overrides}))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.normal_(0.0, 0.3)  # (weighing by 1 + w)
+        _norms_made_to_count(model, 0.0)  # (weighing by 1 + w)
     elif arch == "jais2":  # biased LayerNorms and projections (drawn to count), GQA, an ungated relu2 MLP
         from transformers import Jais2Config, Jais2ForCausalLM
 
@@ -677,6 +656,15 @@ def _router_bias_and_qk_norms_made_to_count(model, bias_std: float) -> None:
                 tensor.normal_(0.0, bias_std)
             elif name.endswith(("q_norm.weight", "k_norm.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")):
                 tensor.normal_(1.0, 0.3)
+
+
+def _norms_made_to_count(model, start: float) -> None:
+    """Norm weights start at `start` (one; zero for Gemma's, which weigh by 1 + w): draw them
+    around it, so a norm the engine dropped or misread would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(start, 0.3)
 
 
 def _biases_made_to_count(model) -> None:
