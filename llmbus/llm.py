@@ -127,6 +127,7 @@ class LLM:
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
                 load_format=load_format, device=device, lora_config=lora_config, seed=seed, tokenizer=tokenizer_path,
+                max_num_seqs=max_num_seqs,
             ),
             threads,
         )
@@ -151,6 +152,7 @@ class LLM:
             long_rope_threshold=self.runner.model_config.long_rope_threshold,
             generates=self.runner.model.generates,
             max_loras=lora_config.max_loras if lora_config else 0,
+            recurrent_rows=self.runner.recurrent_rows,
         )
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id

@@ -295,7 +295,8 @@ def cmd_worker(args) -> int:
                       quantization=args.quantization, speculative_config=args.speculative_config,
                       enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
                       load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args),
-                      seed=args.seed, tokenizer=args.tokenizer, ready=_FreezeWhenReady("worker")))
+                      seed=args.seed, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
+                      ready=_FreezeWhenReady("worker")))
     return 0
 
 
@@ -384,6 +385,8 @@ def add_service_commands(sub) -> None:
     add_worker_args(p)
     add_speculative_args(p)
     p.add_argument("--worker-id", default=env("--worker-id", None))
+    # (the scheduler's flag: a hybrid model's worker allocates its recurrent state for that many requests)
+    p.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("scheduler", help="run the scheduler")

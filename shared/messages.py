@@ -292,6 +292,9 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # LoRA adapters it can run in one step (--max-loras with --enable-lora); 0: none.
     max_loras: int = 0
     max_lora_rank: int = 0  # the largest adapter rank it takes (--max-lora-rank); 0: none
+    # A hybrid model's (Qwen3.5's): the requests its linear layers' state holds at once,
+    # each computed from its first token (no prefix cache); 0: a model without such state.
+    recurrent_rows: int = 0
 
 
 class GatewayHeartbeat(msgspec.Struct, **_WIRE):

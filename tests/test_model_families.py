@@ -46,7 +46,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "hunyuan", "arcee", "apertus", "mixtral", "qwen3_moe", "qwen2_moe", "granite_moe",
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
-            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe"]
+            "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -71,7 +71,9 @@ def test_prefix_hits_match_transformers(family):
     llm = LLM(str(folder), block_size=16)
     got = generate_ids(llm, prompts[:1]) + generate_ids(llm, prompts[1:])
     assert got == hf_greedy(folder, prompts, MAX_NEW)
-    assert llm.stats().prefix_cache_hits >= 3 * 48
+    # (a hybrid's linear layers' state cannot be restored from a cached prefix: none is kept)
+    assert llm.stats().prefix_cache_hits >= 3 * 48 if not llm.runner.recurrent_rows else \
+        llm.stats().prefix_cache_hits == 0
 
 
 def test_on_triton_attention_under_the_interpreter(family):
@@ -121,7 +123,7 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
-                                       "afmoe"))
+                                       "afmoe", "qwen3_5"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -182,7 +184,7 @@ def test_what_each_family_reads_from_its_config(family):
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
         "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True), "cohere2": ("silu", 0.0, True),
-        "youtu": ("silu", 0.0, True), "jais2": ("relu2", 0.0, False),
+        "youtu": ("silu", 0.0, True), "jais2": ("relu2", 0.0, False), "qwen3_5": ("silu", 1.0, False),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
     assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "jais2"))
@@ -229,7 +231,13 @@ def test_what_each_family_reads_from_its_config(family):
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2",
                                             "mistral4", "solar_open", "exaone_moe", "afmoe")
         else (7, 5) if name == "flex_olmo" else (0, 0))
-    assert config.attention_gate == (name == "afmoe")  # (AFMoE's gated attention output)
+    assert config.attention_gate == (name in ("afmoe", "qwen3_5"))  # (AFMoE's and Qwen3.5's gated attention output)
+    # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
+    assert (config.linear_layers, config.linear_num_key_heads, config.linear_num_value_heads,
+            config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
+        ((0, 1, 2), 2, 4, 16, 16, 4) if name == "qwen3_5" else ((), 0, 0, 0, 0, 0))
+    if name == "qwen3_5":
+        assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
     assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
                                                                      "mistral4": (False, False)}.get(name, (True, False))

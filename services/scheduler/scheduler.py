@@ -12,6 +12,8 @@ It knows nothing of tensors or transport: it takes and returns `shared.messages`
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import logging
 import time
 from collections import defaultdict, deque
 
@@ -34,6 +36,8 @@ from shared.messages import (
     SchedulerStats,
 )
 
+log = logging.getLogger(__name__)
+
 # A speculating request whose drafts are accepted less than this often, once it has had
 # this many, stops speculating: a rejected draft costs a row of the forward for nothing.
 SPEC_PROBATION_TOKENS = 32
@@ -50,7 +54,18 @@ class Scheduler:
         long_rope_threshold: int | None = None,
         generates: bool = True,  # False: the model has no LM head and only embeds
         max_loras: int = 0,  # LoRA adapters its worker can run at once (0: none)
+        recurrent_rows: int = 0,  # a hybrid model's: the requests its worker's recurrent state holds (0: none)
     ) -> None:
+        if recurrent_rows:
+            # A linear-attention layer's state is a request's whole past folded into one row,
+            # which a cached prefix cannot restore: every request computes from its first
+            # token (vLLM turns the prefix cache off for such models too), and no more run at
+            # once than the worker has rows for.
+            if config.enable_prefix_caching or config.max_num_seqs > recurrent_rows:
+                log.info("a hybrid model: prefix caching off, max_num_seqs %d",
+                         min(config.max_num_seqs, recurrent_rows))
+            config = dataclasses.replace(config, enable_prefix_caching=False,
+                                         max_num_seqs=min(config.max_num_seqs, recurrent_rows))
         self.config = config
         self.max_loras = max_loras
         self.vocab_size = vocab_size

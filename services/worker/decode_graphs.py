@@ -67,7 +67,8 @@ class _Buffer:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], *, mode: str, max_size: int, max_model_len: int,
-                 block_size: int, pad_block: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, pad_block: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 pad_state_row: int = 0) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown decode graph mode {mode!r}: {', '.join(MODES)}")
         if mode == "capture" and device.type != "cuda":
@@ -82,7 +83,11 @@ class DecodeGraphs:
         self.slot_mapping = _Buffer((size,), torch.int64, self.pad_slot, device)
         self.seq_lens = _Buffer((size,), torch.int32, 1, device)
         self.block_table = _Buffer((size, max_blocks), torch.int32, pad_block, device)
-        self._buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table)
+        # (a hybrid's: each row's state row; a pad's the pad row, which no request holds)
+        self.pad_state_row = pad_state_row
+        self.state_rows = _Buffer((size,), torch.int64, pad_state_row, device)
+        self._buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_table,
+                         self.state_rows)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)  # one query a row
         self.hidden = torch.zeros(size, hidden_size, dtype=dtype, device=device)  # what a step reads back
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -142,6 +147,7 @@ class DecodeGraphs:
         # Columns past this step's width keep older block ids: attention reads a row's
         # table only up to its own length, which the width covers.
         self.block_table.array[:n, : inputs.block_table.shape[1]] = inputs.block_table
+        self.state_rows.array[:n] = inputs.state_rows
         self._fill_pads(n, size)
 
     def _fill_pads(self, n: int, size: int) -> None:
@@ -151,6 +157,7 @@ class DecodeGraphs:
         self.slot_mapping.array[n:size] = self.pad_slot
         self.seq_lens.array[n:size] = 1
         self.block_table.array[n:size, 0] = self.pad_block
+        self.state_rows.array[n:size] = self.pad_state_row
         for buffer in self._buffers:
             buffer.upload(size)
 
@@ -167,5 +174,7 @@ class DecodeGraphs:
             # Host copies are for the CPU backend, which never runs inside a graph.
             query_start_loc_cpu=np.arange(size + 1),
             seq_lens_cpu=self.seq_lens.array[:size].astype(np.int64),
+            state_rows=self.state_rows.device[:size],
+            state_rows_cpu=self.state_rows.array[:size],
         )
         return self.model(self.input_ids.device[:size], self.positions.device[:size], self.kv_caches, metadata)

@@ -168,8 +168,13 @@ SUPPORTED_ARCHITECTURES = {
     # Jais 2 (Jais-2-8B): biased LayerNorms and projections (StarCoder2's layer) with GQA,
     # rotary, and an ungated relu2 MLP (up_proj, down_proj)
     "Jais2ForCausalLM": "llama",
+    # Qwen3.5: Gated DeltaNet layers (linear attention, a recurrent state a request) and,
+    # one in four, full attention with gated outputs
+    "Qwen3_5ForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
+# Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
+LINEAR_ATTENTION = ("Qwen3_5ForCausalLM",)
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -186,7 +191,7 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
                 "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
-                "MiniMaxM2ForCausalLM")
+                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -232,7 +237,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
                           "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
-                          "AfmoeForCausalLM": "afmoe"}
+                          "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -254,6 +259,9 @@ TEXT_MODELS_OF = {
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
     # Qwen3-VL-MoE (30B-A3B, 235B-A22B): a Qwen3-MoE, its experts stacked in the checkpoint
     "Qwen3VLMoeForConditionalGeneration": {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
+    # Qwen3.5 (0.8B to 397B-A17B): every size ships with its vision tower; on text its
+    # interleaved MRoPE is the ordinary rotary, as Qwen3-VL's
+    "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
 }
 # What a text config's class leaves out that its model does: Qwen3-VL-MoE's router always
 # renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
@@ -418,6 +426,21 @@ class ModelConfig:
     moe_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # Hybrids (Qwen3.5): the layers whose token mixer is a Gated DeltaNet (linear attention
+    # over a recurrent state a request: models/gated_delta_net.py) in place of attention,
+    # its key and value heads and the width of its causal convolution
+    linear_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend over a KV cache (all but a hybrid's linear ones)."""
+        linear = set(self.linear_layers)
+        return tuple(i for i in range(self.num_hidden_layers) if i not in linear)
 
     @property
     def rotary_head_dim(self) -> int:
@@ -550,6 +573,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
+                             *LINEAR_ATTENTION,
                              *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
                              "ExaoneMoeForCausalLM", "AfmoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
@@ -564,7 +588,7 @@ class ModelConfig:
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM", "AfmoeForCausalLM") else {}),
-            attention_gate=arch == "AfmoeForCausalLM",
+            attention_gate=arch in ("AfmoeForCausalLM", *LINEAR_ATTENTION),
             **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
                else {}),
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")
@@ -576,7 +600,32 @@ class ModelConfig:
             **latent,
             fp8_weight_block=fp8_block or (),
             **_query_scale_fields(arch, beta, rope),
+            **_linear_attention_fields(arch, raw),
         )
+
+
+def _linear_attention_fields(arch: str, raw: dict) -> dict:
+    """Qwen3.5's hybrid layers (transformers' Qwen3_5TextConfig, defaults filled in): the
+    Gated DeltaNet where `layer_types` says linear_attention, full attention elsewhere,
+    its heads' outputs gated by half of q_proj's rows (attention_gate), Qwen3's per-head
+    query/key norms (qk_norm), Gemma's 1 + w norms."""
+    if arch not in LINEAR_ATTENTION:
+        return {}
+    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
+    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name linear_attention or full_attention for each of {num_layers} layers")
+    fields = {k: int(raw[k]) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim", "linear_conv_kernel_dim")}
+    if min(fields.values()) < 1 or fields["linear_num_value_heads"] % fields["linear_num_key_heads"] \
+            or fields["linear_conv_kernel_dim"] < 2:
+        raise ValueError(f"unsupported linear attention dims {fields}: value heads a multiple of key heads, "
+                         "a convolution at least 2 wide")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} for {arch}: silu")
+    if raw.get("attention_bias"):  # (q_proj's bias would be split between queries and gates)
+        raise ValueError(f"unsupported attention_bias true for {arch}: attention without biases only")
+    return dict(fields, linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                norm_weight_offset=1.0)
 
 
 def _query_scale_fields(arch: str, beta: float | None, rope: dict) -> dict:

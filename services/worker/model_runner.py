@@ -12,6 +12,7 @@ next step can be launched in between and read those tokens on the device
 from __future__ import annotations
 
 import json
+import math
 import logging
 import operator
 import os
@@ -74,6 +75,7 @@ class ModelRunner:
         lora_config: LoRAConfig | None = None,  # --enable-lora: serve LoRA adapters
         seed: int | None = None,  # vLLM's --seed: unseeded requests' draws repeat from run to run
         tokenizer: str | None = None,  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
+        max_num_seqs: int = 128,  # vLLM's: a hybrid model's recurrent state is allocated for this many requests
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
@@ -100,6 +102,13 @@ class ModelRunner:
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (models/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
+        # A hybrid's linear-attention layers keep a state a request in place of KV blocks
+        # (models/gated_delta_net.py): a row for each request it may hold at once, found
+        # by the request's block-table row, and one more, where a decode graph's pads write.
+        self.recurrent_rows = max_num_seqs if self.model_config.linear_layers else 0
+        if self.recurrent_rows and speculative_config is not None:
+            raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
+                             "linear-attention layers' state cannot take back rejected drafts")
         self.num_blocks = self._num_kv_blocks()
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
@@ -114,7 +123,9 @@ class ModelRunner:
                 self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
                 self.device, values_are_keys=self.values_are_keys,
             )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
-            for _ in range(cfg.num_hidden_layers)
+            if i not in cfg.linear_layers else
+            tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in self._state_shapes(i))
+            for i in range(cfg.num_hidden_layers)
         ]
         self.max_cudagraph_capture_size = max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
@@ -155,21 +166,30 @@ class ModelRunner:
         a GPU); refused (before any is allocated) where they and the pad block do not fit."""
         cfg = self.model_config
         bytes_per_block = (
-            (1 if self.values_are_keys else 2) * cfg.num_hidden_layers * self.block_size * cfg.num_key_value_heads
+            (1 if self.values_are_keys else 2) * len(cfg.attention_layers) * self.block_size * cfg.num_key_value_heads
             * cfg.head_dim * self.kv_cache_dtype.itemsize
         )
+        # A hybrid's recurrent state comes out of the same budget (vLLM counts it so)
+        state_bytes = sum(math.prod(shape) * dtype.itemsize for i in cfg.linear_layers
+                          for shape, dtype in self._state_shapes(i))
         cc = self.cache_config
         if cc.num_kv_blocks is not None:
             num_blocks, asked = cc.num_kv_blocks, f"--num-kv-blocks {cc.num_kv_blocks}"
         else:
             budget, asked = kv_cache_budget(cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, self.device)
-            num_blocks = budget // bytes_per_block
+            num_blocks = (budget - state_bytes) // bytes_per_block
             if num_blocks < 1:
-                raise ValueError(f"the KV cache's budget ({asked}) is too small for one block")
-        check_kv_cache_fits((num_blocks + 1) * bytes_per_block, self.device, asked)
+                raise ValueError(f"the KV cache's budget ({asked}) is too small for one block"
+                                 + (f" beside the recurrent state of {self.recurrent_rows} requests "
+                                    f"({state_bytes / (1 << 30):.2f} GiB: --max-num-seqs)" if state_bytes else ""))
+        check_kv_cache_fits((num_blocks + 1) * bytes_per_block + state_bytes, self.device, asked)
         # More blocks than the longest request could use at max_num_seqs are wasted memory,
         # but we cannot know max_num_seqs here; the budget is the user's to set.
         return int(num_blocks)
+
+    def _state_shapes(self, layer: int) -> tuple:
+        """A linear-attention layer's state: its tensors' (shape, dtype), a row a request and the pad row."""
+        return self.model.model.layers[layer].self_attn.state_shapes(self.recurrent_rows + 1, self.dtype)
 
     def set_decode_graphs(self, mode: str | None) -> None:
         """Decode steps from persistent buffers: "capture" (CUDA graphs), "replay" (the same
@@ -181,6 +201,7 @@ class ModelRunner:
             self.model, self.kv_caches, mode=mode, max_size=self.max_cudagraph_capture_size,
             max_model_len=self.max_model_len, block_size=self.block_size, pad_block=self.pad_block,
             hidden_size=self.model_config.hidden_size, dtype=self.dtype, device=self.device,
+            pad_state_row=self.recurrent_rows,
         )
         if mode == "capture":
             try:
@@ -426,6 +447,19 @@ class ModelRunner:
                 output.prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
         return sample_rows
 
+    def _recurrent_refusal(self, new) -> str | None:
+        """Why a hybrid model cannot take this request now (None: it can): its linear
+        layers' state starts from a request's first token (never a cached prefix), in one
+        of `recurrent_rows` rows. The scheduler keeps within both (Scheduler's
+        recurrent_rows); this says so should anything else reach here."""
+        if new.num_computed_tokens:
+            return (f"a {self.model_config.architecture} request cannot start at token {new.num_computed_tokens}: "
+                    "its linear-attention state is computed from the first token")
+        if self.block_table.num_rows_in_use >= self.recurrent_rows:
+            return (f"this worker holds {self.recurrent_rows} requests at most (--max-num-seqs): its "
+                    "linear-attention state has no row left")
+        return None
+
     def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
         if self.proposer is None or not num_draft_slots:
             return {}
@@ -472,7 +506,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs
             self.drop_requests([new.req_id])  # (sent again whole: resumed or preempted)
-            adapter = self._prepare_lora(new.lora_request) if new.lora_request is not None else None
+            refusal = self._recurrent_refusal(new) if self.recurrent_rows else None
+            adapter = refusal or (self._prepare_lora(new.lora_request) if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter
                 so.num_scheduled_tokens.pop(new.req_id, None)

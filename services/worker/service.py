@@ -49,6 +49,7 @@ async def serve(
     lora_config: LoRAConfig | None = None,
     seed: int | None = None,
     tokenizer: str | None = None,
+    max_num_seqs: int = 128,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
@@ -57,7 +58,7 @@ async def serve(
         lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
                             speculative_config, enforce_eager=enforce_eager,
                             max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format,
-                            lora_config=lora_config, seed=seed, tokenizer=tokenizer),
+                            lora_config=lora_config, seed=seed, tokenizer=tokenizer, max_num_seqs=max_num_seqs),
         threads,
     )
     runner = executor.runner
@@ -80,6 +81,7 @@ async def serve(
         generates=runner.model.generates,
         max_loras=lora_config.max_loras if lora_config else 0,
         max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
+        recurrent_rows=runner.recurrent_rows,
         # Random per process: one restarted under the same id (as `llmbus serve` and compose
         # restart it) is a new incarnation to the scheduler, however soon it is back.
         incarnation=secrets.randbits(48),

@@ -28,6 +28,7 @@ class StepInputs:
     slot_mapping: np.ndarray  # [num_tokens] int64
     block_table: np.ndarray  # [num_rows, max_blocks] int32
     num_decodes: int
+    state_rows: np.ndarray  # [num_rows] int64: each row's request's block-table row (a hybrid's state there)
 
     @property
     def num_rows(self) -> int:
@@ -58,6 +59,8 @@ class StepInputs:
             block_table=put(self.block_table),
             query_start_loc_cpu=self.query_start_loc,
             seq_lens_cpu=self.seq_lens,
+            state_rows=put(self.state_rows),
+            state_rows_cpu=self.state_rows,
         )
         return put(self.input_ids), put(self.positions), metadata
 
@@ -114,6 +117,7 @@ class StepInputs:
         inputs = cls(
             input_ids=input_ids, positions=positions, query_start_loc=np.arange(num_states + 1),
             seq_lens=req_starts + 1, slot_mapping=slot_mapping, block_table=table, num_decodes=num_states,
+            state_rows=block_rows,
         )
         # A request samples once caught up: its token is the last it knows of.
         sample_rows = np.flatnonzero(req_starts + 1 == known + pending).tolist()
@@ -181,6 +185,7 @@ class StepInputs:
         inputs = cls(
             input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
             slot_mapping=slot_mapping, block_table=block_table, num_decodes=num_decodes,
+            state_rows=block_rows[req_of_row],
         )
         return inputs, sample_rows, token_at[1:] - 1, from_device
 

@@ -22,6 +22,10 @@ class AttentionMetadata:
     # Host copies, so the CPU backend can loop over requests without device syncs.
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     seq_lens_cpu: np.ndarray  # [num_reqs]
+    # Each row's request's row of the persistent batch (its block-table row), where a
+    # hybrid's linear-attention layers keep its state (models/gated_delta_net.py)
+    state_rows: torch.Tensor | None = None  # [num_reqs] int64
+    state_rows_cpu: np.ndarray | None = None
     # What a backend derives from the above once per step and reuses in every layer.
     backend_state: object = None
 

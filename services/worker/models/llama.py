@@ -28,10 +28,11 @@ from services.worker.layers.moe import CorrectedRouter, SparseMoE
 from services.worker.layers.query_scale import QueryScale
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
+from services.worker.models.gated_delta_net import GatedDeltaNet
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, ModelConfig
+from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, ModelConfig
 
 log = logging.getLogger("llmbus.worker")
 
@@ -77,6 +78,9 @@ NAMES_OF = {
                          ".mlp.shared_experts.": ".mlp.shared_expert.", ".self_attn.gate_proj.": ".self_attn.output_gate."},
     "ExaoneMoeForCausalLM": {".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
                              ".mlp.shared_experts.": ".mlp.shared_expert."},
+    # (a hybrid's token mixer is `self_attn` whatever it is; its gated norm weighs by w alone)
+    **dict.fromkeys(LINEAR_ATTENTION, {".linear_attn.norm.weight": ".self_attn.norm_weight",
+                                       ".linear_attn.": ".self_attn."}),
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -90,7 +94,7 @@ TRANSPOSED_FIRST = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 STACKED_OUT_IN = ("Mistral4ForCausalLM",)
 # Checkpoint tensors a family holds beside its model that transformers leaves unread
 # (EXAONE MoE's multi-token-prediction module)
-UNREAD_PREFIXES = {"ExaoneMoeForCausalLM": ("mtp.",)}
+UNREAD_PREFIXES = {"ExaoneMoeForCausalLM": ("mtp.",), **dict.fromkeys(LINEAR_ATTENTION, ("mtp.",))}
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -294,9 +298,12 @@ class DecoderLayer(nn.Module):
             rotary = local_rotary
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
-        self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
-            else Attention(config, rotary, backend, triton, window)
-        self.self_attn.position_scale = position_scale
+        if index in config.linear_layers:  # a hybrid's linear attention (its state in place of a KV cache)
+            self.self_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
+                else Attention(config, rotary, backend, triton, window)
+            self.self_attn.position_scale = position_scale
         # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
         self.parallel = config.parallel_residual
         self.residual_first = config.residual_first  # (StableLM's and Cohere's order of the sum)
@@ -464,6 +471,8 @@ class LlamaForCausalLM(nn.Module):
         skipped = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + self.config.skipped_layers))
         if arch == "GptOssForCausalLM":  # its stacked, interleaved, MXFP4 experts, one by one
             weights = gpt_oss_tensors(weights)
+        if arch in LINEAR_ATTENTION:
+            weights = gated_query_tensors(weights, heads, self.config.head_dim)
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
@@ -573,6 +582,20 @@ class LlamaForCausalLM(nn.Module):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
                     linear.bias.mul_(multiplier)
+
+
+def gated_query_tensors(weights: Iterable[tuple[str, torch.Tensor]], heads: int,
+                        head_dim: int) -> Iterable[tuple[str, torch.Tensor]]:
+    """Qwen3.5's q_proj holds, head by head, a head's query rows then its gate's (the
+    heads' outputs times sigmoid(gate)): the query rows as q_proj's, the gate rows as
+    `output_gate`'s, AFMoE's gate."""
+    for name, tensor in weights:
+        if name.endswith(".self_attn.q_proj.weight"):
+            halves = tensor.unflatten(0, (heads, 2, head_dim))
+            yield name, halves[:, 0].flatten(0, 1)
+            yield name.replace(".q_proj.", ".output_gate."), halves[:, 1].flatten(0, 1)
+        else:
+            yield name, tensor
 
 
 # (multiplier, dtype) -> the multiplier rounded to that dtype, as a Python float: found once,

@@ -1,0 +1,141 @@
+"""Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention) keep a recurrent
+state a request in place of KV blocks (models/gated_delta_net.py), a row of it for each
+request the worker may hold. Beyond test_model_families.py's cases (every scheduling mode,
+the Triton kernels, the graph buffers, logprobs): a row another request left starts from
+zeros, the scheduler keeps within the rows and off the prefix cache (offline and through
+`llmbus serve`), the state is paid out of the KV budget, and what such a model cannot do
+is refused by name."""
+
+import concurrent.futures
+import math
+
+import openai
+import pytest
+
+from deployment import llmbus_serve
+from llmbus import LLM, SamplingParams
+from services.scheduler.scheduler import Scheduler
+from services.worker.model_runner import ModelRunner
+from shared.config import SchedulerConfig
+from shared.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from tiny_models import build_tiny_model, hf_greedy, random_prompts
+
+MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5", seed=2)
+
+
+def generate_ids(llm: LLM, prompts) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_a_row_another_request_left_starts_from_zeros(hybrid):
+    """Two rows for seven requests: each row serves several in turn, and a one-token prompt
+    (computed as a decode) lands on a row a finished request left its state in."""
+    prompts = random_prompts([1, 12, 1, 30, 1, 5, 1], seed=3)
+    llm = LLM(str(hybrid), max_num_seqs=2)
+    assert llm.runner.recurrent_rows == 2
+    assert generate_ids(llm, prompts) == hf_greedy(hybrid, prompts, MAX_NEW)
+
+
+def test_the_scheduler_keeps_within_the_rows_and_off_the_prefix_cache(hybrid):
+    llm = LLM(str(hybrid), max_num_seqs=3, enable_prefix_caching=True)
+    assert (llm.scheduler.config.max_num_seqs, llm.scheduler.config.enable_prefix_caching) == (3, False)
+    # Served, the worker's announcement says how many rows it has (WorkerInfo.recurrent_rows)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), 64, 16, 384, recurrent_rows=4)
+    assert (scheduler.config.max_num_seqs, scheduler.config.enable_prefix_caching) == (4, False)
+    plain = Scheduler(SchedulerConfig(max_num_seqs=8), 64, 16, 384)
+    assert (plain.config.max_num_seqs, plain.config.enable_prefix_caching) == (8, True)
+
+
+def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
+    budget = 1 << 22
+    runners = {rows: LLM(str(hybrid), max_num_seqs=rows, kv_cache_memory_bytes=budget).runner for rows in (1, 64)}
+    runner = runners[1]
+    cfg = runner.model_config
+    # a block: K and V of the one attention layer; a row: each linear layer's two states
+    block_bytes = 2 * len(cfg.attention_layers) * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+    conv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    row_bytes = len(cfg.linear_layers) * 4 * (conv * (cfg.linear_conv_kernel_dim - 1) + cfg.linear_num_value_heads
+                                             * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
+    for rows, r in runners.items():  # (a row more: the pad row, where a graph's padded rows write)
+        assert r.num_blocks == (budget - (rows + 1) * row_bytes) // block_bytes
+        states = [cache for cache in r.kv_caches if isinstance(cache, tuple)]
+        assert len(states) == 3 and sum(math.prod(t.shape) * t.element_size() for s in states for t in s) \
+            == (rows + 1) * row_bytes
+
+
+def test_what_a_hybrid_cannot_do_is_refused_by_name(hybrid):
+    with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3_5ForCausalLM"):
+        LLM(str(hybrid), speculative_config={"num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="--enable-lora is not supported for Qwen3_5ForCausalLM"):
+        LLM(str(hybrid), enable_lora=True)
+
+
+def test_the_worker_refuses_a_request_it_has_no_state_for(hybrid):
+    """The scheduler never sends one, but a worker that got one past its first token (a
+    cached prefix), or more than its rows, fails that request alone, with the reason."""
+    runner = ModelRunner(hybrid, max_num_seqs=1)
+
+    def new(req_id: str, computed: int, blocks: list[int]) -> NewRequestData:
+        return NewRequestData(req_id, list(range(3, 23)), [], GREEDY, None, blocks, computed)
+
+    out = runner.execute_model(SchedulerOutput(
+        0, [new("past", 16, [0, 1]), new("first", 0, [2, 3]), new("extra", 0, [4, 5])], CachedRequestData(),
+        {"past": 4, "first": 20, "extra": 20}, 44))
+    assert "cannot start at token 16" in out.request_errors["past"]
+    assert "holds 1 requests at most" in out.request_errors["extra"]
+    assert out.req_ids == ["first"] and len(out.sampled_token_ids[0]) == 1
+
+
+@pytest.mark.slow
+def test_served_by_llmbus_serve_as_transformers_computes_it(hybrid, tmp_path):
+    """`llmbus serve` with its defaults (the prefix cache on) and two requests a row: the
+    worker tells the scheduler its rows, so prompts sharing a prefix are each computed from
+    their first token and a burst waits its turn for a row."""
+    proc, url = llmbus_serve([str(hybrid), "--served-model-name", "tiny", "--max-num-seqs", "2"],
+                             tmp_path / "stderr.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        prefix = random_prompts([40], seed=7)[0]
+        prompts = [prefix + tail for tail in random_prompts([3, 9, 1], seed=8)] + random_prompts([1, 20, 7], seed=9)
+
+        def token_ids(prompt: list[int]) -> list[int]:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                               logprobs=0, extra_body={"ignore_eos": True,
+                                                                       "return_tokens_as_token_ids": True})
+            return [int(token.removeprefix("token_id:")) for token in answer.choices[0].logprobs.tokens]
+
+        # one after another: the second and third could have hit the first's blocks
+        got = [token_ids(prompt) for prompt in prompts[:3]]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once for two rows
+            got += list(pool.map(token_ids, prompts[3:]))
+        assert got == hf_greedy(hybrid, prompts, MAX_NEW)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_qwen3_5_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5 ships every size as Qwen3_5ForConditionalGeneration: its language model
+    serves text, equal to transformers' multimodal model on text (interleaved MRoPE is the
+    ordinary rotary there); the vision tower and the multi-token-prediction module (`mtp.*`,
+    added here as the Hub's checkpoints hold one) are left unread."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "mm", "qwen3_5_vl", seed=2)
+    prompts = random_prompts([1, 5, 17, 40, 70])
+    want = hf_greedy(folder, prompts, MAX_NEW, model_class=transformers.Qwen3_5ForConditionalGeneration)
+    weights = load_file(folder / "model.safetensors")
+    assert any(name.startswith("model.visual.") for name in weights)
+    weights["mtp.fc.weight"] = weights["model.language_model.embed_tokens.weight"][:, :8].clone()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(folder))
+    assert (llm.runner.model_config.architecture, llm.runner.model_config.linear_layers) == ("Qwen3_5ForCausalLM",
+                                                                                           (0, 1, 2))
+    assert generate_ids(llm, prompts) == want
