@@ -435,27 +435,42 @@ def build_tiny_model(
                     param.normal_(1.0, 0.3)
                 elif name.endswith("expert_bias") or name.endswith("router.gate.weight"):
                     param.normal_(0.0, 0.5)  # (transformers starts its router at zero)
-    elif arch in ("qwen3_5", "qwen3_5_vl"):
+    elif arch in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next"):
         # Qwen3.5's hybrid: three Gated DeltaNet layers then one of full attention (its
         # heads gated, a quarter of each head rotating); two key heads serving four value
         # heads; the 1 + w norms and the DeltaNet's gated norm (w) drawn to count; decays
         # slow enough (A from 0.005 to 0.5, where transformers draws up to 16) that a
         # state carried over tens of tokens still counts. qwen3_5_vl: the same language
-        # model as Qwen3.5's checkpoints ship it, behind a vision tower (MRoPE's sections)
-        from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+        # model as Qwen3.5's checkpoints ship it, behind a vision tower (MRoPE's sections).
+        # qwen3_5_moe: every MLP sparse, 8 experts of 32, top 2 renormalized, a gated shared
+        # expert of 64; qwen3_next: its
+        # DeltaNet's products grouped by key head in the checkpoint, layer 1 dense (mlp_only_layers)
+        from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
+                                  Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
+                                  Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
 
         qwen = {**common, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
                 "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
                 "linear_conv_kernel_dim": 4, **overrides}
+        experts = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 64}
         if arch == "qwen3_5":
             model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**qwen))
+        elif arch == "qwen3_5_moe":
+            model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**experts, **qwen}))
+        elif arch == "qwen3_next":
+            model = Qwen3NextForCausalLM(Qwen3NextConfig(**{**experts, "mlp_only_layers": [1], "norm_topk_prob": True,
+                                                            "partial_rotary_factor": 0.25, **qwen}))
         else:
             qwen["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
                                        "mrope_interleaved": True, "partial_rotary_factor": 0.25}
             vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                           out_hidden_size=common["hidden_size"])
-            model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=qwen, vision_config=vision,
-                                                                  tie_word_embeddings=common["tie_word_embeddings"]))
+            config, model_class = ((Qwen3_5Config, Qwen3_5ForConditionalGeneration) if arch == "qwen3_5_vl" else
+                                   (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration))
+            text = qwen if arch == "qwen3_5_vl" else {**experts, **qwen}
+            model = model_class(config(text_config=text, vision_config=vision,
+                                       tie_word_embeddings=common["tie_word_embeddings"]))
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "visual" in name:
@@ -466,6 +481,8 @@ def build_tiny_model(
                     param.normal_(0.0, 1.0)
                 elif name.endswith("A_log"):
                     param.uniform_(math.log(0.005), math.log(0.5))
+                elif name.endswith("mlp.gate.weight"):  # (transformers starts the router at zero)
+                    param.normal_(0.0, 0.5)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

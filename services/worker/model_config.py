@@ -171,10 +171,13 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3.5: Gated DeltaNet layers (linear attention, a recurrent state a request) and,
     # one in four, full attention with gated outputs
     "Qwen3_5ForCausalLM": "llama",
+    # Qwen3.5's and Qwen3-Next's with Qwen2-MoE's sparse layers (a gated shared expert)
+    "Qwen3_5MoeForCausalLM": "llama",
+    "Qwen3NextForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
-LINEAR_ATTENTION = ("Qwen3_5ForCausalLM",)
+LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -237,7 +240,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
                           "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
-                          "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text"}
+                          "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                          "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -262,6 +266,7 @@ TEXT_MODELS_OF = {
     # Qwen3.5 (0.8B to 397B-A17B): every size ships with its vision tower; on text its
     # interleaved MRoPE is the ordinary rotary, as Qwen3-VL's
     "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
+    "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
 }
 # What a text config's class leaves out that its model does: Qwen3-VL-MoE's router always
 # renormalizes the chosen experts' weights (its config's norm_topk_prob is unset)
@@ -479,6 +484,8 @@ class ModelConfig:
             raw = _filled(raw, FILLED_BY_TRANSFORMERS[arch])
         if arch in LAYER_NORMED:
             raw = _layer_normed(arch, raw)
+        if arch == "Qwen3_5MoeForCausalLM":  # (every layer sparse: its config names no dense MLP's size)
+            raw = {**raw, "intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"]}
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
@@ -897,6 +904,12 @@ def _moe_fields(arch: str, raw: dict) -> dict:
     """Mixtral: every layer sparse, experts of intermediate_size, top-k renormalized.
     Qwen3-MoE: layers sparse every decoder_sparse_step but mlp_only_layers, experts of
     moe_intermediate_size, renormalized if norm_topk_prob."""
+    if arch in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+        # Qwen2-MoE's sparse layers, a shared expert gated beside them; Qwen3.5-MoE's in
+        # every layer, its router always renormalizing (transformers' Qwen3_5MoeTopKRouter)
+        if arch == "Qwen3_5MoeForCausalLM":
+            raw = {**raw, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        return _moe_fields("Qwen2MoeForCausalLM", raw)
     if arch == "GptOssForCausalLM":
         num_experts, top_k = raw["num_local_experts"], raw["num_experts_per_tok"]
         _check_top_k(top_k, num_experts, "num_experts_per_tok")

@@ -167,3 +167,28 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay:
         out[:, c] = q_decayed[:, c] @ state + attend[:, c] @ delta
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ delta
     return out.flatten(1, 2)[:, :length].transpose(0, 1), state
+
+
+def key_head_grouped_tensors(weights, config: ModelConfig):
+    """Qwen3-Next's checkpoints hold the DeltaNet's input products grouped by key head:
+    in_proj_qkvz's rows a key head at a time (its query, its key, then the values and the
+    gates z of the value heads it serves), in_proj_ba's likewise (their betas, then their
+    decays' time steps). Regrouped at load into Qwen3.5's products, which this layer runs:
+    in_proj_qkv (every query, every key, every value, as the convolution takes them),
+    in_proj_z, in_proj_b, in_proj_a; a value head keeps its index (key head g's j-th is g
+    * group + j), so the convolution's channels and the heads' parameters read as written."""
+    key_heads, k_dim, v_dim = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    group = config.linear_num_value_heads // key_heads
+    for name, tensor in weights:
+        if name.endswith(".in_proj_qkvz.weight"):
+            q, k, v, z = tensor.unflatten(0, (key_heads, -1)).split((k_dim, k_dim, group * v_dim, group * v_dim), dim=1)
+            prefix = name.removesuffix("qkvz.weight")
+            yield prefix + "qkv.weight", torch.cat([t.flatten(0, 1) for t in (q, k, v)])
+            yield prefix + "z.weight", z.flatten(0, 1)
+        elif name.endswith(".in_proj_ba.weight"):
+            b, a = tensor.unflatten(0, (key_heads, -1)).split((group, group), dim=1)
+            prefix = name.removesuffix("ba.weight")
+            yield prefix + "b.weight", b.flatten(0, 1)
+            yield prefix + "a.weight", a.flatten(0, 1)
+        else:
+            yield name, tensor

@@ -28,7 +28,7 @@ from services.worker.layers.moe import CorrectedRouter, SparseMoE
 from services.worker.layers.query_scale import QueryScale
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
-from services.worker.models.gated_delta_net import GatedDeltaNet
+from services.worker.models.gated_delta_net import GatedDeltaNet, key_head_grouped_tensors
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
@@ -473,6 +473,8 @@ class LlamaForCausalLM(nn.Module):
             weights = gpt_oss_tensors(weights)
         if arch in LINEAR_ATTENTION:
             weights = gated_query_tensors(weights, heads, self.config.head_dim)
+        if arch == "Qwen3NextForCausalLM":
+            weights = key_head_grouped_tensors(weights, self.config)
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
