@@ -179,3 +179,30 @@ def test_bfloat16_and_int8_stay_as_close_to_float32_as_transformers_bfloat16(tmp
         ours[quantization] = error([torch.tensor([entry[token].logprob for token, entry in
                                                   zip(p[1:], o.prompt_logprobs[1:])]) for p, o in zip(prompts, outputs)])
     assert ours[None] <= 2 * error(theirs) and ours["int8"] <= 3 * error(theirs), (ours, error(theirs))
+
+
+def test_a_grammar_still_compiling_is_waited_for_not_computed_twice(hybrid, monkeypatch):
+    """Elsewhere a request whose grammar is still compiling when it first samples computes
+    its last token again at the next step (the scheduler's resample); a hybrid's state
+    cannot take a token twice, so its worker waits for the compile. Compiles slowed here,
+    so every first sample finds its grammar compiling: the output is still transformers'
+    with xgrammar's mask."""
+    import time
+
+    from services.worker.structured_output import GrammarBackend
+    from test_structured_outputs import MAX_TOKENS, SPECS, hf_constrained
+
+    compile_matcher = GrammarBackend.matcher
+
+    def slow_matcher(self, spec, output_token_ids):
+        time.sleep(0.3)
+        return compile_matcher(self, spec, output_token_ids)
+
+    monkeypatch.setattr(GrammarBackend, "matcher", slow_matcher)
+    llm = LLM(str(hybrid))
+    prompts = random_prompts([6, 25], seed=5)
+    spec = SPECS["regex"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec),
+                        use_tqdm=False)
+    assert [[t for t in o.outputs[0].token_ids if t != llm.eos_token_id] for o in outs] == \
+        hf_constrained(hybrid, spec, prompts)

@@ -315,6 +315,10 @@ class ModelRunner:
             # little, rather than come straight back to compute the same token again.
             only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
             wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
+            if self.recurrent_rows:
+                # A hybrid's linear layers have folded this step's tokens into their state
+                # and cannot compute them again: it waits for its compiles instead.
+                wait_s = None
             sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
             output.resample_req_ids = [order[i] for i in pending]
             output.request_errors.update({order[i]: why for i, why in failed.items()})

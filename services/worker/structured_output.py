@@ -166,12 +166,15 @@ def _rows_to_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
     return [r for r in rows if r not in keep]
 
 
-def split_ready(states: list, rows: list[int], wait_s: float = 0.0) -> tuple[list[int], list[int], dict[int, str]]:
+def split_ready(states: list, rows: list[int], wait_s: float | None = 0.0) -> tuple[list[int], list[int], dict[int, str]]:
     """Rows that may sample now, rows whose matcher is still compiling, and rows whose
     compile failed (row -> why). A ready matcher replaces its future in the state.
-    `wait_s`: how long to wait for a compile to finish first (when nothing else would)."""
+    `wait_s`: how long to wait for a compile to finish first (when nothing else would);
+    None: for every compile to finish (none is left pending)."""
     compiling = [states[i].matcher for i in rows if isinstance(states[i].matcher, Future)]
-    if wait_s and compiling and not any(f.done() for f in compiling):
+    if wait_s is None:
+        wait(compiling)
+    elif wait_s and compiling and not any(f.done() for f in compiling):
         wait(compiling, wait_s, FIRST_COMPLETED)
     ready, pending, failed = [], [], {}
     for i in rows:
