@@ -68,6 +68,15 @@ def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
         states = [cache for cache in r.kv_caches if isinstance(cache, tuple)]
         assert len(states) == 3 and sum(math.prod(t.shape) * t.element_size() for s in states for t in s) \
             == (rows + 1) * row_bytes
+    # A budget whose half cannot hold --max-num-seqs rows (the default 1 GiB cannot hold
+    # Qwen3.5-0.8B's 128): as many run at once as half of it holds, the scheduler told so.
+    small = 1 << 20
+    llm = LLM(str(hybrid), max_num_seqs=64, kv_cache_memory_bytes=small)
+    rows = small // 2 // row_bytes - 1
+    assert (llm.runner.recurrent_rows, llm.scheduler.config.max_num_seqs) == (rows, rows) and rows < 64
+    assert llm.runner.num_blocks == (small - (rows + 1) * row_bytes) // block_bytes
+    prompts = random_prompts([3, 20], seed=4)
+    assert generate_ids(llm, prompts) == hf_greedy(hybrid, prompts, MAX_NEW)
 
 
 def test_what_a_hybrid_cannot_do_is_refused_by_name(hybrid):

@@ -170,26 +170,43 @@ class ModelRunner:
             * cfg.head_dim * self.kv_cache_dtype.itemsize
         )
         # A hybrid's recurrent state comes out of the same budget (vLLM counts it so)
-        state_bytes = sum(math.prod(shape) * dtype.itemsize for i in cfg.linear_layers
-                          for shape, dtype in self._state_shapes(i))
         cc = self.cache_config
         if cc.num_kv_blocks is not None:
             num_blocks, asked = cc.num_kv_blocks, f"--num-kv-blocks {cc.num_kv_blocks}"
+            state_bytes = self._state_bytes()
         else:
             budget, asked = kv_cache_budget(cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, self.device)
+            row_bytes = self._state_bytes(1) - self._state_bytes(0)
+            if row_bytes and self._state_bytes() > budget // 2:
+                # A hybrid's state a request is that of hundreds of tokens' KV (Qwen3.5-0.8B:
+                # 19 MiB): --max-num-seqs of them would leave a default budget no blocks. Its
+                # rows then take at most half of the budget, and so many requests run at once.
+                rows = max(1, budget // 2 // row_bytes - 1)
+                log.warning("the recurrent state of %d requests (%.2f GiB) would take over half the KV cache's "
+                            "budget (%s): %d requests run at once (raise the budget for more)",
+                            self.recurrent_rows, self._state_bytes() / (1 << 30), asked, rows)
+                self.recurrent_rows = rows
+            state_bytes = self._state_bytes()
             num_blocks = (budget - state_bytes) // bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"the KV cache's budget ({asked}) is too small for one block"
                                  + (f" beside the recurrent state of {self.recurrent_rows} requests "
-                                    f"({state_bytes / (1 << 30):.2f} GiB: --max-num-seqs)" if state_bytes else ""))
+                                    f"({state_bytes / (1 << 30):.2f} GiB)" if state_bytes else ""))
         check_kv_cache_fits((num_blocks + 1) * bytes_per_block + state_bytes, self.device, asked)
         # More blocks than the longest request could use at max_num_seqs are wasted memory,
         # but we cannot know max_num_seqs here; the budget is the user's to set.
         return int(num_blocks)
 
-    def _state_shapes(self, layer: int) -> tuple:
-        """A linear-attention layer's state: its tensors' (shape, dtype), a row a request and the pad row."""
-        return self.model.model.layers[layer].self_attn.state_shapes(self.recurrent_rows + 1, self.dtype)
+    def _state_shapes(self, layer: int, rows: int | None = None) -> tuple:
+        """A linear-attention layer's state: its tensors' (shape, dtype), a row a request
+        (`recurrent_rows` unless given) and the pad row."""
+        rows = self.recurrent_rows if rows is None else rows
+        return self.model.model.layers[layer].self_attn.state_shapes(rows + 1, self.dtype)
+
+    def _state_bytes(self, rows: int | None = None) -> int:
+        """The linear-attention layers' state for `rows` requests (`recurrent_rows` unless given)."""
+        return sum(math.prod(shape) * dtype.itemsize for i in self.model_config.linear_layers
+                   for shape, dtype in self._state_shapes(i, rows))
 
     def set_decode_graphs(self, mode: str | None) -> None:
         """Decode steps from persistent buffers: "capture" (CUDA graphs), "replay" (the same

@@ -80,7 +80,7 @@ class GatedDeltaNet(nn.Module):
             past = conv_state[row] if carried else torch.zeros_like(conv_state[row])
             window = torch.cat((past, mixed[first:last].T), dim=-1)  # [conv_size, kernel - 1 + length]
             conv_state[row] = window[:, -(self.kernel - 1):]
-            x = F.silu(F.conv1d(window.unsqueeze(0), self.conv1d.weight, groups=self.conv_size)[0].T)
+            x = F.silu(self._convolve(window)).T
             q, k, v = self._heads(x)
             s = recurrent_state[row] if carried else torch.zeros_like(recurrent_state[row])
             out[first:last], final = chunked_delta_rule(q, k, v, decay[first:last], beta[first:last], s)
@@ -93,7 +93,7 @@ class GatedDeltaNet(nn.Module):
         scale = carried.to(mixed.dtype)[:, None, None]
         window = torch.cat((conv_state.index_select(0, rows) * scale, mixed.unsqueeze(-1)), dim=-1)
         conv_state.index_copy_(0, rows, window[:, :, 1:])
-        x = F.silu(F.conv1d(window, self.conv1d.weight, groups=self.conv_size)[:, :, -1])
+        x = F.silu(self._convolve(window))[:, :, 0]
         q, k, v = self._heads(x)
         # The recurrence, reading the state once (queries and keys together) and writing it
         # once: S~ = a S (a = exp(g), 0 for a first token), delta = beta (v - S~^T k),
@@ -105,6 +105,18 @@ class GatedDeltaNet(nn.Module):
         s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
         recurrent_state.index_copy_(0, rows, s)
         return read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
+
+    def _convolve(self, window: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise convolution over [..., channels, kernel - 1 + n] inputs: [...,
+        channels, n] outputs, a weighed sum of shifted views summed in float32, cast back as
+        a convolution's output is (oneDNN's depthwise kernel took 1.7 ms for one token of
+        Qwen3.5-0.8B's 6144 channels, this a few microseconds)."""
+        weight = self.conv1d.weight[:, 0].float()  # [channels, kernel]
+        n = window.shape[-1] - self.kernel + 1
+        out = window[..., :n].float() * weight[:, :1]
+        for tap in range(1, self.kernel):
+            out.addcmul_(window[..., tap:tap + n], weight[:, tap:tap + 1])
+        return out.to(window.dtype)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[tokens, conv_size] -> queries and keys [tokens, value heads, k_dim] (a key head
