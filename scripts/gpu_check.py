@@ -144,7 +144,7 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
 
     from services.worker.model_config import ModelConfig
 
-    if not ModelConfig.from_folder(folder).linear_layers:  # (a hybrid refuses drafts: its state cannot take them back)
+    if not ModelConfig.from_folder(folder).recurrent_layers:  # (a hybrid refuses drafts: its state cannot take them back)
         run_case(rows, {"model": name, "case": "speculative", "dtype": "float32"}, speculative)
 
     def penalized() -> dict:

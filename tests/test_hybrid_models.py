@@ -1,6 +1,7 @@
-"""Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention) keep a recurrent
-state a request in place of KV blocks (models/gated_delta_net.py), a row of it for each
-request the worker may hold. Beyond test_model_families.py's cases (every scheduling mode,
+"""Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention; LFM2: short
+convolutions beside it) keep a recurrent state a request in place of KV blocks
+(models/gated_delta_net.py, short_conv.py), a row of it for each request the worker may
+hold. Beyond test_model_families.py's cases (every scheduling mode,
 the Triton kernels, the graph buffers, logprobs): a row another request left starts from
 zeros, the scheduler keeps within the rows and off the prefix cache (offline and through
 `llmbus serve`), the state is paid out of the KV budget, what such a model cannot do is
@@ -34,13 +35,16 @@ def generate_ids(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def test_a_row_another_request_left_starts_from_zeros(hybrid):
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+def test_a_row_another_request_left_starts_from_zeros(tmp_path, arch):
     """Two rows for seven requests: each row serves several in turn, and a one-token prompt
-    (computed as a decode) lands on a row a finished request left its state in."""
+    (computed as a decode) lands on a row a finished request left its state in (the
+    DeltaNet's and the convolutions' state: Qwen3.5's; the convolutions' alone: LFM2's)."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=2)
     prompts = random_prompts([1, 12, 1, 30, 1, 5, 1], seed=3)
-    llm = LLM(str(hybrid), max_num_seqs=2)
+    llm = LLM(str(folder), max_num_seqs=2)
     assert llm.runner.recurrent_rows == 2
-    assert generate_ids(llm, prompts) == hf_greedy(hybrid, prompts, MAX_NEW)
+    assert generate_ids(llm, prompts) == hf_greedy(folder, prompts, MAX_NEW)
 
 
 def test_the_scheduler_keeps_within_the_rows_and_off_the_prefix_cache(hybrid):
@@ -61,7 +65,7 @@ def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
     # a block: K and V of the one attention layer; a row: each linear layer's two states
     block_bytes = 2 * len(cfg.attention_layers) * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
     conv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    row_bytes = len(cfg.linear_layers) * 4 * (conv * (cfg.linear_conv_kernel_dim - 1) + cfg.linear_num_value_heads
+    row_bytes = len(cfg.recurrent_layers) * 4 * (conv * (cfg.linear_conv_kernel_dim - 1) + cfg.linear_num_value_heads
                                              * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
     for rows, r in runners.items():  # (a row more: the pad row, where a graph's padded rows write)
         assert r.num_blocks == (budget - (rows + 1) * row_bytes) // block_bytes
@@ -150,7 +154,7 @@ def test_qwen3_5_checkpoint_serves_its_language_model(tmp_path, arch, text_model
     weights["mtp.fc.weight"] = weights["model.language_model.embed_tokens.weight"][:, :8].clone()
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     llm = LLM(str(folder))
-    assert (llm.runner.model_config.architecture, llm.runner.model_config.linear_layers) == (text_model, (0, 1, 2))
+    assert (llm.runner.model_config.architecture, llm.runner.model_config.recurrent_layers) == (text_model, (0, 1, 2))
     assert generate_ids(llm, prompts) == want
 
 

@@ -47,7 +47,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next"]
+            "qwen3_next", "lfm2"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -124,7 +124,7 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
-                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next"))
+                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -239,11 +239,16 @@ def test_what_each_family_reads_from_its_config(family):
     hybrid = name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
     assert config.attention_gate == (name == "afmoe" or hybrid)  # (AFMoE's and Qwen3.5's gated attention output)
     # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
-    assert (config.linear_layers, config.linear_num_key_heads, config.linear_num_value_heads,
+    assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
-        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((), 0, 0, 0, 0, 0))
+        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((0, 1, 3) if name == "lfm2" else (), 0, 0, 0, 0, 0))
     if hybrid:
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
+    # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
+    assert (config.recurrent_layers, config.short_conv_kernel, config.short_conv_bias) == (
+        ((0, 1, 3), 3, False) if name == "lfm2" else (config.recurrent_layers, 0, False))
+    if name == "lfm2":
+        assert (config.attention_layers, config.intermediate_size, config.rms_norm_eps) == ((2,), 224, 1e-5)
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
     assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
                                                                      "mistral4": (False, False)}.get(name, (True, False))

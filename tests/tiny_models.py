@@ -483,6 +483,17 @@ def build_tiny_model(
                     param.uniform_(math.log(0.005), math.log(0.5))
                 elif name.endswith("mlp.gate.weight"):  # (transformers starts the router at zero)
                     param.normal_(0.0, 0.5)
+    elif arch == "lfm2":
+        # LFM2's hybrid: short convolutions (3 wide) on layers 0, 1 and 3, full attention on
+        # 2 (q/k norms); its MLP's size from intermediate_size as LFM2's class adjusts it
+        # (int(2/3 of 200) = 133, times 1.5 = 199, rounded up to 32: 224); norms drawn to count
+        from transformers import Lfm2Config, Lfm2ForCausalLM
+
+        lfm = {**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "num_hidden_layers": 4, "head_dim": 16,
+               "layer_types": ["conv", "conv", "full_attention", "conv"], "intermediate_size": 200,
+               "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32, "norm_eps": 1e-5}
+        model = Lfm2ForCausalLM(Lfm2Config(**{**lfm, **overrides}))
+        _norms_made_to_count(model, 1.0)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

@@ -33,9 +33,9 @@ class LoRAManager:
         if model.config.kv_lora_rank:  # (its projections are not the qkv_proj an adapter's targets map to)
             raise ValueError(f"--enable-lora is not supported for {model.config.architecture}: LoRA adapters "
                              "are not served on latent attention")
-        if model.config.linear_layers:  # (nor on a Gated DeltaNet's projections)
+        if model.config.recurrent_layers:  # (nor on a Gated DeltaNet's projections)
             raise ValueError(f"--enable-lora is not supported for {model.config.architecture}: LoRA adapters "
-                             "are not served on linear attention")
+                             "are not served on its recurrent layers")
         self.model = model
         self.config = config
         self.mapping = LoRAMapping()

@@ -174,10 +174,14 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3.5's and Qwen3-Next's with Qwen2-MoE's sparse layers (a gated shared expert)
     "Qwen3_5MoeForCausalLM": "llama",
     "Qwen3NextForCausalLM": "llama",
+    # LFM2: gated short convolutions (a state of a few tokens a request) between attention layers
+    "Lfm2ForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+# Hybrids whose other layers are gated short convolutions (models/short_conv.py)
+SHORT_CONVS = ("Lfm2ForCausalLM",)
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -194,7 +198,7 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
                 "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
-                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION)
+                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, *SHORT_CONVS)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -241,7 +245,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
-                          "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next"}
+                          "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
+                          "Lfm2ForCausalLM": "lfm2"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -431,20 +436,23 @@ class ModelConfig:
     moe_bias: bool = False
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
-    # Hybrids (Qwen3.5): the layers whose token mixer is a Gated DeltaNet (linear attention
-    # over a recurrent state a request: models/gated_delta_net.py) in place of attention,
-    # its key and value heads and the width of its causal convolution
-    linear_layers: tuple[int, ...] = ()
+    # Hybrids: the layers whose token mixer keeps a recurrent state a request in place of a
+    # KV cache: Qwen3.5's Gated DeltaNet (linear attention: models/gated_delta_net.py; its
+    # key and value heads and the width of its causal convolution below), or, where
+    # short_conv_kernel is set, LFM2's gated short convolution (models/short_conv.py)
+    recurrent_layers: tuple[int, ...] = ()
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    short_conv_kernel: int = 0
+    short_conv_bias: bool = False
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend over a KV cache (all but a hybrid's linear ones)."""
-        linear = set(self.linear_layers)
+        """The layers that attend over a KV cache (all but a hybrid's recurrent ones)."""
+        linear = set(self.recurrent_layers)
         return tuple(i for i in range(self.num_hidden_layers) if i not in linear)
 
     @property
@@ -486,6 +494,8 @@ class ModelConfig:
             raw = _layer_normed(arch, raw)
         if arch == "Qwen3_5MoeForCausalLM":  # (every layer sparse: its config names no dense MLP's size)
             raw = {**raw, "intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"]}
+        if arch in SHORT_CONVS:
+            raw = _lfm2(raw)
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
@@ -580,7 +590,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             *LINEAR_ATTENTION,
+                             *LINEAR_ATTENTION, *SHORT_CONVS,
                              *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
                              "ExaoneMoeForCausalLM", "AfmoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
@@ -608,7 +618,36 @@ class ModelConfig:
             fp8_weight_block=fp8_block or (),
             **_query_scale_fields(arch, beta, rope),
             **_linear_attention_fields(arch, raw),
+            **_short_conv_fields(arch, raw),
         )
+
+
+def _lfm2(raw: dict) -> dict:
+    """LFM2's config (transformers' Lfm2Config, defaults filled in) in the names the rest of
+    this reader takes: its norms' eps, and its MLP's size as its class computes it from
+    intermediate_size (two thirds of it, times block_ffn_dim_multiplier, rounded up to
+    block_multiple_of)."""
+    size = raw["intermediate_size"]
+    if raw.get("block_auto_adjust_ff_dim"):
+        size = int(2 * size / 3)
+        if raw.get("block_ffn_dim_multiplier") is not None:
+            multiple = raw["block_multiple_of"]
+            size = multiple * ((int(raw["block_ffn_dim_multiplier"] * size) + multiple - 1) // multiple)
+    return {**raw, "intermediate_size": size, "rms_norm_eps": raw["norm_eps"]}
+
+
+def _short_conv_fields(arch: str, raw: dict) -> dict:
+    """LFM2's hybrid layers: a gated short convolution where `layer_types` says conv, full
+    attention (Qwen3's per-head query/key norms) elsewhere."""
+    if arch not in SHORT_CONVS:
+        return {}
+    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
+    if len(kinds) != num_layers or not set(kinds) <= {"conv", "full_attention"}:
+        raise ValueError(f"layer_types must name conv or full_attention for each of {num_layers} layers")
+    if raw["conv_L_cache"] < 2:
+        raise ValueError(f"unsupported conv_L_cache {raw['conv_L_cache']}: a convolution at least 2 wide")
+    return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"),
+                short_conv_kernel=int(raw["conv_L_cache"]), short_conv_bias=bool(raw.get("conv_bias")))
 
 
 def _linear_attention_fields(arch: str, raw: dict) -> dict:
@@ -631,7 +670,7 @@ def _linear_attention_fields(arch: str, raw: dict) -> dict:
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} for {arch}: silu")
     if raw.get("attention_bias"):  # (q_proj's bias would be split between queries and gates)
         raise ValueError(f"unsupported attention_bias true for {arch}: attention without biases only")
-    return dict(fields, linear_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+    return dict(fields, recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
                 norm_weight_offset=1.0)
 
 

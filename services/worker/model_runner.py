@@ -102,13 +102,14 @@ class ModelRunner:
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (models/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
-        # A hybrid's linear-attention layers keep a state a request in place of KV blocks
-        # (models/gated_delta_net.py): a row for each request it may hold at once, found
-        # by the request's block-table row, and one more, where a decode graph's pads write.
-        self.recurrent_rows = max_num_seqs if self.model_config.linear_layers else 0
+        # A hybrid's recurrent layers (linear attention, short convolutions) keep a state a
+        # request in place of KV blocks (models/gated_delta_net.py, short_conv.py): a row
+        # for each request it may hold at once, found by the request's block-table row, and
+        # one more, where a decode graph's pads write.
+        self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
-                             "linear-attention layers' state cannot take back rejected drafts")
+                             "recurrent layers' state cannot take back rejected drafts")
         self.num_blocks = self._num_kv_blocks()
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
@@ -123,7 +124,7 @@ class ModelRunner:
                 self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
                 self.device, values_are_keys=self.values_are_keys,
             )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
-            if i not in cfg.linear_layers else
+            if i not in cfg.recurrent_layers else
             tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in self._state_shapes(i))
             for i in range(cfg.num_hidden_layers)
         ]
@@ -198,14 +199,14 @@ class ModelRunner:
         return int(num_blocks)
 
     def _state_shapes(self, layer: int, rows: int | None = None) -> tuple:
-        """A linear-attention layer's state: its tensors' (shape, dtype), a row a request
+        """A recurrent layer's state: its tensors' (shape, dtype), a row a request
         (`recurrent_rows` unless given) and the pad row."""
         rows = self.recurrent_rows if rows is None else rows
         return self.model.model.layers[layer].self_attn.state_shapes(rows + 1, self.dtype)
 
     def _state_bytes(self, rows: int | None = None) -> int:
-        """The linear-attention layers' state for `rows` requests (`recurrent_rows` unless given)."""
-        return sum(math.prod(shape) * dtype.itemsize for i in self.model_config.linear_layers
+        """The recurrent layers' state for `rows` requests (`recurrent_rows` unless given)."""
+        return sum(math.prod(shape) * dtype.itemsize for i in self.model_config.recurrent_layers
                    for shape, dtype in self._state_shapes(i, rows))
 
     def set_decode_graphs(self, mode: str | None) -> None:
@@ -333,7 +334,7 @@ class ModelRunner:
             only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
             wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
             if self.recurrent_rows:
-                # A hybrid's linear layers have folded this step's tokens into their state
+                # A hybrid's recurrent layers have folded this step's tokens into their state
                 # and cannot compute them again: it waits for its compiles instead.
                 wait_s = None
             sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
@@ -469,16 +470,16 @@ class ModelRunner:
         return sample_rows
 
     def _recurrent_refusal(self, new) -> str | None:
-        """Why a hybrid model cannot take this request now (None: it can): its linear
+        """Why a hybrid model cannot take this request now (None: it can): its recurrent
         layers' state starts from a request's first token (never a cached prefix), in one
         of `recurrent_rows` rows. The scheduler keeps within both (Scheduler's
         recurrent_rows); this says so should anything else reach here."""
         if new.num_computed_tokens:
             return (f"a {self.model_config.architecture} request cannot start at token {new.num_computed_tokens}: "
-                    "its linear-attention state is computed from the first token")
+                    "its recurrent layers' state is computed from the first token")
         if self.block_table.num_rows_in_use >= self.recurrent_rows:
             return (f"this worker holds {self.recurrent_rows} requests at most (--max-num-seqs): its "
-                    "linear-attention state has no row left")
+                    "recurrent state has no row left")
         return None
 
     def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:

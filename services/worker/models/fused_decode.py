@@ -55,8 +55,8 @@ class FusedDecode:
             return None  # the C layer has no experts: the module path for these
         if config.qk_norm_after_rope:
             return None  # the C layer norms queries and keys before rotary (Qwen3's order)
-        if config.kv_lora_rank or config.attention_gate:
-            return None  # the C layer's heads are the usual ones, not latent attention's nor gated ones
+        if config.kv_lora_rank or config.attention_gate or config.recurrent_layers:
+            return None  # the C layer's heads are the usual ones, not latent attention's nor gated ones, every layer's
         if config.layer_norm or config.parallel_residual or config.scale_queries:
             return None  # the C layer's norms are RMSNorms, its branches one after the other
         # (A partial rotary turns each head's leading rotary_dim; longrope's long rows are

@@ -3,7 +3,8 @@
 A hybrid model (Qwen3.5) mixes tokens with full attention in one layer of four and with
 this layer in the others. It keeps no keys and values: each request's past is folded into
 a fixed-size state, so a layer's memory a request does not grow with its length:
-- the last `kernel - 1` inputs of a causal depthwise convolution over q, k and v;
+- the last `kernel - 1` inputs of a causal depthwise convolution over q, k and v
+  (models/causal_conv.py);
 - per value head, a [key_dim, value_dim] matrix S, which each token t decays by exp(g_t),
   corrects towards its value (the delta rule: S += k_t (beta_t (v_t - S^T k_t))^T) and
   reads with its query (o_t = S^T q_t), queries and keys L2-normed.
@@ -29,6 +30,7 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model_config import ModelConfig
+from services.worker.models.causal_conv import causal_conv
 
 
 class GatedDeltaNet(nn.Module):
@@ -62,7 +64,8 @@ class GatedDeltaNet(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         conv_state, recurrent_state = state
         num_tokens = hidden.shape[0]
-        mixed = self.in_proj_qkv(hidden)
+        x = F.silu(causal_conv(self.in_proj_qkv(hidden), conv_state, self.conv1d.weight[:, 0], None, metadata))
+        q, k, v = self._heads(x)
         z = self.in_proj_z(hidden)
         beta = torch.sigmoid(self.in_proj_b(hidden)).float()
         # (in float32 whatever the model's dtype, as transformers: A_log's exp would overflow float16)
@@ -70,34 +73,25 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(num_tokens, self.num_v_heads, self.v_dim, dtype=torch.float32, device=hidden.device)
         d = metadata.num_decodes
         if d:
-            out[:d] = self._decodes(mixed[:d], decay[:d], beta[:d], conv_state, recurrent_state,
+            out[:d] = self._decodes(q[:d], k[:d], v[:d], decay[:d], beta[:d], recurrent_state,
                                     metadata.state_rows[:d], metadata.seq_lens[:d] > 1)
         starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
             first, last = int(starts[r]), int(starts[r + 1])
             row = int(metadata.state_rows_cpu[r])
             carried = int(seq_lens[r]) > last - first  # (it computed tokens before this chunk)
-            past = conv_state[row] if carried else torch.zeros_like(conv_state[row])
-            window = torch.cat((past, mixed[first:last].T), dim=-1)  # [conv_size, kernel - 1 + length]
-            conv_state[row] = window[:, -(self.kernel - 1):]
-            x = F.silu(self._convolve(window)).T
-            q, k, v = self._heads(x)
             s = recurrent_state[row] if carried else torch.zeros_like(recurrent_state[row])
-            out[first:last], final = chunked_delta_rule(q, k, v, decay[first:last], beta[first:last], s)
-            recurrent_state[row] = final
+            out[first:last], recurrent_state[row] = chunked_delta_rule(
+                q[first:last], k[first:last], v[first:last], decay[first:last], beta[first:last], s)
         return self.out_proj(self._gated_norm(out.to(hidden.dtype), z).reshape(num_tokens, self.value_size))
 
-    def _decodes(self, mixed, decay, beta, conv_state, recurrent_state, rows, carried) -> torch.Tensor:
+    @staticmethod
+    def _decodes(q, k, v, decay, beta, recurrent_state, rows, carried) -> torch.Tensor:
         """One token each of `rows` requests (the step's first rows), vectorized, index ops
-        only (graph-safe); a request's first token (`carried` false) starts from zeros."""
-        scale = carried.to(mixed.dtype)[:, None, None]
-        window = torch.cat((conv_state.index_select(0, rows) * scale, mixed.unsqueeze(-1)), dim=-1)
-        conv_state.index_copy_(0, rows, window[:, :, 1:])
-        x = F.silu(self._convolve(window))[:, :, 0]
-        q, k, v = self._heads(x)
-        # The recurrence, reading the state once (queries and keys together) and writing it
-        # once: S~ = a S (a = exp(g), 0 for a first token), delta = beta (v - S~^T k),
-        # S' = S~ + k delta^T, o = S'^T q = S~^T q + (q . k) delta.
+        only (graph-safe); a request's first token (`carried` false) starts from zeros.
+        The recurrence reads the state once (queries and keys together) and writes it
+        once: S~ = a S (a = exp(g), 0 for a first token), delta = beta (v - S~^T k),
+        S' = S~ + k delta^T, o = S'^T q = S~^T q + (q . k) delta."""
         s = recurrent_state.index_select(0, rows)  # [requests, value heads, k_dim, v_dim]
         s.mul_((decay.exp() * carried[:, None])[..., None, None])
         read = torch.stack((k, q), dim=-2) @ s  # [requests, heads, 2, v_dim]: S~^T k and S~^T q
@@ -105,18 +99,6 @@ class GatedDeltaNet(nn.Module):
         s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
         recurrent_state.index_copy_(0, rows, s)
         return read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
-
-    def _convolve(self, window: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise convolution over [..., channels, kernel - 1 + n] inputs: [...,
-        channels, n] outputs, a weighed sum of shifted views summed in float32, cast back as
-        a convolution's output is (oneDNN's depthwise kernel took 1.7 ms for one token of
-        Qwen3.5-0.8B's 6144 channels, this a few microseconds)."""
-        weight = self.conv1d.weight[:, 0].float()  # [channels, kernel]
-        n = window.shape[-1] - self.kernel + 1
-        out = window[..., :n].float() * weight[:, :1]
-        for tap in range(1, self.kernel):
-            out.addcmul_(window[..., tap:tap + n], weight[:, tap:tap + 1])
-        return out.to(window.dtype)
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[tokens, conv_size] -> queries and keys [tokens, value heads, k_dim] (a key head

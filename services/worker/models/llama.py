@@ -30,6 +30,7 @@ from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gated_delta_net import GatedDeltaNet, key_head_grouped_tensors
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
+from services.worker.models.short_conv import ShortConv
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
 from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, ModelConfig
@@ -81,6 +82,12 @@ NAMES_OF = {
     # (a hybrid's token mixer is `self_attn` whatever it is; its gated norm weighs by w alone)
     **dict.fromkeys(LINEAR_ATTENTION, {".linear_attn.norm.weight": ".self_attn.norm_weight",
                                        ".linear_attn.": ".self_attn."}),
+    # (its final norm is called embedding_norm; its short convolutions are `self_attn` here)
+    "Lfm2ForCausalLM": {"model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
+                        ".ffn_norm.": ".post_attention_layernorm.", ".feed_forward.w1.": ".mlp.gate_proj.",
+                        ".feed_forward.w3.": ".mlp.up_proj.", ".feed_forward.w2.": ".mlp.down_proj.",
+                        ".self_attn.out_proj.": ".self_attn.o_proj.", ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+                        ".self_attn.k_layernorm.": ".self_attn.k_norm.", ".conv.": ".self_attn."},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -298,8 +305,8 @@ class DecoderLayer(nn.Module):
             rotary = local_rotary
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
-        if index in config.linear_layers:  # a hybrid's linear attention (its state in place of a KV cache)
-            self.self_attn = GatedDeltaNet(config)
+        if index in config.recurrent_layers:  # a hybrid's token mixer with a state in place of a KV cache
+            self.self_attn = ShortConv(config) if config.short_conv_kernel else GatedDeltaNet(config)
         else:
             self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
                 else Attention(config, rotary, backend, triton, window)
