@@ -47,7 +47,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "lfm2"]
+            "qwen3_next", "lfm2", "lfm2_moe"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -88,7 +88,8 @@ def test_on_triton_attention_under_the_interpreter(family):
                            "olmoe": 2, "glm4_moe": 1, "dots1": 1, "hunyuan_moe": 2,
                            "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
                            "glm4_moe_lite": 1, "mistral4": 1, "flex_olmo": 2, "solar_open": 2, "exaone_moe": 2,
-                           "afmoe": 3, "qwen3_5_moe": 4, "qwen3_next": 3}.get(name, 0)
+                           "afmoe": 3, "qwen3_5_moe": 4, "qwen3_next": 3,
+                           "lfm2_moe": 3}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -124,7 +125,7 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
-                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2"))
+                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -138,11 +139,11 @@ def test_what_each_family_reads_from_its_config(family):
                                  "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,),
                                  "mistral4": (1,), "flex_olmo": (0, 1), "solar_open": (0, 1),
                                  "exaone_moe": (1, 3), "afmoe": (1, 2, 3), "qwen3_5_moe": (0, 1, 2, 3),
-                                 "qwen3_next": (0, 2, 3)}.get(name, ())
+                                 "qwen3_next": (0, 2, 3), "lfm2_moe": (1, 2, 3)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
                                                  "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
                                                  "mistral4", "solar_open", "exaone_moe", "afmoe", "qwen3_5_moe",
-                                                 "qwen3_next"))  # (OLMoE's, FlexOlmo's: off)
+                                                 "qwen3_next", "lfm2_moe"))  # (OLMoE's, FlexOlmo's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
                                                           "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32,
@@ -157,7 +158,7 @@ def test_what_each_family_reads_from_its_config(family):
         "deepseek_v3": ("sigmoid", 4, 2, 2.5, False, 1), "deepseek_v2": ("softmax", 4, 2, 1.5, False, 0),
         "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1), "mistral4": ("softmax", 4, 2, 1.5, False, 0),
         "solar_open": ("sigmoid", 4, 2, 2.5, False, 0), "exaone_moe": ("sigmoid", 4, 2, 2.5, False, 0),
-        "afmoe": ("sigmoid", 1, 1, 2.5, False, 0),
+        "afmoe": ("sigmoid", 1, 1, 2.5, False, 0), "lfm2_moe": ("sigmoid", 1, 1, 2.5, True, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
@@ -241,12 +242,12 @@ def test_what_each_family_reads_from_its_config(family):
     # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
-        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((0, 1, 3) if name == "lfm2" else (), 0, 0, 0, 0, 0))
+        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((0, 1, 3) if "lfm2" in name else (), 0, 0, 0, 0, 0))
     if hybrid:
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
     assert (config.recurrent_layers, config.short_conv_kernel, config.short_conv_bias) == (
-        ((0, 1, 3), 3, False) if name == "lfm2" else (config.recurrent_layers, 0, False))
+        ((0, 1, 3), 3, False) if name in ("lfm2", "lfm2_moe") else (config.recurrent_layers, 0, False))
     if name == "lfm2":
         assert (config.attention_layers, config.intermediate_size, config.rms_norm_eps) == ((2,), 224, 1e-5)
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert

@@ -494,6 +494,20 @@ def build_tiny_model(
                "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32, "norm_eps": 1e-5}
         model = Lfm2ForCausalLM(Lfm2Config(**{**lfm, **overrides}))
         _norms_made_to_count(model, 1.0)
+    elif arch == "lfm2_moe":
+        # LFM2's layers with, after one dense MLP, 8 experts of 32, top 2 by sigmoid score +
+        # the expert bias, renormalized, scaled by 2.5; the router and the bias drawn to count
+        from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+        lfm = {**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "num_hidden_layers": 4, "head_dim": 16,
+               "layer_types": ["conv", "conv", "full_attention", "conv"], "norm_eps": 1e-5, "num_dense_layers": 1,
+               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "routed_scaling_factor": 2.5}
+        model = Lfm2MoeForCausalLM(Lfm2MoeConfig(**{**lfm, **overrides}))
+        _norms_made_to_count(model, 1.0)
+        with torch.no_grad():
+            for name, tensor in (*model.named_buffers(), *model.named_parameters()):
+                if name.endswith(("expert_bias", "feed_forward.gate.weight")):
+                    tensor.normal_(0.0, 0.5)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

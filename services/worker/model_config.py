@@ -176,12 +176,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3NextForCausalLM": "llama",
     # LFM2: gated short convolutions (a state of a few tokens a request) between attention layers
     "Lfm2ForCausalLM": "llama",
+    "Lfm2MoeForCausalLM": "llama",  # (LFM2-8B-A1B: sparse MLPs after its first dense ones)
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Hybrids whose other layers are gated short convolutions (models/short_conv.py)
-SHORT_CONVS = ("Lfm2ForCausalLM",)
+SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -246,7 +247,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Lfm2ForCausalLM": "lfm2"}
+                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -363,6 +364,7 @@ class ModelConfig:
     moe_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     moe_norm_min: float = 0.0
+    moe_norm_eps: float = 1e-20  # added to the renormalizing sum (DeepSeek-V3's 1e-20; LFM2-MoE's 1e-6)
     # AFMoE's: the attention's output times sigmoid(gate_proj(x)) of the layer's input x,
     # before o_proj
     attention_gate: bool = False
@@ -960,6 +962,17 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw, mtp_layers=1 if arch == "Glm4MoeLiteForCausalLM" else 0)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
+    if arch == "Lfm2MoeForCausalLM":
+        # After num_dense_layers dense MLPs, experts chosen by sigmoid score plus the block's
+        # expert_bias (where use_expert_bias), weighed by their scores, renormalized (their
+        # sum + 1e-6) where norm_topk_prob says, times routed_scaling_factor; no shared expert
+        num_experts, top_k = raw["num_experts"], raw["num_experts_per_tok"]
+        _check_top_k(top_k, num_experts, "num_experts_per_tok")
+        return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=raw["moe_intermediate_size"],
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                    moe_layers=tuple(range(raw.get("num_dense_layers") or 0, raw["num_hidden_layers"])),
+                    moe_score_correction="sigmoid", moe_correction_bias=bool(raw.get("use_expert_bias", True)),
+                    routed_scaling_factor=float(raw.get("routed_scaling_factor") or 1.0), moe_norm_eps=1e-6)
     if arch == "AfmoeForCausalLM":
         _check_silu_experts(raw)
         num_experts, top_k = raw["num_experts"], raw["num_experts_per_tok"]

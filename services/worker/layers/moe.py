@@ -53,7 +53,7 @@ class CorrectedRouter(Router):
 
     def __init__(self, num_experts: int, hidden_size: int, scoring: str, num_groups: int = 1, topk_groups: int = 1,
                  scaling: float = 1.0, norm_min: float = 0.0, float32: bool = False, corrected: bool = True,
-                 group_by_max: bool = False) -> None:
+                 group_by_max: bool = False, norm_eps: float = 1e-20) -> None:
         # ERNIE's weights stay float32 (transformers' Ernie4_5_MoeTopKRouter keeps them);
         # DeepSeek's take the model's dtype, as transformers casts them (products in float32 all)
         super().__init__(num_experts, hidden_size, float32=float32)
@@ -64,6 +64,7 @@ class CorrectedRouter(Router):
             self.e_score_correction_bias = None
         self.scoring, self.num_groups, self.topk_groups = scoring, num_groups, topk_groups
         self.scaling, self.norm_min, self.group_by_max = scaling, norm_min, group_by_max
+        self.norm_eps = norm_eps  # (added to the renormalizing sum: DeepSeek-V3's 1e-20, LFM2-MoE's 1e-6)
 
     def route(self, x: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
@@ -79,7 +80,7 @@ class CorrectedRouter(Router):
         weights = scores.gather(1, chosen)
         if renormalize:
             total = weights.sum(-1, keepdim=True)
-            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + 1e-20)
+            weights = weights / (total.clamp(min=self.norm_min) if self.norm_min else total + self.norm_eps)
         return (weights * self.scaling if self.scaling != 1.0 else weights).to(x.dtype), chosen
 
 

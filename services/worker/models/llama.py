@@ -33,7 +33,7 @@ from services.worker.models.gpt_oss_weights import gpt_oss_tensors
 from services.worker.models.short_conv import ShortConv
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, ModelConfig
+from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, SHORT_CONVS, ModelConfig
 
 log = logging.getLogger("llmbus.worker")
 
@@ -83,11 +83,13 @@ NAMES_OF = {
     **dict.fromkeys(LINEAR_ATTENTION, {".linear_attn.norm.weight": ".self_attn.norm_weight",
                                        ".linear_attn.": ".self_attn."}),
     # (its final norm is called embedding_norm; its short convolutions are `self_attn` here)
-    "Lfm2ForCausalLM": {"model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
-                        ".ffn_norm.": ".post_attention_layernorm.", ".feed_forward.w1.": ".mlp.gate_proj.",
-                        ".feed_forward.w3.": ".mlp.up_proj.", ".feed_forward.w2.": ".mlp.down_proj.",
-                        ".self_attn.out_proj.": ".self_attn.o_proj.", ".self_attn.q_layernorm.": ".self_attn.q_norm.",
-                        ".self_attn.k_layernorm.": ".self_attn.k_norm.", ".conv.": ".self_attn."},
+    # (its MLPs' w1/w3/w2 read as Mixtral's experts' are, ALIASES)
+    **dict.fromkeys(SHORT_CONVS, {
+        "model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
+        ".ffn_norm.": ".post_attention_layernorm.", ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
+        ".feed_forward.": ".mlp.", ".self_attn.out_proj.": ".self_attn.o_proj.",
+        ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+        ".conv.": ".self_attn."}),
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -327,7 +329,7 @@ class DecoderLayer(nn.Module):
             router = CorrectedRouter(config.num_experts, config.hidden_size, config.moe_score_correction,
                                      config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
                                      config.moe_norm_min, config.moe_router_float32, config.moe_correction_bias,
-                                     config.moe_group_by_max) if config.moe_score_correction else None
+                                     config.moe_group_by_max, config.moe_norm_eps) if config.moe_score_correction else None
             self.mlp = SparseMoE(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                                  config.num_experts_per_tok, config.norm_topk_prob, expert, fused=backend.name == "triton",
                                  topk_softmax=config.moe_topk_softmax,
@@ -497,7 +499,7 @@ class LlamaForCausalLM(nn.Module):
                 name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
             if skipped and name.startswith(skipped):
                 continue  # (GLM-4.5's multi-token-prediction layers: transformers skips them too)
-            if ".experts." in name or ".block_sparse_moe." in name:
+            if ".experts." in name or ".block_sparse_moe." in name or arch in SHORT_CONVS:
                 for theirs, ours in ALIASES.items():
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
