@@ -219,3 +219,44 @@ def test_a_grammar_still_compiling_is_waited_for_not_computed_twice(hybrid, monk
                         use_tqdm=False)
     assert [[t for t in o.outputs[0].token_ids if t != llm.eos_token_id] for o in outs] == \
         hf_constrained(hybrid, spec, prompts)
+
+
+@pytest.mark.parametrize("delta_rule", [False, True])
+@pytest.mark.parametrize("length", [1, 63, 64, 65, 130])
+def test_the_chunked_and_the_stepped_recurrence_equal_it_token_by_token(length, delta_rule):
+    """models/linear_recurrence.py against its definition, a token at a time from a given
+    state: the chunked form (across chunk boundaries) and the vectorized step."""
+    import torch
+
+    from services.worker.models.linear_recurrence import chunked_recurrence, recurrent_step
+
+    g = torch.Generator().manual_seed(length)
+    heads, k_dim, v_dim = 3, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(length, heads, k_dim, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(length, heads, v_dim, generator=g)
+    decay = -torch.rand(length, heads, generator=g) * 0.3
+    beta = torch.rand(length, heads, generator=g) if delta_rule else None
+    start = torch.randn(heads, k_dim, v_dim, generator=g)
+    state, want = start.clone(), []
+    for t in range(length):
+        state = state * decay[t].exp()[:, None, None]
+        delta = v[t] if beta is None else beta[t][:, None] * (v[t] - (state * k[t][..., None]).sum(-2))
+        state = state + k[t][..., None] * delta[:, None, :]
+        want.append((state * q[t][..., None]).sum(-2))
+    out, final = chunked_recurrence(q, k, v, decay, start.clone(), beta)
+    torch.testing.assert_close(out, torch.stack(want), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, state, rtol=1e-4, atol=1e-4)
+    # The last token as a step of two requests (rows 2 and 0 of three): one carrying its
+    # state from the tokens before, the other a first token, from zeros whatever its row holds
+    if length > 1:
+        states = torch.randn(3, heads, k_dim, v_dim, generator=g)
+        states[2] = chunked_recurrence(q[:-1], k[:-1], v[:-1], decay[:-1], start.clone(),
+                                       None if beta is None else beta[:-1])[1]
+        two = lambda x: None if x is None else torch.stack((x[-1], x[-1]))  # noqa: E731
+        stepped = recurrent_step(*(two(x) for x in (q, k, v, decay)), states, torch.tensor([2, 0]),
+                                 torch.tensor([True, False]), two(beta))
+        torch.testing.assert_close(stepped[0], want[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(states[2], state, rtol=1e-4, atol=1e-4)
+        delta = v[-1] if beta is None else beta[-1][:, None] * v[-1]
+        torch.testing.assert_close(stepped[1], (k[-1][..., None] * delta[:, None, :] * q[-1][..., None]).sum(-2),
+                                   rtol=1e-4, atol=1e-4)

@@ -18,7 +18,7 @@ cache.
 Decodes (one token a request) are vectorized over the step's requests with index ops
 only, so a decode step reads nothing on the host and replays from the CUDA-graph buffers;
 a prefill chunk runs a request at a time, its tokens a chunk of 64 at a time in matrix
-products (`chunked_delta_rule`). Computed as transformers' Qwen3_5GatedDeltaNet computes
+products (models/linear_recurrence.py). Computed as transformers' Qwen3_5GatedDeltaNet computes
 it: the recurrence in float32, the state float32, the convolution in the model's dtype.
 """
 
@@ -31,6 +31,7 @@ from torch import nn
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model_config import ModelConfig
 from services.worker.models.causal_conv import causal_conv
+from services.worker.models.linear_recurrence import chunked_recurrence, recurrent_step
 
 
 class GatedDeltaNet(nn.Module):
@@ -73,32 +74,17 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(num_tokens, self.num_v_heads, self.v_dim, dtype=torch.float32, device=hidden.device)
         d = metadata.num_decodes
         if d:
-            out[:d] = self._decodes(q[:d], k[:d], v[:d], decay[:d], beta[:d], recurrent_state,
-                                    metadata.state_rows[:d], metadata.seq_lens[:d] > 1)
+            out[:d] = recurrent_step(q[:d], k[:d], v[:d], decay[:d], recurrent_state, metadata.state_rows[:d],
+                                     metadata.seq_lens[:d] > 1, beta[:d])
         starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
         for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
             first, last = int(starts[r]), int(starts[r + 1])
             row = int(metadata.state_rows_cpu[r])
             carried = int(seq_lens[r]) > last - first  # (it computed tokens before this chunk)
             s = recurrent_state[row] if carried else torch.zeros_like(recurrent_state[row])
-            out[first:last], recurrent_state[row] = chunked_delta_rule(
-                q[first:last], k[first:last], v[first:last], decay[first:last], beta[first:last], s)
+            out[first:last], recurrent_state[row] = chunked_recurrence(
+                q[first:last], k[first:last], v[first:last], decay[first:last], s, beta[first:last])
         return self.out_proj(self._gated_norm(out.to(hidden.dtype), z).reshape(num_tokens, self.value_size))
-
-    @staticmethod
-    def _decodes(q, k, v, decay, beta, recurrent_state, rows, carried) -> torch.Tensor:
-        """One token each of `rows` requests (the step's first rows), vectorized, index ops
-        only (graph-safe); a request's first token (`carried` false) starts from zeros.
-        The recurrence reads the state once (queries and keys together) and writes it
-        once: S~ = a S (a = exp(g), 0 for a first token), delta = beta (v - S~^T k),
-        S' = S~ + k delta^T, o = S'^T q = S~^T q + (q . k) delta."""
-        s = recurrent_state.index_select(0, rows)  # [requests, value heads, k_dim, v_dim]
-        s.mul_((decay.exp() * carried[:, None])[..., None, None])
-        read = torch.stack((k, q), dim=-2) @ s  # [requests, heads, 2, v_dim]: S~^T k and S~^T q
-        delta = (v - read[..., 0, :]) * beta.unsqueeze(-1)
-        s.addcmul_(k.unsqueeze(-1), delta.unsqueeze(-2))
-        recurrent_state.index_copy_(0, rows, s)
-        return read[..., 1, :] + (q * k).sum(-1, keepdim=True) * delta
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[tokens, conv_size] -> queries and keys [tokens, value heads, k_dim] (a key head
@@ -118,49 +104,6 @@ class GatedDeltaNet(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.norm_weight * h.to(out.dtype)
         return (h * F.silu(z.unflatten(-1, (self.num_v_heads, self.v_dim)).float())).to(out.dtype)
-
-
-CHUNK = 64  # tokens a chunk of the prefill's delta rule (matrices of CHUNK x CHUNK per head)
-
-
-def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule over one request's tokens, a chunk at a time in matrix products
-    (the DeltaNet papers' UT transform): q, k [tokens, heads, k_dim], v [tokens, heads,
-    v_dim], decay (log) and beta [tokens, heads], float32, from `state` [heads, k_dim,
-    v_dim]. Returns the outputs [tokens, heads, v_dim] and the final state.
-
-    Within a chunk, with G_t the decay summed from its start to t and S the state before it,
-    the recurrence unrolls to corrections delta = U - W S, where (I + diag(beta) L) U =
-    beta v and (I + diag(beta) L) W = beta exp(G) k, L_ti = exp(G_t - G_i) k_t . k_i for
-    i < t: the tokens' corrections of each other, one triangular solve for every chunk at
-    once. Then, chunk after chunk, o = exp(G) q S + M delta (M_ti = exp(G_t - G_i) q_t . k_i,
-    i <= t) and S <- exp(G_last) S + (exp(G_last - G) k)^T delta."""
-    length = q.shape[0]
-    pad = -length % CHUNK
-    # Padded tokens: no decay (log 0), no step (beta 0), zero key: they change nothing.
-    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unflatten(1, (-1, CHUNK)) for t in (q, k, v))
-    decay, beta = (F.pad(t, (0, 0, 0, pad)).T.unflatten(1, (-1, CHUNK)) for t in (decay, beta))
-    # now [heads, chunks, CHUNK, ...]
-    cumulative = decay.cumsum(-1)
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    gaps = (cumulative.unsqueeze(-1) - cumulative.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-    strict = (k @ k.transpose(-1, -2)) * gaps * beta.unsqueeze(-1)
-    system = torch.eye(CHUNK, device=q.device) + strict.masked_fill(causal.logical_not().logical_or(
-        torch.eye(CHUNK, dtype=torch.bool, device=q.device)), 0.0)
-    rhs = torch.cat((v * beta.unsqueeze(-1), k * (beta * cumulative.exp()).unsqueeze(-1)), dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    u, w = solved.split((v.shape[-1], k.shape[-1]), dim=-1)
-    attend = (q @ k.transpose(-1, -2)) * gaps  # M, i <= t
-    q_decayed = q * cumulative.exp().unsqueeze(-1)
-    k_to_end = k * (cumulative[..., -1:] - cumulative).exp().unsqueeze(-1)
-    chunk_decay = cumulative[..., -1].exp()[..., None, None]
-    out = torch.empty_like(u)
-    for c in range(q.shape[1]):
-        delta = u[:, c] - w[:, c] @ state
-        out[:, c] = q_decayed[:, c] @ state + attend[:, c] @ delta
-        state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ delta
-    return out.flatten(1, 2)[:, :length].transpose(0, 1), state
 
 
 def key_head_grouped_tensors(weights, config: ModelConfig):
