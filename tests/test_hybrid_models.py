@@ -1,7 +1,7 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention; LFM2: short
-convolutions beside it) keep a recurrent state a request in place of KV blocks
-(models/gated_delta_net.py, short_conv.py), a row of it for each request the worker may
-hold. Beyond test_model_families.py's cases (every scheduling mode,
+convolutions beside it; Granite 4.0-H: Mamba2) keep a recurrent state a request in place
+of KV blocks (models/gated_delta_net.py, short_conv.py, mamba2.py), a row of it for each
+request the worker may hold. Beyond test_model_families.py's cases (every scheduling mode,
 the Triton kernels, the graph buffers, logprobs): a row another request left starts from
 zeros, the scheduler keeps within the rows and off the prefix cache (offline and through
 `llmbus serve`), the state is paid out of the KV budget, what such a model cannot do is
@@ -35,11 +35,12 @@ def generate_ids(llm: LLM, prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "granite_hybrid"])
 def test_a_row_another_request_left_starts_from_zeros(tmp_path, arch):
     """Two rows for seven requests: each row serves several in turn, and a one-token prompt
     (computed as a decode) lands on a row a finished request left its state in (the
-    DeltaNet's and the convolutions' state: Qwen3.5's; the convolutions' alone: LFM2's)."""
+    DeltaNet's and the convolutions' state: Qwen3.5's; the convolutions' alone: LFM2's;
+    Mamba2's scan and convolutions: Granite 4.0-H's)."""
     folder = build_tiny_model(tmp_path / arch, arch, seed=2)
     prompts = random_prompts([1, 12, 1, 30, 1, 5, 1], seed=3)
     llm = LLM(str(folder), max_num_seqs=2)
@@ -158,7 +159,7 @@ def test_qwen3_5_checkpoint_serves_its_language_model(tmp_path, arch, text_model
     assert generate_ids(llm, prompts) == want
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense"])
 def test_bfloat16_and_int8_stay_as_close_to_float32_as_transformers_bfloat16(tmp_path, arch):
     """A hybrid's bfloat16 parts from float32's greedy output sooner than a Llama's, in
     transformers too (on these models its own bfloat16 keeps 3 to 12 of 24 tokens), so

@@ -47,7 +47,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "lfm2", "lfm2_moe"]
+            "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid", "granite_hybrid_dense"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -89,7 +89,7 @@ def test_on_triton_attention_under_the_interpreter(family):
                            "ernie4_5_moe": 1, "minimax_m2": 2, "deepseek_v3": 1, "deepseek_v2": 1,
                            "glm4_moe_lite": 1, "mistral4": 1, "flex_olmo": 2, "solar_open": 2, "exaone_moe": 2,
                            "afmoe": 3, "qwen3_5_moe": 4, "qwen3_next": 3,
-                           "lfm2_moe": 3}.get(name, 0)
+                           "lfm2_moe": 3, "granite_hybrid": 4}.get(name, 0)
     assert all(moe.w_gate_up is not None for moe in sparse)  # stacked: fused_moe runs them
     assert generate_ids(llm, prompts, params) == hf_greedy(folder, prompts, 6)
 
@@ -139,17 +139,18 @@ def test_what_each_family_reads_from_its_config(family):
                                  "deepseek_v3": (1,), "deepseek_v2": (1,), "glm4_moe_lite": (0,),
                                  "mistral4": (1,), "flex_olmo": (0, 1), "solar_open": (0, 1),
                                  "exaone_moe": (1, 3), "afmoe": (1, 2, 3), "qwen3_5_moe": (0, 1, 2, 3),
-                                 "qwen3_next": (0, 2, 3), "lfm2_moe": (1, 2, 3)}.get(name, ())
+                                 "qwen3_next": (0, 2, 3), "lfm2_moe": (1, 2, 3),
+                                 "granite_hybrid": (0, 1, 2, 3)}.get(name, ())
     assert config.norm_topk_prob == (name in ("mixtral", "qwen3_moe", "granite_moe", "gpt_oss", "glm4_moe", "hunyuan_moe",
                                                  "ernie4_5_moe", "minimax_m2", "deepseek_v3", "glm4_moe_lite",
                                                  "mistral4", "solar_open", "exaone_moe", "afmoe", "qwen3_5_moe",
-                                                 "qwen3_next", "lfm2_moe"))  # (OLMoE's, FlexOlmo's: off)
+                                                 "qwen3_next", "lfm2_moe", "granite_hybrid"))  # (OLMoE's, FlexOlmo's: off)
     assert config.shared_expert_intermediate_size == {"qwen2_moe": 64, "glm4_moe": 64, "dots1": 32,
                                                           "hunyuan_moe": 64, "ernie4_5_moe": 32,
                                                           "deepseek_v3": 32, "deepseek_v2": 64, "glm4_moe_lite": 32,
                                                           "mistral4": 32, "solar_open": 32, "exaone_moe": 32,
                                                           "afmoe": 32, "qwen3_5_moe": 64,
-                                                          "qwen3_next": 64}.get(name, 0)  # (GLM's: 2 of 32)
+                                                          "qwen3_next": 64, "granite_hybrid": 64}.get(name, 0)  # (GLM's: 2 of 32)
     # GLM-4.5 and dots.llm1: DeepSeek-V3's router (4 groups, the best 2 kept, scaled), the
     # shared experts unweighed; GLM's multi-token-prediction layer skipped
     assert (config.moe_score_correction, config.moe_num_groups, config.moe_topk_groups, config.routed_scaling_factor,
@@ -159,18 +160,21 @@ def test_what_each_family_reads_from_its_config(family):
         "glm4_moe_lite": ("sigmoid", 4, 2, 1.8, False, 1), "mistral4": ("softmax", 4, 2, 1.5, False, 0),
         "solar_open": ("sigmoid", 4, 2, 2.5, False, 0), "exaone_moe": ("sigmoid", 4, 2, 2.5, False, 0),
         "afmoe": ("sigmoid", 1, 1, 2.5, False, 0), "lfm2_moe": ("sigmoid", 1, 1, 2.5, True, 0),
+        "granite_hybrid": ("", 1, 1, 1.0, False, 0),
         "hunyuan_moe": ("", 1, 1, 1.0, False, 0),
         "ernie4_5_moe": ("softmax", 1, 1, 1.0, False, 0),
         "minimax_m2": ("sigmoid", 1, 1, 1.0, True, 0)}.get(name, ("", 1, 1, 1.0, True, 0))
-    assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss"))
+    assert config.moe_topk_softmax == (name in ("granite_moe", "gpt_oss", "granite_hybrid"))
     # gpt-oss: biased router and experts, their clamped SwiGLU, and the attention's sinks
     assert (config.attention_sinks, config.moe_bias, config.swiglu_alpha, config.swiglu_limit) == (
         (True, True, 1.702, 1.0) if name == "gpt_oss" else (False, False, 0.0, 0.0))
     assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "exaone_moe": (3,), "afmoe": (3,), "cohere2": (3,),
                                   "gpt2": (0, 1),
-                                  "opt": (0, 1)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
+                                  "opt": (0, 1), "granite_hybrid": (0, 1, 2, 3),
+                                  "granite_hybrid_dense": (0, 1, 2, 3)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
-    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
+    scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5),
+               "granite_hybrid": (3.0, 0.6, 0.2, 2.5), "granite_hybrid_dense": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
                "vaultgemma": (8.0, 1.0, 24**-0.5, 1.0), "afmoe": (8.0, 1.0, None, 1.0),  # (muP: sqrt(64))
                "gemma3": (8.0, 1.0, 24**-0.5, 1.0), "cohere": (1.0, 1.0, None, 2.0),
                "cohere2": (1.0, 1.0, None, 2.0),  # (Cohere's logit_scale 0.5)
@@ -235,14 +239,24 @@ def test_what_each_family_reads_from_its_config(family):
         assert (config.rope_theta, config.rope_scaling["rope_type"]) == (500.0, "yarn")
     assert (config.num_experts, config.num_experts_per_tok) == (
         (8, 2) if "moe" in name or name in ("mixtral", "gpt_oss", "dots1", "minimax_m2", "deepseek_v3", "deepseek_v2",
-                                            "mistral4", "solar_open", "exaone_moe", "afmoe", "qwen3_next")
+                                            "mistral4", "solar_open", "exaone_moe", "afmoe", "qwen3_next",
+                                            "granite_hybrid")
         else (7, 5) if name == "flex_olmo" else (0, 0))
     hybrid = name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
     assert config.attention_gate == (name == "afmoe" or hybrid)  # (AFMoE's and Qwen3.5's gated attention output)
     # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
-        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((0, 1, 3) if "lfm2" in name else (), 0, 0, 0, 0, 0))
+        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else
+        ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name else (), 0, 0, 0, 0, 0))
+    # Granite 4.0-H's Mamba2: 8 heads of 16 over a state of 16, 2 groups, 4 wide (its MLP
+    # the shared one's 64 where it has no experts)
+    assert (config.recurrent_mixer, config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size,
+            config.mamba_num_groups, config.mamba_conv_kernel, config.mamba_conv_bias, config.mamba_dt_limit) == (
+        ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name else
+        ("gated_delta_net" if hybrid else "short_conv" if "lfm2" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
+    if name == "granite_hybrid_dense":
+        assert config.intermediate_size == 64
     if hybrid:
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
@@ -756,10 +770,10 @@ def _prefix_agreement(outputs, reference) -> float:
     return sum(common(out, ref) for out, ref in zip(outputs, reference)) / len(reference)
 
 
-# (the hybrids' delta rule carries a rounding through every later token: transformers' own
-# bfloat16 parts from its float32 sooner than a Llama's, so they are held to that instead,
-# tests/test_hybrid_models.py)
-HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# (the recurrent state of Qwen3.5's and Granite 4.0-H's hybrids carries a rounding through
+# every later token: transformers' own bfloat16 parts from its float32 sooner than a
+# Llama's, so they are held to that instead, tests/test_hybrid_models.py)
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense")
 
 
 @pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in HYBRIDS])

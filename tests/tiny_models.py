@@ -508,6 +508,30 @@ def build_tiny_model(
             for name, tensor in (*model.named_buffers(), *model.named_parameters()):
                 if name.endswith(("expert_bias", "feed_forward.gate.weight")):
                     tensor.normal_(0.0, 0.5)
+    elif arch in ("granite_hybrid", "granite_hybrid_dense"):
+        # Granite 4.0-H: Mamba2 on layers 0, 1 and 3 (8 heads of 16 at hidden 64, over a state of 16, B and
+        # C in 2 groups, a convolution 4 wide), attention without positions on 2; Granite's
+        # scalars; 8 experts of 32, top 2, beside a shared MLP of 64 (the dense one: that
+        # MLP alone, H-Micro's); decays slow enough that the state counts, the router, the
+        # skip D and the norms drawn to count
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        head_dim = common["hidden_size"] // common["num_attention_heads"]
+        granite = {**common, "embedding_multiplier": 3.0, "residual_multiplier": 0.6,
+                   "attention_multiplier": 0.8 / head_dim**0.5, "logits_scaling": 2.5, "num_hidden_layers": 4,
+                   "layer_types": ["mamba", "mamba", "attention", "mamba"], "mamba_n_heads": 8,
+                   "mamba_d_head": 2 * common["hidden_size"] // 8,
+                   "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_expand": 2,
+                   "num_local_experts": 0 if arch == "granite_hybrid_dense" else 8, "num_experts_per_tok": 2,
+                   "intermediate_size": 32, "shared_intermediate_size": 64, **overrides}
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**granite))
+        _norms_made_to_count(model, 1.0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("A_log"):
+                    param.uniform_(math.log(0.005), math.log(0.5))
+                elif name.endswith(("dt_bias", "mamba.D", "router.layer.weight")):
+                    param.normal_(0.0, 1.0)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

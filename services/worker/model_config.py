@@ -177,12 +177,17 @@ SUPPORTED_ARCHITECTURES = {
     # LFM2: gated short convolutions (a state of a few tokens a request) between attention layers
     "Lfm2ForCausalLM": "llama",
     "Lfm2MoeForCausalLM": "llama",  # (LFM2-8B-A1B: sparse MLPs after its first dense ones)
+    # Granite 4.0-H: Mamba2 layers between attention layers without positions, Granite's
+    # scalars, GraniteMoe's experts beside a shared MLP (or that MLP alone: H-Micro)
+    "GraniteMoeHybridForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Hybrids whose other layers are gated short convolutions (models/short_conv.py)
 SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+# Hybrids whose other layers are Mamba2's selective state spaces (models/mamba2.py)
+MAMBAS = ("GraniteMoeHybridForCausalLM",)
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -199,7 +204,7 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
                 "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
-                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, *SHORT_CONVS)
+                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, *SHORT_CONVS, *MAMBAS)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -247,7 +252,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe"}
+                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
+                          "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -439,10 +445,12 @@ class ModelConfig:
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
     # Hybrids: the layers whose token mixer keeps a recurrent state a request in place of a
-    # KV cache: Qwen3.5's Gated DeltaNet (linear attention: models/gated_delta_net.py; its
-    # key and value heads and the width of its causal convolution below), or, where
-    # short_conv_kernel is set, LFM2's gated short convolution (models/short_conv.py)
+    # KV cache, and which mixer: "gated_delta_net" (Qwen3.5's linear attention:
+    # models/gated_delta_net.py; its key and value heads and the width of its causal
+    # convolution below), "short_conv" (LFM2's: models/short_conv.py) or "mamba2"
+    # (Granite 4.0-H's: models/mamba2.py)
     recurrent_layers: tuple[int, ...] = ()
+    recurrent_mixer: str = ""
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -450,6 +458,16 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 0
     short_conv_kernel: int = 0
     short_conv_bias: bool = False
+    # Mamba2's: heads of head_dim over a state of state_size, B and C shared by groups of
+    # heads, its convolution's width, biases, and the limits its time steps are clamped to
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_num_groups: int = 1
+    mamba_conv_kernel: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -472,7 +490,7 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise ValueError(f"{folder} is not a model folder: it has no config.json")
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(), object_hook=_tagged_float)
         fp8_block = fp8_weight_block(raw)  # (any other quantized checkpoint refused here, by its method)
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)
         if multimodal is not None:
@@ -498,6 +516,8 @@ class ModelConfig:
             raw = {**raw, "intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"]}
         if arch in SHORT_CONVS:
             raw = _lfm2(raw)
+        if arch in MAMBAS and not raw.get("num_local_experts"):  # (dense: its shared MLP is the MLP)
+            raw = {**raw, "intermediate_size": raw["shared_intermediate_size"]}
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
@@ -621,7 +641,37 @@ class ModelConfig:
             **_query_scale_fields(arch, beta, rope),
             **_linear_attention_fields(arch, raw),
             **_short_conv_fields(arch, raw),
+            **_mamba_fields(arch, raw),
         )
+
+
+def _mamba_fields(arch: str, raw: dict) -> dict:
+    """Granite 4.0-H's hybrid layers (transformers' GraniteMoeHybridConfig, defaults filled
+    in, its layer_types standardized: "mamba" read as linear_attention): Mamba2 mixers
+    where linear_attention, attention elsewhere."""
+    if arch not in MAMBAS:
+        return {}
+    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
+    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name mamba or attention for each of {num_layers} layers")
+    heads, head_dim, groups = raw["mamba_n_heads"], raw["mamba_d_head"], raw["mamba_n_groups"]
+    if heads * head_dim != raw["mamba_expand"] * raw["hidden_size"] or heads % groups or raw["mamba_d_conv"] < 2:
+        raise ValueError(f"unsupported Mamba2 dims: {heads} heads of {head_dim} (mamba_expand * hidden_size "
+                         f"{raw['mamba_expand'] * raw['hidden_size']}), {groups} groups, a convolution "
+                         f"{raw['mamba_d_conv']} wide")
+    limit = tuple(float(x) for x in (raw.get("time_step_limit") or (0.0, math.inf)))
+    return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                recurrent_mixer="mamba2", mamba_num_heads=heads, mamba_head_dim=head_dim,
+                mamba_state_size=raw["mamba_d_state"], mamba_num_groups=groups, mamba_conv_kernel=raw["mamba_d_conv"],
+                mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
+                mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)), mamba_dt_limit=limit)
+
+
+def _tagged_float(obj: dict):
+    """transformers 5 writes the floats JSON has no literal for as {"__float__": "Infinity"}
+    (Granite 4.0-H's time_step_limit), and reads them back so."""
+    tag = obj.get("__float__") if len(obj) == 1 else None
+    return {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(tag, obj) if isinstance(tag, str) else obj
 
 
 def _lfm2(raw: dict) -> dict:
@@ -649,7 +699,8 @@ def _short_conv_fields(arch: str, raw: dict) -> dict:
     if raw["conv_L_cache"] < 2:
         raise ValueError(f"unsupported conv_L_cache {raw['conv_L_cache']}: a convolution at least 2 wide")
     return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"),
-                short_conv_kernel=int(raw["conv_L_cache"]), short_conv_bias=bool(raw.get("conv_bias")))
+                recurrent_mixer="short_conv", short_conv_kernel=int(raw["conv_L_cache"]),
+                short_conv_bias=bool(raw.get("conv_bias")))
 
 
 def _linear_attention_fields(arch: str, raw: dict) -> dict:
@@ -673,6 +724,7 @@ def _linear_attention_fields(arch: str, raw: dict) -> dict:
     if raw.get("attention_bias"):  # (q_proj's bias would be split between queries and gates)
         raise ValueError(f"unsupported attention_bias true for {arch}: attention without biases only")
     return dict(fields, recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+                recurrent_mixer="gated_delta_net",
                 norm_weight_offset=1.0)
 
 
@@ -797,6 +849,8 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
         return tuple(range(raw["num_hidden_layers"]))
     if arch in EXAONES and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
+    if arch in MAMBAS and raw.get("position_embedding_type") != "rope":  # (Granite 4.0-H's attention: NoPE)
+        return tuple(range(raw["num_hidden_layers"]))
     if arch == "AfmoeForCausalLM":  # only a windowed layer rotates, window or not
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch == "Cohere2ForCausalLM":  # only a windowed layer rotates: without a window, none
@@ -920,7 +974,7 @@ def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
 
 
 def _granite_fields(arch: str, raw: dict) -> dict:
-    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM"):
+    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM", *MAMBAS):
         return {}
     fields = dict(embedding_multiplier=raw.get("embedding_multiplier", 1.0),
                   residual_multiplier=raw.get("residual_multiplier", 1.0),
@@ -962,6 +1016,11 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw, mtp_layers=1 if arch == "Glm4MoeLiteForCausalLM" else 0)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
+    if arch in MAMBAS:  # GraniteMoe's experts (where it has any) beside its shared MLP, unweighed
+        if not raw.get("num_local_experts"):
+            return {}
+        return dict(_moe_fields("GraniteMoeForCausalLM", raw), shared_expert_intermediate_size=raw["shared_intermediate_size"],
+                    shared_expert_gated=False)
     if arch == "Lfm2MoeForCausalLM":
         # After num_dense_layers dense MLPs, experts chosen by sigmoid score plus the block's
         # expert_bias (where use_expert_bias), weighed by their scores, renormalized (their

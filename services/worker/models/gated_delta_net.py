@@ -31,7 +31,7 @@ from torch import nn
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.model_config import ModelConfig
 from services.worker.models.causal_conv import causal_conv
-from services.worker.models.linear_recurrence import chunked_recurrence, recurrent_step
+from services.worker.models.linear_recurrence import linear_recurrence
 
 
 class GatedDeltaNet(nn.Module):
@@ -71,19 +71,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(hidden)).float()
         # (in float32 whatever the model's dtype, as transformers: A_log's exp would overflow float16)
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
-        out = torch.empty(num_tokens, self.num_v_heads, self.v_dim, dtype=torch.float32, device=hidden.device)
-        d = metadata.num_decodes
-        if d:
-            out[:d] = recurrent_step(q[:d], k[:d], v[:d], decay[:d], recurrent_state, metadata.state_rows[:d],
-                                     metadata.seq_lens[:d] > 1, beta[:d])
-        starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
-            first, last = int(starts[r]), int(starts[r + 1])
-            row = int(metadata.state_rows_cpu[r])
-            carried = int(seq_lens[r]) > last - first  # (it computed tokens before this chunk)
-            s = recurrent_state[row] if carried else torch.zeros_like(recurrent_state[row])
-            out[first:last], recurrent_state[row] = chunked_recurrence(
-                q[first:last], k[first:last], v[first:last], decay[first:last], s, beta[first:last])
+        out = linear_recurrence(q, k, v, decay, recurrent_state, metadata, beta)
         return self.out_proj(self._gated_norm(out.to(hidden.dtype), z).reshape(num_tokens, self.value_size))
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.worker.attention.metadata import AttentionMetadata
+
 CHUNK = 64  # tokens a chunk of a prefill (matrices of CHUNK x CHUNK per head)
+
+
+def linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,
+                      metadata: AttentionMetadata, beta: torch.Tensor | None = None) -> torch.Tensor:
+    """A step's tokens ([tokens, heads, ...] as `chunked_recurrence`'s, float32), each
+    request's from its row of `state` [rows, heads, k_dim, v_dim] (`metadata.state_rows`;
+    from zeros at its first token), the rows updated: the decodes (the first rows) at
+    once, each prefill chunk in chunks. Returns the outputs [tokens, heads, v_dim]."""
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    d = metadata.num_decodes
+    if d:
+        out[:d] = recurrent_step(q[:d], k[:d], v[:d], decay[:d], state, metadata.state_rows[:d],
+                                 metadata.seq_lens[:d] > 1, None if beta is None else beta[:d])
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
+        first, last = int(starts[r]), int(starts[r + 1])
+        row = int(metadata.state_rows_cpu[r])
+        start = state[row] if int(seq_lens[r]) > last - first else torch.zeros_like(state[row])
+        out[first:last], state[row] = chunked_recurrence(q[first:last], k[first:last], v[first:last],
+                                                         decay[first:last], start,
+                                                         None if beta is None else beta[first:last])
+    return out
 
 
 def chunked_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, state: torch.Tensor,

@@ -30,10 +30,11 @@ from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.models.gated_delta_net import GatedDeltaNet, key_head_grouped_tensors
 from services.worker.models.gpt_oss_weights import gpt_oss_tensors
+from services.worker.models.mamba2 import Mamba2Mixer
 from services.worker.models.short_conv import ShortConv
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, SHORT_CONVS, ModelConfig
+from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, MAMBAS, SHORT_CONVS, ModelConfig
 
 log = logging.getLogger("llmbus.worker")
 
@@ -90,6 +91,8 @@ NAMES_OF = {
         ".feed_forward.": ".mlp.", ".self_attn.out_proj.": ".self_attn.o_proj.",
         ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
         ".conv.": ".self_attn."}),
+    # (its shared MLP: granite_hybrid_tensors)
+    **dict.fromkeys(MAMBAS, {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn."}),
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -104,6 +107,10 @@ STACKED_OUT_IN = ("Mistral4ForCausalLM",)
 # Checkpoint tensors a family holds beside its model that transformers leaves unread
 # (EXAONE MoE's multi-token-prediction module)
 UNREAD_PREFIXES = {"ExaoneMoeForCausalLM": ("mtp.",), **dict.fromkeys(LINEAR_ATTENTION, ("mtp.",))}
+
+
+# A hybrid's token mixers with a state a request in place of attention (ModelConfig.recurrent_mixer)
+RECURRENT_MIXERS = {"gated_delta_net": GatedDeltaNet, "short_conv": ShortConv, "mamba2": Mamba2Mixer}
 
 
 def triton_elementwise(backend: AttentionBackend) -> bool:
@@ -308,7 +315,7 @@ class DecoderLayer(nn.Module):
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
         if index in config.recurrent_layers:  # a hybrid's token mixer with a state in place of a KV cache
-            self.self_attn = ShortConv(config) if config.short_conv_kernel else GatedDeltaNet(config)
+            self.self_attn = RECURRENT_MIXERS[config.recurrent_mixer](config)
         else:
             self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
                 else Attention(config, rotary, backend, triton, window)
@@ -484,6 +491,8 @@ class LlamaForCausalLM(nn.Module):
             weights = gated_query_tensors(weights, heads, self.config.head_dim)
         if arch == "Qwen3NextForCausalLM":
             weights = key_head_grouped_tensors(weights, self.config)
+        if arch in MAMBAS:
+            weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
@@ -589,10 +598,23 @@ class LlamaForCausalLM(nn.Module):
             # (a sparse MLP's output is its experts' weighed sum: each expert's down_proj takes it)
             downs = [e.down_proj for e in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert]))] \
                 if isinstance(layer.mlp, SparseMoE) else [layer.mlp.down_proj]
-            for linear in (layer.self_attn.o_proj, *downs):
+            # (a hybrid's recurrent mixers end in out_proj)
+            output = layer.self_attn.o_proj if hasattr(layer.self_attn, "o_proj") else layer.self_attn.out_proj
+            for linear in (output, *downs):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
                     linear.bias.mul_(multiplier)
+
+
+def granite_hybrid_tensors(weights: Iterable[tuple[str, torch.Tensor]],
+                           moe: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    """Granite 4.0-H's shared MLP (`shared_mlp.input_linear`, gate and up rows fused as
+    ours are; `output_linear`): its experts' shared expert, or, without experts (H-Micro),
+    the layer's MLP itself."""
+    prefix = ".mlp.shared_expert." if moe else ".mlp."
+    for name, tensor in weights:
+        name = name.replace(".shared_mlp.input_linear.", prefix + "gate_up_proj.")
+        yield name.replace(".shared_mlp.output_linear.", prefix + "down_proj."), tensor
 
 
 def gated_query_tensors(weights: Iterable[tuple[str, torch.Tensor]], heads: int,
