@@ -57,7 +57,7 @@ class Scheduler:
         recurrent_rows: int = 0,  # a hybrid model's: the requests its worker's recurrent state holds (0: none)
     ) -> None:
         if recurrent_rows:
-            # A linear-attention layer's state is a request's whole past folded into one row,
+            # A recurrent layer's state is a request's whole past folded into one row,
             # which a cached prefix cannot restore: every request computes from its first
             # token (vLLM turns the prefix cache off for such models too), and no more run at
             # once than the worker has rows for.

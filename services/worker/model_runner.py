@@ -12,8 +12,8 @@ next step can be launched in between and read those tokens on the device
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import operator
 import os
 import time
@@ -102,10 +102,10 @@ class ModelRunner:
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (models/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
-        # A hybrid's recurrent layers (linear attention, short convolutions) keep a state a
-        # request in place of KV blocks (models/gated_delta_net.py, short_conv.py): a row
-        # for each request it may hold at once, found by the request's block-table row, and
-        # one more, where a decode graph's pads write.
+        # A hybrid's recurrent layers (linear attention, short convolutions, Mamba2) keep a
+        # state a request in place of KV blocks (models/gated_delta_net.py, short_conv.py,
+        # mamba2.py): a row for each request it may hold at once, found by the request's
+        # block-table row, and one more, where a decode graph's pads write.
         self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
