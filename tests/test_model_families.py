@@ -47,7 +47,8 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid", "granite_hybrid_dense"]
+            "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid", "granite_hybrid_dense",
+            "bamba"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -248,15 +249,17 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
         ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else
-        ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name else (), 0, 0, 0, 0, 0))
+        ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name or name == "bamba" else (), 0, 0, 0, 0, 0))
     # Granite 4.0-H's Mamba2: 8 heads of 16 over a state of 16, 2 groups, 4 wide (its MLP
     # the shared one's 64 where it has no experts)
     assert (config.recurrent_mixer, config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size,
             config.mamba_num_groups, config.mamba_conv_kernel, config.mamba_conv_bias, config.mamba_dt_limit) == (
-        ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name else
+        ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name or name == "bamba" else
         ("gated_delta_net" if hybrid else "short_conv" if "lfm2" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
     if name == "granite_hybrid_dense":
         assert config.intermediate_size == 64
+    if name == "bamba":  # (its attention rotating half of each head)
+        assert (config.attention_layers, config.rotary_dim) == ((2,), 8)
     if hybrid:
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
@@ -773,7 +776,7 @@ def _prefix_agreement(outputs, reference) -> float:
 # (the recurrent state of Qwen3.5's and Granite 4.0-H's hybrids carries a rounding through
 # every later token: transformers' own bfloat16 parts from its float32 sooner than a
 # Llama's, so they are held to that instead, tests/test_hybrid_models.py)
-HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense")
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense", "bamba")
 
 
 @pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in HYBRIDS])

@@ -438,13 +438,12 @@ def build_tiny_model(
     elif arch in ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next"):
         # Qwen3.5's hybrid: three Gated DeltaNet layers then one of full attention (its
         # heads gated, a quarter of each head rotating); two key heads serving four value
-        # heads; the 1 + w norms and the DeltaNet's gated norm (w) drawn to count; decays
-        # slow enough (A from 0.005 to 0.5, where transformers draws up to 16) that a
-        # state carried over tens of tokens still counts. qwen3_5_vl: the same language
-        # model as Qwen3.5's checkpoints ship it, behind a vision tower (MRoPE's sections).
+        # heads; the 1 + w norms and the DeltaNet's gated norm (w) drawn to count, its decays
+        # slow (_recurrent_parameters_made_to_count). qwen3_5_vl: the same language model as
+        # Qwen3.5's checkpoints ship it, behind a vision tower (MRoPE's sections).
         # qwen3_5_moe: every MLP sparse, 8 experts of 32, top 2 renormalized, a gated shared
-        # expert of 64; qwen3_next: its
-        # DeltaNet's products grouped by key head in the checkpoint, layer 1 dense (mlp_only_layers)
+        # expert of 64; qwen3_next: its DeltaNet's products grouped by key head in the
+        # checkpoint, layer 1 dense (mlp_only_layers)
         from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeConfig,
                                   Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig,
                                   Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
@@ -473,16 +472,9 @@ def build_tiny_model(
                                        tie_word_embeddings=common["tie_word_embeddings"]))
         with torch.no_grad():
             for name, param in model.named_parameters():
-                if "visual" in name:
-                    continue
-                if name.endswith("norm.weight"):
+                if name.endswith("norm.weight") and "visual" not in name:
                     param.normal_(1.0 if ".linear_attn." in name else 0.0, 0.3)
-                elif name.endswith("dt_bias"):
-                    param.normal_(0.0, 1.0)
-                elif name.endswith("A_log"):
-                    param.uniform_(math.log(0.005), math.log(0.5))
-                elif name.endswith("mlp.gate.weight"):  # (transformers starts the router at zero)
-                    param.normal_(0.0, 0.5)
+        _recurrent_parameters_made_to_count(model, ("mlp.gate.weight",))  # (transformers starts the router at zero)
     elif arch == "lfm2":
         # LFM2's hybrid: short convolutions (3 wide) on layers 0, 1 and 3, full attention on
         # 2 (q/k norms); its MLP's size from intermediate_size as LFM2's class adjusts it
@@ -512,26 +504,28 @@ def build_tiny_model(
         # Granite 4.0-H: Mamba2 on layers 0, 1 and 3 (8 heads of 16 at hidden 64, over a state of 16, B and
         # C in 2 groups, a convolution 4 wide), attention without positions on 2; Granite's
         # scalars; 8 experts of 32, top 2, beside a shared MLP of 64 (the dense one: that
-        # MLP alone, H-Micro's); decays slow enough that the state counts, the router, the
-        # skip D and the norms drawn to count
+        # MLP alone, H-Micro's); the norms, the router and the mixers' parameters drawn to count
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
         head_dim = common["hidden_size"] // common["num_attention_heads"]
         granite = {**common, "embedding_multiplier": 3.0, "residual_multiplier": 0.6,
                    "attention_multiplier": 0.8 / head_dim**0.5, "logits_scaling": 2.5, "num_hidden_layers": 4,
-                   "layer_types": ["mamba", "mamba", "attention", "mamba"], "mamba_n_heads": 8,
-                   "mamba_d_head": 2 * common["hidden_size"] // 8,
-                   "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_expand": 2,
+                   "layer_types": ["mamba", "mamba", "attention", "mamba"], **_tiny_mamba2(common),
                    "num_local_experts": 0 if arch == "granite_hybrid_dense" else 8, "num_experts_per_tok": 2,
                    "intermediate_size": 32, "shared_intermediate_size": 64, **overrides}
         model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**granite))
         _norms_made_to_count(model, 1.0)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("A_log"):
-                    param.uniform_(math.log(0.005), math.log(0.5))
-                elif name.endswith(("dt_bias", "mamba.D", "router.layer.weight")):
-                    param.normal_(0.0, 1.0)
+        _recurrent_parameters_made_to_count(model, ("router.layer.weight",))
+    elif arch == "bamba":
+        # Bamba: Mamba2 on layers 0, 1 and 3 (as Granite 4.0-H's), rotating attention on 2 (half
+        # of each head), each layer with a Llama MLP; the norms and the mixers' parameters
+        # drawn to count
+        from transformers import BambaConfig, BambaForCausalLM
+
+        bamba = {**common, "num_hidden_layers": 4, "attn_layer_indices": [2], **_tiny_mamba2(common), **overrides}
+        model = BambaForCausalLM(BambaConfig(**bamba))
+        _norms_made_to_count(model, 1.0)
+        _recurrent_parameters_made_to_count(model)
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count
@@ -754,6 +748,26 @@ def _router_bias_and_qk_norms_made_to_count(model, bias_std: float) -> None:
                 tensor.normal_(0.0, bias_std)
             elif name.endswith(("q_norm.weight", "k_norm.weight", "q_a_layernorm.weight", "kv_a_layernorm.weight")):
                 tensor.normal_(1.0, 0.3)
+
+
+def _tiny_mamba2(common: dict) -> dict:
+    """A Mamba2 mixer's config at the tiny shape: 8 heads over a state of 16 (of 16 dims at
+    hidden 64), B and C in 2 groups, a convolution 4 wide."""
+    return {"mamba_n_heads": 8, "mamba_d_head": 2 * common["hidden_size"] // 8, "mamba_d_state": 16,
+            "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_expand": 2}
+
+
+def _recurrent_parameters_made_to_count(model, drawn: tuple[str, ...] = ()) -> None:
+    """A recurrent mixer's decays slow enough (A from 0.005 to 0.5, where transformers draws
+    up to 16) that a state carried over tens of tokens still counts; its time-step bias,
+    Mamba2's skip D, and the `drawn` parameters (a router starting at zero) off their
+    starts, so one the engine dropped would show."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(math.log(0.005), math.log(0.5))
+            elif name.endswith(("dt_bias", "mamba.D", *drawn)):
+                param.normal_(0.0, 1.0)
 
 
 def _norms_made_to_count(model, start: float) -> None:

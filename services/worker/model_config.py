@@ -180,6 +180,7 @@ SUPPORTED_ARCHITECTURES = {
     # Granite 4.0-H: Mamba2 layers between attention layers without positions, Granite's
     # scalars, GraniteMoe's experts beside a shared MLP (or that MLP alone: H-Micro)
     "GraniteMoeHybridForCausalLM": "llama",
+    "BambaForCausalLM": "llama",  # (Bamba-9B: Mamba2 layers and rotating attention ones, each with a Llama MLP)
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
@@ -187,7 +188,8 @@ LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextFor
 # Hybrids whose other layers are gated short convolutions (models/short_conv.py)
 SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Hybrids whose other layers are Mamba2's selective state spaces (models/mamba2.py)
-MAMBAS = ("GraniteMoeHybridForCausalLM",)
+GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
+MAMBAS = (GRANITE_HYBRID, "BambaForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -253,7 +255,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
                           "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
-                          "GraniteMoeHybridForCausalLM": "granitemoehybrid"}
+                          "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -516,7 +518,7 @@ class ModelConfig:
             raw = {**raw, "intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"]}
         if arch in SHORT_CONVS:
             raw = _lfm2(raw)
-        if arch in MAMBAS and not raw.get("num_local_experts"):  # (dense: its shared MLP is the MLP)
+        if arch == GRANITE_HYBRID and not raw.get("num_local_experts"):  # (dense: its shared MLP is the MLP)
             raw = {**raw, "intermediate_size": raw["shared_intermediate_size"]}
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
@@ -646,12 +648,16 @@ class ModelConfig:
 
 
 def _mamba_fields(arch: str, raw: dict) -> dict:
-    """Granite 4.0-H's hybrid layers (transformers' GraniteMoeHybridConfig, defaults filled
-    in, its layer_types standardized: "mamba" read as linear_attention): Mamba2 mixers
-    where linear_attention, attention elsewhere."""
+    """Granite 4.0-H's and Bamba's hybrid layers (transformers' GraniteMoeHybridConfig,
+    BambaConfig, defaults filled in, layer_types standardized: "mamba" read as
+    linear_attention; Bamba's from attn_layer_indices): Mamba2 mixers where
+    linear_attention, attention elsewhere."""
     if arch not in MAMBAS:
         return {}
-    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
+    num_layers = raw["num_hidden_layers"]
+    attending = set(raw.get("attn_layer_indices") or ())
+    kinds = raw.get("layer_types") or ["full_attention" if i in attending else "linear_attention"
+                                       for i in range(num_layers)]
     if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
         raise ValueError(f"layer_types must name mamba or attention for each of {num_layers} layers")
     heads, head_dim, groups = raw["mamba_n_heads"], raw["mamba_d_head"], raw["mamba_n_groups"]
@@ -849,7 +855,7 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
         return tuple(range(raw["num_hidden_layers"]))
     if arch in EXAONES and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
-    if arch in MAMBAS and raw.get("position_embedding_type") != "rope":  # (Granite 4.0-H's attention: NoPE)
+    if arch == GRANITE_HYBRID and raw.get("position_embedding_type") != "rope":  # (Granite 4.0-H's attention: NoPE)
         return tuple(range(raw["num_hidden_layers"]))
     if arch == "AfmoeForCausalLM":  # only a windowed layer rotates, window or not
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
@@ -974,7 +980,7 @@ def _windowed_gemma_fields(raw: dict, pattern: int) -> dict:
 
 
 def _granite_fields(arch: str, raw: dict) -> dict:
-    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM", *MAMBAS):
+    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM", GRANITE_HYBRID):
         return {}
     fields = dict(embedding_multiplier=raw.get("embedding_multiplier", 1.0),
                   residual_multiplier=raw.get("residual_multiplier", 1.0),
@@ -1016,7 +1022,7 @@ def _moe_fields(arch: str, raw: dict) -> dict:
         return _deepseek_v3_moe_fields(raw, mtp_layers=1 if arch == "Glm4MoeLiteForCausalLM" else 0)
     if arch == "DeepseekV2ForCausalLM":
         return _deepseek_v2_moe_fields(raw)
-    if arch in MAMBAS:  # GraniteMoe's experts (where it has any) beside its shared MLP, unweighed
+    if arch == GRANITE_HYBRID:  # GraniteMoe's experts (where it has any) beside its shared MLP, unweighed
         if not raw.get("num_local_experts"):
             return {}
         return dict(_moe_fields("GraniteMoeForCausalLM", raw), shared_expert_intermediate_size=raw["shared_intermediate_size"],

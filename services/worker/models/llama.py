@@ -34,7 +34,8 @@ from services.worker.models.mamba2 import Mamba2Mixer
 from services.worker.models.short_conv import ShortConv
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import DEEPSEEK_V3_MOES, HUNYUANS, LINEAR_ATTENTION, MAMBAS, SHORT_CONVS, ModelConfig
+from services.worker.model_config import (DEEPSEEK_V3_MOES, GRANITE_HYBRID, HUNYUANS, LINEAR_ATTENTION, SHORT_CONVS,
+                                          ModelConfig)
 
 log = logging.getLogger("llmbus.worker")
 
@@ -91,8 +92,11 @@ NAMES_OF = {
         ".feed_forward.": ".mlp.", ".self_attn.out_proj.": ".self_attn.o_proj.",
         ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
         ".conv.": ".self_attn."}),
-    # (its shared MLP: granite_hybrid_tensors)
-    **dict.fromkeys(MAMBAS, {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn."}),
+    # (Granite 4.0-H's shared MLP: granite_hybrid_tensors)
+    GRANITE_HYBRID: {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn."},
+    "BambaForCausalLM": {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn.",
+                         ".feed_forward.": ".mlp.", ".pre_ff_layernorm.": ".post_attention_layernorm.",
+                         "model.final_layernorm.": "model.norm."},
 }
 # Experts stacked in one tensor each: one expert's row each. GraniteMoe's are [experts, out,
 # in]; Qwen3-VL-MoE's [experts, in, out] as the Hub ships them, [experts, out, in] as
@@ -491,7 +495,7 @@ class LlamaForCausalLM(nn.Module):
             weights = gated_query_tensors(weights, heads, self.config.head_dim)
         if arch == "Qwen3NextForCausalLM":
             weights = key_head_grouped_tensors(weights, self.config)
-        if arch in MAMBAS:
+        if arch == GRANITE_HYBRID:
             weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
