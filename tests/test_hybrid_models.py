@@ -160,7 +160,7 @@ def test_qwen3_5_checkpoint_serves_its_language_model(tmp_path, arch, text_model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense",
-                                  "bamba"])
+                                  "bamba", "nemotron_h"])
 def test_bfloat16_and_int8_stay_as_close_to_float32_as_transformers_bfloat16(tmp_path, arch):
     """A hybrid's bfloat16 parts from float32's greedy output sooner than a Llama's, in
     transformers too (on these models its own bfloat16 keeps 3 to 12 of 24 tokens), so
@@ -262,3 +262,18 @@ def test_the_chunked_and_the_stepped_recurrence_equal_it_token_by_token(length, 
         delta = v[-1] if beta is None else beta[-1][:, None] * v[-1]
         torch.testing.assert_close(stepped[1], (k[-1][..., None] * delta[:, None, :] * q[-1][..., None]).sum(-2),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_nemotron_3_mixture_of_experts_blocks_are_refused_by_name(tmp_path):
+    import json
+
+    from transformers import NemotronHConfig
+
+    from services.worker.model_config import ModelConfig
+
+    config = NemotronHConfig(hybrid_override_pattern="ME*E", hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16)
+    (tmp_path / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["NemotronHForCausalLM"]},
+                                                     default=str))
+    with pytest.raises(ValueError, match="unsupported Nemotron-H mixture-of-experts blocks"):
+        ModelConfig.from_folder(tmp_path)

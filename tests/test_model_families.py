@@ -48,7 +48,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
             "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid", "granite_hybrid_dense",
-            "bamba"]
+            "bamba", "nemotron_h"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -172,7 +172,8 @@ def test_what_each_family_reads_from_its_config(family):
     assert config.nope_layers == {"smollm3": (1,), "exaone4": (3,), "exaone_moe": (3,), "afmoe": (3,), "cohere2": (3,),
                                   "gpt2": (0, 1),
                                   "opt": (0, 1), "granite_hybrid": (0, 1, 2, 3),
-                                  "granite_hybrid_dense": (0, 1, 2, 3)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
+                                  "granite_hybrid_dense": (0, 1, 2, 3),
+                                  "nemotron_h": (0, 1, 2, 3, 4, 5)}.get(name, ())  # (EXAONE's and Cohere 2's global layer)
     # 0.8 / sqrt(16); sqrt(64); Gemma 2's and 3's scale from query_pre_attn_scalar 24, not head_dim 16
     scalars = {"granite": (3.0, 0.6, 0.2, 2.5), "granite_moe": (3.0, 0.6, 0.2, 2.5),
                "granite_hybrid": (3.0, 0.6, 0.2, 2.5), "granite_hybrid_dense": (3.0, 0.6, 0.2, 2.5), "gemma": (8.0, 1.0, None, 1.0), "gemma2": (8.0, 1.0, 24**-0.5, 1.0),
@@ -194,11 +195,12 @@ def test_what_each_family_reads_from_its_config(family):
         "arcee": ("relu2", 0.0, False), "apertus": ("xielu", 0.0, False), "gpt2": ("gelu_new", 0.0, True),
         "opt": ("relu", 0.0, True), "gpt_neox": ("gelu", 0.0, False), "phi": ("gelu_new", 0.0, False),
         "starcoder2": ("gelu_pytorch_tanh", 0.0, True), "cohere": ("silu", 0.0, True), "cohere2": ("silu", 0.0, True),
-        "youtu": ("silu", 0.0, True), "jais2": ("relu2", 0.0, False), "qwen3_5": ("silu", 1.0, False),
+        "youtu": ("silu", 0.0, True), "jais2": ("relu2", 0.0, False), "nemotron_h": ("relu2", 0.0, False), "qwen3_5": ("silu", 1.0, False),
         "qwen3_5_moe": ("silu", 1.0, False), "qwen3_next": ("silu", 1.0, False),
     }.get(name, ("silu", 0.0, False))
     # (Arcee's MLP: down(relu(up x) ** 2); the LayerNorm decoders' down(act(up x)))
-    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "jais2"))
+    assert config.gated_mlp == (name not in ("arcee", "apertus", "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "jais2",
+                                             "nemotron_h"))
     # The LayerNorm decoders: GPT-2's and OPT's learned positions (OPT's two rows on), no layer
     # rotating; NeoX's and Phi's branches side by side, Phi's off one norm; Phi's biased head;
     # OPT's queries scaled as they are projected
@@ -249,17 +251,23 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
         ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else
-        ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name or name == "bamba" else (), 0, 0, 0, 0, 0))
+        ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name or name == "bamba" else
+         (0, 2, 5) if name == "nemotron_h" else (), 0, 0, 0, 0, 0))
     # Granite 4.0-H's Mamba2: 8 heads of 16 over a state of 16, 2 groups, 4 wide (its MLP
     # the shared one's 64 where it has no experts)
     assert (config.recurrent_mixer, config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size,
             config.mamba_num_groups, config.mamba_conv_kernel, config.mamba_conv_bias, config.mamba_dt_limit) == (
-        ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name or name == "bamba" else
+        ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name or name in ("bamba", "nemotron_h") else
         ("gated_delta_net" if hybrid else "short_conv" if "lfm2" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
     if name == "granite_hybrid_dense":
         assert config.intermediate_size == 64
     if name == "bamba":  # (its attention rotating half of each head)
         assert (config.attention_layers, config.rotary_dim) == ((2,), 8)
+    # Nemotron-H's blocks of one branch, "M-M*-M": its MLP blocks 1 and 4, attention 3
+    assert (config.mixerless_layers, config.mlpless_layers) == (
+        ((1, 4), (0, 2, 3, 5)) if name == "nemotron_h" else ((), ()))
+    if name == "nemotron_h":
+        assert (config.attention_layers, config.num_hidden_layers, config.rms_norm_eps) == ((3,), 6, 1e-5)
     if hybrid:
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
@@ -776,7 +784,7 @@ def _prefix_agreement(outputs, reference) -> float:
 # (the recurrent state of Qwen3.5's and Granite 4.0-H's hybrids carries a rounding through
 # every later token: transformers' own bfloat16 parts from its float32 sooner than a
 # Llama's, so they are held to that instead, tests/test_hybrid_models.py)
-HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense", "bamba")
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense", "bamba", "nemotron_h")
 
 
 @pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in HYBRIDS])

@@ -526,6 +526,18 @@ def build_tiny_model(
         model = BambaForCausalLM(BambaConfig(**bamba))
         _norms_made_to_count(model, 1.0)
         _recurrent_parameters_made_to_count(model)
+    elif arch == "nemotron_h":
+        # Nemotron-H: blocks of one branch, Mamba2 (8 heads of 16, a state of 16, 2 groups),
+        # relu2 MLP, attention without positions: M - M * - M (as its pattern writes them)
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        nemotron = {**{k: v for k, v in common.items() if k not in ("rms_norm_eps", "num_hidden_layers")},
+                    "hybrid_override_pattern": "M-M*-M", "head_dim": 16, "mamba_num_heads": 8,
+                    "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2, "conv_kernel": 4,
+                    "layer_norm_epsilon": 1e-5, **overrides}
+        model = NemotronHForCausalLM(NemotronHConfig(**nemotron))
+        _norms_made_to_count(model, 1.0)
+        _recurrent_parameters_made_to_count(model, ("mixer.D",))
     elif arch == "vaultgemma":
         # Gemma 2's attention (a window on every other layer, the caps, query_pre_attn_scalar
         # 24) without its output norms; the norms drawn to count

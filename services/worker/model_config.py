@@ -181,6 +181,9 @@ SUPPORTED_ARCHITECTURES = {
     # scalars, GraniteMoe's experts beside a shared MLP (or that MLP alone: H-Micro)
     "GraniteMoeHybridForCausalLM": "llama",
     "BambaForCausalLM": "llama",  # (Bamba-9B: Mamba2 layers and rotating attention ones, each with a Llama MLP)
+    # Nemotron-H: blocks of one branch each (Mamba2, attention without positions, or an
+    # ungated relu2 MLP)
+    "NemotronHForCausalLM": "llama",
 }
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
@@ -189,7 +192,7 @@ LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextFor
 SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
 # Hybrids whose other layers are Mamba2's selective state spaces (models/mamba2.py)
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
-MAMBAS = (GRANITE_HYBRID, "BambaForCausalLM")
+MAMBAS = (GRANITE_HYBRID, "BambaForCausalLM", "NemotronHForCausalLM")
 # DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
 DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
                     "SolarOpenForCausalLM")
@@ -255,7 +258,8 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
                           "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
-                          "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba"}
+                          "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
+                          "NemotronHForCausalLM": "nemotron_h"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
 # without the `model.` prefix and no LM head. They embed and do not generate.
 BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
@@ -290,7 +294,7 @@ TEXT_CONFIG_AS_RUN = {"qwen3_vl_moe_text": {"norm_topk_prob": True}}
 # computes it)
 GATED_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 _LAYER_NORMED_ACTS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-UNGATED = {"ArceeForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",), "Jais2ForCausalLM": ("relu2",),
+UNGATED = {"ArceeForCausalLM": ("relu2",), "NemotronHForCausalLM": ("relu2",), "ApertusForCausalLM": ("xielu",), "Jais2ForCausalLM": ("relu2",),
            **dict.fromkeys(("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM",
                             "Starcoder2ForCausalLM"), _LAYER_NORMED_ACTS)}
 HIDDEN_ACTS = tuple(dict.fromkeys((*GATED_ACTS, *(a for acts in UNGATED.values() for a in acts))))
@@ -471,11 +475,17 @@ class ModelConfig:
     mamba_proj_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
 
+    # Nemotron-H's blocks of one branch: its MLP alone (no token mixer, no cache) or its
+    # token mixer alone (no MLP)
+    mixerless_layers: tuple[int, ...] = ()
+    mlpless_layers: tuple[int, ...] = ()
+
     @property
     def attention_layers(self) -> tuple[int, ...]:
-        """The layers that attend over a KV cache (all but a hybrid's recurrent ones)."""
-        linear = set(self.recurrent_layers)
-        return tuple(i for i in range(self.num_hidden_layers) if i not in linear)
+        """The layers that attend over a KV cache (all but a hybrid's recurrent ones and
+        the layers without a token mixer)."""
+        other = {*self.recurrent_layers, *self.mixerless_layers}
+        return tuple(i for i in range(self.num_hidden_layers) if i not in other)
 
     @property
     def rotary_head_dim(self) -> int:
@@ -520,6 +530,8 @@ class ModelConfig:
             raw = _lfm2(raw)
         if arch == GRANITE_HYBRID and not raw.get("num_local_experts"):  # (dense: its shared MLP is the MLP)
             raw = {**raw, "intermediate_size": raw["shared_intermediate_size"]}
+        if arch == "NemotronHForCausalLM":
+            raw = _nemotron_h(raw)
         local_rope_theta = None
         if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
             raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
@@ -647,6 +659,26 @@ class ModelConfig:
         )
 
 
+def _nemotron_h(raw: dict) -> dict:
+    """Nemotron-H's config (transformers' NemotronHConfig, defaults filled in, its blocks
+    by layers_block_type: linear_attention for Mamba2, full_attention, mlp, moe) in the
+    names the rest of this reader takes: Granite 4.0-H's for Mamba2, its MLP's activation,
+    its norms' eps. Its mixture-of-experts blocks (Nemotron 3) are refused by name."""
+    kinds = raw.get("layers_block_type") or raw["layer_types"]
+    if "moe" in kinds:
+        raise ValueError("unsupported Nemotron-H mixture-of-experts blocks (moe in layers_block_type, Nemotron 3): "
+                         "Mamba2, attention and MLP blocks only")
+    if raw.get("mamba_hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported mamba_hidden_act {raw['mamba_hidden_act']!r} for Nemotron-H: silu")
+    heads, head_dim = raw["mamba_num_heads"], raw["mamba_head_dim"]
+    return {**raw, "layer_types": list(kinds), "num_hidden_layers": len(kinds), "hidden_act": raw.get("mlp_hidden_act", "relu2"),
+            "rms_norm_eps": raw["layer_norm_epsilon"], "mamba_n_heads": heads, "mamba_d_head": head_dim,
+            "mamba_expand": heads * head_dim / raw["hidden_size"], "mamba_d_state": raw["ssm_state_size"],
+            "mamba_n_groups": raw["n_groups"], "mamba_d_conv": raw["conv_kernel"],
+            "mamba_conv_bias": raw.get("use_conv_bias", True),
+            "mamba_proj_bias": raw.get("mamba_proj_bias", raw.get("use_bias", False))}
+
+
 def _mamba_fields(arch: str, raw: dict) -> dict:
     """Granite 4.0-H's and Bamba's hybrid layers (transformers' GraniteMoeHybridConfig,
     BambaConfig, defaults filled in, layer_types standardized: "mamba" read as
@@ -658,7 +690,8 @@ def _mamba_fields(arch: str, raw: dict) -> dict:
     attending = set(raw.get("attn_layer_indices") or ())
     kinds = raw.get("layer_types") or ["full_attention" if i in attending else "linear_attention"
                                        for i in range(num_layers)]
-    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+    blocks = arch == "NemotronHForCausalLM"  # (a block of one branch each: an MLP block among them)
+    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention", *(["mlp"] * blocks)}:
         raise ValueError(f"layer_types must name mamba or attention for each of {num_layers} layers")
     heads, head_dim, groups = raw["mamba_n_heads"], raw["mamba_d_head"], raw["mamba_n_groups"]
     if heads * head_dim != raw["mamba_expand"] * raw["hidden_size"] or heads % groups or raw["mamba_d_conv"] < 2:
@@ -666,7 +699,9 @@ def _mamba_fields(arch: str, raw: dict) -> dict:
                          f"{raw['mamba_expand'] * raw['hidden_size']}), {groups} groups, a convolution "
                          f"{raw['mamba_d_conv']} wide")
     limit = tuple(float(x) for x in (raw.get("time_step_limit") or (0.0, math.inf)))
-    return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
+    one_branch = dict(mixerless_layers=tuple(i for i, kind in enumerate(kinds) if kind == "mlp"),
+                      mlpless_layers=tuple(i for i, kind in enumerate(kinds) if kind != "mlp")) if blocks else {}
+    return dict(one_branch, recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
                 recurrent_mixer="mamba2", mamba_num_heads=heads, mamba_head_dim=head_dim,
                 mamba_state_size=raw["mamba_d_state"], mamba_num_groups=groups, mamba_conv_kernel=raw["mamba_d_conv"],
                 mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
@@ -855,7 +890,8 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
         return tuple(range(raw["num_hidden_layers"]))
     if arch in EXAONES and raw.get("sliding_window"):
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
-    if arch == GRANITE_HYBRID and raw.get("position_embedding_type") != "rope":  # (Granite 4.0-H's attention: NoPE)
+    if (arch == GRANITE_HYBRID and raw.get("position_embedding_type") != "rope") or arch == "NemotronHForCausalLM":
+        # (Granite 4.0-H's attention, and Nemotron-H's: NoPE)
         return tuple(range(raw["num_hidden_layers"]))
     if arch == "AfmoeForCausalLM":  # only a windowed layer rotates, window or not
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")

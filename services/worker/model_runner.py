@@ -124,8 +124,9 @@ class ModelRunner:
                 self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
                 self.device, values_are_keys=self.values_are_keys,
             )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
-            if i not in cfg.recurrent_layers else
+            if i in cfg.attention_layers else
             tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in self._state_shapes(i))
+            if i in cfg.recurrent_layers else None  # (a layer without a token mixer: Nemotron-H's MLP blocks)
             for i in range(cfg.num_hidden_layers)
         ]
         self.max_cudagraph_capture_size = max_cudagraph_capture_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from collections.abc import Iterable
 from functools import partial
 
@@ -318,7 +319,9 @@ class DecoderLayer(nn.Module):
             rotary = local_rotary
         if index in config.nope_layers:  # SmolLM3: no rotation at all
             rotary = no_rotary
-        if index in config.recurrent_layers:  # a hybrid's token mixer with a state in place of a KV cache
+        if index in config.mixerless_layers:  # (Nemotron-H's MLP blocks: no token mixer)
+            self.self_attn = None
+        elif index in config.recurrent_layers:  # a hybrid's token mixer with a state in place of a KV cache
             self.self_attn = RECURRENT_MIXERS[config.recurrent_mixer](config)
         else:
             self.self_attn = LatentAttention(config, rotary, backend, triton) if config.kv_lora_rank \
@@ -350,6 +353,10 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
+        if index in config.mlpless_layers:  # (Nemotron-H's mixer blocks: no MLP, nor its norm)
+            self.mlp = self.post_attention_layernorm = None
+        if index in config.mixerless_layers:  # (its MLP blocks: their input norm is the MLP's)
+            self.post_attention_layernorm = None
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual
@@ -364,7 +371,11 @@ class DecoderLayer(nn.Module):
             if self.residual_first:  # (x + attention) + mlp, the next norm's add doing the second
                 return self.mlp(mlp_input), residual + attended
             return attended + self.mlp(mlp_input), residual
+        if self.self_attn is None:  # (Nemotron-H's blocks of one branch: its MLP alone, its mixer alone)
+            return self.mlp(hidden), residual
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        if self.mlp is None:
+            return hidden, residual
         if self.pre_feedforward_layernorm is None:
             hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden), residual
@@ -497,6 +508,8 @@ class LlamaForCausalLM(nn.Module):
             weights = key_head_grouped_tensors(weights, self.config)
         if arch == GRANITE_HYBRID:
             weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
+        if arch == "NemotronHForCausalLM":
+            weights = nemotron_h_tensors(weights, self.config)
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
@@ -608,6 +621,28 @@ class LlamaForCausalLM(nn.Module):
                 linear.weight.mul_(multiplier)
                 if linear.bias is not None:
                     linear.bias.mul_(multiplier)
+
+
+def nemotron_h_tensors(weights: Iterable[tuple[str, torch.Tensor]],
+                       config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """Nemotron-H's names (as released, `backbone.*`, or as transformers 5 saves them,
+    `model.*`): a block's norm is its input norm, its `mixer` its token mixer or, in an MLP
+    block, its MLP; the embeddings and the final norm as ours."""
+    mixerless = set(config.mixerless_layers)
+    for name, tensor in weights:
+        name = re.sub(r"^backbone\.", "model.", name)
+        name = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}.get(
+            name, name)
+        match = re.match(r"model\.layers\.(\d+)\.(norm\.|mixer\.)(.*)", name)
+        if match:
+            layer, part, rest = match.groups()
+            if part == "norm.":
+                part = "input_layernorm."
+            else:
+                part = "mlp." if int(layer) in mixerless else "self_attn."
+                rest = "norm_weight" if rest == "norm.weight" else rest  # (Mamba2's gated norm)
+            name = f"model.layers.{layer}.{part}{rest}"
+        yield name, tensor
 
 
 def granite_hybrid_tensors(weights: Iterable[tuple[str, torch.Tensor]],
