@@ -85,6 +85,9 @@ MODELS = {
     # Qwen3.5: Gated DeltaNet layers (their state's index ops in the decode graphs, the
     # chunked prefill's triangular solves) beside gated full attention: `--models qwen3_5`.
     "qwen3_5": ("qwen3_5", {}),
+    # Granite 4.0-H: Mamba2 mixers (the plain linear recurrence), attention without
+    # positions, experts beside a shared MLP: `--models granite_hybrid`.
+    "granite_hybrid": ("granite_hybrid", {}),
 }
 DEFAULT_MODELS = ["llama_hd16", "qwen2_bias", "llama_hd64_gqa3", "qwen3_moe"]
 
