@@ -498,8 +498,14 @@ def test_a_config_the_loader_would_mishandle_is_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 9}))
     with pytest.raises(ValueError, match="num_experts_per_tok 9 must be within 1..8"):
         LLM(str(folder))
-    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"]}))
-    with pytest.raises(ValueError, match="unsupported architecture .*Qwen3NextForCausalLM"):
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["JambaForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture .*JambaForCausalLM"):
+        LLM(str(folder))
+    # A supported architecture whose config does not read as its transformers class does
+    # (Mixtral's file labelled Qwen3-Next: no head_dim where that class needs one)
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3NextForCausalLM"],
+                                                    "head_dim": None}))
+    with pytest.raises(ValueError, match="config.json does not read as transformers' qwen3_next config"):
         LLM(str(folder))
 
 

@@ -880,7 +880,13 @@ def _filled(raw: dict, model_type: str) -> dict:
     from transformers import CONFIG_MAPPING
 
     given = {k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
-    return {**CONFIG_MAPPING[model_type](**given).to_dict(), "architectures": raw.get("architectures")}
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        filled = CONFIG_MAPPING[model_type](**given).to_dict()
+    except (TypeError, ValueError, StrictDataclassError) as exc:  # (transformers 5's configs check their fields)
+        raise ValueError(f"config.json does not read as transformers' {model_type} config: {exc}") from exc
+    return {**filled, "architectures": raw.get("architectures")}
 
 
 def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
