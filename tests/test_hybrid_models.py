@@ -107,7 +107,6 @@ def test_the_worker_refuses_a_request_it_has_no_state_for(hybrid):
     assert out.req_ids == ["first"] and len(out.sampled_token_ids[0]) == 1
 
 
-@pytest.mark.slow
 def test_served_by_llmbus_serve_as_transformers_computes_it(hybrid, tmp_path):
     """`llmbus serve` with its defaults (the prefix cache on) and two requests a row: the
     worker tells the scheduler its rows, so prompts sharing a prefix are each computed from
