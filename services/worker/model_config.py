@@ -691,8 +691,7 @@ def _mamba_fields(arch: str, raw: dict) -> dict:
     kinds = raw.get("layer_types") or ["full_attention" if i in attending else "linear_attention"
                                        for i in range(num_layers)]
     blocks = arch == "NemotronHForCausalLM"  # (a block of one branch each: an MLP block among them)
-    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention", *(["mlp"] * blocks)}:
-        raise ValueError(f"layer_types must name mamba or attention for each of {num_layers} layers")
+    _check_layer_kinds(kinds, num_layers, {"linear_attention", "full_attention", *(["mlp"] * blocks)})
     heads, head_dim, groups = raw["mamba_n_heads"], raw["mamba_d_head"], raw["mamba_n_groups"]
     if heads * head_dim != raw["mamba_expand"] * raw["hidden_size"] or heads % groups or raw["mamba_d_conv"] < 2:
         raise ValueError(f"unsupported Mamba2 dims: {heads} heads of {head_dim} (mamba_expand * hidden_size "
@@ -706,6 +705,12 @@ def _mamba_fields(arch: str, raw: dict) -> dict:
                 mamba_state_size=raw["mamba_d_state"], mamba_num_groups=groups, mamba_conv_kernel=raw["mamba_d_conv"],
                 mamba_conv_bias=bool(raw.get("mamba_conv_bias", True)),
                 mamba_proj_bias=bool(raw.get("mamba_proj_bias", False)), mamba_dt_limit=limit)
+
+
+def _check_layer_kinds(kinds: list[str], num_layers: int, allowed: set[str]) -> None:
+    """A hybrid's layer_types: one of `allowed` for each layer."""
+    if len(kinds) != num_layers or not set(kinds) <= allowed:
+        raise ValueError(f"layer_types must name {' or '.join(sorted(allowed))} for each of {num_layers} layers")
 
 
 def _tagged_float(obj: dict):
@@ -734,9 +739,8 @@ def _short_conv_fields(arch: str, raw: dict) -> dict:
     attention (Qwen3's per-head query/key norms) elsewhere."""
     if arch not in SHORT_CONVS:
         return {}
-    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
-    if len(kinds) != num_layers or not set(kinds) <= {"conv", "full_attention"}:
-        raise ValueError(f"layer_types must name conv or full_attention for each of {num_layers} layers")
+    kinds = raw["layer_types"]
+    _check_layer_kinds(kinds, raw["num_hidden_layers"], {"conv", "full_attention"})
     if raw["conv_L_cache"] < 2:
         raise ValueError(f"unsupported conv_L_cache {raw['conv_L_cache']}: a convolution at least 2 wide")
     return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"),
@@ -751,9 +755,8 @@ def _linear_attention_fields(arch: str, raw: dict) -> dict:
     query/key norms (qk_norm), Gemma's 1 + w norms."""
     if arch not in LINEAR_ATTENTION:
         return {}
-    kinds, num_layers = raw["layer_types"], raw["num_hidden_layers"]
-    if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types must name linear_attention or full_attention for each of {num_layers} layers")
+    kinds = raw["layer_types"]
+    _check_layer_kinds(kinds, raw["num_hidden_layers"], {"linear_attention", "full_attention"})
     fields = {k: int(raw[k]) for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                        "linear_value_head_dim", "linear_conv_kernel_dim")}
     if min(fields.values()) < 1 or fields["linear_num_value_heads"] % fields["linear_num_key_heads"] \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     seq_lens_cpu: np.ndarray  # [num_reqs]
     # Each row's request's row of the persistent batch (its block-table row), where a
-    # hybrid's linear-attention layers keep its state (models/gated_delta_net.py)
+    # hybrid's recurrent layers keep its state (models/causal_conv.py, linear_recurrence.py)
     state_rows: torch.Tensor | None = None  # [num_reqs] int64
     state_rows_cpu: np.ndarray | None = None
     # What a backend derives from the above once per step and reuses in every layer.
@@ -32,3 +33,19 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def decode_states(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A hybrid's view of the step's decodes (its first rows): each one's state row, and
+        whether its request computed tokens before (its state carries on; else, a first
+        token, it starts from zeros). Device ops only: graph-safe."""
+        d = self.num_decodes
+        return self.state_rows[:d], self.seq_lens[:d] > 1
+
+    def prefill_states(self) -> Iterator[tuple[int, int, int, bool]]:
+        """A hybrid's view of the step's prefill chunks (the rows after its decodes): each
+        one's first and end token, its state row, and whether its request computed tokens
+        before the chunk (its state carries on; else it starts from zeros)."""
+        starts, seq_lens = self.query_start_loc_cpu, self.seq_lens_cpu
+        for r in range(self.num_decodes, self.num_reqs):
+            first, last = int(starts[r]), int(starts[r + 1])
+            yield first, last, int(self.state_rows_cpu[r]), int(seq_lens[r]) > last - first

@@ -20,18 +20,15 @@ def causal_conv(inputs: torch.Tensor, conv_state: torch.Tensor, weight: torch.Te
     out = torch.empty_like(inputs)
     d = metadata.num_decodes
     if d:
-        rows = metadata.state_rows[:d]
-        carried = (metadata.seq_lens[:d] > 1).to(inputs.dtype)[:, None, None]  # (0: a request's first token)
-        window = torch.cat((conv_state.index_select(0, rows) * carried, inputs[:d].unsqueeze(-1)), dim=-1)
+        rows, carried = metadata.decode_states()
+        window = torch.cat((conv_state.index_select(0, rows) * carried.to(inputs.dtype)[:, None, None],
+                            inputs[:d].unsqueeze(-1)), dim=-1)
         conv_state.index_copy_(0, rows, window[:, :, 1:])
         out[:d] = convolve(window, weight, bias)[:, :, 0]
-    starts, seq_lens, kept = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, conv_state.shape[-1]
-    for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
-        first, last = int(starts[r]), int(starts[r + 1])
-        row = int(metadata.state_rows_cpu[r])
-        past = conv_state[row] if int(seq_lens[r]) > last - first else torch.zeros_like(conv_state[row])
+    for first, last, row, carried in metadata.prefill_states():  # one request at a time
+        past = conv_state[row] if carried else torch.zeros_like(conv_state[row])
         window = torch.cat((past, inputs[first:last].T), dim=-1)  # [channels, kernel - 1 + length]
-        conv_state[row] = window[:, -kept:]
+        conv_state[row] = window[:, -conv_state.shape[-1]:]
         out[first:last] = convolve(window, weight, bias).T
     return out
 

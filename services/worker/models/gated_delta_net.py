@@ -64,7 +64,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
         conv_state, recurrent_state = state
-        num_tokens = hidden.shape[0]
         x = F.silu(causal_conv(self.in_proj_qkv(hidden), conv_state, self.conv1d.weight[:, 0], None, metadata))
         q, k, v = self._heads(x)
         z = self.in_proj_z(hidden)
@@ -72,7 +71,7 @@ class GatedDeltaNet(nn.Module):
         # (in float32 whatever the model's dtype, as transformers: A_log's exp would overflow float16)
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = linear_recurrence(q, k, v, decay, recurrent_state, metadata, beta)
-        return self.out_proj(self._gated_norm(out.to(hidden.dtype), z).reshape(num_tokens, self.value_size))
+        return self.out_proj(self._gated_norm(out.to(hidden.dtype), z).flatten(1))
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[tokens, conv_size] -> queries and keys [tokens, value heads, k_dim] (a key head

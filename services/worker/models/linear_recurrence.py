@@ -31,13 +31,10 @@ def linear_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: 
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     d = metadata.num_decodes
     if d:
-        out[:d] = recurrent_step(q[:d], k[:d], v[:d], decay[:d], state, metadata.state_rows[:d],
-                                 metadata.seq_lens[:d] > 1, None if beta is None else beta[:d])
-    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    for r in range(d, metadata.num_reqs):  # prefill chunks, one request at a time
-        first, last = int(starts[r]), int(starts[r + 1])
-        row = int(metadata.state_rows_cpu[r])
-        start = state[row] if int(seq_lens[r]) > last - first else torch.zeros_like(state[row])
+        out[:d] = recurrent_step(q[:d], k[:d], v[:d], decay[:d], state, *metadata.decode_states(),
+                                 None if beta is None else beta[:d])
+    for first, last, row, carried in metadata.prefill_states():  # one request at a time
+        start = state[row] if carried else torch.zeros_like(state[row])
         out[first:last], state[row] = chunked_recurrence(q[first:last], k[first:last], v[first:last],
                                                          decay[first:last], start,
                                                          None if beta is None else beta[first:last])

@@ -330,14 +330,19 @@ class DecoderLayer(nn.Module):
         # GPT-NeoX, Phi: attention and MLP side by side; Phi's MLP reads the attention's input
         self.parallel = config.parallel_residual
         self.residual_first = config.residual_first  # (StableLM's and Cohere's order of the sum)
-        self.post_attention_layernorm = None if config.shared_norm else _norm(config, triton)
+        # (Nemotron-H's blocks of one branch have no second norm: a mixer block no MLP, an
+        # MLP block's input norm the MLP's)
+        one_branch = index in config.mlpless_layers or index in config.mixerless_layers
+        self.post_attention_layernorm = None if config.shared_norm or one_branch else _norm(config, triton)
         if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) \
                 if config.pre_norms else ResidualAdd()
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
-        if index in config.moe_layers:
+        if index in config.mlpless_layers:  # (Nemotron-H's mixer blocks: no MLP)
+            self.mlp = None
+        elif index in config.moe_layers:
             expert = MLP if not config.swiglu_limit else partial(
                 ClampedSwiGLUExpert, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
             router = CorrectedRouter(config.num_experts, config.hidden_size, config.moe_score_correction,
@@ -353,10 +358,6 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
-        if index in config.mlpless_layers:  # (Nemotron-H's mixer blocks: no MLP, nor its norm)
-            self.mlp = self.post_attention_layernorm = None
-        if index in config.mixerless_layers:  # (its MLP blocks: their input norm is the MLP's)
-            self.post_attention_layernorm = None
 
     def forward(self, positions, hidden, residual, kv_cache, metadata):
         """(this layer's MLP output, the residual stream before adding it): each residual

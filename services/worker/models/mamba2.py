@@ -53,7 +53,6 @@ class Mamba2Mixer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
         conv_state, ssm_state = state
-        num_tokens = hidden.shape[0]
         gate, xbc, dt = self.in_proj(hidden).split((self.inner_size, self.conv_size, self.num_heads), dim=-1)
         xbc = F.silu(causal_conv(xbc, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias, metadata))
         x, b, c = xbc.split((self.inner_size, self.num_groups * self.state_size, self.num_groups * self.state_size),
@@ -67,7 +66,7 @@ class Mamba2Mixer(nn.Module):
         values = x * dt.unsqueeze(-1)
         out = linear_recurrence(c, b, values, decay, ssm_state, metadata)  # (C the queries, B the keys)
         out = (out + self.D.float()[:, None] * x).flatten(1)  # [tokens, inner_size], float32
-        return self.out_proj(self._gated_norm(out, gate).to(hidden.dtype)).reshape(num_tokens, -1)
+        return self.out_proj(self._gated_norm(out, gate).to(hidden.dtype))
 
     def _gated_norm(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """times SiLU(gate), then RMS-normed over each group's channels and weighed by w (the
