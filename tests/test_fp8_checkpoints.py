@@ -1,8 +1,6 @@
 """Checkpoints in FP8 with block scales (DeepSeek-V3's and Qwen3-FP8's format), widened at
 load (services/worker/models/fp8_weights.py): greedy output equals transformers' own
-reading of the same FP8 folder; other quantized checkpoints refused by name."""
-
-import json
+reading of the same FP8 folder (what cannot be read is refused by name: test_int_checkpoints.py)."""
 
 import pytest
 import torch
@@ -55,17 +53,3 @@ def test_weights_and_scales_pair_whichever_comes_first_and_an_unpaired_one_is_na
     assert torch.equal(out["a.weight"], torch.full((4, 4), 2.0)) and torch.equal(out["b.weight"], torch.full((4, 4), 3.0))
     with pytest.raises(ValueError, match="unpaired: c.weight"):
         list(fp8_widened([("c.weight", fp8)], (4, 4)))
-
-
-@pytest.mark.parametrize("quantization_config, why", [
-    ({"quant_method": "awq", "bits": 4}, "unsupported quantization_config quant_method 'awq'"),
-    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "unsupported FP8 checkpoint without block scales"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
-     "unsupported FP8 activation_scheme 'static'"),
-])
-def test_a_quantized_checkpoint_it_cannot_read_is_refused_by_name(tmp_path, quantization_config, why):
-    folder = build_tiny_model(tmp_path / "m", "llama", seed=2)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
-    with pytest.raises(ValueError, match=why):
-        LLM(str(folder))

@@ -79,6 +79,14 @@ class ModelRunner:
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
+        self.model_config = ModelConfig.from_folder(model_path)
+        held = self.model_config.int_weights
+        if quantization is None and held is not None and held.bits == 4 and self.device.type == "cpu" \
+                and dtype == "bfloat16":
+            # A 4-bit checkpoint (AWQ, W4A16) stays at 4 bits, as vLLM serves it: int4_grid
+            # finds its levels again in each group of 32 inputs (the offsets rounded to
+            # float16, within a hundredth of a level). Elsewhere (float32, a GPU) it runs widened.
+            quantization = "int4"
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
         if quantization is not None and self.device.type != "cpu":
@@ -91,7 +99,6 @@ class ModelRunner:
         # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
         attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         self.cache_config = cache_config or CacheConfig()
-        self.model_config = ModelConfig.from_folder(model_path)
         self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
         self.kv_cache_dtype = cache_dtype(self.cache_config.cache_dtype, self.dtype)

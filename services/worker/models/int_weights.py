@@ -1,0 +1,201 @@
+"""Checkpoints whose linear weights are small integers with group scales, widened at load.
+
+Two formats, the ones vLLM users mostly meet for 4-bit weights:
+- AutoAWQ's GEMM layout (`quant_method: awq`, Qwen's `-AWQ` releases and most AWQ repositories):
+  per linear `qweight` int32 [in, out / 8], eight 4-bit levels a word in AWQ's interleaved
+  order; `qzeros` int32 [in / group, out / 8], the zero points packed alike; `scales`
+  [in / group, out]. A weight is (level - zero) * scale (zero 8 where `zero_point` is false).
+- compressed-tensors' pack-quantized format (`quant_method: compressed-tensors`, what
+  llm-compressor's GPTQ and AWQ recipes write: W4A16, W8A16): per linear `weight_packed`
+  int32 [out, in * bits / 32], levels offset by 2^(bits-1) packed from the lowest bits up;
+  `weight_scale` [out, in / group] (a channel's one column); `weight_zero_point` int32
+  [out * bits / 32, in / group] where asymmetric; `weight_shape` [out, in].
+  A weight is (level - zero) * scale, the levels and zero points signed.
+
+Each weight is widened here in float32, where (level - zero) * scale is exact (a level
+difference has at most 9 bits, a float16 or bfloat16 scale at most 11), and the loader casts
+it to the model's dtype: one rounding, the same value as dequantizing in the scale's own
+dtype as compressed-tensors and AutoAWQ do. On a CPU in bfloat16 a 4-bit checkpoint is then
+served at 4 bits (model_runner.py: its `--quantization int4`), whose int4_grid finds the
+checkpoint's levels again in every group of 32 inputs (layers/quantized_linear.py).
+
+Weight-only schemes alone: a scheme that quantizes activations (W8A8, W4A8), another
+compressed-tensors format, AWQ's other layouts and activation reordering (`weight_g_idx`)
+are refused by name. GPTQ's own format (`quant_method: gptq`) is not read yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+INT_WEIGHT_METHODS = ("awq", "compressed-tensors")
+# Where AWQ puts output column c of each eight in a packed word: at nibble AWQ_NIBBLE[c].
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+# A quantized linear's tensors, by the suffix that follows its module's name.
+AWQ_PARTS = ("qweight", "qzeros", "scales")
+CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+
+
+@dataclass(frozen=True)
+class IntWeights:
+    method: str  # "awq" | "compressed-tensors"
+    bits: int  # 4 (AWQ, W4A16) or 8 (W8A16)
+    zero_points: bool  # asymmetric: a zero point a group beside each scale
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return AWQ_PARTS if self.method == "awq" else CT_PARTS
+
+    @property
+    def needed(self) -> frozenset[str]:
+        """The parts a quantized linear has in full (its tensors may come in any order)."""
+        if self.method == "awq":
+            return frozenset({"qweight", "scales", *(("qzeros",) if self.zero_points else ())})
+        return frozenset({"weight_packed", "weight_scale", "weight_shape",
+                          *(("weight_zero_point",) if self.zero_points else ())})
+
+
+def int_weight_format(raw_config: dict) -> IntWeights | None:
+    """The format of an AWQ or compressed-tensors checkpoint (None: neither); what of them
+    cannot be read refused by name."""
+    quant = raw_config.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method == "awq":
+        return _awq_format(quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors_format(quant)
+    return None
+
+
+def _awq_format(quant: dict) -> IntWeights:
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"unsupported AWQ version {version!r}: the GEMM layout only (qweight [in, out / 8])")
+    bits = quant.get("bits", quant.get("w_bit", 4))
+    if bits != 4:
+        raise ValueError(f"unsupported AWQ bits {bits}: 4 only")
+    return IntWeights("awq", 4, bool(quant.get("zero_point", True)))
+
+
+def _compressed_tensors_format(quant: dict) -> IntWeights:
+    groups = list((quant.get("config_groups") or {}).values())
+    if not groups:
+        raise ValueError("compressed-tensors checkpoint without config_groups: nothing says how its weights are stored")
+    if quant.get("sparsity_config"):
+        raise ValueError("unsupported compressed-tensors sparsity_config: dense weights only")
+    if quant.get("transform_config"):
+        raise ValueError("unsupported compressed-tensors transform_config (rotations): plain quantized weights only")
+    if quant.get("kv_cache_scheme"):
+        raise ValueError("unsupported compressed-tensors kv_cache_scheme: llmbus keeps its own cache dtype "
+                         "(--kv-cache-dtype)")
+    schemes = set()
+    for group in groups:
+        fmt = group.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"unsupported compressed-tensors format {fmt!r}: pack-quantized only (W4A16, W8A16)")
+        for acts in ("input_activations", "output_activations"):
+            if group.get(acts):
+                raise ValueError(f"unsupported compressed-tensors {acts} quantization: weight-only schemes only "
+                                 "(W4A16, W8A16)")
+        weights = group.get("weights") or {}
+        if weights.get("type", "int") != "int" or weights.get("num_bits") not in (4, 8):
+            raise ValueError(f"unsupported compressed-tensors weights {weights.get('type')} {weights.get('num_bits')} "
+                             "bits: int 4 or 8 only")
+        if weights.get("strategy") not in ("group", "channel"):
+            raise ValueError(f"unsupported compressed-tensors weight strategy {weights.get('strategy')!r}: group or "
+                             "channel")
+        if weights.get("actorder") in ("group", "dynamic"):
+            raise ValueError(f"unsupported compressed-tensors actorder {weights['actorder']!r} (weight_g_idx): "
+                             "groups in order only (actorder weight/static or none)")
+        schemes.add((weights["num_bits"], not weights.get("symmetric", True)))
+    if len(schemes) > 1:
+        raise ValueError(f"unsupported compressed-tensors checkpoint mixing weight schemes {sorted(schemes)}: one "
+                         "number of bits and one symmetry for every quantized layer")
+    (bits, zero_points), = schemes
+    return IntWeights("compressed-tensors", bits, zero_points)
+
+
+def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [rows, words] -> their unsigned levels [rows, words * 32 / bits], the lowest
+    bits first (both formats pack from the lowest bits up; AWQ then reorders its eight)."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed weights must be int32, not {packed.dtype}")
+    words = packed.contiguous()
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def widen_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None) -> torch.Tensor:
+    """AutoAWQ GEMM's qweight [in, out / 8], scales [groups, out], qzeros [groups, out / 8]
+    -> the weight [out, in], float32."""
+    order = torch.tensor(AWQ_NIBBLE)
+    def unpack(words: torch.Tensor) -> torch.Tensor:  # -> [rows, out], columns in order
+        nibbles = _levels(words, 4).unflatten(-1, (-1, 8))
+        return nibbles[..., order].flatten(-2)
+    levels = unpack(qweight)  # [in, out]
+    in_features, out_features = levels.shape
+    groups = scales.shape[0]
+    if scales.shape[1] != out_features or in_features % groups:
+        raise ValueError(f"AWQ scales {tuple(scales.shape)} do not fit qweight {tuple(qweight.shape)}")
+    zeros = unpack(qzeros) if qzeros is not None else torch.full((groups, out_features), 8)
+    if zeros.shape != scales.shape:
+        raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} do not fit scales {tuple(scales.shape)}")
+    size = in_features // groups
+    weight = (levels.unflatten(0, (groups, size)) - zeros[:, None]).float() * scales.float()[:, None]
+    return weight.flatten(0, 1).T.contiguous()
+
+
+def widen_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int,
+                         zero_point: torch.Tensor | None) -> torch.Tensor:
+    """compressed-tensors' weight_packed [out, in * bits / 32], weight_scale [out, groups],
+    weight_shape [out, in], weight_zero_point [out * bits / 32, groups] -> the weight
+    [out, in], float32."""
+    out_features, in_features = (int(v) for v in shape.tolist())
+    offset = 1 << (bits - 1)
+    levels = _levels(packed, bits)[:, :in_features] - offset  # [out, in], signed
+    scale = scale.reshape(out_features, -1)
+    groups = scale.shape[1]
+    if levels.shape[0] != out_features or in_features % groups:
+        raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit a weight of {(out_features, in_features)}")
+    zeros = torch.zeros_like(scale, dtype=torch.int32)
+    if zero_point is not None:
+        zeros = _levels(zero_point.T, bits)[:, :out_features].T - offset  # packed along the outputs
+        if zeros.shape != scale.shape:
+            raise ValueError(f"weight_zero_point {tuple(zero_point.shape)} does not fit weight_scale "
+                             f"{tuple(scale.shape)}")
+    weight = (levels.unflatten(1, (groups, -1)) - zeros[..., None]).float() * scale.float()[..., None]
+    return weight.flatten(1)
+
+
+def int_widened(weights: Iterable[tuple[str, torch.Tensor]], fmt: IntWeights) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each quantized linear's parts (come in any order)
+    widened into its `.weight`; the rest as they are."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # a module's name -> its parts read so far
+    for name, tensor in weights:
+        module, _, part = name.rpartition(".")
+        if part not in fmt.parts:
+            yield name, tensor
+            continue
+        if part == "weight_g_idx":
+            raise ValueError(f"{name}: activation reordering (weight_g_idx) is not supported")
+        parts = waiting.setdefault(module, {})
+        parts[part] = tensor
+        if not fmt.needed <= parts.keys():
+            continue
+        del waiting[module]
+        try:
+            if fmt.method == "awq":
+                weight = widen_awq(parts["qweight"], parts["scales"], parts.get("qzeros"))
+            else:
+                weight = widen_pack_quantized(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
+                                              fmt.bits, parts.get("weight_zero_point"))
+        except ValueError as exc:
+            raise ValueError(f"{module}: {exc}") from None
+        yield f"{module}.weight", weight
+    if waiting:
+        lone = sorted(f"{module} (has {', '.join(sorted(parts))})" for module, parts in waiting.items())
+        raise ValueError(f"{fmt.method} checkpoint with quantized layers incomplete: {'; '.join(lone[:3])}; each "
+                         f"needs {', '.join(sorted(fmt.needed))}")

@@ -1,0 +1,127 @@
+"""Checkpoints of integer weights with group scales, written by the library that defines
+their format where one is at hand: compressed-tensors (vLLM's project, what llm-compressor
+writes with) quantizes and packs its own, and converts AutoAWQ's into its own; AutoAWQ's
+GEMM layout itself is written here (AutoAWQ no longer installs beside this torch), and the
+reference reads it through compressed-tensors' converter, not through this packer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column of each eight that goes to nibble k (AutoAWQ's pack order)
+
+
+def quantized_tensors(folder: Path):
+    """The decoder layers' projection weights, the ones each format quantizes here (the
+    embeddings, norms and head kept as they are, as the formats' recipes keep them)."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    return tensors, [n for n, t in tensors.items() if ".layers." in n and n.endswith("_proj.weight") and t.dim() == 2]
+
+
+def _with_config(source: Path, dest: Path, tensors: dict, quantization_config: dict) -> Path:
+    dest = Path(dest)
+    shutil.copytree(source, dest)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def _scheme(bits: int, group_size: int | None, symmetric: bool):
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                            strategy="group" if group_size else "channel", group_size=group_size)
+    return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+
+
+def ct_checkpoint(source: Path, dest: Path, bits: int = 4, group_size: int | None = 16, symmetric: bool = True,
+                  scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """`source`'s model as compressed-tensors' pack-quantized W{bits}A16 (GPTQ's and AWQ's
+    format from llm-compressor): min/max scales per group (a row's one where group_size is
+    None), quantized and packed by compressed-tensors' own compressor, the config its own."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = _scheme(bits, group_size, symmetric)
+    tensors, names = quantized_tensors(Path(source))
+    for name in names:
+        weight = tensors.pop(name).float()
+        groups = weight.unflatten(1, (-1, group_size)) if group_size else weight[:, None, :]
+        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        state = {"weight": weight.to(scale_dtype), "weight_scale": scale.to(scale_dtype), "weight_zero_point": zero_point}
+        for part, tensor in PackedQuantizationCompressor.compress(state, scheme).items():
+            tensors[name.removesuffix("weight") + part] = tensor
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                quantization_status="compressed", ignore=["lm_head"])
+    return _with_config(source, dest, tensors, {**config.model_dump(mode="json"), "quant_method": "compressed-tensors"})
+
+
+def awq_checkpoint(source: Path, dest: Path, group_size: int = 16, zero_point: bool = True) -> Path:
+    """`source`'s model in AutoAWQ's GEMM layout: min/max levels 0..15 with a zero point per
+    group of `group_size` inputs (8 where zero_point is false), float16 scales."""
+    tensors, names = quantized_tensors(Path(source))
+    for name in names:
+        weight = tensors.pop(name).float().T  # [in, out]: AWQ keeps the inputs first
+        groups = weight.unflatten(0, (-1, group_size))  # [groups, size, out]
+        low, high = groups.amin(1).clamp(max=0), groups.amax(1).clamp(min=0)
+        if zero_point:
+            scales = ((high - low) / 15).clamp(min=1e-6).half()
+            zeros = torch.round(-low / scales.float()).clamp(0, 15).int()
+        else:
+            scales = (torch.maximum(-low, high) / 7).clamp(min=1e-6).half()
+            zeros = torch.full_like(scales, 8, dtype=torch.int32)
+        levels = torch.round(groups / scales.float()[:, None] + zeros[:, None]).clamp(0, 15).int().flatten(0, 1)
+        module = name.removesuffix(".weight")
+        tensors[f"{module}.qweight"] = _awq_pack(levels)
+        tensors[f"{module}.scales"] = scales
+        if zero_point:
+            tensors[f"{module}.qzeros"] = _awq_pack(zeros)
+    return _with_config(source, dest, tensors, {"quant_method": "awq", "bits": 4, "group_size": group_size,
+                                                "zero_point": zero_point, "version": "gemm"})
+
+
+def _awq_pack(levels: torch.Tensor) -> torch.Tensor:
+    """[rows, out] levels 0..15 -> [rows, out / 8] int32, nibble k holding column AWQ_ORDER[k]."""
+    eight = levels.unflatten(1, (-1, 8))[..., list(AWQ_ORDER)].to(torch.int64)
+    words = (eight << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def dense_reference(folder: Path, dest: Path) -> Path:
+    """The reference's reading of an AWQ or pack-quantized folder, as an unquantized folder
+    transformers loads: AWQ converted by compressed-tensors' AutoAWQConverter, then every
+    layer decompressed by compressed-tensors' own compressor (in float32, as transformers
+    decompresses a checkpoint it loads in float32: transformers' own loading of an
+    asymmetric pack-quantized folder fails on the packed zero points' shape)."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    tensors = load_file(str(folder / "model.safetensors"))
+    if quant["quant_method"] == "awq":
+        tensors = AutoAWQConverter.from_autoawq_config(quant).process(tensors)
+        scheme = _scheme(4, quant["group_size"], not quant["zero_point"])
+    else:
+        group = quant["config_groups"]["group_0"]["weights"]
+        scheme = _scheme(group["num_bits"], group["group_size"], group["symmetric"])
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        state = {part: tensors.pop(f"{module}.{part}") for part in
+                 ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point") if f"{module}.{part}" in tensors}
+        state["weight_scale"] = state["weight_scale"].float()
+        tensors[f"{module}.weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+    dest = Path(dest)
+    shutil.copytree(folder, dest)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest

@@ -1,0 +1,141 @@
+"""Checkpoints of integer weights with group scales (AutoAWQ's GEMM layout, compressed-tensors'
+pack-quantized W4A16/W8A16), widened at load (services/worker/models/int_weights.py): greedy
+output equals transformers on the reference's reading of the same folder; on a CPU in
+bfloat16 a 4-bit one is served at 4 bits on its own levels; what cannot be read is refused
+by name."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from int_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, quantized_tensors
+from llmbus import LLM, SamplingParams
+from services.worker.layers.quantized_linear import int4_grid
+from services.worker.models.int_weights import int_widened, int_weight_format
+from tiny_models import build_tiny_model, hf_greedy, random_prompts
+
+PROMPTS = random_prompts([1, 5, 16, 33])
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+FORMATS = {
+    "W4A16 symmetric": lambda source, dest: ct_checkpoint(source, dest),
+    "W4A16 asymmetric": lambda source, dest: ct_checkpoint(source, dest, symmetric=False),
+    "W8A16 per channel": lambda source, dest: ct_checkpoint(source, dest, bits=8, group_size=None),
+    "AWQ": lambda source, dest: awq_checkpoint(source, dest),
+    "AWQ without zero points": lambda source, dest: awq_checkpoint(source, dest, zero_point=False),
+}
+
+
+@pytest.mark.parametrize("arch, fmt", [("llama", f) for f in FORMATS] + [("qwen3_moe", "AWQ")])
+def test_a_quantized_checkpoint_matches_transformers_on_the_reference_reading_of_it(tmp_path, arch, fmt):
+    """The reference: compressed-tensors' own decompression (AWQ through its AutoAWQ
+    converter) run by transformers; the quantized model is not the source's (its greedy
+    output differs), so a level, zero point or scale read in the wrong place would show."""
+    source = build_tiny_model(tmp_path / "source", arch, seed=2)
+    folder = FORMATS[fmt](source, tmp_path / "quantized")
+    dense = dense_reference(folder, tmp_path / "reference")
+    # Every weight as the reference widens it, to the last bit (float32: exact products)
+    fmt_read = int_weight_format(json.loads((folder / "config.json").read_text()))
+    widened = dict(int_widened(load_file(str(folder / "model.safetensors")).items(), fmt_read))
+    assert widened.keys() == load_file(str(dense / "model.safetensors")).keys()
+    assert all(torch.equal(widened[n], t) for n, t in load_file(str(dense / "model.safetensors")).items())
+    reference = hf_greedy(dense, PROMPTS, 16)
+    assert reference != hf_greedy(source, PROMPTS, 16)
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.runner.model_config.int_weights is not None and llm.runner.quantization is None
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+def test_transformers_own_loading_of_a_symmetric_w4a16_folder_agrees(tmp_path):
+    """Where transformers reads the folder itself (compressed-tensors installed: it
+    decompresses on the first forward), its greedy output is the same as the reference's."""
+    source = build_tiny_model(tmp_path / "source", "llama", seed=2)
+    folder = ct_checkpoint(source, tmp_path / "quantized")
+    assert hf_greedy(folder, PROMPTS, 16) == hf_greedy(dense_reference(folder, tmp_path / "reference"), PROMPTS, 16)
+
+
+def test_the_awq_packer_of_the_tests_puts_each_weight_where_the_converter_reads_it(tmp_path):
+    """The reference's weights within a level of the source's (half for the level's
+    rounding, half for the zero point's): the order the tests pack in is AutoAWQ's (else the reference would be a shuffled model, and the parity
+    above would check the reader against nonsense)."""
+    source = build_tiny_model(tmp_path / "source", "llama", seed=2)
+    dense = load_file(str(dense_reference(awq_checkpoint(source, tmp_path / "awq"), tmp_path / "reference")
+                          / "model.safetensors"))
+    originals, names = quantized_tensors(source)
+    for name in names:
+        spread = originals[name].float().unflatten(1, (-1, 16))
+        step = (spread.amax(-1).clamp(min=0) - spread.amin(-1).clamp(max=0)) / 15
+        error = (dense[name] - originals[name].float()).unflatten(1, (-1, 16)).abs()
+        assert bool((error <= step[..., None] * 1.001 + 1e-6).all()), name
+
+
+def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on_a_cpu(tmp_path):
+    """As vLLM serves an AWQ checkpoint at its 4 bits: int4 without asking, and int4_grid
+    finds every widened weight's levels again (each group of 32 inputs on one step of the
+    checkpoint's float16 scales; the offsets kept to float16, within 1/100 of a level)."""
+    source = build_tiny_model(tmp_path / "source", "llama", seed=2)
+    folder = awq_checkpoint(source, tmp_path / "awq", group_size=64)
+    assert LLM(str(folder), dtype="bfloat16").runner.quantization == "int4"
+    assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.quantization == "int8"
+    fmt = int_weight_format(json.loads((folder / "config.json").read_text()))
+    tensors = load_file(str(folder / "model.safetensors"))
+    widened = dict(int_widened(tensors.items(), fmt))
+    checked = 0
+    for module in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
+        weight, scales = widened[f"{module}.weight"], tensors[f"{module}.scales"].float()  # [out, in], [groups, out]
+        levels, step, low = int4_grid(weight)
+        out_features, in_features = weight.shape
+        rebuilt = (levels.view(out_features, -1, 32) * step[..., None] + low[..., None]).view(weight.shape)
+        assert torch.equal(rebuilt, weight), module
+        # The step: the checkpoint's scale (or a whole multiple where a group of 32 skips levels)
+        group_scale = scales.T.repeat_interleave(2, 1)  # [out, in / 32]: 64-input groups, two of 32 each
+        multiple = step / group_scale
+        assert torch.equal(multiple, multiple.round()) and torch.equal(step.half().float(), step), module
+        assert bool(((low.half().float() - low).abs() <= group_scale / 100).all()), module
+        checked += 1
+    assert checked == 14  # 7 projections in each of 2 layers
+    assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened)
+
+
+@pytest.mark.parametrize("quantization_config, why", [
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "unsupported AWQ version 'gemv'"),
+    ({"quant_method": "awq", "bits": 8}, "unsupported AWQ bits 8"),
+    ({"quant_method": "compressed-tensors", "config_groups": {}}, "without config_groups"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+     "unsupported compressed-tensors format 'int-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
+              "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
+     "unsupported compressed-tensors input_activations quantization"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"}}}},
+     "unsupported compressed-tensors actorder 'group'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "a": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}},
+        "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
+     "mixing weight schemes"),
+    ({"quant_method": "gptq", "bits": 4}, "unsupported quantization_config quant_method 'gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "unsupported quantization_config quant_method 'bitsandbytes'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "unsupported FP8 checkpoint without block scales"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     "unsupported FP8 activation_scheme 'static'"),
+])
+def test_a_quantized_checkpoint_it_cannot_read_is_refused_by_name(tmp_path, quantization_config, why):
+    folder = build_tiny_model(tmp_path / "m", "llama", seed=2)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(ValueError, match=why):
+        LLM(str(folder))
+
+
+def test_a_layer_missing_a_part_is_named(tmp_path):
+    source = build_tiny_model(tmp_path / "source", "llama", seed=2)
+    folder = awq_checkpoint(source, tmp_path / "awq")
+    fmt = int_weight_format(json.loads((folder / "config.json").read_text()))
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.up_proj.scales"]
+    with pytest.raises(ValueError, match=r"incomplete: model.layers.1.mlp.up_proj \(has qweight, qzeros\)"):
+        dict(int_widened(tensors.items(), fmt))
