@@ -125,3 +125,50 @@ def dense_reference(folder: Path, dest: Path) -> Path:
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     (dest / "config.json").write_text(json.dumps(config))
     return dest
+
+
+def gptq_checkpoint(ct_folder: Path, dest: Path, zeros_less_one: bool = True, reordered: bool = False) -> Path:
+    """A pack-quantized folder (written by compressed-tensors) laid out as GPTQ's: its levels
+    unpacked and packed again by compressed-tensors' own helpers along GPTQ's dimensions
+    (qweight along the inputs, qzeros along the outputs, each zero point less one where
+    `zeros_less_one`: checkpoint_format gptq), float16 scales [groups, out]. `reordered`
+    (desc_act): each MLP's intermediate features in a random order, the gate and up rows
+    and the down columns alike, so the model computes the same function while down_proj's
+    groups are no longer runs of inputs (its g_idx says which group each input is in)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    ct_folder = Path(ct_folder)
+    config = json.loads((ct_folder / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    bits, offset = weights["num_bits"], 1 << (weights["num_bits"] - 1)
+    tensors = load_file(str(ct_folder / "model.safetensors"))
+    layers = {}  # module -> (levels [out, in] unsigned, scales [groups, out], zeros [groups, out] unsigned)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        shape = tensors.pop(f"{module}.weight_shape")
+        scale = tensors.pop(f"{module}.weight_scale")
+        levels = unpack_from_int32(tensors.pop(name), bits, shape).int() + offset
+        zero_point = tensors.pop(f"{module}.weight_zero_point", None)
+        zeros = (torch.full(scale.shape, offset, dtype=torch.int32) if zero_point is None else
+                 unpack_from_int32(zero_point, bits, scale.shape, packed_dim=0).int() + offset)
+        layers[module] = (levels, scale.half().T.contiguous(), zeros.T.contiguous())
+    group_size = int(layers[next(iter(layers))][0].shape[1] // layers[next(iter(layers))][1].shape[0])
+    if reordered:
+        gen = torch.Generator().manual_seed(0)
+        for mlp in sorted({m.rsplit(".", 1)[0] for m in layers if m.endswith(".down_proj")}):
+            levels, scales, zeros = layers[f"{mlp}.down_proj"]
+            order = torch.randperm(levels.shape[1], generator=gen)
+            layers[f"{mlp}.down_proj"] = (levels[:, order], scales, zeros, order // group_size)
+            for branch in ("gate_proj", "up_proj"):
+                levels, scales, zeros = layers[f"{mlp}.{branch}"]
+                layers[f"{mlp}.{branch}"] = (levels[order], scales[:, order], zeros[:, order])
+    for module, (levels, scales, zeros, *g_idx) in layers.items():
+        stored = zeros - int(zeros_less_one)
+        assert int(stored.min()) >= 0, "a zero point of 0 has no v1 form"
+        tensors[f"{module}.qweight"] = pack_to_int32((levels - offset).to(torch.int8), bits, packed_dim=1).T.contiguous()
+        tensors[f"{module}.qzeros"] = pack_to_int32((stored - offset).to(torch.int8), bits, packed_dim=1)
+        tensors[f"{module}.scales"] = scales
+        tensors[f"{module}.g_idx"] = (g_idx[0] if g_idx else torch.arange(levels.shape[1]) // group_size).int()
+    return _with_config(ct_folder, dest, tensors, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": reordered,
+        "sym": weights["symmetric"], "checkpoint_format": "gptq" if zeros_less_one else "gptq_v2"})

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from int_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, quantized_tensors
+from int_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
 from llmbus import LLM, SamplingParams
 from services.worker.layers.quantized_linear import int4_grid
 from services.worker.models.int_weights import int_widened, int_weight_format
@@ -25,22 +25,38 @@ FORMATS = {
     "W8A16 per channel": lambda source, dest: ct_checkpoint(source, dest, bits=8, group_size=None),
     "AWQ": lambda source, dest: awq_checkpoint(source, dest),
     "AWQ without zero points": lambda source, dest: awq_checkpoint(source, dest, zero_point=False),
+    "GPTQ Int4": lambda source, dest: gptq_checkpoint(ct_checkpoint(source, dest.with_name("ct")), dest),
+    "GPTQ Int8": lambda source, dest: gptq_checkpoint(ct_checkpoint(source, dest.with_name("ct"), bits=8), dest),
+    "GPTQ v2 asymmetric": lambda source, dest: gptq_checkpoint(
+        ct_checkpoint(source, dest.with_name("ct"), symmetric=False), dest, zeros_less_one=False),
+    "GPTQ desc_act": lambda source, dest: gptq_checkpoint(ct_checkpoint(source, dest.with_name("ct")), dest,
+                                                          reordered=True),
 }
 
 
-@pytest.mark.parametrize("arch, fmt", [("llama", f) for f in FORMATS] + [("qwen3_moe", "AWQ")])
+def reference_folder(folder, dest):
+    """The reference's reading: compressed-tensors' own decompression; a GPTQ folder's, of
+    the pack-quantized folder it was laid out from (its function the same, reordered too)."""
+    config = json.loads((folder / "config.json").read_text())
+    return dense_reference(folder.with_name("ct") if config["quantization_config"]["quant_method"] == "gptq"
+                           else folder, dest)
+
+
+@pytest.mark.parametrize("arch, fmt", [("llama", f) for f in FORMATS] + [("qwen3_moe", "AWQ"), ("qwen3_moe", "GPTQ Int4")])
 def test_a_quantized_checkpoint_matches_transformers_on_the_reference_reading_of_it(tmp_path, arch, fmt):
     """The reference: compressed-tensors' own decompression (AWQ through its AutoAWQ
     converter) run by transformers; the quantized model is not the source's (its greedy
     output differs), so a level, zero point or scale read in the wrong place would show."""
     source = build_tiny_model(tmp_path / "source", arch, seed=2)
     folder = FORMATS[fmt](source, tmp_path / "quantized")
-    dense = dense_reference(folder, tmp_path / "reference")
-    # Every weight as the reference widens it, to the last bit (float32: exact products)
+    dense = reference_folder(folder, tmp_path / "reference")
+    # Every weight as the reference widens it, to the last bit (float32: exact products),
+    # but a reordered GPTQ's MLP, whose features are in another order
     fmt_read = int_weight_format(json.loads((folder / "config.json").read_text()))
     widened = dict(int_widened(load_file(str(folder / "model.safetensors")).items(), fmt_read))
     assert widened.keys() == load_file(str(dense / "model.safetensors")).keys()
-    assert all(torch.equal(widened[n], t) for n, t in load_file(str(dense / "model.safetensors")).items())
+    assert all(torch.equal(widened[n], t) for n, t in load_file(str(dense / "model.safetensors")).items()
+               if not (fmt_read.reordered and ".mlp." in n))
     reference = hf_greedy(dense, PROMPTS, 16)
     assert reference != hf_greedy(source, PROMPTS, 16)
     llm = LLM(str(folder), dtype="float32")
@@ -99,6 +115,15 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
     assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened)
 
 
+def test_gptq_s_reordered_groups_run_widened_in_bfloat16(tmp_path):
+    """desc_act: a group is no run of inputs, so no run of 32 keeps one grid: int4 would
+    quantize again what the checkpoint quantized, so those run widened; in order, int4."""
+    ct = ct_checkpoint(build_tiny_model(tmp_path / "source", "llama", seed=2), tmp_path / "ct", group_size=32)
+    assert LLM(str(gptq_checkpoint(ct, tmp_path / "in_order")), dtype="bfloat16").runner.quantization == "int4"
+    assert LLM(str(gptq_checkpoint(ct, tmp_path / "reordered", reordered=True)),
+               dtype="bfloat16").runner.quantization is None
+
+
 @pytest.mark.parametrize("quantization_config, why", [
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "unsupported AWQ version 'gemv'"),
     ({"quant_method": "awq", "bits": 8}, "unsupported AWQ bits 8"),
@@ -117,7 +142,9 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
         "a": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128}},
         "b": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
      "mixing weight schemes"),
-    ({"quant_method": "gptq", "bits": 4}, "unsupported quantization_config quant_method 'gptq'"),
+    ({"quant_method": "gptq", "bits": 3}, "unsupported GPTQ bits 3"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "unsupported GPTQ checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down_proj": {}}}, "unsupported GPTQ dynamic"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "unsupported quantization_config quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "unsupported FP8 checkpoint without block scales"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},

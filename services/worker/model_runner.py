@@ -81,11 +81,12 @@ class ModelRunner:
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
         held = self.model_config.int_weights
-        if quantization is None and held is not None and held.bits == 4 and self.device.type == "cpu" \
-                and dtype == "bfloat16":
-            # A 4-bit checkpoint (AWQ, W4A16) stays at 4 bits, as vLLM serves it: int4_grid
-            # finds its levels again in each group of 32 inputs (the offsets rounded to
-            # float16, within a hundredth of a level). Elsewhere (float32, a GPU) it runs widened.
+        if quantization is None and held is not None and held.bits == 4 and not held.reordered \
+                and self.device.type == "cpu" and dtype == "bfloat16":
+            # A 4-bit checkpoint (AWQ, W4A16, GPTQ) stays at 4 bits, as vLLM serves it:
+            # int4_grid finds its levels again in each group of 32 inputs (the offsets rounded
+            # to float16, within a hundredth of a level). Elsewhere (float32, a GPU, GPTQ's
+            # reordered groups, which no run of 32 inputs keeps) it runs widened.
             quantization = "int4"
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")

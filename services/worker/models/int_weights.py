@@ -1,6 +1,6 @@
 """Checkpoints whose linear weights are small integers with group scales, widened at load.
 
-Two formats, the ones vLLM users mostly meet for 4-bit weights:
+Three formats, the ones vLLM users mostly meet for 4-bit weights:
 - AutoAWQ's GEMM layout (`quant_method: awq`, Qwen's `-AWQ` releases and most AWQ repositories):
   per linear `qweight` int32 [in, out / 8], eight 4-bit levels a word in AWQ's interleaved
   order; `qzeros` int32 [in / group, out / 8], the zero points packed alike; `scales`
@@ -11,6 +11,12 @@ Two formats, the ones vLLM users mostly meet for 4-bit weights:
   `weight_scale` [out, in / group] (a channel's one column); `weight_zero_point` int32
   [out * bits / 32, in / group] where asymmetric; `weight_shape` [out, in].
   A weight is (level - zero) * scale, the levels and zero points signed.
+- GPTQ's own (`quant_method: gptq`, AutoGPTQ's and GPTQModel's: Qwen's `-GPTQ-Int4/Int8`):
+  per linear `qweight` int32 [in * bits / 32, out], packed along the inputs from the lowest
+  bits up; `qzeros` int32 [groups, out * bits / 32]; `scales` [groups, out]; `g_idx` [in], each
+  input's group (in order but where `desc_act` reordered them). A weight is (level - zero) *
+  scale of its input's group; `checkpoint_format: gptq` (v1, the default) stores each zero
+  point less one.
 
 Each weight is widened here in float32, where (level - zero) * scale is exact (a level
 difference has at most 9 bits, a float16 or bfloat16 scale at most 11), and the loader casts
@@ -20,8 +26,8 @@ served at 4 bits (model_runner.py: its `--quantization int4`), whose int4_grid f
 checkpoint's levels again in every group of 32 inputs (layers/quantized_linear.py).
 
 Weight-only schemes alone: a scheme that quantizes activations (W8A8, W4A8), another
-compressed-tensors format, AWQ's other layouts and activation reordering (`weight_g_idx`)
-are refused by name. GPTQ's own format (`quant_method: gptq`) is not read yet.
+compressed-tensors format, AWQ's and GPTQ's other layouts and compressed-tensors' reordered
+groups (`weight_g_idx`, which its own library no longer reads) are refused by name.
 """
 
 from __future__ import annotations
@@ -31,29 +37,36 @@ from dataclasses import dataclass
 
 import torch
 
-INT_WEIGHT_METHODS = ("awq", "compressed-tensors")
+INT_WEIGHT_METHODS = ("awq", "compressed-tensors", "gptq")
 # Where AWQ puts output column c of each eight in a packed word: at nibble AWQ_NIBBLE[c].
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 # A quantized linear's tensors, by the suffix that follows its module's name.
 AWQ_PARTS = ("qweight", "qzeros", "scales")
 CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 @dataclass(frozen=True)
 class IntWeights:
-    method: str  # "awq" | "compressed-tensors"
-    bits: int  # 4 (AWQ, W4A16) or 8 (W8A16)
-    zero_points: bool  # asymmetric: a zero point a group beside each scale
+    method: str  # "awq" | "compressed-tensors" | "gptq"
+    bits: int  # 4 (AWQ, W4A16, GPTQ's Int4) or 8 (W8A16, GPTQ's Int8)
+    zero_points: bool  # a zero point a group stored beside each scale
+    # GPTQ: groups reordered (desc_act: each input's group read from g_idx, no longer a run
+    # of inputs); zero points stored less one (checkpoint_format gptq, v1)
+    reordered: bool = False
+    zeros_less_one: bool = False
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return AWQ_PARTS if self.method == "awq" else CT_PARTS
+        return {"awq": AWQ_PARTS, "gptq": GPTQ_PARTS}.get(self.method, CT_PARTS)
 
     @property
     def needed(self) -> frozenset[str]:
         """The parts a quantized linear has in full (its tensors may come in any order)."""
         if self.method == "awq":
             return frozenset({"qweight", "scales", *(("qzeros",) if self.zero_points else ())})
+        if self.method == "gptq":  # (g_idx, where in order, is each input's index over the group size)
+            return frozenset({"qweight", "qzeros", "scales", *(("g_idx",) if self.reordered else ())})
         return frozenset({"weight_packed", "weight_scale", "weight_shape",
                           *(("weight_zero_point",) if self.zero_points else ())})
 
@@ -67,7 +80,22 @@ def int_weight_format(raw_config: dict) -> IntWeights | None:
         return _awq_format(quant)
     if method == "compressed-tensors":
         return _compressed_tensors_format(quant)
+    if method == "gptq":
+        return _gptq_format(quant)
     return None
+
+
+def _gptq_format(quant: dict) -> IntWeights:
+    bits = quant.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"unsupported GPTQ bits {bits}: 4 or 8")
+    layout = quant.get("checkpoint_format") or quant.get("format") or "gptq"
+    if layout not in ("gptq", "gptq_v2"):
+        raise ValueError(f"unsupported GPTQ checkpoint_format {layout!r}: gptq or gptq_v2 (qweight packed along "
+                         "the inputs)")
+    if quant.get("dynamic"):
+        raise ValueError("unsupported GPTQ dynamic (per-module bits and group sizes): one scheme for every layer")
+    return IntWeights("gptq", bits, True, reordered=bool(quant.get("desc_act")), zeros_less_one=layout == "gptq")
 
 
 def _awq_format(quant: dict) -> IntWeights:
@@ -148,6 +176,24 @@ def widen_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor 
     return weight.flatten(0, 1).T.contiguous()
 
 
+def widen_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+               bits: int, zeros_less_one: bool) -> torch.Tensor:
+    """GPTQ's qweight [in * bits / 32, out], qzeros [groups, out * bits / 32], scales
+    [groups, out], g_idx [in] (None: the inputs' groups in order) -> the weight [out, in],
+    float32."""
+    levels = _levels(qweight.T, bits)  # [out, in]
+    out_features, in_features = levels.shape
+    groups = scales.shape[0]
+    zeros = _levels(qzeros, bits)[:, :out_features] + int(zeros_less_one)  # [groups, out]
+    if scales.shape[1] != out_features or zeros.shape != scales.shape or in_features % groups:
+        raise ValueError(f"GPTQ qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)} do not fit qweight "
+                         f"{tuple(qweight.shape)}")
+    group = torch.arange(in_features) // (in_features // groups) if g_idx is None else g_idx.long()
+    if group.shape != (in_features,) or int(group.min()) < 0 or int(group.max()) >= groups:
+        raise ValueError(f"GPTQ g_idx does not give each of {in_features} inputs one of {groups} groups")
+    return (levels - zeros.T[:, group]).float() * scales.float().T[:, group]
+
+
 def widen_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int,
                          zero_point: torch.Tensor | None) -> torch.Tensor:
     """compressed-tensors' weight_packed [out, in * bits / 32], weight_scale [out, groups],
@@ -179,6 +225,8 @@ def int_widened(weights: Iterable[tuple[str, torch.Tensor]], fmt: IntWeights) ->
         if part not in fmt.parts:
             yield name, tensor
             continue
+        if part == "g_idx" and not fmt.reordered:
+            continue  # (each input's index over the group size: nothing to read)
         if part == "weight_g_idx":
             raise ValueError(f"{name}: activation reordering (weight_g_idx) is not supported")
         parts = waiting.setdefault(module, {})
@@ -189,6 +237,9 @@ def int_widened(weights: Iterable[tuple[str, torch.Tensor]], fmt: IntWeights) ->
         try:
             if fmt.method == "awq":
                 weight = widen_awq(parts["qweight"], parts["scales"], parts.get("qzeros"))
+            elif fmt.method == "gptq":
+                weight = widen_gptq(parts["qweight"], parts["qzeros"], parts["scales"],
+                                    parts.get("g_idx") if fmt.reordered else None, fmt.bits, fmt.zeros_less_one)
             else:
                 weight = widen_pack_quantized(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"],
                                               fmt.bits, parts.get("weight_zero_point"))
