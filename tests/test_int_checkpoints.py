@@ -6,10 +6,12 @@ by name."""
 
 import json
 
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from deployment import llmbus_serve
 from int_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
 from llmbus import LLM, SamplingParams
 from services.worker.layers.quantized_linear import int4_grid
@@ -62,6 +64,27 @@ def test_a_quantized_checkpoint_matches_transformers_on_the_reference_reading_of
     llm = LLM(str(folder), dtype="float32")
     assert llm.runner.model_config.int_weights is not None and llm.runner.quantization is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
+
+
+def test_served_by_llmbus_serve_as_the_reference_computes_it(tmp_path):
+    """`llmbus serve AWQ_FOLDER --dtype float32`, through the openai client: the worker
+    service reads the checkpoint as LLM does."""
+    folder = awq_checkpoint(build_tiny_model(tmp_path / "source", "llama", seed=2), tmp_path / "awq")
+    reference = hf_greedy(dense_reference(folder, tmp_path / "reference"), PROMPTS, 16)
+    proc, url = llmbus_serve([str(folder), "--served-model-name", "tiny-awq", "--dtype", "float32"],
+                             tmp_path / "stderr.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = []
+        for prompt in PROMPTS:
+            answer = client.completions.create(model="tiny-awq", prompt=prompt, max_tokens=16, temperature=0,
+                                               logprobs=0, extra_body={"ignore_eos": True,
+                                                                       "return_tokens_as_token_ids": True})
+            got.append([int(token.removeprefix("token_id:")) for token in answer.choices[0].logprobs.tokens])
+        assert got == reference
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def test_transformers_own_loading_of_a_symmetric_w4a16_folder_agrees(tmp_path):
