@@ -119,8 +119,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
                              "checkpoint's own, as vLLM's default (float16 runs as bfloat16 on a CPU); "
                              "half = float16, float = float32")
     parser.add_argument("--quantization", default=env("--quantization"), choices=["int8", "int4"],
-                        help="CPU, with --dtype bfloat16: int4 (4-bit weights in groups of 32; a GGUF Q4 "
-                             "checkpoint keeps its exact grid) or int8 (per-channel int8 weights)")
+                        help="with --dtype bfloat16 (a GPU's int4: or float16): int4 (4-bit weights in groups of "
+                             "32; a GGUF Q4, AWQ or GPTQ checkpoint keeps its exact grid, and a 4-bit checkpoint "
+                             "takes int4 without asking; on a GPU the Triton kernel) or int8 (per-channel int8 "
+                             "weights, CPU only)")
     parser.add_argument("--seed", type=int, default=env("--seed"),
                         help="vLLM's: requests without a seed of their own draw from this one, so a run repeats "
                              "(default: fresh randomness; benchmarks: 0, which picks their workload too)")

@@ -10,7 +10,7 @@ and a float8 KV cache's; that overlapped steps make no synchronizing call but th
 mean to (torch's sync debug mode) and that a step launches while the GPU is busy (a
 driver's wait, which that mode cannot see: host_waits); each kind of structured output; then the float8
 cache's write and read on the GPU's kernels against the CPU path's bytes and the widened
-cache's bits.
+cache's bits; a 4-bit AWQ checkpoint widened and on the Triton int4 kernel.
 
     python scripts/gpu_check.py --out $OUT    # writes gpu_check.json; exit 1 on a mismatch
 
@@ -356,6 +356,37 @@ def check_fp8(device: str) -> list[dict]:
     return rows
 
 
+def check_int4(root: Path, device: str) -> list[dict]:
+    """4-bit checkpoints (an AWQ folder of a tiny Llama, tests/int_checkpoints.py): in
+    float32 widened, equal to transformers on compressed-tensors' reading of it; in bfloat16
+    served at 4 bits (on a GPU the Triton kernel, kernels/linear_int4.py, its decode steps
+    as CUDA graphs), the same tokens as its eager steps, and its agreement with float32's
+    reported (not required)."""
+    from int_checkpoints import awq_checkpoint, dense_reference
+    from llmbus import LLM
+
+    source = build_tiny_model(root / "int4_source", arch="llama", hidden_size=128, intermediate_size=256)
+    folder = awq_checkpoint(source, root / "int4_awq", group_size=32)
+    reference = hf_greedy(dense_reference(folder, root / "int4_dense"), PROMPTS, MAX_NEW, device=device)
+    rows: list[dict] = []
+
+    def widened() -> dict:
+        llm = LLM(str(folder), dtype="float32")
+        return {"identical": greedy(llm, PROMPTS) == reference, "quantization": llm.runner.quantization}
+
+    def four_bits() -> dict:
+        llm = LLM(str(folder), dtype="bfloat16")
+        out, eager = greedy(llm, PROMPTS), greedy(LLM(str(folder), dtype="bfloat16", enforce_eager=True), PROMPTS)
+        graphs = llm.runner.decode_graphs
+        return {"identical": out == eager, "quantization": llm.runner.quantization,
+                "graph_steps": graphs.steps if graphs is not None else 0,
+                "agreement_with_float32": f"{sum(a == b for a, b in zip(out, reference))}/{len(PROMPTS)}"}
+
+    run_case(rows, {"model": "awq_llama", "case": "int4_widened_float32", "dtype": "float32"}, widened)
+    run_case(rows, {"model": "awq_llama", "case": "int4_graphs_vs_eager", "dtype": "bfloat16"}, four_bits)
+    return rows
+
+
 def random_smollm2(assets: Path, dest: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -377,8 +408,8 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="run the checks on CPU (to test this script)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS,
                         help="check these models only (the CPU test runs two: every case's code, in less time)")
-    parser.add_argument("--only", nargs="+", choices=["greedy", "host_syncs", "structured", "fp8"],
-                        default=["greedy", "host_syncs", "structured", "fp8"],
+    parser.add_argument("--only", nargs="+", choices=["greedy", "host_syncs", "structured", "int4", "fp8"],
+                        default=["greedy", "host_syncs", "structured", "int4", "fp8"],
                         help="these kinds of check only (a short lease's rerun of the ones that failed)")
     args = parser.parse_args()
     if args.random_smollm2:
@@ -406,6 +437,8 @@ def main() -> int:
             report["rows"] += check_host_syncs(first, device)
         if "structured" in args.only:
             report["rows"] += check_structured(first, device)
+        if "int4" in args.only:
+            report["rows"] += check_int4(Path(tmp), device)
     try:
         if "fp8" in args.only:
             report["rows"] += check_fp8(device)

@@ -58,7 +58,8 @@ def test_gpu_check_passes_every_check_on_cpu(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "gpu_check.json").read_text())["rows"]
     assert [r for r in rows if r.get("identical") is False or "error" in r] == []
-    assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager", "penalized"}
+    assert {r["case"] for r in rows} >= {"speculative", "structured_json", "no_overlap", "enforce_eager", "penalized",
+                                         "int4_widened_float32", "int4_graphs_vs_eager"}
     assert {r.get("model") for r in rows} >= {"llama_hd16", "qwen3_moe"}
 
 

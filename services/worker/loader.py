@@ -145,8 +145,11 @@ def load_model(
         # how SmolLM2's GGUF comes (Q4_1 layers, which int4 keeps exactly, an 8-bit head).
         # Measured with int4 layers: an int8 head took W0 from 4.9 to 3.7 ms a token, and
         # greedy agreement with float32 went 2/16, 462/1417 -> 3/16, 365/1417 tokens.
-        quantize(model.model, quantization, dtype)
-        if model.generates:
+        # On a GPU int4 runs on the Triton kernel (kernels/linear_int4.py) and the head stays
+        # unquantized (int8 has no GPU kernel here).
+        on_gpu = torch.device(device).type == "cuda"
+        quantize(model.model, quantization, dtype, "triton" if on_gpu else None)
+        if model.generates and not on_gpu:
             head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
             bias = None if model.lm_head is None else model.lm_head.bias  # (Phi's)
             model.lm_head = quantized_linear("int8", head, bias, dtype)

@@ -81,21 +81,23 @@ class ModelRunner:
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
         held = self.model_config.int_weights
+        # int4 on a GPU: the Triton kernel, in 16-bit activations (kernels/linear_int4.py)
+        int4_dtypes = ("bfloat16",) if self.device.type == "cpu" else ("bfloat16", "float16")
         if quantization is None and held is not None and held.bits == 4 and not held.reordered \
-                and self.device.type == "cpu" and dtype == "bfloat16":
+                and dtype in int4_dtypes:
             # A 4-bit checkpoint (AWQ, W4A16, GPTQ) stays at 4 bits, as vLLM serves it:
             # int4_grid finds its levels again in each group of 32 inputs (the offsets rounded
-            # to float16, within a hundredth of a level). Elsewhere (float32, a GPU, GPTQ's
-            # reordered groups, which no run of 32 inputs keeps) it runs widened.
+            # to float16, within a hundredth of a level). Elsewhere (float32, GPTQ's reordered
+            # groups, which no run of 32 inputs keeps) it runs widened.
             quantization = "int4"
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
-        if quantization is not None and self.device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on CPU (its kernels are CPU ones)")
-        if quantization is not None and dtype != "bfloat16":
+        if quantization == "int8" and self.device.type != "cpu":
+            raise ValueError("--quantization int8 runs on CPU (its kernels are CPU ones)")
+        if quantization is not None and dtype not in int4_dtypes:
             # int8's kernel takes bfloat16 only; int4's float32 path is a slow reference
             # (measured: a decode step 127 ms, against 60 ms unquantized in float32).
-            raise ValueError(f"--quantization {quantization} runs with --dtype bfloat16")
+            raise ValueError(f"--quantization {quantization} runs with --dtype {' or '.join(int4_dtypes)}")
         self.quantization = quantization
         # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
         attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")

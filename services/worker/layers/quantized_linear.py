@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 import kernels.cpu as cpu_kernels
+import kernels.linear_int4 as triton_int4
 from services.worker.layers import replace_linears
+from services.worker.layers.moe import SparseMoE
 
 # Rows (tokens) up to which the int8 kernel is used; above it, convert then GEMM.
 INT8_KERNEL_MAX_ROWS = 16
@@ -120,14 +122,16 @@ class Int4Linear(nn.Module):
     """y = x @ W.T + b with W in 4 bits per weight, a step and an offset per group of 32
     inputs; x and y bfloat16. A decode step reads a quarter of bfloat16's weight bytes.
 
-    Two kernels: llmbus's own (kernels/cpu/linear_int4.cpp), where the CPU kernels build,
+    Three kernels: llmbus's own (kernels/cpu/linear_int4.cpp), where the CPU kernels build,
     which keeps the step and offset as float16 (GGUF's Q4_1 does the same, so SmolLM2's
     grid stays exact) and streams the packed weights at memory speed; otherwise PyTorch's
     CPU int4 kernel (the one torchao uses), with the step and offset in bfloat16. Measured
     on SmolLM2 with PyTorch's kernel: a decode step at batch 1 took 20.6 ms against
-    bfloat16's 38 and int8's 23 (module path, before the fused layer); prefill 2x bfloat16's."""
+    bfloat16's 38 and int8's 23 (module path, before the fused layer); prefill 2x bfloat16's.
+    On a GPU, "triton" (kernels/linear_int4.py): the same levels, step and offset (float16),
+    dequantized tile by tile inside the GEMM."""
 
-    KERNELS = ("llmbus", "torch")
+    KERNELS = ("llmbus", "torch", "triton")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  kernel: str | None = None) -> None:
@@ -146,6 +150,12 @@ class Int4Linear(nn.Module):
             # Added to the float32 sums before rounding, as the bfloat16 kernel does.
             self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).float())
             return
+        if kernel == "triton":
+            self.register_buffer("weight_packed", triton_int4.pack_levels(levels))  # [in / 8, out]
+            self.register_buffer("step", step.T.contiguous().half())  # [in / 32, out]
+            self.register_buffer("low", low.T.contiguous().half())
+            self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).float())
+            return
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(levels, 1))
         # The kernel computes (level - 8) * scale + zero.
         scales_and_zeros = torch.stack([step, low + 8 * step], dim=-1)  # [out, groups, 2]
@@ -156,6 +166,9 @@ class Int4Linear(nn.Module):
         if self.kernel == "llmbus":
             return cpu_kernels.linear_int4(x, self.weight_packed, self.out_features, self.bias)
         rows = x.reshape(-1, self.in_features)
+        if self.kernel == "triton":
+            out = triton_int4.linear_int4(rows, self.weight_packed, self.step, self.low, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         out = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP_SIZE, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
@@ -170,6 +183,8 @@ class Int4Linear(nn.Module):
         """Bytes a product reads: packed nibbles, and a scale and offset per group."""
         if self.kernel == "llmbus":
             return self.weight_packed.numel()
+        if self.kernel == "triton":
+            return self.weight_packed.numel() * 4 + (self.step.numel() + self.low.numel()) * 2
         sz = self.scales_and_zeros
         return self.weight_int4.numel() * self.weight_int4.element_size() + sz.numel() * sz.element_size()
 
@@ -180,14 +195,19 @@ class Int4Linear(nn.Module):
 QUANTIZATIONS = ("int8", "int4")
 
 
-def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
+def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                     kernel: str | None = None) -> nn.Module:
     if method == "int8":
-        return Int8Linear(weight, bias)  # bfloat16 activations, whatever `dtype` says
+        return Int8Linear(weight, bias, kernel)  # bfloat16 activations, whatever `dtype` says
     if method == "int4":
-        return Int4Linear(weight, bias, dtype)
+        return Int4Linear(weight, bias, dtype, kernel)
     raise ValueError(f"unknown quantization {method!r}: {', '.join(QUANTIZATIONS)}")
 
 
-def quantize(model: nn.Module, method: str, dtype: torch.dtype) -> nn.Module:
-    """Replace every nn.Linear under `model` with its quantized form (in place)."""
-    return replace_linears(model, lambda linear: quantized_linear(method, linear.weight, linear.bias, dtype))
+def quantize(model: nn.Module, method: str, dtype: torch.dtype, kernel: str | None = None) -> nn.Module:
+    """Replace every nn.Linear under `model` with its quantized form (in place); with the
+    Triton kernel (a GPU's), but the experts of a sparse MoE, which its grouped GEMMs read
+    stacked and unquantized (kernels/fused_moe.py)."""
+    experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
+    return replace_linears(model, lambda linear: None if kernel == "triton" and id(linear) in experts else
+                           quantized_linear(method, linear.weight, linear.bias, dtype, kernel))
