@@ -357,12 +357,12 @@ def check_fp8(device: str) -> list[dict]:
 
 
 def check_int4(root: Path, device: str) -> list[dict]:
-    """4-bit checkpoints (an AWQ folder of a tiny Llama, tests/int_checkpoints.py): in
+    """4-bit checkpoints (an AWQ folder of a tiny Llama, tests/quantized_checkpoints.py): in
     float32 widened, equal to transformers on compressed-tensors' reading of it; in bfloat16
     served at 4 bits (on a GPU the Triton kernel, kernels/linear_int4.py, its decode steps
     as CUDA graphs), the same tokens as its eager steps, and its agreement with float32's
     reported (not required)."""
-    from int_checkpoints import awq_checkpoint, dense_reference
+    from quantized_checkpoints import awq_checkpoint, dense_reference
     from llmbus import LLM
 
     source = build_tiny_model(root / "int4_source", arch="llama", hidden_size=128, intermediate_size=256)

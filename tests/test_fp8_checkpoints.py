@@ -1,6 +1,6 @@
 """Checkpoints in FP8 with block scales (DeepSeek-V3's and Qwen3-FP8's format), widened at
 load (services/worker/models/fp8_weights.py): greedy output equals transformers' own
-reading of the same FP8 folder (what cannot be read is refused by name: test_int_checkpoints.py)."""
+reading of the same FP8 folder (what cannot be read is refused by name: test_quantized_checkpoints.py)."""
 
 import pytest
 import torch

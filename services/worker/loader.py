@@ -13,7 +13,7 @@ from safetensors import SafetensorError, safe_open
 from services.worker.attention.backend import AttentionBackend
 from services.worker.models.fp8_weights import fp8_widened
 from services.worker.models.fused_decode import FusedDecode
-from services.worker.models.int_weights import int_widened
+from services.worker.models.quantized_weights import quantized_widened
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
@@ -134,8 +134,8 @@ def load_model(
         weights = iter_weights(folder)
         if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
             weights = fp8_widened(weights, config.fp8_weight_block)
-        if config.int_weights is not None:  # (AWQ's, compressed-tensors': widened as read, in float32)
-            weights = int_widened(weights, config.int_weights)
+        if config.quantized_weights is not None:  # (AWQ's, compressed-tensors': widened as read, in float32)
+            weights = quantized_widened(weights, config.quantized_weights)
         model.load_weights(weights)
     if quantization is not None:
         # From the checkpoint's own precision, every matmul weight of the decoder layers.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.worker.models.fp8_weights import fp8_weight_block
-from services.worker.models.int_weights import IntWeights, int_weight_format
+from services.worker.models.quantized_weights import QuantizedWeights, quantized_weight_format
 from shared.classification import SUFFIX, is_classifier, num_labels
 
 # Architectures whose modules `models/llama.py` reproduces: Qwen2 differs only by its
@@ -408,8 +408,8 @@ class ModelConfig:
     # at load (models/fp8_weights.py); () for any other
     fp8_weight_block: tuple[int, ...] = ()
     # A checkpoint of AWQ's or compressed-tensors' integer weights with group scales, widened
-    # at load (models/int_weights.py); None for any other
-    int_weights: IntWeights | None = None
+    # at load (models/quantized_weights.py); None for any other
+    quantized_weights: QuantizedWeights | None = None
     # Granite's scalars; a Llama's are the identity (attention_scale None: 1/sqrt(head_dim)).
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -507,8 +507,8 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"{folder} is not a model folder: it has no config.json")
         raw = json.loads(path.read_text(), object_hook=_tagged_float)
-        fp8_block = fp8_weight_block(raw)  # (any other quantized checkpoint refused here, by its method)
-        int_weights = int_weight_format(raw)
+        # (a quantization neither reads refused here, by its method)
+        quantized_weights, fp8_block = quantized_weight_format(raw), fp8_weight_block(raw)
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)
         if multimodal is not None:
             raw = _text_config(raw, TEXT_MODELS_OF[multimodal])
@@ -657,7 +657,7 @@ class ModelConfig:
             **_layer_normed_fields(arch, raw),
             **latent,
             fp8_weight_block=fp8_block or (),
-            int_weights=int_weights,
+            quantized_weights=quantized_weights,
             **_query_scale_fields(arch, beta, rope),
             **_linear_attention_fields(arch, raw),
             **_short_conv_fields(arch, raw),

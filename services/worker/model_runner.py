@@ -80,7 +80,7 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
-        held = self.model_config.int_weights
+        held = self.model_config.quantized_weights
         # int4 on a GPU: the Triton kernel, in 16-bit activations (kernels/linear_int4.py)
         int4_dtypes = ("bfloat16",) if self.device.type == "cpu" else ("bfloat16", "float16")
         if quantization is None and held is not None and held.bits == 4 and not held.reordered \

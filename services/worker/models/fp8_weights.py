@@ -18,28 +18,15 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from services.worker.models.int_weights import INT_WEIGHT_METHODS
-
 SCALE = ".weight_scale_inv"
 
 
 def fp8_weight_block(raw_config: dict) -> tuple[int, int] | None:
-    """The block of a checkpoint in FP8 with block scales (None: not one); any other
-    quantized checkpoint refused by its method's name (gpt-oss's mxfp4 aside: its loader
-    widens it, models/gpt_oss_weights.py; AWQ and compressed-tensors: models/int_weights.py)."""
-    quant = raw_config.get("quantization_config")
-    if not quant:
+    """The block of a checkpoint in FP8 with block scales (None: not one, or another
+    quantization: models/quantized_weights.py says which are read)."""
+    quant = raw_config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8":
         return None
-    method = quant.get("quant_method")
-    if method == "mxfp4" and "GptOssForCausalLM" in (raw_config.get("architectures") or []):
-        return None
-    if method in INT_WEIGHT_METHODS:
-        return None
-    if method != "fp8":
-        raise ValueError(f"unsupported quantization_config quant_method {method!r}: llmbus reads unquantized "
-                         "checkpoints, FP8 ones with block scales (quant_method fp8), AWQ's (awq), "
-                         "compressed-tensors' weight-only ones (compressed-tensors) and gpt-oss's mxfp4 "
-                         "(for its own int8/int4: --quantization)")
     block = quant.get("weight_block_size")
     if not block or len(block) != 2 or min(block) < 1:
         raise ValueError(f"unsupported FP8 checkpoint without block scales (weight_block_size {block!r}): "

@@ -33,34 +33,65 @@ def _with_config(source: Path, dest: Path, tensors: dict, quantization_config: d
     return dest
 
 
-def _scheme(bits: int, group_size: int | None, symmetric: bool):
+def _scheme(bits: int, group_size: int | None, symmetric: bool, fmt: str = "pack-quantized", kind: str = "int",
+            strategy: str | None = None, block: tuple[int, int] | None = None, dynamic_activations: bool = False):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                            strategy="group" if group_size else "channel", group_size=group_size)
-    return QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    strategy = strategy or ("group" if group_size else "channel")
+    args = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
+                            group_size=group_size if strategy == "group" else None,
+                            block_structure=list(block) if block else None)
+    acts = QuantizationArgs(num_bits=8, type=kind, strategy="token", dynamic=True) if dynamic_activations else None
+    return QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts, format=fmt)
+
+
+def _compressor(fmt: str):
+    from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+    return PackedQuantizationCompressor if fmt == "pack-quantized" else NaiveQuantizationCompressor
+
+
+def _value_ranges(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) over each set of weights one scale serves, shaped as compressed-tensors
+    keeps that scale."""
+    if args.strategy == "tensor":
+        return weight.amin().reshape(1), weight.amax().reshape(1)
+    if args.strategy == "channel":
+        return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+    if args.strategy == "group":
+        groups = weight.unflatten(1, (-1, args.group_size))
+        return groups.amin(-1), groups.amax(-1)
+    rows, columns = args.block_structure  # block: the last row and column of blocks may be partial
+    padded = torch.nn.functional.pad(weight, (0, -weight.shape[1] % columns, 0, -weight.shape[0] % rows),
+                                     value=float(weight[0, 0]))
+    tiles = padded.unflatten(0, (-1, rows)).unflatten(2, (-1, columns))
+    return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
 
 
 def ct_checkpoint(source: Path, dest: Path, bits: int = 4, group_size: int | None = 16, symmetric: bool = True,
-                  scale_dtype: torch.dtype = torch.bfloat16) -> Path:
-    """`source`'s model as compressed-tensors' pack-quantized W{bits}A16 (GPTQ's and AWQ's
-    format from llm-compressor): min/max scales per group (a row's one where group_size is
-    None), quantized and packed by compressed-tensors' own compressor, the config its own."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+                  scale_dtype: torch.dtype = torch.bfloat16, fmt: str = "pack-quantized", kind: str = "int",
+                  strategy: str | None = None, block: tuple[int, int] | None = None,
+                  dynamic_activations: bool = False) -> Path:
+    """`source`'s model as a compressed-tensors checkpoint: pack-quantized W{bits}A16 (GPTQ's
+    and AWQ's format from llm-compressor) by default, or int8/float8 weights stored as they
+    are (`fmt` int-, float-quantized: W8A8, FP8-dynamic, FP8 block), with dynamic input
+    activations where `dynamic_activations`; min/max scales per `strategy` (group,
+    channel, tensor, block), quantized and packed by compressed-tensors' own compressor,
+    the config its own."""
     from compressed_tensors.quantization import QuantizationConfig
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    scheme = _scheme(bits, group_size, symmetric)
+    scheme = _scheme(bits, group_size, symmetric, fmt, kind, strategy, block, dynamic_activations)
     tensors, names = quantized_tensors(Path(source))
     for name in names:
         weight = tensors.pop(name).float()
-        groups = weight.unflatten(1, (-1, group_size)) if group_size else weight[:, None, :]
-        scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights)
+        scale, zero_point = calculate_qparams(*_value_ranges(weight, scheme.weights), scheme.weights)
         state = {"weight": weight.to(scale_dtype), "weight_scale": scale.to(scale_dtype), "weight_zero_point": zero_point}
-        for part, tensor in PackedQuantizationCompressor.compress(state, scheme).items():
+        for part, tensor in _compressor(fmt).compress(state, scheme).items():
             tensors[name.removesuffix("weight") + part] = tensor
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                                quantization_status="compressed", ignore=["lm_head"])
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                                ignore=["lm_head"])
     return _with_config(source, dest, tensors, {**config.model_dump(mode="json"), "quant_method": "compressed-tensors"})
 
 
@@ -101,8 +132,9 @@ def dense_reference(folder: Path, dest: Path) -> Path:
     layer decompressed by compressed-tensors' own compressor (in float32, as transformers
     decompresses a checkpoint it loads in float32: transformers' own loading of an
     asymmetric pack-quantized folder fails on the packed zero points' shape)."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    from compressed_tensors.quantization import QuantizationScheme
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -112,14 +144,14 @@ def dense_reference(folder: Path, dest: Path) -> Path:
         tensors = AutoAWQConverter.from_autoawq_config(quant).process(tensors)
         scheme = _scheme(4, quant["group_size"], not quant["zero_point"])
     else:
-        group = quant["config_groups"]["group_0"]["weights"]
-        scheme = _scheme(group["num_bits"], group["group_size"], group["symmetric"])
-    for name in [n for n in tensors if n.endswith(".weight_packed")]:
-        module = name.removesuffix(".weight_packed")
+        scheme = QuantizationScheme.model_validate(quant["config_groups"]["group_0"])
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        module = name.removesuffix(".weight_scale")
         state = {part: tensors.pop(f"{module}.{part}") for part in
-                 ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point") if f"{module}.{part}" in tensors}
+                 ("weight_packed", "weight", "weight_scale", "weight_shape", "weight_zero_point")
+                 if f"{module}.{part}" in tensors}
         state["weight_scale"] = state["weight_scale"].float()
-        tensors[f"{module}.weight"] = PackedQuantizationCompressor.decompress(state, scheme)["weight"].float()
+        tensors[f"{module}.weight"] = _compressor(scheme.format).decompress(state, scheme)["weight"].float().contiguous()
     dest = Path(dest)
     shutil.copytree(folder, dest)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})

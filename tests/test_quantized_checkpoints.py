@@ -1,5 +1,5 @@
-"""Checkpoints of integer weights with group scales (AutoAWQ's GEMM layout, compressed-tensors'
-pack-quantized W4A16/W8A16), widened at load (services/worker/models/int_weights.py): greedy
+"""Quantized checkpoints (AutoAWQ's GEMM layout, GPTQ's, compressed-tensors' W4A16/W8A16,
+FP8 and W8A8), widened at load (services/worker/models/quantized_weights.py): greedy
 output equals transformers on the reference's reading of the same folder; on a CPU in
 bfloat16 a 4-bit one is served at 4 bits on its own levels; what cannot be read is refused
 by name."""
@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from deployment import llmbus_serve
-from int_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
+from quantized_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
 from llmbus import LLM, SamplingParams
 from services.worker.layers.quantized_linear import int4_grid
-from services.worker.models.int_weights import int_widened, int_weight_format
+from services.worker.models.quantized_weights import quantized_widened, quantized_weight_format
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 PROMPTS = random_prompts([1, 5, 16, 33])
@@ -27,6 +27,17 @@ FORMATS = {
     "W8A16 per channel": lambda source, dest: ct_checkpoint(source, dest, bits=8, group_size=None),
     "AWQ": lambda source, dest: awq_checkpoint(source, dest),
     "AWQ without zero points": lambda source, dest: awq_checkpoint(source, dest, zero_point=False),
+    "FP8 dynamic per channel": lambda source, dest: ct_checkpoint(
+        source, dest, bits=8, fmt="float-quantized", kind="float", strategy="channel", dynamic_activations=True),
+    "FP8 block, partial blocks": lambda source, dest: ct_checkpoint(
+        source, dest, bits=8, fmt="float-quantized", kind="float", strategy="block", block=(16, 24),
+        dynamic_activations=True),
+    "FP8 weights per tensor": lambda source, dest: ct_checkpoint(
+        source, dest, bits=8, fmt="float-quantized", kind="float", strategy="tensor"),
+    "W8A8 INT8 per channel": lambda source, dest: ct_checkpoint(
+        source, dest, bits=8, fmt="int-quantized", strategy="channel", dynamic_activations=True),
+    "INT8 weights asymmetric per group": lambda source, dest: ct_checkpoint(
+        source, dest, bits=8, fmt="int-quantized", symmetric=False, group_size=16),
     "GPTQ Int4": lambda source, dest: gptq_checkpoint(ct_checkpoint(source, dest.with_name("ct")), dest),
     "GPTQ Int8": lambda source, dest: gptq_checkpoint(ct_checkpoint(source, dest.with_name("ct"), bits=8), dest),
     "GPTQ v2 asymmetric": lambda source, dest: gptq_checkpoint(
@@ -54,15 +65,15 @@ def test_a_quantized_checkpoint_matches_transformers_on_the_reference_reading_of
     dense = reference_folder(folder, tmp_path / "reference")
     # Every weight as the reference widens it, to the last bit (float32: exact products),
     # but a reordered GPTQ's MLP, whose features are in another order
-    fmt_read = int_weight_format(json.loads((folder / "config.json").read_text()))
-    widened = dict(int_widened(load_file(str(folder / "model.safetensors")).items(), fmt_read))
+    fmt_read = quantized_weight_format(json.loads((folder / "config.json").read_text()))
+    widened = dict(quantized_widened(load_file(str(folder / "model.safetensors")).items(), fmt_read))
     assert widened.keys() == load_file(str(dense / "model.safetensors")).keys()
     assert all(torch.equal(widened[n], t) for n, t in load_file(str(dense / "model.safetensors")).items()
                if not (fmt_read.reordered and ".mlp." in n))
     reference = hf_greedy(dense, PROMPTS, 16)
     assert reference != hf_greedy(source, PROMPTS, 16)
     llm = LLM(str(folder), dtype="float32")
-    assert llm.runner.model_config.int_weights is not None and llm.runner.quantization is None
+    assert llm.runner.model_config.quantized_weights is not None and llm.runner.quantization is None
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)] == reference
 
 
@@ -118,9 +129,9 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
     folder = awq_checkpoint(source, tmp_path / "awq", group_size=64)
     assert LLM(str(folder), dtype="bfloat16").runner.quantization == "int4"
     assert LLM(str(folder), dtype="bfloat16", quantization="int8").runner.quantization == "int8"
-    fmt = int_weight_format(json.loads((folder / "config.json").read_text()))
+    fmt = quantized_weight_format(json.loads((folder / "config.json").read_text()))
     tensors = load_file(str(folder / "model.safetensors"))
-    widened = dict(int_widened(tensors.items(), fmt))
+    widened = dict(quantized_widened(tensors.items(), fmt))
     checked = 0
     for module in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
         weight, scales = widened[f"{module}.weight"], tensors[f"{module}.scales"].float()  # [out, in], [groups, out]
@@ -151,13 +162,19 @@ def test_gptq_s_reordered_groups_run_widened_in_bfloat16(tmp_path):
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "unsupported AWQ version 'gemv'"),
     ({"quant_method": "awq", "bits": 8}, "unsupported AWQ bits 8"),
     ({"quant_method": "compressed-tensors", "config_groups": {}}, "without config_groups"),
-    ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
-        "g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}}},
-     "unsupported compressed-tensors format 'int-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}}},
+     "unsupported compressed-tensors format 'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
+     "unsupported compressed-tensors static input_activations"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "g": {"weights": {"num_bits": 4, "type": "float", "strategy": "tensor"}}}},
+     "unsupported compressed-tensors float-quantized weights float 4 bits"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
-        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128},
-              "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
-     "unsupported compressed-tensors input_activations quantization"),
+        "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}}},
+     "unsupported compressed-tensors pack-quantized weight strategy 'tensor'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "g": {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"}}}},
      "unsupported compressed-tensors actorder 'group'"),
@@ -184,8 +201,8 @@ def test_a_quantized_checkpoint_it_cannot_read_is_refused_by_name(tmp_path, quan
 def test_a_layer_missing_a_part_is_named(tmp_path):
     source = build_tiny_model(tmp_path / "source", "llama", seed=2)
     folder = awq_checkpoint(source, tmp_path / "awq")
-    fmt = int_weight_format(json.loads((folder / "config.json").read_text()))
+    fmt = quantized_weight_format(json.loads((folder / "config.json").read_text()))
     tensors = load_file(str(folder / "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.scales"]
     with pytest.raises(ValueError, match=r"incomplete: model.layers.1.mlp.up_proj \(has qweight, qzeros\)"):
-        dict(int_widened(tensors.items(), fmt))
+        dict(quantized_widened(tensors.items(), fmt))
