@@ -90,6 +90,9 @@ class ModelRunner:
             # to float16, within a hundredth of a level). Elsewhere (float32, GPTQ's reordered
             # groups, which no run of 32 inputs keeps) it runs widened.
             quantization = "int4"
+        elif quantization is None and held is not None and dtype == "float32":
+            log.warning("quantized checkpoint widened to float32 (four bytes a weight): --dtype bfloat16 or auto "
+                        "serves it at its own precision's size or near it", extra={"model": str(model_path)})
         if quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
         if quantization == "int8" and self.device.type != "cpu":

@@ -188,24 +188,35 @@ def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((words[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
+def _scaled(levels: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor | None = None,
+            group: torch.Tensor | None = None) -> torch.Tensor:
+    """(levels [out, in] - zeros) * scale, float32 [out, in]: the zero points and scales
+    [out or 1, groups] of each input's group, group[j] (None: the inputs in runs of in /
+    groups)."""
+    in_features, groups = levels.shape[1], scale.shape[1]
+    if in_features % groups:
+        raise ValueError(f"{groups} groups of scales do not split {in_features} inputs")
+    if group is None:
+        group = torch.arange(in_features) // (in_features // groups)
+    elif group.shape != (in_features,) or int(group.min()) < 0 or int(group.max()) >= groups:
+        raise ValueError(f"g_idx does not give each of {in_features} inputs one of {groups} groups")
+    shifted = levels.float() if zeros is None else levels.float() - zeros.float()[:, group]
+    return shifted * scale.float()[:, group]
+
+
 def widen_awq(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None) -> torch.Tensor:
     """AutoAWQ GEMM's qweight [in, out / 8], scales [groups, out], qzeros [groups, out / 8]
     -> the weight [out, in], float32."""
     order = torch.tensor(AWQ_NIBBLE)
+
     def unpack(words: torch.Tensor) -> torch.Tensor:  # -> [rows, out], columns in order
-        nibbles = _levels(words, 4).unflatten(-1, (-1, 8))
-        return nibbles[..., order].flatten(-2)
+        return _levels(words, 4).unflatten(-1, (-1, 8))[..., order].flatten(-2)
+
     levels = unpack(qweight)  # [in, out]
-    in_features, out_features = levels.shape
-    groups = scales.shape[0]
-    if scales.shape[1] != out_features or in_features % groups:
-        raise ValueError(f"AWQ scales {tuple(scales.shape)} do not fit qweight {tuple(qweight.shape)}")
-    zeros = unpack(qzeros) if qzeros is not None else torch.full((groups, out_features), 8)
-    if zeros.shape != scales.shape:
-        raise ValueError(f"AWQ qzeros {tuple(qzeros.shape)} do not fit scales {tuple(scales.shape)}")
-    size = in_features // groups
-    weight = (levels.unflatten(0, (groups, size)) - zeros[:, None]).float() * scales.float()[:, None]
-    return weight.flatten(0, 1).T.contiguous()
+    zeros = unpack(qzeros) if qzeros is not None else torch.full_like(scales, 8, dtype=torch.int32)
+    if scales.shape[1] != levels.shape[1] or zeros.shape != scales.shape:
+        raise ValueError(f"AWQ scales {tuple(scales.shape)} and qzeros do not fit qweight {tuple(qweight.shape)}")
+    return _scaled(levels.T, scales.T, zeros.T)
 
 
 def widen_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
@@ -214,16 +225,11 @@ def widen_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     [groups, out], g_idx [in] (None: the inputs' groups in order) -> the weight [out, in],
     float32."""
     levels = _levels(qweight.T, bits)  # [out, in]
-    out_features, in_features = levels.shape
-    groups = scales.shape[0]
-    zeros = _levels(qzeros, bits)[:, :out_features] + int(zeros_less_one)  # [groups, out]
-    if scales.shape[1] != out_features or zeros.shape != scales.shape or in_features % groups:
+    zeros = _levels(qzeros, bits)[:, : levels.shape[0]] + int(zeros_less_one)  # [groups, out]
+    if scales.shape[1] != levels.shape[0] or zeros.shape != scales.shape:
         raise ValueError(f"GPTQ qzeros {tuple(qzeros.shape)} and scales {tuple(scales.shape)} do not fit qweight "
                          f"{tuple(qweight.shape)}")
-    group = torch.arange(in_features) // (in_features // groups) if g_idx is None else g_idx.long()
-    if group.shape != (in_features,) or int(group.min()) < 0 or int(group.max()) >= groups:
-        raise ValueError(f"GPTQ g_idx does not give each of {in_features} inputs one of {groups} groups")
-    return (levels - zeros.T[:, group]).float() * scales.float().T[:, group]
+    return _scaled(levels, scales.T, zeros.T, None if g_idx is None else g_idx.long())
 
 
 def widen_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor, bits: int,
@@ -235,17 +241,15 @@ def widen_pack_quantized(packed: torch.Tensor, scale: torch.Tensor, shape: torch
     offset = 1 << (bits - 1)
     levels = _levels(packed, bits)[:, :in_features] - offset  # [out, in], signed
     scale = scale.reshape(out_features, -1)
-    groups = scale.shape[1]
-    if levels.shape[0] != out_features or in_features % groups:
-        raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit a weight of {(out_features, in_features)}")
-    zeros = torch.zeros_like(scale, dtype=torch.int32)
+    if levels.shape[0] != out_features:
+        raise ValueError(f"weight_packed {tuple(packed.shape)} does not hold a weight of {(out_features, in_features)}")
+    zeros = None
     if zero_point is not None:
         zeros = _levels(zero_point.T, bits)[:, :out_features].T - offset  # packed along the outputs
         if zeros.shape != scale.shape:
             raise ValueError(f"weight_zero_point {tuple(zero_point.shape)} does not fit weight_scale "
                              f"{tuple(scale.shape)}")
-    weight = (levels.unflatten(1, (groups, -1)) - zeros[..., None]).float() * scale.float()[..., None]
-    return weight.flatten(1)
+    return _scaled(levels, scale, zeros)
 
 
 def widen_stored(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
@@ -255,13 +259,11 @@ def widen_stored(weight: torch.Tensor, scale: torch.Tensor, zero_point: torch.Te
     ([ceil(out / rows), ceil(in / columns)]) -> the weight [out, in], float32."""
     if block:
         return widen_fp8(weight, scale, (block[0], block[1]))
-    out_features, in_features = weight.shape
-    scale = scale.float().reshape(out_features if scale.numel() > 1 else 1, -1)
-    groups = scale.shape[1]
-    if in_features % groups or (scale.numel() > 1 and scale.shape[0] != out_features):
+    rows = weight.shape[0] if scale.numel() > 1 else 1  # (per tensor: one scale for every row)
+    if scale.numel() > 1 and scale.shape[0] != rows:
         raise ValueError(f"weight_scale {tuple(scale.shape)} does not fit a weight of {tuple(weight.shape)}")
-    zeros = 0 if zero_point is None else zero_point.float().reshape(scale.shape)[..., None]
-    return ((weight.float().unflatten(1, (groups, -1)) - zeros) * scale[..., None]).flatten(1)
+    scale = scale.reshape(rows, -1)
+    return _scaled(weight, scale, None if zero_point is None else zero_point.reshape(scale.shape))
 
 
 def quantized_widened(weights: Iterable[tuple[str, torch.Tensor]], fmt: QuantizedWeights) -> Iterator[tuple[str, torch.Tensor]]:
