@@ -121,7 +121,7 @@ def test_the_awq_packer_of_the_tests_puts_each_weight_where_the_converter_reads_
         assert bool((error <= step[..., None] * 1.001 + 1e-6).all()), name
 
 
-def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on_a_cpu(tmp_path):
+def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on_a_cpu(tmp_path, caplog):
     """As vLLM serves an AWQ checkpoint at its 4 bits: int4 without asking, and int4_grid
     finds every widened weight's levels again (each group of 32 inputs on one step of the
     checkpoint's float16 scales; the offsets kept to float16, within 1/100 of a level)."""
@@ -146,7 +146,9 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
         assert bool(((low.half().float() - low).abs() <= group_scale / 100).all()), module
         checked += 1
     assert checked == 14  # 7 projections in each of 2 layers
-    assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened)
+    with caplog.at_level("WARNING", logger="services.worker.model_runner"):
+        assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened, and said so)
+    assert "quantized checkpoint widened to float32" in caplog.text
 
 
 def test_gptq_s_reordered_groups_run_widened_in_bfloat16(tmp_path):
