@@ -47,7 +47,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "lfm2", "lfm2_moe", "granite_hybrid", "granite_hybrid_dense",
+            "qwen3_next", "lfm2", "lfm2_moe", "lfm3", "granite_hybrid", "granite_hybrid_dense",
             "bamba", "nemotron_h"]
 
 
@@ -126,7 +126,7 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
-                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe"))
+                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "lfm3"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
@@ -235,7 +235,8 @@ def test_what_each_family_reads_from_its_config(family):
         "gpt_oss": ((24, 0), None, None, False, None, None),
         "starcoder2": ((24, 24), None, None, False, None, None),
         "cohere2": ((24, 24, 24, 0), None, None, False, None, None),
-        "dots1": ((0, 24), None, None, False, None, None)}.get(name, ((), None, None, False, None, None))
+        "dots1": ((0, 24), None, None, False, None, None),
+        "lfm3": ((0, 8, 0, 0), None, None, True, None, 10000.0)}.get(name, ((), None, None, False, None, None))
     if name == "gemma3":  # the global layer's rope, as any family's
         assert (config.rope_theta, config.rope_scaling) == (100.0, {"rope_type": "linear", "factor": 2.0})
     if name == "olmo3":  # its YaRN on the global layer alone
@@ -246,19 +247,19 @@ def test_what_each_family_reads_from_its_config(family):
                                             "granite_hybrid")
         else (7, 5) if name == "flex_olmo" else (0, 0))
     hybrid = name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-    assert config.attention_gate == (name == "afmoe" or hybrid)  # (AFMoE's and Qwen3.5's gated attention output)
+    assert config.attention_gate == (name in ("afmoe", "lfm3") or hybrid)  # (AFMoE's, Qwen3.5's, LFM3's gated output)
     # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
         ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else
         ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name or name == "bamba" else
-         (0, 2, 5) if name == "nemotron_h" else (), 0, 0, 0, 0, 0))
+         (0, 3) if name == "lfm3" else (0, 2, 5) if name == "nemotron_h" else (), 0, 0, 0, 0, 0))
     # Granite 4.0-H's Mamba2: 8 heads of 16 over a state of 16, 2 groups, 4 wide (its MLP
     # the shared one's 64 where it has no experts)
     assert (config.recurrent_mixer, config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size,
             config.mamba_num_groups, config.mamba_conv_kernel, config.mamba_conv_bias, config.mamba_dt_limit) == (
         ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name or name in ("bamba", "nemotron_h") else
-        ("gated_delta_net" if hybrid else "short_conv" if "lfm2" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
+        ("gated_delta_net" if hybrid else "short_conv" if "lfm" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
     if name == "granite_hybrid_dense":
         assert config.intermediate_size == 64
     if name == "bamba":  # (its attention rotating half of each head)
@@ -272,9 +273,18 @@ def test_what_each_family_reads_from_its_config(family):
         assert (config.attention_layers, config.rotary_dim) == ((3,), 4)
     # LFM2's: short convolutions 3 wide on layers 0, 1 and 3, its MLP from intermediate_size 200
     assert (config.recurrent_layers, config.short_conv_kernel, config.short_conv_bias) == (
-        ((0, 1, 3), 3, False) if name in ("lfm2", "lfm2_moe") else (config.recurrent_layers, 0, False))
+        ((0, 1, 3), 3, False) if name in ("lfm2", "lfm2_moe") else ((0, 3), 7, False) if name == "lfm3"
+        else (config.recurrent_layers, 0, False))
     if name == "lfm2":
         assert (config.attention_layers, config.intermediate_size, config.rms_norm_eps) == ((2,), 224, 1e-5)
+    # LFM3's: convolutions 7 wide on 0 and 3, layer 1 sliding (8, the default rope's base
+    # 1e4), layer 2 full (proportional rope, base 100: all 16 dims, 4 of 8 frequencies not zero), four
+    # norms a layer
+    if name == "lfm3":
+        assert (config.recurrent_layers, config.short_conv_kernel, config.attention_layers, config.layer_windows,
+                config.local_rope_theta, config.rope_theta, config.rotary_dim, config.rope_scaling,
+                config.sandwich_norms) == ((0, 3), 7, (1, 2), (0, 8, 0, 0), 1e4, 100.0, 0,
+                                           {"rope_type": "proportional", "partial_rotary_factor": 0.5}, True)
     # DeepSeek-V2's router: softmax scores alone, a group ranked by its best expert
     assert (config.moe_correction_bias, config.moe_group_by_max) == {"deepseek_v2": (False, True),
                                                                      "mistral4": (False, False)}.get(name, (True, False))

@@ -486,6 +486,23 @@ def build_tiny_model(
                "block_ffn_dim_multiplier": 1.5, "block_multiple_of": 32, "norm_eps": 1e-5}
         model = Lfm2ForCausalLM(Lfm2Config(**{**lfm, **overrides}))
         _norms_made_to_count(model, 1.0)
+    elif arch == "lfm3":
+        # LFM3: LFM2's short convolutions (7 wide, its default) on layers 0 and 3, a sliding
+        # layer (window 8, default rope) and a full one (proportional rope: half of each
+        # head's frequencies, the rest zero), each head's output gated by a sigmoid of its
+        # own (g_proj), four norms a layer (sandwich); norms drawn to count
+        from transformers import Lfm3Config, Lfm3ForCausalLM
+
+        lfm = {**{k: v for k, v in common.items() if k != "rms_norm_eps"}, "num_hidden_layers": 4, "head_dim": 16,
+               "layer_types": ["conv", "sliding_attention", "full_attention", "conv"], "intermediate_size": 96,
+               "sliding_window": 8, "norm_eps": 1e-5,
+               # (a small base for the full layer's: its still frequencies would otherwise turn
+               # too slowly over a test's positions for a wrong one to show)
+               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "proportional", "rope_theta": 100.0,
+                                                      "partial_rotary_factor": 0.5}}}
+        model = Lfm3ForCausalLM(Lfm3Config(**{**lfm, **overrides}))
+        _norms_made_to_count(model, 1.0)
     elif arch == "lfm2_moe":
         # LFM2's layers with, after one dense MLP, 8 experts of 32, top 2 by sigmoid score +
         # the expert bias, renormalized, scaled by 2.5; the router and the bias drawn to count

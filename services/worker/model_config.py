@@ -178,6 +178,9 @@ SUPPORTED_ARCHITECTURES = {
     # LFM2: gated short convolutions (a state of a few tokens a request) between attention layers
     "Lfm2ForCausalLM": "llama",
     "Lfm2MoeForCausalLM": "llama",  # (LFM2-8B-A1B: sparse MLPs after its first dense ones)
+    # LFM3: LFM2's convolutions beside sliding and full attention (its heads' outputs gated),
+    # four norms a layer
+    "Lfm3ForCausalLM": "llama",
     # Granite 4.0-H: Mamba2 layers between attention layers without positions, Granite's
     # scalars, GraniteMoe's experts beside a shared MLP (or that MLP alone: H-Micro)
     "GraniteMoeHybridForCausalLM": "llama",
@@ -190,7 +193,7 @@ COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 # Hybrids whose other layers are gated short convolutions (models/short_conv.py)
-SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
 # Hybrids whose other layers are Mamba2's selective state spaces (models/mamba2.py)
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
 MAMBAS = (GRANITE_HYBRID, "BambaForCausalLM", "NemotronHForCausalLM")
@@ -220,7 +223,7 @@ QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "Flex
 # No norm before attention and the MLP, one on each's output instead
 POST_NORMED = (*OLMOS, "Exaone4ForCausalLM", "FlexOlmoForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
-ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM")
+ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM", "Lfm3ForCausalLM")
 GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
 # Sliding windows as transformers applies them (layer_windows): on every layer, where the
 # config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
@@ -234,7 +237,8 @@ BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
 # Windowed where `layer_types` says, always (no use_sliding_window switch)
 ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM", "AfmoeForCausalLM",
                         "Dots1ForCausalLM")
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE)
+WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE,
+            "Lfm3ForCausalLM")
 # Families whose config.json may leave out what their transformers config class defaults
 # differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
 # fourth layer): read through that class, as transformers reads them.
@@ -258,7 +262,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe",
+                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe", "Lfm3ForCausalLM": "lfm3",
                           "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                           "NemotronHForCausalLM": "nemotron_h"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
@@ -570,13 +574,17 @@ class ModelConfig:
             # (Hunyuan's alpha, a fixed base whatever the length, is in theta by now.)
             rope = {"rope_type": "default"}
             rope_type = "default"
-        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn"):
-            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn or longrope")
+        if rope_type not in ("default", "linear", "llama3", "longrope", "yarn", "proportional"):
+            raise ValueError(f"unsupported rope_type {rope_type!r}: default, linear, llama3, yarn, longrope or "
+                             "proportional")
         rope["rope_type"] = rope_type
         # Qwen-VL's MRoPE: on text, the ordinary rotary (TEXT_MODELS_OF), its sections unread
         for key in ("type", "mrope_section", "mrope_interleaved"):
             rope.pop(key, None)
-        partial = rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+        # proportional (LFM3's full layers): every dim turns, the frequencies past
+        # partial_rotary_factor's share zero (layers/rotary.py), so its factor stays with them
+        partial = 1.0 if rope_type == "proportional" else rope.pop("partial_rotary_factor",
+                                                                     raw.get("partial_rotary_factor", 1.0))
         rotary_dim = int(head_dim * partial)
         if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"unsupported partial_rotary_factor {partial}: {rotary_dim} of {head_dim} dims rotate")
@@ -645,8 +653,10 @@ class ModelConfig:
             hidden_act=hidden_act,
             **_granite_fields(arch, raw),
             **_gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM", "AfmoeForCausalLM") else {}),
-            attention_gate=arch in ("AfmoeForCausalLM", *LINEAR_ATTENTION),
+            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM", "AfmoeForCausalLM", "Lfm3ForCausalLM")
+               else {}),
+            attention_gate=arch in ("AfmoeForCausalLM", *LINEAR_ATTENTION) or bool(
+                arch == "Lfm3ForCausalLM" and raw.get("use_attention_gate", True)),
             **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
                else {}),
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")
@@ -746,12 +756,20 @@ def _short_conv_fields(arch: str, raw: dict) -> dict:
     if arch not in SHORT_CONVS:
         return {}
     kinds = raw["layer_types"]
-    _check_layer_kinds(kinds, raw["num_hidden_layers"], {"conv", "full_attention"})
+    lfm3 = arch == "Lfm3ForCausalLM"
+    _check_layer_kinds(kinds, raw["num_hidden_layers"], {"conv", "full_attention", *(("sliding_attention",) if lfm3 else ())})
     if raw["conv_L_cache"] < 2:
         raise ValueError(f"unsupported conv_L_cache {raw['conv_L_cache']}: a convolution at least 2 wide")
+    if lfm3 and not raw.get("use_sandwich_norm", True):
+        raise ValueError("unsupported use_sandwich_norm false for LFM3: its four norms a layer only")
+    window = raw.get("sliding_window") if lfm3 else None
+    if "sliding_attention" in kinds and not (window and window >= 1):
+        raise ValueError(f"sliding_window {window} must be at least 1 for LFM3's sliding layers")
+    windows = tuple(window if kind == "sliding_attention" else 0 for kind in kinds) if window else ()
     return dict(recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "conv"),
                 recurrent_mixer="short_conv", short_conv_kernel=int(raw["conv_L_cache"]),
-                short_conv_bias=bool(raw.get("conv_bias")))
+                short_conv_bias=bool(raw.get("conv_bias")),
+                **({"layer_windows": windows} if any(windows) else {}))
 
 
 def _linear_attention_fields(arch: str, raw: dict) -> dict:

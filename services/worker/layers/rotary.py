@@ -41,6 +41,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict, long: bool = False
     if rope_type == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, exponents)
     inv_freq = 1.0 / (theta**exponents)  # [head_dim // 2]
+    if rope_type == "proportional":
+        # LFM3's and Gemma 4's: the first partial_rotary_factor of the frequencies, the rest
+        # zero (their dims keep still), over the whole head; divided by `factor` as
+        # transformers writes it
+        turning = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        inv_freq = torch.cat([inv_freq[:turning], torch.zeros(head_dim // 2 - turning)])
+        return inv_freq / scaling.get("factor", 1.0)
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from functools import partial
 
 import torch
@@ -93,6 +93,11 @@ NAMES_OF = {
         ".feed_forward.": ".mlp.", ".self_attn.out_proj.": ".self_attn.o_proj.",
         ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
         ".conv.": ".self_attn."}),
+    # (its attention's names Qwen3's; its per-head gate read by head_gate_tensors)
+    "Lfm3ForCausalLM": {
+        "model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
+        ".post_operator_norm.": ".post_attention_layernorm.", ".ffn_norm.": ".pre_feedforward_layernorm.",
+        ".post_ffn_norm.": ".post_feedforward_layernorm.", ".feed_forward.": ".mlp.", ".conv.": ".self_attn."},
     # (Granite 4.0-H's shared MLP: granite_hybrid_tensors)
     GRANITE_HYBRID: {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn."},
     "BambaForCausalLM": {".mamba.norm.weight": ".self_attn.norm_weight", ".mamba.": ".self_attn.",
@@ -511,6 +516,8 @@ class LlamaForCausalLM(nn.Module):
             weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
         if arch == "NemotronHForCausalLM":
             weights = nemotron_h_tensors(weights, self.config)
+        if arch == "Lfm3ForCausalLM":
+            weights = head_gate_tensors(weights, self.config.head_dim)
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
@@ -680,3 +687,15 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def head_gate_tensors(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """LFM3's attention gate, one sigmoid a head (`self_attn.gate_proj` [heads, hidden]), as
+    `output_gate`'s gate an output element (AFMoE's, Qwen3.5's): each head's row once for
+    each of its dims, the same sigmoid on each."""
+    for name, tensor in weights:
+        if name.endswith(".self_attn.gate_proj.weight"):
+            yield name.replace(".gate_proj.", ".output_gate."), tensor.repeat_interleave(head_dim, 0)
+        else:
+            yield name, tensor
