@@ -158,8 +158,8 @@ def test_qwen3_5_checkpoint_serves_its_language_model(tmp_path, arch, text_model
     assert generate_ids(llm, prompts) == want
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense",
-                                  "bamba", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granite_hybrid",
+                                  "granite_hybrid_dense", "bamba", "nemotron_h"])
 def test_bfloat16_and_int8_stay_as_close_to_float32_as_transformers_bfloat16(tmp_path, arch):
     """A hybrid's bfloat16 parts from float32's greedy output sooner than a Llama's, in
     transformers too (on these models its own bfloat16 keeps 3 to 12 of 24 tokens), so

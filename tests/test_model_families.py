@@ -47,7 +47,7 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "gpt2", "opt", "gpt_neox", "phi", "starcoder2", "stablelm", "cohere", "cohere2", "gpt_oss", "olmoe", "glm4_moe", "dots1", "hunyuan_moe",
             "ernie4_5_moe", "minimax_m2", "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "ministral3", "mistral4",
             "youtu", "internlm3", "helium", "flex_olmo", "solar_open", "exaone_moe", "jais2", "vaultgemma", "afmoe", "qwen3_5", "qwen3_5_moe",
-            "qwen3_next", "lfm2", "lfm2_moe", "lfm3", "granite_hybrid", "granite_hybrid_dense",
+            "qwen3_next", "lfm2", "lfm2_moe", "lfm3", "olmo_hybrid", "granite_hybrid", "granite_hybrid_dense",
             "bamba", "nemotron_h"]
 
 
@@ -126,12 +126,13 @@ def test_what_each_family_reads_from_its_config(family):
     config = LLM(str(folder)).runner.model_config
     assert config.qk_norm == (name in ("qwen3", "qwen3_moe", "gemma3", "olmo2", "olmo3", "olmoe", "exaone4", "hunyuan",
                                        "apertus", "dots1", "hunyuan_moe", "minimax_m2", "flex_olmo", "exaone_moe",
-                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "lfm3"))
+                                       "afmoe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "lfm2", "lfm2_moe", "lfm3",
+                                       "olmo_hybrid"))
     # Hunyuan: its norms after rotary, the base raised by alpha 50 ** (16 / 14)
     assert config.qk_norm_after_rope == (name in ("hunyuan", "hunyuan_moe"))
     if name in ("hunyuan", "hunyuan_moe"):
         assert (config.rope_theta, config.rope_scaling) == (pytest.approx(1e4 * 50 ** (16 / 14)), {"rope_type": "default"})
-    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name in ("olmoe", "minimax_m2") else
+    assert (config.qk_norm_over_heads, config.pre_norms) == ((True, True) if name in ("olmoe", "minimax_m2", "olmo_hybrid") else
                                                              (True, False) if "olmo" in name else
                                                              (False, False) if name == "exaone4" else (False, True))
     assert config.moe_layers == {"mixtral": (0, 1), "qwen3_moe": (0,), "qwen2_moe": (0,), "granite_moe": (0, 1),
@@ -247,11 +248,20 @@ def test_what_each_family_reads_from_its_config(family):
                                             "granite_hybrid")
         else (7, 5) if name == "flex_olmo" else (0, 0))
     hybrid = name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    # OLMo Hybrid: three Gated DeltaNet layers (2 heads of 16, values 32 wide, beta times 2,
+    # its output norm's eps 1e-5) normed as a Llama's, then attention normed as OLMo 2's
+    assert (config.linear_beta_scale, config.linear_norm_eps, config.post_normed_layers) == (
+        (2.0, 1e-5, (3,)) if name == "olmo_hybrid" else (1.0, 0.0, ()))
+    if name == "olmo_hybrid":
+        assert (config.recurrent_layers, config.recurrent_mixer, config.linear_num_key_heads,
+                config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim,
+                config.linear_conv_kernel_dim, config.attention_layers, config.attention_gate,
+                config.norm_weight_offset) == ((0, 1, 2), "gated_delta_net", 2, 2, 16, 32, 4, (3,), False, 0.0)
     assert config.attention_gate == (name in ("afmoe", "lfm3") or hybrid)  # (AFMoE's, Qwen3.5's, LFM3's gated output)
     # Qwen3.5's hybrid: three Gated DeltaNet layers, then full attention (a quarter of each head rotating)
     assert (config.recurrent_layers, config.linear_num_key_heads, config.linear_num_value_heads,
             config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim) == (
-        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else
+        ((0, 1, 2), 2, 4, 16, 16, 4) if hybrid else ((0, 1, 2), 2, 2, 16, 32, 4) if name == "olmo_hybrid" else
         ((0, 1, 3) if "lfm2" in name or "granite_hybrid" in name or name == "bamba" else
          (0, 3) if name == "lfm3" else (0, 2, 5) if name == "nemotron_h" else (), 0, 0, 0, 0, 0))
     # Granite 4.0-H's Mamba2: 8 heads of 16 over a state of 16, 2 groups, 4 wide (its MLP
@@ -259,7 +269,8 @@ def test_what_each_family_reads_from_its_config(family):
     assert (config.recurrent_mixer, config.mamba_num_heads, config.mamba_head_dim, config.mamba_state_size,
             config.mamba_num_groups, config.mamba_conv_kernel, config.mamba_conv_bias, config.mamba_dt_limit) == (
         ("mamba2", 8, 16, 16, 2, 4, True, (0.0, math.inf)) if "granite_hybrid" in name or name in ("bamba", "nemotron_h") else
-        ("gated_delta_net" if hybrid else "short_conv" if "lfm" in name else "", 0, 0, 0, 1, 0, True, (0.0, math.inf)))
+        ("gated_delta_net" if hybrid or name == "olmo_hybrid" else "short_conv" if "lfm" in name else "", 0, 0, 0, 1, 0,
+         True, (0.0, math.inf)))
     if name == "granite_hybrid_dense":
         assert config.intermediate_size == 64
     if name == "bamba":  # (its attention rotating half of each head)
@@ -800,7 +811,8 @@ def _prefix_agreement(outputs, reference) -> float:
 # (the recurrent state of Qwen3.5's and Granite 4.0-H's hybrids carries a rounding through
 # every later token: transformers' own bfloat16 parts from its float32 sooner than a
 # Llama's, so they are held to that instead, tests/test_hybrid_models.py)
-HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "granite_hybrid", "granite_hybrid_dense", "bamba", "nemotron_h")
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "granite_hybrid", "granite_hybrid_dense", "bamba",
+           "nemotron_h")
 
 
 @pytest.mark.parametrize("arch", [f for f in FAMILIES if f not in HYBRIDS])

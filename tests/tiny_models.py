@@ -503,6 +503,19 @@ def build_tiny_model(
                                                       "partial_rotary_factor": 0.5}}}
         model = Lfm3ForCausalLM(Lfm3Config(**{**lfm, **overrides}))
         _norms_made_to_count(model, 1.0)
+    elif arch == "olmo_hybrid":
+        # OLMo Hybrid: Gated DeltaNet layers (2 heads of 16, values 32 wide, beta up to 2)
+        # normed as a Llama's, and one full attention layer in four normed as OLMo 2's
+        # (each branch's output), its query/key norms over all heads; norms drawn to count
+        from transformers import OlmoHybridConfig, OlmoHybridForCausalLM
+
+        olmo = {**common, "num_hidden_layers": 4, "num_key_value_heads": 4,
+                "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+                "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 16,
+                "linear_value_head_dim": 32, "initializer_range": 0.2}
+        model = OlmoHybridForCausalLM(OlmoHybridConfig(**{**olmo, **overrides}))
+        _norms_made_to_count(model, 1.0)
+        _recurrent_parameters_made_to_count(model, ())
     elif arch == "lfm2_moe":
         # LFM2's layers with, after one dense MLP, 8 experts of 32, top 2 by sigmoid score +
         # the expert bias, renormalized, scaled by 2.5; the router and the bias drawn to count

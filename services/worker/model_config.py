@@ -175,6 +175,9 @@ SUPPORTED_ARCHITECTURES = {
     # Qwen3.5's and Qwen3-Next's with Qwen2-MoE's sparse layers (a gated shared expert)
     "Qwen3_5MoeForCausalLM": "llama",
     "Qwen3NextForCausalLM": "llama",
+    # OLMo Hybrid: Gated DeltaNet layers normed as a Llama's, full attention one in four
+    # normed as OLMo 2's
+    "OlmoHybridForCausalLM": "llama",
     # LFM2: gated short convolutions (a state of a few tokens a request) between attention layers
     "Lfm2ForCausalLM": "llama",
     "Lfm2MoeForCausalLM": "llama",  # (LFM2-8B-A1B: sparse MLPs after its first dense ones)
@@ -192,6 +195,7 @@ SUPPORTED_ARCHITECTURES = {
 COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
 # Hybrids: linear-attention layers (models/gated_delta_net.py) between full-attention ones
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+OLMO_HYBRID = "OlmoHybridForCausalLM"  # (its Gated DeltaNet read apart: models/gated_delta_net.py)
 # Hybrids whose other layers are gated short convolutions (models/short_conv.py)
 SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
 # Hybrids whose other layers are Mamba2's selective state spaces (models/mamba2.py)
@@ -213,13 +217,13 @@ LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiF
 # pooling are not held to transformers here
 UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
                 "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
-                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, *SHORT_CONVS, *MAMBAS)
+                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, OLMO_HYBRID, *SHORT_CONVS, *MAMBAS)
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
 LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
 GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
 OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 # Query/key norms over all of a token's heads at once (OLMo 2's), wherever its norms are
-QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM")
+QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
 # No norm before attention and the MLP, one on each's output instead
 POST_NORMED = (*OLMOS, "Exaone4ForCausalLM", "FlexOlmoForCausalLM")
 # Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
@@ -263,6 +267,7 @@ FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "
                           "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
                           "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
                           "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe", "Lfm3ForCausalLM": "lfm3",
+                          "OlmoHybridForCausalLM": "olmo_hybrid",
                           "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                           "NemotronHForCausalLM": "nemotron_h"}
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
@@ -470,6 +475,13 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # OLMo Hybrid's: beta times 2 (linear_allow_neg_eigval: the state's eigenvalues down to
+    # -1), its output norm's own eps (0: rms_norm_eps)
+    linear_beta_scale: float = 1.0
+    linear_norm_eps: float = 0.0
+    # Layers normed as OLMo 2's (each branch's output, not its input) in a model whose other
+    # layers are normed as a Llama's: OLMo Hybrid's attention layers
+    post_normed_layers: tuple[int, ...] = ()
     short_conv_kernel: int = 0
     short_conv_bias: bool = False
     # Mamba2's: heads of head_dim over a state of state_size, B and C shared by groups of
@@ -639,7 +651,7 @@ class ModelConfig:
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             *LINEAR_ATTENTION, *SHORT_CONVS,
+                             *LINEAR_ATTENTION, OLMO_HYBRID, *SHORT_CONVS,
                              *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
                              "ExaoneMoeForCausalLM", "AfmoeForCausalLM")
             or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
@@ -776,8 +788,11 @@ def _linear_attention_fields(arch: str, raw: dict) -> dict:
     """Qwen3.5's hybrid layers (transformers' Qwen3_5TextConfig, defaults filled in): the
     Gated DeltaNet where `layer_types` says linear_attention, full attention elsewhere,
     its heads' outputs gated by half of q_proj's rows (attention_gate), Qwen3's per-head
-    query/key norms (qk_norm), Gemma's 1 + w norms."""
-    if arch not in LINEAR_ATTENTION:
+    query/key norms (qk_norm), Gemma's 1 + w norms. OLMo Hybrid's (transformers'
+    OlmoHybridConfig): the same layers, as many key heads as value heads, beta up to 2
+    where linear_allow_neg_eigval, the output norm's eps 1e-5, its attention layers normed
+    as OLMo 2's (post_normed_layers) and the others as a Llama's, plain w norms."""
+    if arch not in (*LINEAR_ATTENTION, OLMO_HYBRID):
         return {}
     kinds = raw["layer_types"]
     _check_layer_kinds(kinds, raw["num_hidden_layers"], {"linear_attention", "full_attention"})
@@ -791,9 +806,15 @@ def _linear_attention_fields(arch: str, raw: dict) -> dict:
         raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} for {arch}: silu")
     if raw.get("attention_bias"):  # (q_proj's bias would be split between queries and gates)
         raise ValueError(f"unsupported attention_bias true for {arch}: attention without biases only")
-    return dict(fields, recurrent_layers=tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention"),
-                recurrent_mixer="gated_delta_net",
-                norm_weight_offset=1.0)
+    recurrent = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+    if arch == OLMO_HYBRID:
+        if fields["linear_num_key_heads"] != fields["linear_num_value_heads"]:
+            raise ValueError(f"unsupported linear attention heads {fields}: OLMo Hybrid's as many key heads as value "
+                             "heads (its transformers class pairs them one to one)")
+        return dict(fields, recurrent_layers=recurrent, recurrent_mixer="gated_delta_net",
+                    linear_beta_scale=2.0 if raw.get("linear_allow_neg_eigval", True) else 1.0, linear_norm_eps=1e-5,
+                    post_normed_layers=tuple(i for i, kind in enumerate(kinds) if kind == "full_attention"))
+    return dict(fields, recurrent_layers=recurrent, recurrent_mixer="gated_delta_net", norm_weight_offset=1.0)
 
 
 def _query_scale_fields(arch: str, beta: float | None, rope: dict) -> dict:
@@ -926,6 +947,8 @@ def _nope_layers(arch: str, raw: dict) -> tuple[int, ...]:
     if (arch == GRANITE_HYBRID and raw.get("position_embedding_type") != "rope") or arch == "NemotronHForCausalLM":
         # (Granite 4.0-H's attention, and Nemotron-H's: NoPE)
         return tuple(range(raw["num_hidden_layers"]))
+    if arch == OLMO_HYBRID and (raw.get("rope_parameters") or {}).get("rope_theta") is None:
+        return tuple(range(raw["num_hidden_layers"]))  # (no rope theta: none rotates, as its class)
     if arch == "AfmoeForCausalLM":  # only a windowed layer rotates, window or not
         return tuple(i for i, kind in enumerate(raw["layer_types"]) if kind == "full_attention")
     if arch == "Cohere2ForCausalLM":  # only a windowed layer rotates: without a window, none

@@ -42,7 +42,8 @@ class GatedDeltaNet(nn.Module):
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_size = 2 * self.key_size + self.value_size  # q, k and v go through the convolution
         self.kernel = config.linear_conv_kernel_dim
-        self.eps = config.rms_norm_eps
+        self.eps = config.linear_norm_eps or config.rms_norm_eps
+        self.beta_scale = config.linear_beta_scale  # (OLMo Hybrid's 2: beta in [0, 2])
         hidden = config.hidden_size
         self.in_proj_qkv = nn.Linear(hidden, self.conv_size, bias=False)
         self.in_proj_z = nn.Linear(hidden, self.value_size, bias=False)  # the output's gate
@@ -68,6 +69,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(x)
         z = self.in_proj_z(hidden)
         beta = torch.sigmoid(self.in_proj_b(hidden)).float()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         # (in float32 whatever the model's dtype, as transformers: A_log's exp would overflow float16)
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = linear_recurrence(q, k, v, decay, recurrent_state, metadata, beta)

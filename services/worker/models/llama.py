@@ -35,7 +35,8 @@ from services.worker.models.mamba2 import Mamba2Mixer
 from services.worker.models.short_conv import ShortConv
 from services.worker.models.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.model_config import (DEEPSEEK_V3_MOES, GRANITE_HYBRID, HUNYUANS, LINEAR_ATTENTION, SHORT_CONVS,
+from services.worker.model_config import (DEEPSEEK_V3_MOES, GRANITE_HYBRID, HUNYUANS, LINEAR_ATTENTION, OLMO_HYBRID,
+                                          SHORT_CONVS,
                                           ModelConfig)
 
 log = logging.getLogger("llmbus.worker")
@@ -93,6 +94,12 @@ NAMES_OF = {
         ".feed_forward.": ".mlp.", ".self_attn.out_proj.": ".self_attn.o_proj.",
         ".self_attn.q_layernorm.": ".self_attn.q_norm.", ".self_attn.k_layernorm.": ".self_attn.k_norm.",
         ".conv.": ".self_attn."}),
+    # (its q/k/v products and their convolutions fused by olmo_hybrid_tensors; its norms'
+    # names those transformers renames)
+    OLMO_HYBRID: {".attention_layer_norm.": ".input_layernorm.", ".feedforward_layer_norm.": ".post_attention_layernorm.",
+                  ".linear_attn.o_norm.weight": ".self_attn.norm_weight", ".linear_attn.g_proj.": ".self_attn.in_proj_z.",
+                  ".linear_attn.a_proj.": ".self_attn.in_proj_a.", ".linear_attn.b_proj.": ".self_attn.in_proj_b.",
+                  ".linear_attn.o_proj.": ".self_attn.out_proj.", ".linear_attn.": ".self_attn."},
     # (its attention's names Qwen3's; its per-head gate read by head_gate_tensors)
     "Lfm3ForCausalLM": {
         "model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
@@ -317,8 +324,10 @@ class DecoderLayer(nn.Module):
                  position_scale: QueryScale | None = None):
         super().__init__()
         triton = triton_elementwise(backend)
-        # (OLMo 2 norms no branch's input: the residual add alone)
-        self.input_layernorm = _norm(config, triton) if config.pre_norms else ResidualAdd()
+        # (OLMo 2 norms no branch's input: the residual add alone, and each branch's output;
+        # OLMo Hybrid its attention layers so, its others as a Llama)
+        post_normed = not config.pre_norms or index in config.post_normed_layers
+        self.input_layernorm = ResidualAdd() if post_normed else _norm(config, triton)
         window = config.layer_windows[index] if config.layer_windows else 0
         if window and local_rotary is not None:  # Gemma 3: the windowed layers' own base
             rotary = local_rotary
@@ -339,9 +348,10 @@ class DecoderLayer(nn.Module):
         # MLP block's input norm the MLP's)
         one_branch = index in config.mlpless_layers or index in config.mixerless_layers
         self.post_attention_layernorm = None if config.shared_norm or one_branch else _norm(config, triton)
-        if config.sandwich_norms:  # Gemma 2: post_attention_layernorm norms the attention's output alone
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton) \
-                if config.pre_norms else ResidualAdd()
+        if config.sandwich_norms or index in config.post_normed_layers:
+            # Gemma 2: post_attention_layernorm norms the attention's output alone
+            self.pre_feedforward_layernorm = ResidualAdd() if post_normed else \
+                RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, triton)
         else:
             self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
@@ -518,6 +528,8 @@ class LlamaForCausalLM(nn.Module):
             weights = nemotron_h_tensors(weights, self.config)
         if arch == "Lfm3ForCausalLM":
             weights = head_gate_tensors(weights, self.config.head_dim)
+        if arch == OLMO_HYBRID:
+            weights = olmo_hybrid_tensors(weights)
         unread = UNREAD_PREFIXES.get(arch, ())
         for name, tensor in weights:
             if unread and name.startswith(unread):
@@ -699,3 +711,31 @@ def head_gate_tensors(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
             yield name.replace(".gate_proj.", ".output_gate."), tensor.repeat_interleave(head_dim, 0)
         else:
             yield name, tensor
+
+
+# OLMo Hybrid's q, k and v products, and their convolutions, apart in its checkpoints: fused
+# here in that order, as transformers concatenates them (the convolutions' split sizes as
+# saved, whatever they are)
+OLMO_HYBRID_FUSED = {".linear_attn.in_proj_qkv.weight": (".linear_attn.q_proj.weight", ".linear_attn.k_proj.weight",
+                                                         ".linear_attn.v_proj.weight"),
+                     ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
+                                                    ".linear_attn.v_conv1d.weight")}
+
+
+def olmo_hybrid_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts read so far
+    for name, tensor in weights:
+        fused = next(((name[: -len(part)] + target, part) for target, parts in OLMO_HYBRID_FUSED.items()
+                      for part in parts if name.endswith(part)), None)
+        if fused is None:
+            yield name, tensor
+            continue
+        target, part = fused
+        parts = waiting.setdefault(target, {})
+        parts[part] = tensor
+        order = OLMO_HYBRID_FUSED[next(t for t in OLMO_HYBRID_FUSED if target.endswith(t))]
+        if len(parts) == len(order):
+            del waiting[target]
+            yield target, torch.cat([parts[p] for p in order])
+    if waiting:
+        raise ValueError(f"OLMo Hybrid checkpoint with {', '.join(sorted(waiting)[:3])} incomplete: q, k and v each")
