@@ -659,6 +659,22 @@ def test_qwen_vl_checkpoint_serves_its_language_model(tmp_path, arch):
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW, model_class=model_class)
 
 
+def test_exaone4_5_checkpoint_serves_its_language_model(tmp_path):
+    """EXAONE 4.5: an EXAONE 4.0 (windows, a global layer without rotary) behind Qwen2.5-VL's
+    vision tower; equal to transformers' multimodal model on text, the tower unread."""
+    import transformers
+
+    from services.worker.loader import iter_weights
+
+    folder = build_tiny_model(tmp_path / "mm", "exaone4_5", seed=2)
+    assert not any("visual" in name for name, _ in iter_weights(folder))
+    llm = LLM(str(folder))
+    config = llm.runner.model_config
+    assert (config.architecture, config.layer_windows) == ("Exaone4ForCausalLM", (24, 24, 24, 0))
+    assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW,
+                                                   model_class=transformers.Exaone4_5_ForConditionalGeneration)
+
+
 def test_qwen3_vl_moe_serves_its_stacked_experts_in_either_layout(tmp_path):
     """Qwen3-VL-MoE's language model (a Qwen3-MoE, its router always renormalizing) with its
     experts stacked: [experts, out, in] as transformers 5 saves them, and [experts, in, out]

@@ -405,6 +405,16 @@ def build_tiny_model(
         exaone = {"num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24, "sliding_window_pattern": 4}
         model = Exaone4ForCausalLM(Exaone4Config(**{**common, **exaone, **overrides}))
         _norms_made_to_count(model, 1.0)
+    elif arch == "exaone4_5":
+        # EXAONE 4.5's shape of files: an EXAONE 4.0 text_config (its windows, its global layer
+        # without rotary) behind Qwen2.5-VL's vision tower
+        from transformers import Exaone4_5_Config, Exaone4_5_ForConditionalGeneration
+
+        text = {**common, "model_type": "exaone4", "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 24,
+                "sliding_window_pattern": 4, **overrides}
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
+        model = Exaone4_5_ForConditionalGeneration(Exaone4_5_Config(text_config=text, vision_config=vision))
+        _norms_made_to_count(model, 1.0)
     elif arch == "exaone_moe":
         # EXAONE 4.0's attention (windows of 24 on three layers in four, the fourth global
         # without rotary, q/k norms drawn to count) under pre-norms; layers 0 and 2 dense, 1

@@ -287,6 +287,9 @@ TEXT_MODELS_OF = {
     # sections rotated by a token's time, height and width positions (MRoPE). A text token's
     # three positions are all its index, so on text MRoPE is the ordinary rotary.
     "Qwen2VLForConditionalGeneration": {"qwen2_vl_text": "Qwen2ForCausalLM"},
+    # EXAONE 4.5: an EXAONE 4.0 behind Qwen2.5-VL's vision tower (its first releases named
+    # the text model exaone4_5_text)
+    "Exaone4_5_ForConditionalGeneration": {"exaone4": "Exaone4ForCausalLM", "exaone4_5_text": "Exaone4ForCausalLM"},
     "Qwen2_5_VLForConditionalGeneration": {"qwen2_5_vl_text": "Qwen2ForCausalLM"},
     "Qwen3VLForConditionalGeneration": {"qwen3_vl_text": "Qwen3ForCausalLM"},
     # Qwen3-VL-MoE (30B-A3B, 235B-A22B): a Qwen3-MoE, its experts stacked in the checkpoint
