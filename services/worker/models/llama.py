@@ -725,17 +725,17 @@ OLMO_HYBRID_FUSED = {".linear_attn.in_proj_qkv.weight": (".linear_attn.q_proj.we
 def olmo_hybrid_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # fused name -> its parts read so far
     for name, tensor in weights:
-        fused = next(((name[: -len(part)] + target, part) for target, parts in OLMO_HYBRID_FUSED.items()
-                      for part in parts if name.endswith(part)), None)
+        fused = next(((target, part) for target, parts in OLMO_HYBRID_FUSED.items() for part in parts
+                      if name.endswith(part)), None)
         if fused is None:
             yield name, tensor
             continue
         target, part = fused
-        parts = waiting.setdefault(target, {})
+        full_name = name[: -len(part)] + target
+        parts = waiting.setdefault(full_name, {})
         parts[part] = tensor
-        order = OLMO_HYBRID_FUSED[next(t for t in OLMO_HYBRID_FUSED if target.endswith(t))]
-        if len(parts) == len(order):
-            del waiting[target]
-            yield target, torch.cat([parts[p] for p in order])
+        if len(parts) == len(OLMO_HYBRID_FUSED[target]):
+            del waiting[full_name]
+            yield full_name, torch.cat([parts[p] for p in OLMO_HYBRID_FUSED[target]])
     if waiting:
         raise ValueError(f"OLMo Hybrid checkpoint with {', '.join(sorted(waiting)[:3])} incomplete: q, k and v each")
