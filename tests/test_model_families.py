@@ -947,9 +947,9 @@ def test_phi3_unsupported_rope_configs_are_refused_by_name(tmp_path):
     (folder / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="long_factor of 8 values"):
         LLM(str(folder))
-    bad = {**config, "rope_parameters": {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}}
+    bad = {**config, "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0, "factor": 2.0}}
     (folder / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match="unsupported rope_type 'proportional'"):
+    with pytest.raises(ValueError, match="unsupported rope_type 'axial'"):
         LLM(str(folder))
 
 
