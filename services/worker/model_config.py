@@ -393,6 +393,8 @@ class ModelConfig:
     # AFMoE's: the attention's output times sigmoid(gate_proj(x)) of the layer's input x,
     # before o_proj
     attention_gate: bool = False
+    # LFM3's: one gate a head (gate_proj [heads, hidden]), each head's output times its sigmoid
+    attention_gate_per_head: bool = False
     moe_router_float32: bool = False  # Hunyuan MoE's, ERNIE's: the router's weights kept float32 (its product is)
     # DeepSeek-V2's router: the choice by its softmax scores alone (no correction bias:
     # moe_score_correction names the scoring), groups ranked by their best expert
@@ -672,6 +674,7 @@ class ModelConfig:
                else {}),
             attention_gate=arch in ("AfmoeForCausalLM", *LINEAR_ATTENTION) or bool(
                 arch == "Lfm3ForCausalLM" and raw.get("use_attention_gate", True)),
+            attention_gate_per_head=arch == "Lfm3ForCausalLM",
             **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
                else {}),
             rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")

@@ -100,8 +100,8 @@ NAMES_OF = {
                   ".linear_attn.o_norm.weight": ".self_attn.norm_weight", ".linear_attn.g_proj.": ".self_attn.in_proj_z.",
                   ".linear_attn.a_proj.": ".self_attn.in_proj_a.", ".linear_attn.b_proj.": ".self_attn.in_proj_b.",
                   ".linear_attn.o_proj.": ".self_attn.out_proj.", ".linear_attn.": ".self_attn."},
-    # (its attention's names Qwen3's; its per-head gate read by head_gate_tensors)
-    "Lfm3ForCausalLM": {
+    # (its attention's names Qwen3's, but its gate's: a head a gate, AFMoE's name)
+    "Lfm3ForCausalLM": {".self_attn.gate_proj.": ".self_attn.output_gate.",
         "model.embedding_norm.": "model.norm.", ".operator_norm.": ".input_layernorm.",
         ".post_operator_norm.": ".post_attention_layernorm.", ".ffn_norm.": ".pre_feedforward_layernorm.",
         ".post_ffn_norm.": ".post_feedforward_layernorm.", ".feed_forward.": ".mlp.", ".conv.": ".self_attn."},
@@ -154,8 +154,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         # AFMoE's: the heads' output gated by sigmoid(gate_proj(x)), x the attention's input
-        # (its checkpoint's self_attn.gate_proj, renamed: `gate_proj` is an MLP's half here)
-        self.output_gate = nn.Linear(config.hidden_size, self.q_size, bias=False) if config.attention_gate else None
+        # (its checkpoint's self_attn.gate_proj, renamed: `gate_proj` is an MLP's half here),
+        # an output element a gate; LFM3's a head a gate
+        self.gate_per_head = config.attention_gate_per_head
+        gates = self.num_heads if self.gate_per_head else self.q_size
+        self.output_gate = nn.Linear(config.hidden_size, gates, bias=False) if config.attention_gate else None
         self.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         # LoRA adapters' products on top of qkv_proj's and o_proj's (layers/lora.py), where
         # the worker serves adapters (lora_manager.py attaches them)
@@ -218,7 +221,10 @@ class Attention(nn.Module):
                 q = q * self.position_scale(positions, q.dtype)
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale, self.window, self.softcap, self.sinks)
         out = out.reshape(num_tokens, self.q_size)
-        if self.output_gate is not None:
+        if self.output_gate is not None and self.gate_per_head:
+            out = (out.view(num_tokens, self.num_heads, self.head_dim)
+                   * torch.sigmoid(self.output_gate(hidden)).unsqueeze(-1)).view(num_tokens, self.q_size)
+        elif self.output_gate is not None:
             out = out * torch.sigmoid(self.output_gate(hidden))
         return adapted(self.o_proj, self.o_lora, out)
 
@@ -526,8 +532,6 @@ class LlamaForCausalLM(nn.Module):
             weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
         if arch == "NemotronHForCausalLM":
             weights = nemotron_h_tensors(weights, self.config)
-        if arch == "Lfm3ForCausalLM":
-            weights = head_gate_tensors(weights, self.config.head_dim)
         if arch == OLMO_HYBRID:
             weights = olmo_hybrid_tensors(weights)
         unread = UNREAD_PREFIXES.get(arch, ())
@@ -699,18 +703,6 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
-
-
-def head_gate_tensors(weights: Iterable[tuple[str, torch.Tensor]], head_dim: int
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """LFM3's attention gate, one sigmoid a head (`self_attn.gate_proj` [heads, hidden]), as
-    `output_gate`'s gate an output element (AFMoE's, Qwen3.5's): each head's row once for
-    each of its dims, the same sigmoid on each."""
-    for name, tensor in weights:
-        if name.endswith(".self_attn.gate_proj.weight"):
-            yield name.replace(".gate_proj.", ".output_gate."), tensor.repeat_interleave(head_dim, 0)
-        else:
-            yield name, tensor
 
 
 # OLMo Hybrid's q, k and v products, and their convolutions, apart in its checkpoints: fused
