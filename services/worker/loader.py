@@ -134,7 +134,7 @@ def load_model(
         weights = iter_weights(folder)
         if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
             weights = fp8_widened(weights, config.fp8_weight_block)
-        if config.quantized_weights is not None:  # (AWQ's, compressed-tensors': widened as read, in float32)
+        if config.quantized_weights is not None:  # (AWQ's, GPTQ's, compressed-tensors': widened as read, in float32)
             weights = quantized_widened(weights, config.quantized_weights)
         model.load_weights(weights)
     if quantization is not None:
