@@ -169,17 +169,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
 def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
     parser.add_argument("--max-num-batched-tokens", type=human_int, default=env("--max-num-batched-tokens", 2048))
-    parser.add_argument("--no-prefix-caching", action="store_true", default=env_flag("--no-prefix-caching"))
     parser.add_argument("--no-chunked-prefill", action="store_true", default=env_flag("--no-chunked-prefill"),
                         help="prefill each prompt in one step (then --max-num-batched-tokens must cover "
                              "--max-model-len)")
-    # vLLM's spellings of the two switches (both on by default); the defaults stay the flags' above.
-    for feature in ("prefix-caching", "chunked-prefill"):
-        dest = f"no_{feature.replace('-', '_')}"
-        parser.add_argument(f"--enable-{feature}", dest=dest, action="store_false", default=argparse.SUPPRESS,
-                            help=f"vLLM's spelling: {feature.replace('-', ' ')} on (the default)")
-        parser.add_argument(f"--no-enable-{feature}", dest=dest, action="store_true", default=argparse.SUPPRESS,
-                            help=f"vLLM's spelling of --no-{feature}")
+    _add_vllm_spellings(parser, "chunked-prefill")
     parser.add_argument("--long-prefill-token-threshold", type=int, default=env("--long-prefill-token-threshold", 0))
     parser.add_argument("--scheduling-policy", default=env("--scheduling-policy", "fcfs"), choices=SCHEDULING_POLICIES,
                         help="priority: a request's `priority` (lower first) orders admission and preemption")
@@ -191,6 +184,22 @@ def add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--async-scheduling", dest="no_async_scheduling", action="store_false",
                         default=argparse.SUPPRESS, help="vLLM's spelling: two steps in flight (the default)")
+
+
+def add_prefix_caching_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler looks prefixes up; a hybrid model's worker keeps snapshots of its
+    recurrent state for them only where the cache is on: both take it."""
+    parser.add_argument("--no-prefix-caching", action="store_true", default=env_flag("--no-prefix-caching"))
+    _add_vllm_spellings(parser, "prefix-caching")
+
+
+def _add_vllm_spellings(parser: argparse.ArgumentParser, feature: str) -> None:
+    """vLLM's spellings of an on-by-default switch; the default stays --no-FEATURE's."""
+    dest = f"no_{feature.replace('-', '_')}"
+    parser.add_argument(f"--enable-{feature}", dest=dest, action="store_false", default=argparse.SUPPRESS,
+                        help=f"vLLM's spelling: {feature.replace('-', ' ')} on (the default)")
+    parser.add_argument(f"--no-enable-{feature}", dest=dest, action="store_true", default=argparse.SUPPRESS,
+                        help=f"vLLM's spelling of --no-{feature}")
 
 
 def add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -244,6 +253,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
     add_worker_args(parser)
     add_scheduler_args(parser)
+    add_prefix_caching_args(parser)
     add_speculative_args(parser)
 
 
@@ -261,6 +271,7 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         kv_cache_memory_bytes=kv_cache_bytes(args),
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 

@@ -118,6 +118,7 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
         )
         # An unsupported model fails in the runner's constructor, before any weight loads.
         self.executor = InProcessExecutor(
@@ -153,6 +154,7 @@ class LLM:
             generates=self.runner.model.generates,
             max_loras=lora_config.max_loras if lora_config else 0,
             recurrent_rows=self.runner.recurrent_rows,
+            recurrent_snapshot_rows=self.runner.snapshot_rows,
         )
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id

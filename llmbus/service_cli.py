@@ -16,6 +16,7 @@ import sys
 
 from llmbus.args import (
     add_model_args,
+    add_prefix_caching_args,
     add_scheduler_args,
     add_speculative_args,
     add_worker_args,
@@ -383,6 +384,7 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_worker_args(p)
+    add_prefix_caching_args(p)
     add_speculative_args(p)
     p.add_argument("--worker-id", default=env("--worker-id", None))
     # (the scheduler's flag: a hybrid model's worker allocates its recurrent state for that many requests)
@@ -393,6 +395,7 @@ def add_service_commands(sub) -> None:
     add_bus_args(p)
     add_model_args(p)
     add_scheduler_args(p)
+    add_prefix_caching_args(p)
     add_speculative_args(p)
     p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)),
                    help="seconds a worker may take for one step before it is declared dead")
@@ -432,6 +435,7 @@ def add_service_commands(sub) -> None:
     add_model_args(p)
     add_worker_args(p)
     add_scheduler_args(p)
+    add_prefix_caching_args(p)
     add_speculative_args(p)
     add_gateway_args(p)
     add_tokenizer_args(p)

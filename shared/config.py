@@ -74,6 +74,9 @@ class CacheConfig:
     # "auto": the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2": one byte per value,
     # twice the tokens in the same memory and half the bytes for attention to read.
     cache_dtype: str = "auto"
+    # The scheduler's flag, which the worker needs too: a hybrid model's worker keeps
+    # snapshots of its recurrent state for the prefix cache only where it is on.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:

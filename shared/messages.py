@@ -93,6 +93,11 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Speculative decoding: request id -> how many draft tokens the worker may propose
     # and verify for it this step (their slots are counted in num_scheduled_tokens).
     num_draft_slots: dict[str, int] = {}
+    # A hybrid model's prefix cache (services/scheduler/state_snapshots.py): request id ->
+    # the snapshot slot whose recurrent state it starts from (copied to its row before this
+    # step's forward), and request id -> the slot its state goes to after the forward.
+    state_restores: dict[str, int] = {}
+    state_saves: dict[str, int] = {}
 
 
 class Logprob(msgspec.Struct):
@@ -292,9 +297,11 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # LoRA adapters it can run in one step (--max-loras with --enable-lora); 0: none.
     max_loras: int = 0
     max_lora_rank: int = 0  # the largest adapter rank it takes (--max-lora-rank); 0: none
-    # A hybrid model's (Qwen3.5's): the requests its linear layers' state holds at once,
-    # each computed from its first token (no prefix cache); 0: a model without such state.
+    # A hybrid model's (Qwen3.5's): the requests its linear layers' state holds at once;
+    # 0: a model without such state. And the snapshots of that state it keeps for the
+    # prefix cache (0: prefix caching off, every request computed from its first token).
     recurrent_rows: int = 0
+    recurrent_snapshot_rows: int = 0
 
 
 class GatewayHeartbeat(msgspec.Struct, **_WIRE):

@@ -3,8 +3,8 @@ convolutions beside it; Granite 4.0-H: Mamba2) keep a recurrent state a request 
 of KV blocks (models/gated_delta_net.py, short_conv.py, mamba2.py), a row of it for each
 request the worker may hold. Beyond test_model_families.py's cases (every scheduling mode,
 the Triton kernels, the graph buffers, logprobs): a row another request left starts from
-zeros, the scheduler keeps within the rows and off the prefix cache (offline and through
-`llmbus serve`), the state is paid out of the KV budget, what such a model cannot do is
+zeros, the scheduler keeps within the rows, a cached prefix starts from a snapshot of the
+state at its end (offline and through `llmbus serve`), the state is paid out of the KV budget, what such a model cannot do is
 refused by name, the multimodal checkpoints serve their language model, and bfloat16
 stays as close to float32 as transformers' own."""
 
@@ -48,18 +48,51 @@ def test_a_row_another_request_left_starts_from_zeros(tmp_path, arch):
     assert generate_ids(llm, prompts) == hf_greedy(folder, prompts, MAX_NEW)
 
 
-def test_the_scheduler_keeps_within_the_rows_and_off_the_prefix_cache(hybrid):
+def test_the_scheduler_keeps_within_the_rows_and_caches_prefixes_only_with_snapshots(hybrid):
     llm = LLM(str(hybrid), max_num_seqs=3, enable_prefix_caching=True)
-    assert (llm.scheduler.config.max_num_seqs, llm.scheduler.config.enable_prefix_caching) == (3, False)
+    assert (llm.scheduler.config.max_num_seqs, llm.scheduler.config.enable_prefix_caching) == (3, True)
+    assert (llm.runner.recurrent_rows, llm.runner.snapshot_rows, llm.scheduler.snapshots.num_slots) == (3, 3, 3)
+    off = LLM(str(hybrid), max_num_seqs=3, enable_prefix_caching=False)
+    assert (off.runner.snapshot_rows, off.scheduler.config.enable_prefix_caching, off.scheduler.snapshots) == (0, False, None)
     # Served, the worker's announcement says how many rows it has (WorkerInfo.recurrent_rows)
+    # and how many snapshots (recurrent_snapshot_rows): none, no prefix cache
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=8), 64, 16, 384, recurrent_rows=4)
     assert (scheduler.config.max_num_seqs, scheduler.config.enable_prefix_caching) == (4, False)
+    snapshots = Scheduler(SchedulerConfig(max_num_seqs=8), 64, 16, 384, recurrent_rows=4, recurrent_snapshot_rows=4)
+    assert (snapshots.config.max_num_seqs, snapshots.config.enable_prefix_caching) == (4, True)
     plain = Scheduler(SchedulerConfig(max_num_seqs=8), 64, 16, 384)
     assert (plain.config.max_num_seqs, plain.config.enable_prefix_caching) == (8, True)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "granite_hybrid"])
+def test_a_cached_prefix_starts_from_the_state_saved_at_its_end(tmp_path, arch):
+    """A hybrid's prefill stops at its last block boundary, where the worker saves its
+    recurrent state (services/scheduler/state_snapshots.py); the same prompt again, another
+    sharing its first blocks, and a conversation's next turn start there from that state:
+    each equal to transformers computing it whole (the DeltaNet's and the convolutions'
+    state: Qwen3.5's; the convolutions' alone: LFM2's; Mamba2's scan and convolutions:
+    Granite 4.0-H's). Then with a cache so small that requests are preempted and come back
+    to their own snapshots."""
+    folder = build_tiny_model(tmp_path / arch, arch, seed=2)
+    prefix = random_prompts([40], seed=7)[0]
+    first = prefix + random_prompts([3], seed=8)[0]  # 43 tokens: its state saved after 32
+    llm = LLM(str(folder), max_num_seqs=4)
+    answer = llm.generate([first], GREEDY, use_tqdm=False)[0]
+    assert answer.num_cached_tokens == 0
+    again = [first, prefix + random_prompts([9], seed=9)[0], first + list(answer.outputs[0].token_ids) + [5, 6, 7]]
+    outputs = llm.generate(again, GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outputs] == [32, 32, 32]
+    assert [answer.outputs[0].token_ids] + [o.outputs[0].token_ids for o in outputs] \
+        == hf_greedy(folder, [first] + again, MAX_NEW)
+
+    prompts = random_prompts([50, 37, 66, 20], seed=11)
+    tight = LLM(str(folder), max_num_seqs=4, num_kv_blocks=9, max_num_batched_tokens=32)
+    assert generate_ids(tight, prompts) == hf_greedy(folder, prompts, MAX_NEW)
+    assert tight.stats().num_preemptions > 0
+
+
 def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
-    budget = 1 << 22
+    budget = 1 << 23
     runners = {rows: LLM(str(hybrid), max_num_seqs=rows, kv_cache_memory_bytes=budget).runner for rows in (1, 64)}
     runner = runners[1]
     cfg = runner.model_config
@@ -68,18 +101,22 @@ def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
     conv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
     row_bytes = len(cfg.recurrent_layers) * 4 * (conv * (cfg.linear_conv_kernel_dim - 1) + cfg.linear_num_value_heads
                                              * cfg.linear_key_head_dim * cfg.linear_value_head_dim)
-    for rows, r in runners.items():  # (a row more: the pad row, where a graph's padded rows write)
-        assert r.num_blocks == (budget - (rows + 1) * row_bytes) // block_bytes
+    for rows, r in runners.items():  # (a row a request, a snapshot a request, and the pad row, where a
+        # graph's padded rows write)
+        assert r.num_blocks == (budget - (2 * rows + 1) * row_bytes) // block_bytes
         states = [cache for cache in r.kv_caches if isinstance(cache, tuple)]
         assert len(states) == 3 and sum(math.prod(t.shape) * t.element_size() for s in states for t in s) \
-            == (rows + 1) * row_bytes
-    # A budget whose half cannot hold --max-num-seqs rows (the default 1 GiB cannot hold
-    # Qwen3.5-0.8B's 128): as many run at once as half of it holds, the scheduler told so.
+            == (2 * rows + 1) * row_bytes
+    # A budget whose half cannot hold --max-num-seqs rows and their snapshots (the default
+    # 1 GiB cannot hold Qwen3.5-0.8B's 128): as many run at once as half of it holds, the
+    # scheduler told so; without the prefix cache, twice as many.
     small = 1 << 20
-    llm = LLM(str(hybrid), max_num_seqs=64, kv_cache_memory_bytes=small)
-    rows = small // 2 // row_bytes - 1
-    assert (llm.runner.recurrent_rows, llm.scheduler.config.max_num_seqs) == (rows, rows) and rows < 64
-    assert llm.runner.num_blocks == (small - (rows + 1) * row_bytes) // block_bytes
+    for caching, per_request in ((True, 2), (False, 1)):
+        llm = LLM(str(hybrid), max_num_seqs=64, kv_cache_memory_bytes=small, enable_prefix_caching=caching)
+        rows = (small // 2 - row_bytes) // (per_request * row_bytes)
+        assert (llm.runner.recurrent_rows, llm.scheduler.config.max_num_seqs) == (rows, rows) and rows < 64
+        assert llm.runner.snapshot_rows == (rows if caching else 0)
+        assert llm.runner.num_blocks == (small - (per_request * rows + 1) * row_bytes) // block_bytes
     prompts = random_prompts([3, 20], seed=4)
     assert generate_ids(llm, prompts) == hf_greedy(hybrid, prompts, MAX_NEW)
 
@@ -109,8 +146,9 @@ def test_the_worker_refuses_a_request_it_has_no_state_for(hybrid):
 
 def test_served_by_llmbus_serve_as_transformers_computes_it(hybrid, tmp_path):
     """`llmbus serve` with its defaults (the prefix cache on) and two requests a row: the
-    worker tells the scheduler its rows, so prompts sharing a prefix are each computed from
-    their first token and a burst waits its turn for a row."""
+    worker tells the scheduler its rows and its snapshots, so prompts sharing a prefix start
+    from the first one's state at its last block boundary, and a burst waits its turn for a
+    row."""
     proc, url = llmbus_serve([str(hybrid), "--served-model-name", "tiny", "--max-num-seqs", "2"],
                              tmp_path / "stderr.log")
     try:
@@ -118,14 +156,19 @@ def test_served_by_llmbus_serve_as_transformers_computes_it(hybrid, tmp_path):
         prefix = random_prompts([40], seed=7)[0]
         prompts = [prefix + tail for tail in random_prompts([3, 9, 1], seed=8)] + random_prompts([1, 20, 7], seed=9)
 
+        cached = []
+
         def token_ids(prompt: list[int]) -> list[int]:
             answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
                                                logprobs=0, extra_body={"ignore_eos": True,
                                                                        "return_tokens_as_token_ids": True})
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
             return [int(token.removeprefix("token_id:")) for token in answer.choices[0].logprobs.tokens]
 
-        # one after another: the second and third could have hit the first's blocks
+        # one after another: the second and third hit the first's first two blocks and its
+        # state after them (it is 43 tokens: saved after 32)
         got = [token_ids(prompt) for prompt in prompts[:3]]
+        assert cached == [0, 32, 32]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:  # three at once for two rows
             got += list(pool.map(token_ids, prompts[3:]))
         assert got == hf_greedy(hybrid, prompts, MAX_NEW)

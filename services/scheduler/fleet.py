@@ -77,7 +77,8 @@ class Fleet:
             return []
         config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
         core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
-                         info.generates, info.max_loras, info.recurrent_rows)
+                         info.generates, info.max_loras, info.recurrent_rows,
+                         info.recurrent_snapshot_rows)
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
         log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
         waiting, self.unplaced = self.unplaced, deque()

@@ -58,6 +58,9 @@ class Request:
     long_rope: bool = False
     num_discarded_tokens: int = 0
     trace_headers: dict[str, str] = field(default_factory=dict)
+    # A hybrid model's prefix cache: the token counts (block boundaries, ascending) after
+    # which its recurrent state is to be saved, its prefill cut at each.
+    snapshot_points: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     cache_salt: str | None = None  # its prefix-cache hits are the same salt's only (vLLM's)
     queued_at: float = 0.0  # this scheduler's clock

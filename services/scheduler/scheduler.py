@@ -21,6 +21,7 @@ import msgspec
 
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.state_snapshots import StateSnapshots
 from shared.config import SchedulerConfig
 from shared.lora_request import LoRARequest
 from shared.messages import (
@@ -55,17 +56,22 @@ class Scheduler:
         generates: bool = True,  # False: the model has no LM head and only embeds
         max_loras: int = 0,  # LoRA adapters its worker can run at once (0: none)
         recurrent_rows: int = 0,  # a hybrid model's: the requests its worker's recurrent state holds (0: none)
+        recurrent_snapshot_rows: int = 0,  # and the snapshots of that state it keeps for the prefix cache
     ) -> None:
+        self.snapshots: StateSnapshots | None = None
         if recurrent_rows:
-            # A recurrent layer's state is a request's whole past folded into one row,
-            # which a cached prefix cannot restore: every request computes from its first
-            # token (vLLM turns the prefix cache off for such models too), and no more run at
-            # once than the worker has rows for.
-            if config.enable_prefix_caching or config.max_num_seqs > recurrent_rows:
-                log.info("a hybrid model: prefix caching off, max_num_seqs %d",
+            # A recurrent layer's state is a request's whole past folded into one row: a
+            # cached prefix restores it only from a snapshot of the state at the prefix's
+            # end (state_snapshots.py); without snapshots every request computes from its
+            # first token. No more run at once than the worker has rows for.
+            caching = config.enable_prefix_caching and recurrent_snapshot_rows > 0
+            if config.enable_prefix_caching != caching or config.max_num_seqs > recurrent_rows:
+                log.info("a hybrid model: prefix caching %s, max_num_seqs %d", "on" if caching else "off",
                          min(config.max_num_seqs, recurrent_rows))
-            config = dataclasses.replace(config, enable_prefix_caching=False,
+            config = dataclasses.replace(config, enable_prefix_caching=caching,
                                          max_num_seqs=min(config.max_num_seqs, recurrent_rows))
+            if caching:
+                self.snapshots = StateSnapshots(recurrent_snapshot_rows)
         self.config = config
         self.max_loras = max_loras
         self.vocab_size = vocab_size
@@ -277,6 +283,7 @@ class Scheduler:
         new_blocks: dict[str, list[int]] = {}
         scheduled: list[Request] = []
         preempted_now = False
+        restores: dict[str, int] = {}  # a hybrid's prefix hits: request id -> its snapshot slot
 
         # Running requests first, oldest first; the newest is the first to be preempted.
         # With steps in flight (async scheduling), a request is scheduled as if the tokens
@@ -294,6 +301,8 @@ class Scheduler:
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            if request.snapshot_points:
+                num_new = min(num_new, max(request.snapshot_points[0] - request.num_computed_tokens, 1))
             if num_new <= 0:
                 index += 1
                 continue
@@ -341,6 +350,10 @@ class Scheduler:
                 # sent to the worker again as prompt + output.
                 break
             computed_blocks = self.kv_cache_manager.get_computed_blocks(request)
+            restore, kv_hit = None, len(computed_blocks) * self.kv_cache_manager.block_size
+            if self.snapshots is not None:  # a hybrid's hit ends where a snapshot of its state does
+                num_blocks, restore = self.snapshots.longest_hit(request.block_hashes, len(computed_blocks))
+                computed_blocks = computed_blocks[:num_blocks]
             num_hit = len(computed_blocks) * self.kv_cache_manager.block_size
             num_new = request.num_tokens - num_hit
             if threshold:
@@ -348,6 +361,9 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            snapshot_points = self._snapshot_points(request, num_hit, kv_hit)
+            if snapshot_points:
+                num_new = min(num_new, snapshot_points[0] - num_hit)
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if blocks is None:
                 break
@@ -359,6 +375,9 @@ class Scheduler:
                 request.scheduled_at = time.monotonic()
                 request.queue_time_s = request.scheduled_at - request.queued_at
             request.num_computed_tokens = num_hit
+            request.snapshot_points = snapshot_points
+            if restore is not None:
+                restores[request.request_id] = restore
             request.status = RequestStatus.RUNNING
             request.long_rope = self.kv_cache_manager.runs_long(request)
             if lora is not None:
@@ -371,14 +390,40 @@ class Scheduler:
 
         output = self._make_output(scheduled, num_scheduled, new_blocks)
         output.num_draft_slots = num_draft_slots
+        output.state_restores = restores
         for request in scheduled:
             # Counted as computed now, when the step is decided, not when it lands (draft
             # slots too: what is rejected is given back when it lands).
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.snapshot_points and request.num_computed_tokens == request.snapshot_points[0]:
+                self._save_snapshot(request, output)
             slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
             if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
         return output
+
+    def _snapshot_points(self, request: Request, num_hit: int, kv_hit: int) -> list[int]:
+        """Where a hybrid request (re)starting after `num_hit` tokens saves its recurrent
+        state, ascending: the last block boundary before its last token (as far as the same
+        tokens again can hit: one is always computed), for the same prompt again or a
+        conversation's next turn; and where its KV cache hit ends (`kv_hit`) if no state
+        was saved there: blocks another request computed before, a prefix they share (a
+        system prompt), so the requests after both find a state at its end. Boundaries
+        saved already, or not past the hit, are left out."""
+        if self.snapshots is None:
+            return []
+        bs = self.kv_cache_manager.block_size
+        self.kv_cache_manager.update_block_hashes(request)  # (a prompt-logprobs request looked none up)
+        points = sorted({kv_hit, (request.num_tokens - 1) // bs * bs})
+        return [p for p in points if p > num_hit and not self.snapshots.has(request.block_hashes[p // bs - 1])]
+
+    def _save_snapshot(self, request: Request, output: SchedulerOutput) -> None:
+        """This step computes the request's tokens up to its next snapshot point: the
+        worker saves its state there after the forward (findable once the step lands)."""
+        block_hash = request.block_hashes[request.snapshot_points.pop(0) // self.kv_cache_manager.block_size - 1]
+        slot = self.snapshots.reserve(block_hash)
+        if slot is not None:  # (None: every slot has a save in flight; this one goes unsaved)
+            output.state_saves[request.request_id] = slot
 
     def _speculating(self) -> bool:
         limit = self.config.speculative_disable_by_batch_size
@@ -457,6 +502,8 @@ class Scheduler:
     ) -> dict[str, EngineCoreOutputs]:
         """Apply sampled tokens, finish what should finish; outputs grouped by reply subject."""
         outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
+        for req_id, slot in scheduler_output.state_saves.items():  # a hybrid's snapshots, made or not
+            self.snapshots.landed(slot, runner_output.error is None and req_id not in runner_output.request_errors)
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:
                 request = self.requests.get(req_id)

@@ -120,6 +120,9 @@ class ModelRunner:
         # mamba2.py): a row for each request it may hold at once, found by the request's
         # block-table row, and one more, where a decode graph's pads write.
         self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
+        # With prefix caching, as many rows again of snapshots, past the pad row: a request's
+        # state at a cached block's end (services/scheduler/state_snapshots.py).
+        self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
                              "recurrent layers' state cannot take back rejected drafts")
@@ -194,13 +197,17 @@ class ModelRunner:
             row_bytes = self._state_bytes(1) - self._state_bytes(0)
             if row_bytes and self._state_bytes() > budget // 2:
                 # A hybrid's state a request is that of hundreds of tokens' KV (Qwen3.5-0.8B:
-                # 19 MiB): --max-num-seqs of them would leave a default budget no blocks. Its
-                # rows then take at most half of the budget, and so many requests run at once.
-                rows = max(1, budget // 2 // row_bytes - 1)
-                log.warning("the recurrent state of %d requests (%.2f GiB) would take over half the KV cache's "
+                # 19 MiB): --max-num-seqs of them (and their snapshots) would leave a default
+                # budget no blocks. Its rows then take at most half of the budget, and so
+                # many requests run at once.
+                per_request = row_bytes * (2 if self.snapshot_rows else 1)
+                rows = max(1, (budget // 2 - row_bytes) // per_request)
+                log.warning("the recurrent state of %d requests (%.2f GiB%s) would take over half the KV cache's "
                             "budget (%s): %d requests run at once (raise the budget for more)",
-                            self.recurrent_rows, self._state_bytes() / (1 << 30), asked, rows)
+                            self.recurrent_rows, self._state_bytes() / (1 << 30),
+                            ", with the prefix cache's snapshots" if self.snapshot_rows else "", asked, rows)
                 self.recurrent_rows = rows
+                self.snapshot_rows = rows if self.snapshot_rows else 0
             state_bytes = self._state_bytes()
             num_blocks = (budget - state_bytes) // bytes_per_block
             if num_blocks < 1:
@@ -213,13 +220,13 @@ class ModelRunner:
         return int(num_blocks)
 
     def _state_shapes(self, layer: int, rows: int | None = None) -> tuple:
-        """A recurrent layer's state: its tensors' (shape, dtype), a row a request
-        (`recurrent_rows` unless given) and the pad row."""
-        rows = self.recurrent_rows if rows is None else rows
+        """A recurrent layer's state: its tensors' (shape, dtype), a row a request and a
+        snapshot (`recurrent_rows` and `snapshot_rows` unless given) and the pad row."""
+        rows = self.recurrent_rows + self.snapshot_rows if rows is None else rows
         return self.model.model.layers[layer].self_attn.state_shapes(rows + 1, self.dtype)
 
     def _state_bytes(self, rows: int | None = None) -> int:
-        """The recurrent layers' state for `rows` requests (`recurrent_rows` unless given)."""
+        """The recurrent layers' state for `rows` rows (requests' and snapshots' unless given)."""
         return sum(math.prod(shape) * dtype.itemsize for i in self.model_config.recurrent_layers
                    for shape, dtype in self._state_shapes(i, rows))
 
@@ -285,6 +292,8 @@ class ModelRunner:
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         arrival_errors, self._arrival_errors = self._arrival_errors, {}
+        if scheduler_output.state_restores:  # a hybrid's prefix hits: their state, before the forward
+            self._copy_states(scheduler_output.state_restores, to_snapshot=False)
         if not num_scheduled:
             return LaunchedStep.done(ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[],
                                                        sampled_token_ids=[], request_errors=arrival_errors))
@@ -327,6 +336,8 @@ class ModelRunner:
             if patch is not None:
                 patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits
+            self._copy_states(scheduler_output.state_saves, to_snapshot=True)
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[list] = [[] for _ in order]
@@ -483,18 +494,34 @@ class ModelRunner:
                 output.prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
         return sample_rows
 
-    def _recurrent_refusal(self, new) -> str | None:
+    def _recurrent_refusal(self, new, snapshot: int | None) -> str | None:
         """Why a hybrid model cannot take this request now (None: it can): its recurrent
-        layers' state starts from a request's first token (never a cached prefix), in one
-        of `recurrent_rows` rows. The scheduler keeps within both (Scheduler's
-        recurrent_rows); this says so should anything else reach here."""
-        if new.num_computed_tokens:
+        layers' state starts from a request's first token or from a `snapshot` of the state
+        at a cached block's end, in one of `recurrent_rows` rows. The scheduler keeps within
+        both (Scheduler's recurrent_rows); this says so should anything else reach here."""
+        if new.num_computed_tokens and (snapshot is None or not 0 <= snapshot < self.snapshot_rows):
             return (f"a {self.model_config.architecture} request cannot start at token {new.num_computed_tokens}: "
-                    "its recurrent layers' state is computed from the first token")
+                    "its recurrent layers' state is computed from the first token or a snapshot")
         if self.block_table.num_rows_in_use >= self.recurrent_rows:
             return (f"this worker holds {self.recurrent_rows} requests at most (--max-num-seqs): its "
                     "recurrent state has no row left")
         return None
+
+    def _copy_states(self, slots: dict[str, int], to_snapshot: bool) -> None:
+        """Copy the recurrent state of each request (its row) to its snapshot slot, or
+        back: every recurrent layer's tensors, in the step's stream order (a restore lands
+        before the forward reads the row, a save after the forward wrote it). Snapshots
+        lie past the pad row. A request the worker dropped (it failed as it arrived) is
+        skipped: the scheduler hears of its error and never finds that save."""
+        pairs = [(self.requests[rid].block_row, self.recurrent_rows + 1 + slot)
+                 for rid, slot in slots.items() if rid in self.requests]
+        if not pairs:
+            return
+        rows, snapshots = (to_device(side, self.device, torch.int64) for side in zip(*pairs))
+        src, dst = (rows, snapshots) if to_snapshot else (snapshots, rows)
+        for layer in self.model_config.recurrent_layers:
+            for tensor in self.kv_caches[layer]:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
         if self.proposer is None or not num_draft_slots:
@@ -542,7 +569,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs
             self.drop_requests([new.req_id])  # (sent again whole: resumed or preempted)
-            refusal = self._recurrent_refusal(new) if self.recurrent_rows else None
+            refusal = self._recurrent_refusal(new, so.state_restores.get(new.req_id)) if self.recurrent_rows else None
             adapter = refusal or (self._prepare_lora(new.lora_request) if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter

@@ -82,6 +82,7 @@ async def serve(
         max_loras=lora_config.max_loras if lora_config else 0,
         max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
         recurrent_rows=runner.recurrent_rows,
+        recurrent_snapshot_rows=runner.snapshot_rows,
         # Random per process: one restarted under the same id (as `llmbus serve` and compose
         # restart it) is a new incarnation to the scheduler, however soon it is back.
         incarnation=secrets.randbits(48),
