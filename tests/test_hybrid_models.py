@@ -107,16 +107,19 @@ def test_the_state_is_paid_out_of_the_kv_budget(hybrid):
         states = [cache for cache in r.kv_caches if isinstance(cache, tuple)]
         assert len(states) == 3 and sum(math.prod(t.shape) * t.element_size() for s in states for t in s) \
             == (2 * rows + 1) * row_bytes
-    # A budget whose half cannot hold --max-num-seqs rows and their snapshots (the default
-    # 1 GiB cannot hold Qwen3.5-0.8B's 128): as many run at once as half of it holds, the
-    # scheduler told so; without the prefix cache, twice as many.
+    # A budget whose half cannot hold --max-num-seqs rows (the default 1 GiB cannot hold
+    # Qwen3.5-0.8B's 128): as many run at once as half of it holds, the scheduler told so,
+    # the prefix cache or not; its snapshots then as many as a quarter holds.
     small = 1 << 20
-    for caching, per_request in ((True, 2), (False, 1)):
+    rows = small // 2 // row_bytes - 1
+    snapshots = (small * 3 // 4 - (rows + 1) * row_bytes) // row_bytes
+    assert 0 < snapshots < rows < 64
+    for caching in (True, False):
         llm = LLM(str(hybrid), max_num_seqs=64, kv_cache_memory_bytes=small, enable_prefix_caching=caching)
-        rows = (small // 2 - row_bytes) // (per_request * row_bytes)
-        assert (llm.runner.recurrent_rows, llm.scheduler.config.max_num_seqs) == (rows, rows) and rows < 64
-        assert llm.runner.snapshot_rows == (rows if caching else 0)
-        assert llm.runner.num_blocks == (small - (per_request * rows + 1) * row_bytes) // block_bytes
+        assert (llm.runner.recurrent_rows, llm.scheduler.config.max_num_seqs) == (rows, rows)
+        assert (llm.runner.snapshot_rows, llm.scheduler.config.enable_prefix_caching) == \
+            ((snapshots, True) if caching else (0, False))
+        assert llm.runner.num_blocks == (small - (rows + 1 + llm.runner.snapshot_rows) * row_bytes) // block_bytes
     prompts = random_prompts([3, 20], seed=4)
     assert generate_ids(llm, prompts) == hf_greedy(hybrid, prompts, MAX_NEW)
 

@@ -195,19 +195,24 @@ class ModelRunner:
         else:
             budget, asked = kv_cache_budget(cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, self.device)
             row_bytes = self._state_bytes(1) - self._state_bytes(0)
-            if row_bytes and self._state_bytes() > budget // 2:
+            if row_bytes and (self.recurrent_rows + 1) * row_bytes > budget // 2:
                 # A hybrid's state a request is that of hundreds of tokens' KV (Qwen3.5-0.8B:
-                # 19 MiB): --max-num-seqs of them (and their snapshots) would leave a default
-                # budget no blocks. Its rows then take at most half of the budget, and so
-                # many requests run at once.
-                per_request = row_bytes * (2 if self.snapshot_rows else 1)
-                rows = max(1, (budget // 2 - row_bytes) // per_request)
-                log.warning("the recurrent state of %d requests (%.2f GiB%s) would take over half the KV cache's "
+                # 19 MiB): --max-num-seqs of them would leave a default budget no blocks. Its
+                # rows then take at most half of the budget, and so many requests run at once.
+                rows = max(1, budget // 2 // row_bytes - 1)
+                log.warning("the recurrent state of %d requests (%.2f GiB) would take over half the KV cache's "
                             "budget (%s): %d requests run at once (raise the budget for more)",
-                            self.recurrent_rows, self._state_bytes() / (1 << 30),
-                            ", with the prefix cache's snapshots" if self.snapshot_rows else "", asked, rows)
+                            self.recurrent_rows, (self.recurrent_rows + 1) * row_bytes / (1 << 30), asked, rows)
                 self.recurrent_rows = rows
-                self.snapshot_rows = rows if self.snapshot_rows else 0
+            if self.snapshot_rows:
+                # The prefix cache's snapshots: one a request where a quarter of the budget
+                # holds them, else as many as it does (fewer than requests: the least
+                # recently used goes first), so the cache never costs a running request.
+                spare = budget * 3 // 4 - (self.recurrent_rows + 1) * row_bytes
+                self.snapshot_rows = max(0, min(self.recurrent_rows, spare // row_bytes))
+                if not self.snapshot_rows:
+                    log.warning("no room for the prefix cache's snapshots of a hybrid's state in the KV cache's "
+                                "budget (%s): prefix caching off (raise the budget for it)", asked)
             state_bytes = self._state_bytes()
             num_blocks = (budget - state_bytes) // bytes_per_block
             if num_blocks < 1:
