@@ -106,3 +106,23 @@ def test_a_prompt_prefilled_in_chunks_stops_at_its_boundary_too():
     steps = [run(s) for _ in range(5)]
     assert [so.num_scheduled_tokens["a"] for so in steps] == [8, 8, 8, 4, 2]
     assert [so.state_saves for so in steps] == [{}, {}, {}, {"a": 0}, {}]
+
+
+def test_a_request_waits_for_a_state_a_step_in_flight_saves_rather_than_compute_it_again():
+    s = hybrid_scheduler()
+    s.add_request(make_request("a", range(10, 23), max_tokens=1))  # 13 tokens: its state saved after 12
+    run(s), run(s)
+    # Two requests sharing a's first 8 tokens (a system prompt): no state was saved there,
+    # so the first computes them and saves one; the second waits for it, not beside it
+    s.add_request(make_request("b", [*range(10, 18), 50, 51, 52, 53, 54], max_tokens=1))
+    s.add_request(make_request("c", [*range(10, 18), 60, 61, 62, 63, 64], max_tokens=1))
+    first = s.schedule()
+    assert set(first.num_scheduled_tokens) == {"b"} and first.num_scheduled_tokens["b"] == 8
+    slot = first.state_saves["b"]
+    second = s.schedule()  # built before the first lands (async scheduling): c still waits
+    assert set(second.num_scheduled_tokens) == {"b"}
+    s.update_from_output(first, runner_output(first, {}))
+    s.update_from_output(second, runner_output(second, {"b": [7]}))
+    third = s.schedule()
+    assert third.state_restores == {"c": slot}
+    assert [(r.req_id, r.num_computed_tokens) for r in third.scheduled_new_reqs] == [("c", 8)]

@@ -284,6 +284,7 @@ class Scheduler:
         scheduled: list[Request] = []
         preempted_now = False
         restores: dict[str, int] = {}  # a hybrid's prefix hits: request id -> its snapshot slot
+        saves: dict[str, int] = {}  # and its states saved after this step: request id -> slot
 
         # Running requests first, oldest first; the newest is the first to be preempted.
         # With steps in flight (async scheduling), a request is scheduled as if the tokens
@@ -323,6 +324,8 @@ class Scheduler:
                 continue
             scheduled.append(request)
             num_scheduled[request.request_id] = num_new
+            if request.snapshot_points and request.num_computed_tokens + num_new == request.snapshot_points[0]:
+                self._save_snapshot(request, saves)
             if slots:
                 num_draft_slots[request.request_id] = slots
             new_blocks[request.request_id] = [b.block_id for b in blocks] if blocks else []  # (a decode's: mostly none)
@@ -355,6 +358,12 @@ class Scheduler:
                 num_blocks, restore = self.snapshots.longest_hit(request.block_hashes, len(computed_blocks))
                 computed_blocks = computed_blocks[:num_blocks]
             num_hit = len(computed_blocks) * self.kv_cache_manager.block_size
+            if self.snapshots is not None and self._state_on_its_way(request, num_hit, kv_hit):
+                # A step in flight saves the state after more of its cached blocks (a
+                # system prompt another request just reached): it waits a step or two for
+                # that, in its place, rather than compute those blocks again.
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = request.num_tokens - num_hit
             if threshold:
                 num_new = min(num_new, threshold)
@@ -378,6 +387,9 @@ class Scheduler:
             request.snapshot_points = snapshot_points
             if restore is not None:
                 restores[request.request_id] = restore
+            if snapshot_points and num_hit + num_new == snapshot_points[0]:
+                # (reserved now: a request after it in this loop waits for that save)
+                self._save_snapshot(request, saves)
             request.status = RequestStatus.RUNNING
             request.long_rope = self.kv_cache_manager.runs_long(request)
             if lora is not None:
@@ -390,13 +402,11 @@ class Scheduler:
 
         output = self._make_output(scheduled, num_scheduled, new_blocks)
         output.num_draft_slots = num_draft_slots
-        output.state_restores = restores
+        output.state_restores, output.state_saves = restores, saves
         for request in scheduled:
             # Counted as computed now, when the step is decided, not when it lands (draft
             # slots too: what is rejected is given back when it lands).
             request.num_computed_tokens += num_scheduled[request.request_id]
-            if request.snapshot_points and request.num_computed_tokens == request.snapshot_points[0]:
-                self._save_snapshot(request, output)
             slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
             if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
@@ -417,13 +427,19 @@ class Scheduler:
         points = sorted({kv_hit, (request.num_tokens - 1) // bs * bs})
         return [p for p in points if p > num_hit and not self.snapshots.has(request.block_hashes[p // bs - 1])]
 
-    def _save_snapshot(self, request: Request, output: SchedulerOutput) -> None:
+    def _state_on_its_way(self, request: Request, num_hit: int, kv_hit: int) -> bool:
+        """Whether a save in flight would let this hybrid request start past `num_hit`:
+        at a block boundary of its KV cache hit (`kv_hit`) beyond it."""
+        bs = self.kv_cache_manager.block_size
+        return any(self.snapshots.saving(request.block_hashes[end // bs - 1]) for end in range(kv_hit, num_hit, -bs))
+
+    def _save_snapshot(self, request: Request, saves: dict[str, int]) -> None:
         """This step computes the request's tokens up to its next snapshot point: the
         worker saves its state there after the forward (findable once the step lands)."""
         block_hash = request.block_hashes[request.snapshot_points.pop(0) // self.kv_cache_manager.block_size - 1]
         slot = self.snapshots.reserve(block_hash)
         if slot is not None:  # (None: every slot has a save in flight; this one goes unsaved)
-            output.state_saves[request.request_id] = slot
+            saves[request.request_id] = slot
 
     def _speculating(self) -> bool:
         limit = self.config.speculative_disable_by_batch_size
@@ -502,8 +518,10 @@ class Scheduler:
     ) -> dict[str, EngineCoreOutputs]:
         """Apply sampled tokens, finish what should finish; outputs grouped by reply subject."""
         outputs: dict[str, list[EngineCoreOutput]] = defaultdict(list)
-        for req_id, slot in scheduler_output.state_saves.items():  # a hybrid's snapshots, made or not
-            self.snapshots.landed(slot, runner_output.error is None and req_id not in runner_output.request_errors)
+        if scheduler_output.state_saves:  # a hybrid's snapshots: made where the worker computed the request
+            computed = set(runner_output.req_ids) if runner_output.error is None else set()
+            for req_id, slot in scheduler_output.state_saves.items():
+                self.snapshots.landed(slot, req_id in computed and req_id not in runner_output.request_errors)
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:
                 request = self.requests.get(req_id)

@@ -4,11 +4,14 @@ short convolutions) fold a request's whole past into one state.
 
 KV blocks alone cannot restore such a request: its attention layers would find their
 keys and values, its recurrent layers nothing. So a request's prefill stops at the last
-block boundary of its tokens (vLLM's "align" mode: the scheduler ends a chunk there), the
-worker copies the request's state into a snapshot slot after that step, and the slot is
-keyed by the hash of the block the state ends at (the chain of hashes names every token
-before it, its LoRA adapter and cache salt too). A later request whose cached prefix
-reaches that block starts after it, its state copied back from the slot first.
+block boundary before its last token, and where its KV cache hit ends if no state was
+saved there (a prefix it shares with a request before it: a system prompt) (vLLM's
+"align" mode: the scheduler ends a chunk there); the worker copies the request's state
+into a snapshot slot after that step, and the slot is keyed by the hash of the block the
+state ends at (the chain of hashes names every token before it, its LoRA adapter and
+cache salt too). A later request whose cached prefix reaches that block starts after it,
+its state copied back from the slot first; one whose cached blocks reach a save still in
+flight waits for it (Scheduler._state_on_its_way).
 
 A slot becomes findable only when the step that filled it has landed without an error
 for its request: a save the worker never made must never be restored. Slots are reused
@@ -40,7 +43,11 @@ class StateSnapshots:
         return 0, None
 
     def has(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._slot_of or block_hash in self._in_flight.values()
+        return block_hash in self._slot_of or self.saving(block_hash)
+
+    def saving(self, block_hash: BlockHash) -> bool:
+        """Whether a save of the state after this block is in flight (not landed yet)."""
+        return block_hash in self._in_flight.values()
 
     def reserve(self, block_hash: BlockHash) -> int | None:
         """A slot for the state after `block_hash`'s block (a free one, else the least
