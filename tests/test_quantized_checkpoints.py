@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from deployment import llmbus_serve
 from quantized_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
 from llmbus import LLM, SamplingParams
-from services.worker.layers.quantized_linear import int4_grid
+from services.worker.layers.quantized_linear import Int8Linear, int4_grid
 from services.worker.models.quantized_weights import quantized_widened, quantized_weight_format
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
@@ -149,6 +149,33 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
     with caplog.at_level("WARNING", logger="services.worker.model_runner"):
         assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened, and said so)
     assert "quantized checkpoint widened to float32" in caplog.text
+
+
+def test_a_per_channel_int8_checkpoint_is_served_at_8_bits_on_its_own_levels_in_bfloat16_on_a_cpu(tmp_path):
+    """As vLLM's CPU backend serves W8A8 INT8: int8 without asking, its layers' grid
+    (int8_grid) finding the checkpoint's levels and scales again, in channels whose largest
+    weight lies on level -128 too (min/max quantization spans -128..127). Int8 checkpoints
+    of other shapes (groups, zero points) and float8 ones run widened."""
+    source = build_tiny_model(tmp_path / "source", "llama", seed=2)
+    folder = ct_checkpoint(source, tmp_path / "w8a8", bits=8, fmt="int-quantized", strategy="channel",
+                           dynamic_activations=True)
+    assert LLM(str(folder), dtype="bfloat16").runner.quantization == "int8"
+    assert LLM(str(folder), dtype="float32").runner.quantization is None
+    fmt = quantized_weight_format(json.loads((folder / "config.json").read_text()))
+    tensors = load_file(str(folder / "model.safetensors"))
+    widened = dict(quantized_widened(tensors.items(), fmt))
+    checked = 0
+    for module in [n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")]:
+        layer = Int8Linear(widened[f"{module}.weight"], kernel="torch")
+        assert torch.equal(layer.weight_int8, tensors[f"{module}.weight"]), module
+        assert torch.equal(layer.scales, tensors[f"{module}.weight_scale"].flatten().to(torch.bfloat16)), module
+        checked += 1
+    assert checked == 14  # 7 projections in each of 2 layers
+    for name, other in {"W8A16 per group": dict(bits=8, group_size=16),
+                        "int8 asymmetric per channel": dict(bits=8, fmt="int-quantized", strategy="channel",
+                                                            symmetric=False),
+                        "FP8 per channel": dict(bits=8, fmt="float-quantized", kind="float", strategy="channel")}.items():
+        assert LLM(str(ct_checkpoint(source, tmp_path / name, **other)), dtype="bfloat16").runner.quantization is None
 
 
 def test_gptq_s_reordered_groups_run_widened_in_bfloat16(tmp_path):

@@ -90,6 +90,13 @@ class ModelRunner:
             # to float16, within a hundredth of a level). Elsewhere (float32, GPTQ's reordered
             # groups, which no run of 32 inputs keeps) it runs widened.
             quantization = "int4"
+        elif quantization is None and held is not None and held.bits == 8 and held.int_per_channel \
+                and not held.zero_points and dtype == "bfloat16" and self.device.type == "cpu":
+            # A symmetric int8 checkpoint with a scale an output channel (W8A8 INT8, W8A16)
+            # stays at 8 bits on a CPU, as vLLM's CPU backend serves W8A8: the int8 layers'
+            # absmax/127 scales find its levels again (exactly where a channel's largest
+            # level is 127, as min/max quantization makes it).
+            quantization = "int8"
         elif quantization is None and held is not None and dtype == "float32":
             log.warning("quantized checkpoint widened to float32 (four bytes a weight): --dtype bfloat16 or auto "
                         "serves it at its own precision's size or near it", extra={"model": str(model_path)})

@@ -47,8 +47,7 @@ class Int8Linear(nn.Module):
         if kernel not in self.KERNELS:
             raise ValueError(f"unknown int8 kernel {kernel!r}: {', '.join(self.KERNELS)}")
         self.kernel = kernel
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-10)
-        levels = torch.round(weight / scales[:, None]).to(torch.int8)
+        levels, scales = int8_grid(weight)
         if kernel == "llmbus":
             # The scales as PyTorch's kernel takes them (bfloat16), so both kernels multiply
             # by the same numbers.
@@ -88,6 +87,23 @@ class Int8Linear(nn.Module):
 
 # Weights in a group share one scale and one offset (as GGUF's Q4_1 blocks do).
 INT4_GROUP_SIZE = cpu_kernels.INT4_GROUP_SIZE
+
+
+def int8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels int8 [out, in], scales [out]) with weight ~= levels * scale per output: the
+    largest weight of a channel on level 127. A channel already on an int8 grid (a W8A8
+    checkpoint's, widened) keeps it exactly: min/max quantization spans -128..127, so its
+    largest weight may lie on level -128, and then a 128th of it is the step."""
+    absmax = weight.abs().amax(dim=1, keepdim=True)
+    scales = (absmax / 127).clamp(min=1e-10)
+    wider = (absmax / 128).clamp(min=1e-10)
+
+    def on_grid(step: torch.Tensor) -> torch.Tensor:  # [out, 1]: every weight a whole number of steps
+        levels = weight / step
+        return (levels == levels.round()).all(dim=1, keepdim=True) & (levels.amax(dim=1, keepdim=True) <= 127)
+
+    scales = torch.where(on_grid(wider) & ~on_grid(scales), wider, scales)
+    return torch.round(weight / scales).clamp(-128, 127).to(torch.int8), scales[:, 0]
 
 
 def int4_grid(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE):

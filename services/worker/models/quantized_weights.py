@@ -68,6 +68,9 @@ class QuantizedWeights:
     # ([rows, columns]) where the strategy is block, () otherwise
     packed: bool = True
     block: tuple[int, ...] = ()
+    # Integer levels with one scale an output channel in every quantized layer (compressed-
+    # tensors' channel strategy of int weights): the grid llmbus's int8 layers keep
+    int_per_channel: bool = False
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -145,7 +148,7 @@ def _compressed_tensors_format(quant: dict) -> QuantizedWeights:
     if quant.get("kv_cache_scheme"):
         raise ValueError("unsupported compressed-tensors kv_cache_scheme: llmbus keeps its own cache dtype "
                          "(--kv-cache-dtype)")
-    schemes = set()
+    schemes, per_channel_int = set(), True
     for group in groups:
         fmt = group.get("format") or quant.get("format")
         if fmt not in CT_FORMATS:
@@ -171,11 +174,13 @@ def _compressed_tensors_format(quant: dict) -> QuantizedWeights:
         if strategy == "block" and (len(block) != 2 or min(block) < 1 or not weights.get("symmetric", True)):
             raise ValueError(f"unsupported compressed-tensors block_structure {block!r}: two sizes, symmetric")
         schemes.add((packed, bits, not weights.get("symmetric", True), block))
+        per_channel_int = per_channel_int and kind == "int" and strategy == "channel"
     if len(schemes) > 1:
         raise ValueError(f"unsupported compressed-tensors checkpoint mixing weight schemes {sorted(schemes)}: one "
                          "format, number of bits, symmetry and block for every quantized layer")
     (packed, bits, zero_points, block), = schemes
-    return QuantizedWeights("compressed-tensors", bits, zero_points, packed=packed, block=block)
+    return QuantizedWeights("compressed-tensors", bits, zero_points, packed=packed, block=block,
+                            int_per_channel=per_channel_int)
 
 
 def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
