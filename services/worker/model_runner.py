@@ -94,8 +94,7 @@ class ModelRunner:
                 and not held.zero_points and dtype == "bfloat16" and self.device.type == "cpu":
             # A symmetric int8 checkpoint with a scale an output channel (W8A8 INT8, W8A16)
             # stays at 8 bits on a CPU, as vLLM's CPU backend serves W8A8: the int8 layers'
-            # absmax/127 scales find its levels again (exactly where a channel's largest
-            # level is 127, as min/max quantization makes it).
+            # grid (int8_grid) finds its levels and scales again, exactly.
             quantization = "int8"
         elif quantization is None and held is not None and dtype == "float32":
             log.warning("quantized checkpoint widened to float32 (four bytes a weight): --dtype bfloat16 or auto "
@@ -127,8 +126,9 @@ class ModelRunner:
         # mamba2.py): a row for each request it may hold at once, found by the request's
         # block-table row, and one more, where a decode graph's pads write.
         self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
-        # With prefix caching, as many rows again of snapshots, past the pad row: a request's
-        # state at a cached block's end (services/scheduler/state_snapshots.py).
+        # With prefix caching, up to as many rows again of snapshots (as the budget allows:
+        # _num_kv_blocks), past the pad row: a request's state at a cached block's end
+        # (services/scheduler/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
