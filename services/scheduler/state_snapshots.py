@@ -20,7 +20,7 @@ least recently used first; one with a save in flight is never taken.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 from services.scheduler.block_pool import BlockHash
 
@@ -31,6 +31,8 @@ class StateSnapshots:
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # landed, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
         self._in_flight: dict[int, BlockHash] = {}  # slot -> the block its save (not landed) ends at
+        # The same, counted by block: `saving` runs for a waiting request's every cached block
+        self._saving: Counter[BlockHash] = Counter()
 
     def longest_hit(self, block_hashes: list[BlockHash], num_blocks: int) -> tuple[int, int | None]:
         """Of a request's first `num_blocks` blocks (a KV cache hit), the most it can start
@@ -47,7 +49,7 @@ class StateSnapshots:
 
     def saving(self, block_hash: BlockHash) -> bool:
         """Whether a save of the state after this block is in flight (not landed yet)."""
-        return block_hash in self._in_flight.values()
+        return self._saving[block_hash] > 0
 
     def reserve(self, block_hash: BlockHash) -> int | None:
         """A slot for the state after `block_hash`'s block (a free one, else the least
@@ -61,6 +63,7 @@ class StateSnapshots:
         else:
             return None
         self._in_flight[slot] = block_hash
+        self._saving[block_hash] += 1
         return slot
 
     def landed(self, slot: int, ok: bool) -> None:
@@ -68,6 +71,9 @@ class StateSnapshots:
         block_hash = self._in_flight.pop(slot, None)
         if block_hash is None:
             return
+        self._saving[block_hash] -= 1
+        if not self._saving[block_hash]:
+            del self._saving[block_hash]
         if ok and block_hash not in self._slot_of:
             self._slot_of[block_hash] = slot
         else:
