@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 # processes and timeouts, so two run in about 60% of one's time even on two cores.
 # PYTEST_WORKERS=0 runs the suite in this process.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+PYTEST_PARALLEL := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 
 .PHONY: install test test-fast serve fetch bench clean
 

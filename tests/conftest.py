@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -8,24 +9,48 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import build_tiny_model  # noqa: E402
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """`make test`'s two workers take the suite by xdist group (--dist loadgroup): a test
-    file's tests together, so its deployments and module fixtures stay in one process, as
-    loadfile kept them; but tests/test_model_families.py's a group per family (its
-    module-scoped `family` fixture, or an `arch` parameter), so that file's ~50 families,
-    over 10 minutes on one core, spread over both workers rather than bound the run."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = item.nodeid.split("::")[0]
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        family = params.get("family", params.get("arch"))
-        if group == FAMILY_FILE and isinstance(family, str):
-            group += f"[{family}]"
-        item.add_marker(pytest.mark.xdist_group(group))
-
-
 FAMILY_FILE = "tests/test_model_families.py"
+
+# Started first, so that neither worker is left running one alone at the end: the files
+# of a minute or more (real-model deployments, fault injections), heaviest first.
+HEAVY_FIRST = ("tests/test_smollm2.py", "tests/test_services_faults.py", "tests/test_serve_faults.py",
+               "tests/test_device_scripts.py", "tests/test_serve_command.py", "tests/test_embeddings.py",
+               "tests/test_scale_out.py")
+
+
+def group_of(nodeid: str) -> str:
+    """The unit one worker runs whole: a test file (its deployments and module fixtures then
+    start once), but tests/test_model_families.py by family (its first parameter: the
+    module-scoped `family` fixture's, or an `arch`), so that file's ~60 families, over 15
+    minutes on one core, spread over both workers rather than bound the run."""
+    path, _, name = nodeid.partition("::")
+    if path == FAMILY_FILE and "[" in name:
+        return f"{path}[{name.split('[', 1)[1].split('-', 1)[0].rstrip(']')}]"
+    return path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s two workers (-n 2 --dist loadscope) take the suite by `group_of`.
+    (Not xdist's own `--dist loadgroup` by markers: with pytest 9.2 it no longer groups
+    anything, as it renames items by a node id pytest 9.2 took away, so each worker set up
+    every file's module fixtures, deployments included, again.)"""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_heavy_first", False):  # (the queue is whole by the first call)
+                rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+                for scope in sorted(self.workqueue, key=lambda scope: rank.get(scope, len(rank))):
+                    self.workqueue.move_to_end(scope)
+                self._heavy_first = True
+            super()._assign_work_unit(node)
+
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
