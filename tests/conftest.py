@@ -1,8 +1,19 @@
+import os
 import sys
 from pathlib import Path
 
+# Threads that finish an OpenMP region sleep rather than spin for the next (libgomp's
+# default spins a while): two test processes on two cores, each with a deployment or
+# two of its own, otherwise burn each other's cores waiting (the suite ran ~15-20% faster
+# so in A/B runs). Before torch loads libgomp; every worker and deployment inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# A CPU's KV cache is 1 GiB by default: allocated zeroed, and for a tiny test model over
+# 100k blocks, each a scheduler object, which cost 0.5-5 s an engine on this machine (half
+# of some tests' time). A quarter of it, vLLM's CPU variable set as a deployment would set
+# it (tests/test_kv_cache_memory.py checks the default itself), holds every test's work.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.25")
 
-import pytest
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

@@ -54,6 +54,7 @@ def test_vllm_s_gpu_memory_utilization_sizes_a_gpu_s_cache_and_not_a_cpu_s(monke
 
     gib = 1 << 30
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # (tests/conftest.py sets it)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 16 * gib)
     assert memory.kv_cache_budget(None, 0.5, gpu) == (24 * gib - memory.STEP_RESERVE_BYTES,
