@@ -2,6 +2,7 @@
 a restarted worker back as a new one, and leaves no process behind on SIGTERM."""
 
 import asyncio
+import concurrent.futures
 import json
 import signal
 import subprocess
@@ -250,8 +251,8 @@ def test_a_restarted_worker_is_a_new_one_and_its_streams_go_on_at_once(served):
     proc, url, _ = served
     prompts = [f"restart {i}: the quick brown fox" for i in range(4)]
     request = {"model": "tiny", "max_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    with openai.OpenAI(base_url=url + "/v1", api_key="none") as client:
-        expected = [client.completions.create(prompt=p, **request).choices[0].text for p in prompts]
+    with openai.OpenAI(base_url=url + "/v1", api_key="none") as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        expected = list(pool.map(lambda p: client.completions.create(prompt=p, **request).choices[0].text, prompts))
     victim = live_children(proc.pid, "worker")[0]
     unfinished_at_kill = []
 
