@@ -91,3 +91,16 @@ async def login(url: str, user: str | None = None, password: str | None = None, 
         errors.append(str(exc))
         return None, errors
     return nc, errors
+
+
+def completion_texts(base_url: str, prompts: list[str], **request) -> list[str]:
+    """Each prompt's completion text, asked all at once with the openai client (what a fault
+    test compares its faulted run with: that run asks them together too, and greedy output
+    does not depend on the batch)."""
+    import concurrent.futures
+
+    import openai
+
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=120) as client, \
+            concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: client.completions.create(prompt=p, **request).choices[0].text, prompts))

@@ -2,7 +2,6 @@
 a restarted worker back as a new one, and leaves no process behind on SIGTERM."""
 
 import asyncio
-import concurrent.futures
 import json
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import openai
 import psutil
 import pytest
 
-from deployment import llmbus_serve
+from deployment import completion_texts, llmbus_serve
 from llmbus.serve import live_children
 
 pytestmark = pytest.mark.timeout(300)
@@ -251,8 +250,7 @@ def test_a_restarted_worker_is_a_new_one_and_its_streams_go_on_at_once(served):
     proc, url, _ = served
     prompts = [f"restart {i}: the quick brown fox" for i in range(4)]
     request = {"model": "tiny", "max_tokens": 300, "temperature": 0, "extra_body": {"ignore_eos": True}}
-    with openai.OpenAI(base_url=url + "/v1", api_key="none") as client, concurrent.futures.ThreadPoolExecutor(4) as pool:
-        expected = list(pool.map(lambda p: client.completions.create(prompt=p, **request).choices[0].text, prompts))
+    expected = completion_texts(url, prompts, **request)
     victim = live_children(proc.pid, "worker")[0]
     unfinished_at_kill = []
 

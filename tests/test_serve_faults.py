@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from llmbus.nats_server import node_with_client
-from deployment import llmbus_serve, login
+from deployment import completion_texts, llmbus_serve, login
 from llmbus.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -92,12 +92,8 @@ async def stream_all(base_url: str, on_first_chunks, request: dict = PLAIN_REQUE
 
 
 def expected_texts(base_url: str, request: dict = PLAIN_REQUEST, prompts_: list[str] | None = None) -> list[str]:
-    """Each prompt's greedy text with no fault, asked all at once (as the faulted run asks
-    them: greedy output does not depend on the batch)."""
-    with openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=120) as client, \
-            concurrent.futures.ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, temperature=0, **request)
-                             .choices[0].text, prompts_ or prompts()))
+    """Each prompt's greedy text with no fault."""
+    return completion_texts(base_url, prompts_ or prompts(), model="tiny", temperature=0, **request)
 
 
 def wait_until(check, timeout_s: float, what: str) -> None:

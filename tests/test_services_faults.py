@@ -136,11 +136,10 @@ def test_a_scheduler_killed_mid_stream_and_restarted_loses_no_token(tiny_llama):
         d.wait_healthy()
         base = {"model": "tiny", "prompt": "a long story", "max_tokens": 400, "ignore_eos": True}
         bodies = {name: {**base, **params} for name, params in RESTART_BODIES.items()}
-        with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:  # (batched, as the streams below are)
-            expected = dict(zip(bodies, pool.map(lambda body: httpx.post(
-                d.base_url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"], bodies.values())))
         progress = {name: [] for name in bodies}
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+            expected = dict(zip(bodies, pool.map(lambda body: httpx.post(  # (batched, as the streams below are)
+                d.base_url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"], bodies.values())))
             futures = {name: pool.submit(stream_text, d.base_url, body, progress[name]) for name, body in bodies.items()}
             deadline = time.monotonic() + 60
             while min(len(p) for p in progress.values()) < 5 and time.monotonic() < deadline:
