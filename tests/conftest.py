@@ -4,8 +4,8 @@ from pathlib import Path
 
 # Threads that finish an OpenMP region sleep rather than spin for the next (libgomp's
 # default spins a while): two test processes on two cores, each with a deployment or
-# two of its own, otherwise burn each other's cores waiting (the suite ran ~15-20% faster
-# so in A/B runs). Before torch loads libgomp; every worker and deployment inherits it.
+# two of its own, otherwise burn each other's cores waiting (a subset of the suite ran ~15-20%
+# faster so in A/B runs). Before torch loads libgomp; every worker and deployment inherits it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # A CPU's KV cache is 1 GiB by default: allocated zeroed, and for a tiny test model over
 # 100k blocks, each a scheduler object, which cost 0.5-5 s an engine on this machine (half
@@ -32,8 +32,8 @@ HEAVY_FIRST = ("tests/test_smollm2.py", "tests/test_services_faults.py", "tests/
 def group_of(nodeid: str) -> str:
     """The unit one worker runs whole: a test file (its deployments and module fixtures then
     start once), but tests/test_model_families.py by family (its first parameter: the
-    module-scoped `family` fixture's, or an `arch`), so that file's ~60 families, over 15
-    minutes on one core, spread over both workers rather than bound the run."""
+    module-scoped `family` fixture's, or an `arch`), so that file's ~60 families, ~6
+    minutes of one core, spread over both workers rather than bound the run."""
     path, _, name = nodeid.partition("::")
     if path == FAMILY_FILE and "[" in name:
         return f"{path}[{name.split('[', 1)[1].split('-', 1)[0].rstrip(']')}]"
@@ -50,11 +50,13 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
+        _heavy_first = False  # (the queue put in HEAVY_FIRST's order yet)
+
         def _split_scope(self, nodeid: str) -> str:
             return group_of(nodeid)
 
         def _assign_work_unit(self, node) -> None:
-            if not getattr(self, "_heavy_first", False):  # (the queue is whole by the first call)
+            if not self._heavy_first:  # (the queue is whole by the first call)
                 rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
                 for scope in sorted(self.workqueue, key=lambda scope: rank.get(scope, len(rank))):
                     self.workqueue.move_to_end(scope)
