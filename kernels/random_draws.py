@@ -1,4 +1,4 @@
-"""The sampling contract's uniform draws (services/worker/random_draws.py) in one Triton
+"""The sampling contract's uniform draws (services/worker/sample/random_draws.py) in one Triton
 kernel: the same integer hash, so the same bits, as the numpy words the CPU runs. On a GPU
 tensor ops were ~25 launches a random-sampling step for a few hundred numbers."""
 

@@ -1,7 +1,7 @@
 """llmbus: an LLM serving engine in the shape of vLLM V1, cut into services over NATS."""
 
 from llmbus.inputs import TextPrompt, TokensPrompt
-from shared.beam_search import BeamSearchParams
+from shared.processing.beam_search import BeamSearchParams
 from shared.lora_request import LoRARequest
 from shared.messages import Logprob
 from shared.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams

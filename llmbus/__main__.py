@@ -1,3 +1,3 @@
-from llmbus.cli import main
+from llmbus.cli.main import main
 
 raise SystemExit(main())

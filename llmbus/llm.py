@@ -27,21 +27,21 @@ from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_hf_overrid
 from llmbus.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                             EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
-from shared.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
-from shared.classification import classifier_of
+from shared.processing.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
+from shared.hf.classification import classifier_of
 from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from shared.gc_heap import frozen_heap
-from shared.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
+from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
-from shared.output_processor import ParentRequest
-from shared.pooling_config import unsupported_pooling
+from shared.processing.output_processor import ParentRequest
+from shared.hf.pooling_config import unsupported_pooling
 from shared.sampling_params import RequestOutputKind, SamplingParams, embedding_params, with_bad_words_tokenized
-from shared.scoring import cosine, pair_token_ids, score_pairs
+from shared.processing.scoring import cosine, pair_token_ids, score_pairs
 
 T = TypeVar("T")
 
@@ -76,7 +76,7 @@ class LLM:
         seed: int | None = None,  # vLLM's: unseeded requests' draws repeat from run to run (None: fresh)
         tokenizer: str | None = None,  # vLLM's: the tokenizer's folder or Hub id, where not the model's
         device: str | None = None,  # "cuda" when there is one, else "cpu"
-        generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/generation_config.py)
+        generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/hf/generation_config.py)
         override_generation_config: dict | None = None,
         # vLLM's LoRA options: adapters are then named per request (lora_request=)
         enable_lora: bool = False,
@@ -309,7 +309,7 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's: each prompt's `beam_width` best beams (shared/beam_search.py), every beam
+        """vLLM's: each prompt's `beam_width` best beams (shared/processing/beam_search.py), every beam
         of every prompt a request of each step's batch; a sequence's `tokens` are the
         prompt's and its own, its `text` all of them decoded (as vLLM's)."""
         if is_one_prompt(prompts):

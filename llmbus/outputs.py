@@ -65,7 +65,7 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class ClassificationOutput:
-    probs: list[float]  # per class, as the model's problem_type has them (shared/classification.py)
+    probs: list[float]  # per class, as the model's problem_type has them (shared/hf/classification.py)
 
     @property
     def num_classes(self) -> int:

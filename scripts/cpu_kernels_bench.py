@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kernels.cpu as cpu_kernels  # noqa: E402
-from services.worker.attention.random_step import heads_first, make_batch  # noqa: E402
+from llmbus.bench.attention_batches import heads_first, make_batch  # noqa: E402
 from services.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down

@@ -148,13 +148,13 @@ def check_model(name: str, arch: str, overrides: dict, root: Path, device: str) 
             row["error"] = "no draft was accepted: the case checked nothing"
         return row
 
-    from services.worker.model_config import ModelConfig
+    from services.worker.models.decoder_config import ModelConfig
 
     if not ModelConfig.from_folder(folder).recurrent_layers:  # (a hybrid refuses drafts: its state cannot take them back)
         run_case(rows, {"model": name, "case": "speculative", "dtype": "float32"}, speculative)
 
     def penalized() -> dict:
-        # Penalty counts on the device (penalty_counts.py), the latest token read where it
+        # Penalty counts on the device (penalties.py), the latest token read where it
         # was sampled while steps overlap: greedy with transformers' repetition_penalty.
         from llmbus import SamplingParams
 
@@ -322,7 +322,7 @@ def check_fp8(device: str) -> list[dict]:
     from kernels.paged_attention import paged_attention
     from kernels.reshape_and_cache import reshape_and_cache
     from services.worker.attention.kv_cache_dtype import to_cache_dtype
-    from services.worker.attention.random_step import make_batch
+    from llmbus.bench.attention_batches import make_batch
     from services.worker.attention.torch_backend import write_kv_cache
     from test_fp8_kv_cache import awkward_values
 

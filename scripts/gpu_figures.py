@@ -171,7 +171,7 @@ def weight_bytes_per_decode_step(model) -> int:
 def moe_layer_times(device: str, tiny: bool) -> dict:
     """A Mixtral-8x7B-shaped sparse layer (bf16): fused grouped GEMMs against the loop."""
     from services.worker.layers.moe import SparseMoE
-    from services.worker.models.llama import MLP
+    from services.worker.models.decoder import MLP
 
     hidden, inter = (64, 128) if tiny else (4096, 14336)
     with torch.device(device):
@@ -200,7 +200,7 @@ def moe_layer_times(device: str, tiny: bool) -> dict:
 
 
 def seeded_draws_same_as_cpu(device: str) -> bool:
-    from services.worker.random_draws import uniform
+    from services.worker.sample.random_draws import uniform
 
     gen = torch.Generator().manual_seed(0)
     seeds = torch.randint(-(1 << 62), 1 << 62, (4096,), generator=gen)

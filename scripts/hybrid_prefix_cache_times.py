@@ -1,4 +1,4 @@
-"""What the prefix cache buys a hybrid model (services/scheduler/state_snapshots.py): a
+"""What the prefix cache buys a hybrid model (services/scheduler/core/state_snapshots.py): a
 Qwen3.5-shaped model (random weights; 8 layers of 512, 6 of them Gated DeltaNet) answers
 16 requests that share a 1024-token system prompt, each with its own 64-token question,
 16 tokens out: one request first (its time: what a miss costs, its prefill cut at its

@@ -75,7 +75,7 @@ def main() -> None:
     import torch
 
     from services.worker.request_state import RequestState
-    from services.worker.sampler import Sampler
+    from services.worker.sample.sampler import Sampler
     from shared.sampling_params import SamplingParams
 
     torch.set_num_threads(2)  # (the engine's on this 2-core machine)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def run(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     """Medians in microseconds; the steps of 4000-token requests in a 4096-token context."""
     import shared.sampling_params as sp
-    from services.scheduler.scheduler import Scheduler
+    from services.scheduler.core.scheduler import Scheduler
     from shared.config import SchedulerConfig
     from shared.messages import EngineCoreRequest, ModelRunnerOutput
 

@@ -1,5 +1,5 @@
 """`llmbus serve` on the GPU: served W0 inter-token latency against offline's, in one run,
-with the worker overlapping steps (the GPU's default, services/worker/served_steps.py) and
+with the worker overlapping steps (the GPU's default, services/worker/shell/served_steps.py) and
 without (LLMBUS_OVERLAP_STEPS=0), and served greedy tokens against offline's.
 
     python scripts/served_check.py --assets .gpu_assets/smollm2 --out $OUT [--cpu]
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 def start_server(assets: str, dtype: str, overlap: str, log: Path, capture: int,
                  step_log: Path) -> tuple[subprocess.Popen, str]:
-    from llmbus.serve import start_serve
+    from llmbus.deploy.serve import start_serve
 
     return start_serve(["--model", assets, "--served-model-name", "m", "--load-format", "dummy", "--dtype", dtype,
                         "--max-cudagraph-capture-size", str(capture)], log,

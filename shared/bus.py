@@ -66,7 +66,7 @@ class BusRefused(RuntimeError):
 
 def inbox_of(user: str) -> str:
     """A user's inbox: `_INBOX.<role>.<instance>` for `<role>-<instance>` (llmbus's
-    identities, llmbus/nats_auth.py), `_INBOX.<user>` for a name without a dash. The role
+    identities, llmbus/deploy/nats_auth.py), `_INBOX.<user>` for a name without a dash. The role
     is a token of its own so that one grant can name every gateway's inbox
     (`_INBOX.gateway.>`) and nobody else's: NATS wildcards match whole tokens only."""
     return "_INBOX." + user.replace("-", ".", 1)

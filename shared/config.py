@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.classification import Classifier
+from shared.hf.classification import Classifier
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -112,9 +112,9 @@ class GatewayConfig:
     default_sampling: dict = field(default_factory=dict)
     # The file's eos_token_id: those beyond the tokenizer's EOS end a request (generation_config.py)
     model_eos_ids: tuple[int, ...] = ()
-    # Why /v1/embeddings cannot serve this model as it asks (shared/pooling_config.py), or None
+    # Why /v1/embeddings cannot serve this model as it asks (shared/hf/pooling_config.py), or None
     unsupported_pooling: str | None = None
-    # A sequence classifier's labels and activation (shared/classification.py): /classify
+    # A sequence classifier's labels and activation (shared/hf/classification.py): /classify
     # serves it, and embeddings are refused; None: not a classifier
     classifier: Classifier | None = None
     # vLLM's --lora-modules: the adapters clients may name as their `model` (name -> LoRARequest)
@@ -134,7 +134,7 @@ class GatewayConfig:
     enable_request_id_headers: bool = False
     # vLLM's --disable-fastapi-docs: no /docs, /redoc, /openapi.json
     disable_fastapi_docs: bool = False
-    # The Responses API's stored responses (response_store.py): at most this much memory,
+    # The Responses API's stored responses (store.py): at most this much memory,
     # the least recently used dropped first; 0 stores none
     responses_store_bytes: int = 256 << 20
     # The gateways serving one port together (`llmbus serve --api-server-count`) share an

@@ -4,7 +4,7 @@ The gateway names an adapter by the request's `model` field (`--lora-modules`); 
 `LLM.generate(..., lora_request=LoRARequest(...))`. It travels with the request to the
 scheduler (its prefix-cache blocks hash under the adapter's name: the same tokens give
 other keys and values under another adapter) and to the worker, which reads the adapter
-from `lora_path` the first time a request needs it (services/worker/lora_adapter.py).
+from `lora_path` the first time a request needs it (services/worker/lora/adapter.py).
 """
 
 from __future__ import annotations

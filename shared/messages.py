@@ -93,7 +93,7 @@ class SchedulerOutput(msgspec.Struct, **_WIRE):
     # Speculative decoding: request id -> how many draft tokens the worker may propose
     # and verify for it this step (their slots are counted in num_scheduled_tokens).
     num_draft_slots: dict[str, int] = {}
-    # A hybrid model's prefix cache (services/scheduler/state_snapshots.py): request id ->
+    # A hybrid model's prefix cache (services/scheduler/core/state_snapshots.py): request id ->
     # the snapshot slot whose recurrent state it starts from (copied to its row before this
     # step's forward), and request id -> the slot its state goes to after the forward.
     state_restores: dict[str, int] = {}
@@ -307,7 +307,7 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
 class GatewayHeartbeat(msgspec.Struct, **_WIRE):
     """A gateway's sign of life, twice a second: the scheduler drops the requests of one
     it has not heard for --gateway-timeout (their clients went with it); the other
-    gateways know whom to ask (services/gateway/peers.py)."""
+    gateways know whom to ask (services/gateway/shell/peers.py)."""
 
     reply_subject: str  # its outputs subject, one per gateway process
     group: str = ""  # its siblings' (`llmbus serve --api-server-count`: the gateways of one port)
@@ -330,7 +330,7 @@ class MetricFamily(msgspec.Struct, **_WIRE):
 
 
 class StoredResponse(msgspec.Struct, **_WIRE):
-    """A Responses API response a gateway stored (services/gateway/response_store.py),
+    """A Responses API response a gateway stored (services/gateway/responses_api/store.py),
     as kept and as another gateway of the deployment is sent it."""
 
     response: bytes  # the response's JSON, as it was sent and as GET returns it

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import nats
 
-from llmbus.serve import NatsServer, free_port, spawn_service, start_serve, stop_all
+from llmbus.deploy.serve import NatsServer, free_port, spawn_service, start_serve, stop_all
 
 
 class Deployment:
@@ -71,7 +71,7 @@ class Deployment:
 
 def llmbus_serve(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """`llmbus serve ARGS` on a free port, and its base URL once it says it is serving
-    (llmbus.serve.start_serve); the process has its log open as `proc.log`."""
+    (llmbus.deploy.serve.start_serve); the process has its log open as `proc.log`."""
     proc, url = start_serve(args, log, env)
     proc.log = log
     return proc, url

@@ -4,7 +4,7 @@ the request-level metrics."""
 from __future__ import annotations
 
 from services.gateway.generation import Usage
-from shared.output_processor import ChoiceDelta
+from shared.processing.output_processor import ChoiceDelta
 from shared.sampling_params import SamplingParams
 
 

@@ -1,6 +1,6 @@
 """Beam search (vLLM's LLM.beam_search and `use_beam_search`): the engine's candidates each
 step, kept and ranked as vLLM keeps them, equal to the same search run on transformers'
-log-probabilities (written out here apart from shared/beam_search.py, so a slip in either
+log-probabilities (written out here apart from shared/processing/beam_search.py, so a slip in either
 shows)."""
 
 from __future__ import annotations

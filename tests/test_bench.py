@@ -13,7 +13,7 @@ from services.worker.layers.quantized_linear import Int8Linear
 
 from llmbus.bench.agreement import compare
 from llmbus.bench.roofline import matmul_flops, model_weights
-from llmbus.cli import main
+from llmbus.cli.main import main
 from services.worker.model_runner import ModelRunner
 from services.worker.loader import iter_weights
 from tiny_models import build_lora_adapter, build_tiny_model
@@ -155,7 +155,7 @@ def test_bench_speculative_compares_both_sides_on_the_same_tokens(tiny_llama, ca
 
 
 def test_bench_moe_compares_sparse_dense_and_transformers_on_the_same_tokens(capsys):
-    from llmbus.cli import main
+    from llmbus.cli.main import main
 
     assert main(["bench", "moe", "--smoke", "--repeat", "1"]) == 0
     out = capsys.readouterr().out

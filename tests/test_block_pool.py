@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.block_pool import BlockPool, hash_block_tokens
-from services.scheduler.kv_cache_manager import KVCacheManager
-from services.scheduler.request import Request
+from services.scheduler.core.block_pool import BlockPool, hash_block_tokens
+from services.scheduler.core.kv_cache_manager import KVCacheManager
+from services.scheduler.core.request import Request
 from shared.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -1,5 +1,5 @@
 """A closed bus: the NATS that `llmbus serve` starts takes only the deployment's own
-identities, and each may use only its role's subjects (llmbus/nats_auth.py). Checked on
+identities, and each may use only its role's subjects (llmbus/deploy/nats_auth.py). Checked on
 real nats-servers; a refusal is seen as NATS's own error, not as a timeout. `llmbus serve
 --nats-tls --nats-cluster 3` is checked on tests/test_serve_faults.py's deployment (the
 same flags), before its faults."""
@@ -19,9 +19,9 @@ import openai
 import pytest
 
 from deployment import llmbus_serve, login
-from llmbus.nats_auth import authorization_config, new_identity, permission_table
-from llmbus.nats_server import NatsServer, cluster_nodes
-from llmbus.supervisor import stop_all
+from llmbus.deploy.nats_auth import authorization_config, new_identity, permission_table
+from llmbus.deploy.nats_server import NatsServer, cluster_nodes
+from llmbus.deploy.supervisor import stop_all
 from shared.bus import BusAuth, Subjects
 
 pytestmark = pytest.mark.timeout(300)
@@ -195,7 +195,7 @@ def test_cluster_routes_need_the_route_password():
 
 
 def _free() -> int:
-    from llmbus.nats_server import free_port
+    from llmbus.deploy.nats_server import free_port
 
     return free_port()
 
@@ -217,7 +217,7 @@ def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
 
     import httpx
 
-    from llmbus.nats_tls import make_tls_files
+    from llmbus.deploy.nats_tls import make_tls_files
 
     tls = make_tls_files(tmp_path / "https", ["127.0.0.1", "localhost"])
     proc, base_url = llmbus_serve(["--model", str(tiny_llama), "--served-model-name", "tiny",
@@ -269,7 +269,7 @@ def test_llmbus_serve_closes_its_bus(tiny_llama, tmp_path):
 def test_the_tls_files_are_a_ca_and_a_certificate_it_signed(tmp_path):
     import ssl as ssl_module
 
-    from llmbus.nats_tls import make_tls_files
+    from llmbus.deploy.nats_tls import make_tls_files
 
     files = make_tls_files(tmp_path / "tls", ["127.0.0.1", "localhost"])
     assert sorted(p.name for p in (tmp_path / "tls").iterdir()) == ["ca.pem", "server.key", "server.pem"]  # no CA key
@@ -323,9 +323,9 @@ def test_compose_secure_overlay_takes_the_files_nats_config_writes(tmp_path):
 def test_compose_services_serve_on_the_closed_bus_nats_config_writes(tiny_llama, tmp_path):
     """What compose.secure.yaml runs, without Docker: nats-server on the written config, and
     the four service commands, each with only its env file's identity, over TLS."""
-    from llmbus.nats_config import write_bus_files
-    from llmbus.nats_server import free_port, nats_server_binary
-    from llmbus.serve import spawn_service, wait_healthy
+    from llmbus.deploy.nats_config import write_bus_files
+    from llmbus.deploy.nats_server import free_port, nats_server_binary
+    from llmbus.deploy.serve import spawn_service, wait_healthy
 
     bus, secrets_dir = tmp_path / "bus", tmp_path / "secrets"  # secrets_dir stands for /run/secrets
     port, cluster_port = free_port(), free_port()
@@ -363,7 +363,7 @@ def test_a_service_logs_in_with_a_token_and_a_wrong_one_ends_it_cleanly(tiny_lla
     """Against a NATS of the user's that takes a token: the tokenizer service logs in with
     --nats-token (given as its LLMBUS_ variable), and with a wrong one exits with status 2
     and a message, not a traceback or an endless retry."""
-    from llmbus.serve import spawn_service
+    from llmbus.deploy.serve import spawn_service
 
     server = NatsServer(authorization='authorization { token: "s3cret-token" }').start()
     try:
@@ -398,7 +398,7 @@ def test_a_service_logs_in_with_a_token_and_a_wrong_one_ends_it_cleanly(tiny_lla
 def test_a_server_certificate_the_service_does_not_trust_ends_its_login(tmp_path):
     """shared.bus.connect against a TLS server signed by another CA: BusRefused at once,
     not nats-py's endless retry."""
-    from llmbus.nats_tls import make_tls_files
+    from llmbus.deploy.nats_tls import make_tls_files
     from shared.bus import BusRefused, connect
 
     ours, theirs = make_tls_files(tmp_path / "ours", ["127.0.0.1"]), make_tls_files(tmp_path / "theirs", ["127.0.0.1"])

@@ -10,7 +10,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from kernels.cpu import build as cpu_build
-from services.worker.attention.random_step import heads_first, make_batch
+from llmbus.bench.attention_batches import heads_first, make_batch
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
 

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from services.tokenizer.tokenizer import Tokenizer
-from shared.detokenizer import IncrementalDetokenizer
+from shared.processing.detokenizer import IncrementalDetokenizer
 from tiny_models import CORPUS, SPECIAL_TOKENS
 
 TEXT = "héllo wörld — 東京 🙂 naïve café"

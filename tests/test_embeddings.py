@@ -226,7 +226,7 @@ def write_pooling(folder, **modes):
 
 
 def test_the_pooling_a_model_asks_for_is_read_from_its_sentence_transformers_files(tmp_path):
-    from shared.pooling_config import pooling_mode
+    from shared.hf.pooling_config import pooling_mode
 
     assert pooling_mode(tmp_path) == "last"  # none: a decoder's default
     write_pooling(tmp_path, pooling_mode_lasttoken=True, pooling_mode_mean_tokens=False)

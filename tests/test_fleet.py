@@ -6,11 +6,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.scheduler.fleet import Fleet
+from services.scheduler.shell.fleet import Fleet
 from shared.config import SchedulerConfig
 from shared.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput, WorkerInfo
 from shared.sampling_params import SamplingParams
-from services.scheduler.wakefulness import Wakefulness
+from services.scheduler.shell.wakefulness import Wakefulness
 
 BLOCK_SIZE = 4
 

@@ -1,12 +1,12 @@
 """Checkpoints in FP8 with block scales (DeepSeek-V3's and Qwen3-FP8's format), widened at
-load (services/worker/models/fp8_weights.py): greedy output equals transformers' own
+load (services/worker/models/checkpoints/fp8_weights.py): greedy output equals transformers' own
 reading of the same FP8 folder (what cannot be read is refused by name: test_quantized_checkpoints.py)."""
 
 import pytest
 import torch
 
 from llmbus import LLM, SamplingParams
-from services.worker.models.fp8_weights import fp8_widened, widen_fp8
+from services.worker.models.checkpoints.fp8_weights import fp8_widened, widen_fp8
 from tiny_models import build_tiny_model, fp8_checkpoint, hf_greedy, random_prompts
 
 PROMPTS = random_prompts([1, 5, 16, 33, 64])

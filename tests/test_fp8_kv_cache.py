@@ -13,7 +13,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
-from services.worker.attention.random_step import heads_first, make_batch
+from llmbus.bench.attention_batches import heads_first, make_batch
 from services.worker.attention.kv_cache_dtype import FP8_MAX, to_cache_dtype
 from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from shared.config import CacheConfig

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
-from services.tokenizer.service import tokenize
+from services.tokenizer.shell.service import tokenize
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from shared.messages import EngineCoreOutput, FinishReason, SchedulerInfo, SchedulerStats

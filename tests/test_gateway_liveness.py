@@ -1,10 +1,10 @@
-"""The scheduler's view of which gateways are alive (services/scheduler/gateways.py) and
+"""The scheduler's view of which gateways are alive (services/scheduler/shell/gateways.py) and
 of which requests each holds, on exact clocks; served, tests/test_serve_faults.py kills
 and stops a gateway under `llmbus serve`."""
 
-from services.scheduler.fleet import Fleet
-from services.scheduler.gateways import FORGET_DROPPED_S, Gateways
-from services.scheduler.wakefulness import Wakefulness
+from services.scheduler.shell.fleet import Fleet
+from services.scheduler.shell.gateways import FORGET_DROPPED_S, Gateways
+from services.scheduler.shell.wakefulness import Wakefulness
 from shared.config import SchedulerConfig
 from shared.messages import EngineCoreRequest, WorkerInfo
 from shared.sampling_params import SamplingParams

@@ -11,13 +11,13 @@ import time
 import nats
 import pytest
 
-from llmbus.serve import NatsServer
-from services.gateway import peers as gateway_peers
+from llmbus.deploy.serve import NatsServer
+from services.gateway.shell import peers as gateway_peers
 from finished_usage import finished_usage
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.peers import QUERY_TIMEOUT_S, GatewayPeers
-from services.gateway.response_peers import ResponsePeers
-from services.gateway.response_store import ResponseStore
+from services.gateway.shell.peers import QUERY_TIMEOUT_S, GatewayPeers
+from services.gateway.shell.response_peers import ResponsePeers
+from services.gateway.responses_api.store import ResponseStore
 from shared.bus import Subjects, encode
 from shared.messages import GatewayHeartbeat, SchedulerStats, StoredResponse
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import weakref
 
-from llmbus.nats_server import NatsServer, free_port
+from llmbus.deploy.nats_server import NatsServer, free_port
 from shared.gc_heap import frozen_heap
 
 

@@ -11,7 +11,7 @@ import pytest
 from deployment import llmbus_serve
 from llmbus import LLM, SamplingParams
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
-from shared.generation_config import default_sampling, stop_at_model_eos
+from shared.hf.generation_config import default_sampling, stop_at_model_eos
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(300)

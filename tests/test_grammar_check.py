@@ -57,7 +57,7 @@ def test_a_compile_past_its_timeout_is_killed_and_the_next_starts_afresh(checker
 def test_a_compile_timeout_the_gateway_cannot_wait_for_is_refused_at_start(command, capsys, monkeypatch):
     """The gateway waits 30 s for a check (a replica's first also starts its child): a longer
     compile timeout would be answered as a tokenizer time-out instead of the spec's 400."""
-    from llmbus.cli import build_parser
+    from llmbus.cli.main import build_parser
 
     for bad in ("40", "0"):
         with pytest.raises(SystemExit) as exit_info:

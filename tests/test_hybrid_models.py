@@ -1,6 +1,6 @@
 """Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention; LFM2: short
 convolutions beside it; Granite 4.0-H: Mamba2) keep a recurrent state a request in place
-of KV blocks (models/gated_delta_net.py, short_conv.py, mamba2.py), a row of it for each
+of KV blocks (layers/gated_delta_net.py, short_conv.py, mamba2.py), a row of it for each
 request the worker may hold. Beyond test_model_families.py's cases (every scheduling mode,
 the Triton kernels, the graph buffers, logprobs): a row another request left starts from
 zeros, the scheduler keeps within the rows, a cached prefix starts from a snapshot of the
@@ -16,7 +16,7 @@ import pytest
 
 from deployment import llmbus_serve
 from llmbus import LLM, SamplingParams
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.scheduler import Scheduler
 from services.worker.model_runner import ModelRunner
 from shared.config import SchedulerConfig
 from shared.messages import CachedRequestData, NewRequestData, SchedulerOutput
@@ -67,7 +67,7 @@ def test_the_scheduler_keeps_within_the_rows_and_caches_prefixes_only_with_snaps
 @pytest.mark.parametrize("arch", ["qwen3_5", "lfm2", "granite_hybrid"])
 def test_a_cached_prefix_starts_from_the_state_saved_at_its_end(tmp_path, arch):
     """A hybrid's prefill stops at its last block boundary, where the worker saves its
-    recurrent state (services/scheduler/state_snapshots.py); the same prompt again, another
+    recurrent state (services/scheduler/core/state_snapshots.py); the same prompt again, another
     sharing its first blocks, and a conversation's next turn start there from that state:
     each equal to transformers computing it whole (the DeltaNet's and the convolutions'
     state: Qwen3.5's; the convolutions' alone: LFM2's; Mamba2's scan and convolutions:
@@ -271,11 +271,11 @@ def test_a_grammar_still_compiling_is_waited_for_not_computed_twice(hybrid, monk
 @pytest.mark.parametrize("delta_rule", [False, True])
 @pytest.mark.parametrize("length", [1, 63, 64, 65, 130])
 def test_the_chunked_and_the_stepped_recurrence_equal_it_token_by_token(length, delta_rule):
-    """models/linear_recurrence.py against its definition, a token at a time from a given
+    """layers/linear_recurrence.py against its definition, a token at a time from a given
     state: the chunked form (across chunk boundaries) and the vectorized step."""
     import torch
 
-    from services.worker.models.linear_recurrence import chunked_recurrence, recurrent_step
+    from services.worker.layers.linear_recurrence import chunked_recurrence, recurrent_step
 
     g = torch.Generator().manual_seed(length)
     heads, k_dim, v_dim = 3, 8, 5
@@ -314,7 +314,7 @@ def test_nemotron_3_mixture_of_experts_blocks_are_refused_by_name(tmp_path):
 
     from transformers import NemotronHConfig
 
-    from services.worker.model_config import ModelConfig
+    from services.worker.models.decoder_config import ModelConfig
 
     config = NemotronHConfig(hybrid_override_pattern="ME*E", hidden_size=64, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=16)

@@ -15,7 +15,7 @@ import kernels  # noqa: F401 - interpreter on CPU
 from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.triton_backend import choose_num_splits
-from services.worker.attention.random_step import heads_first, make_batch
+from llmbus.bench.attention_batches import heads_first, make_batch
 from services.worker.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 
 

@@ -79,7 +79,7 @@ def test_greedy_from_tokens_on_the_device_equals_transformers(tiny_llama, overla
 
 
 def test_penalized_requests_overlap_counting_their_latest_token_on_the_device(tiny_llama, overlaps):
-    """Penalties count a request's tokens on the device (penalty_counts.py), the latest one
+    """Penalties count a request's tokens on the device (penalties.py), the latest one
     where it was sampled: penalized requests overlap steps too, and greedy with a
     repetition penalty still equals transformers'."""
     llm = overlapping(tiny_llama)
@@ -153,7 +153,7 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
 
     worker = Path(__file__).resolve().parents[1] / "services" / "worker"
     step_path = ["model_runner.py", "sampler.py", "launched_step.py", "step_inputs.py", "structured_output.py",
-                 "spec_decode.py", "random_draws.py", "penalty_counts.py", "bad_words.py", "layers/lora.py"]
+                 "spec_decode.py", "random_draws.py", "penalties.py", "bad_words.py", "layers/lora.py"]
     # (and `t[device_indices] = scalar`, which copies the scalar over synchronously: put_scalar)
     waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)|\.to\([^)]*non_blocking|\[[^\]]*to_device\(.*\]\s*=\s*(_MASK|True|False|[-\d.]+)\s*$")
     found = [f"{name}:{n}: {line.strip()}" for name in step_path
@@ -163,7 +163,7 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
 
 @pytest.mark.timeout(300)
 def test_llmbus_serve_launches_each_step_before_answering_the_one_before(tiny_llama, tmp_path):
-    """Served (services/worker/served_steps.py): the scheduler keeps two steps in flight, so
+    """Served (services/worker/shell/served_steps.py): the scheduler keeps two steps in flight, so
     the worker launches the next one before it answers the one before, which reads the
     tokens on the device. Greedy through `llmbus serve` and the openai client equals
     transformers, and the worker's step log shows steps launched behind unanswered ones."""

@@ -15,9 +15,9 @@ import shutil
 import pytest
 
 from llmbus import LLM, LoRARequest, SamplingParams
-from services.scheduler.kv_cache_manager import hash_root
-from services.scheduler.scheduler import Scheduler
-from services.worker.lora_manager import LoRAManager
+from services.scheduler.core.kv_cache_manager import hash_root
+from services.scheduler.core.scheduler import Scheduler
+from services.worker.lora.manager import LoRAManager
 from shared.config import LoRAConfig, SchedulerConfig
 from shared.lora_request import parse_lora_modules
 from shared.messages import EngineCoreRequest

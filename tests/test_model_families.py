@@ -25,7 +25,7 @@ import torch
 
 from llmbus import LLM, SamplingParams
 from services.worker.layers.moe import SparseMoE
-from services.worker.model_config import ModelConfig
+from services.worker.models.decoder_config import ModelConfig
 from tiny_models import build_tiny_model, causal_lm_class, hf_greedy, random_prompts
 
 MAX_NEW = 24
@@ -79,7 +79,7 @@ def test_prefix_hits_match_transformers(family):
     got = generate_ids(llm, prompts[:1]) + generate_ids(llm, prompts[1:])
     assert got == hf_greedy(folder, prompts, MAX_NEW)
     # (a hybrid's too: its recurrent state is restored from the first request's snapshot
-    # after its last full block, 48: services/scheduler/state_snapshots.py)
+    # after its last full block, 48: services/scheduler/core/state_snapshots.py)
     assert llm.stats().prefix_cache_hits >= 3 * 48
 
 
@@ -698,7 +698,7 @@ def test_qwen2_5_vl_config_as_its_first_releases_ship_it(tmp_path):
     """Qwen2.5-VL-3B-Instruct's config.json as first published: the language model's keys
     at the top level (no text_config), rope_scaling of type "mrope"; read as transformers
     reads it (a Qwen2 with its qkv bias, the ordinary rotary on text, tied as it says)."""
-    from services.worker.model_config import ModelConfig
+    from services.worker.models.decoder_config import ModelConfig
 
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
@@ -718,7 +718,7 @@ def test_gemma3_multimodal_config_as_the_hub_ships_it_gets_transformers_defaults
     """gemma-3-4b-it's config.json names 6 keys of its text_config; the rest are
     transformers' Gemma3TextConfig defaults (8 heads of 256 over 4, a window every layer
     but each sixth, the local base 1e4, 131072 positions) and the LM head is tied."""
-    from services.worker.model_config import ModelConfig
+    from services.worker.models.decoder_config import ModelConfig
 
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "eos_token_id": [1, 106],

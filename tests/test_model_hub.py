@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from llmbus.cli import build_parser
+from llmbus.cli.main import build_parser
 from llmbus.model_fetch import is_hub_id
-from llmbus.service_cli import served_name
+from llmbus.cli.services import served_name
 
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the snapshot's (a full hash: what an offline look-up takes)

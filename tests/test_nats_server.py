@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from llmbus.nats_server import NatsServer, _ephemeral_low, free_port
+from llmbus.deploy.nats_server import NatsServer, _ephemeral_low, free_port
 
 
 def test_free_ports_are_distinct_and_outside_the_ephemeral_range():

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from deployment import Deployment
-from llmbus.serve import free_port
+from llmbus.deploy.serve import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,7 @@ import pytest
 
 from services.tokenizer.tokenizer import Tokenizer
 from shared.messages import EngineCoreOutput, FinishReason, Logprobs
-from shared.output_processor import ParentRequest
+from shared.processing.output_processor import ParentRequest
 from shared.sampling_params import SamplingParams
 
 TEXT = "héllo wörld — 東京 🙂 naïve café"

@@ -250,7 +250,7 @@ def test_vllm_s_dtype_values_auto_half_and_float(tiny_llama, tmp_path):
     import json
     import shutil
 
-    from llmbus.cli import build_parser
+    from llmbus.cli.main import build_parser
     from services.worker.loader import resolve_dtype
 
     folder = tmp_path / "m"

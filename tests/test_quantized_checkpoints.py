@@ -1,5 +1,5 @@
 """Quantized checkpoints (AutoAWQ's GEMM layout, GPTQ's, compressed-tensors' W4A16/W8A16,
-FP8 and W8A8), widened at load (services/worker/models/quantized_weights.py): greedy
+FP8 and W8A8), widened at load (services/worker/models/checkpoints/quantized_weights.py): greedy
 output equals transformers on the reference's reading of the same folder; on a CPU in
 bfloat16 a 4-bit one is served at 4 bits on its own levels; what cannot be read is refused
 by name."""
@@ -15,7 +15,7 @@ from deployment import llmbus_serve
 from quantized_checkpoints import awq_checkpoint, ct_checkpoint, dense_reference, gptq_checkpoint, quantized_tensors
 from llmbus import LLM, SamplingParams
 from services.worker.layers.quantized_linear import Int8Linear, int4_grid
-from services.worker.models.quantized_weights import quantized_widened, quantized_weight_format
+from services.worker.models.checkpoints.quantized_weights import quantized_widened, quantized_weight_format
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 PROMPTS = random_prompts([1, 5, 16, 33])

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.app import create_app
-from services.gateway.reasoning_parsers import REASONING_PARSERS, TAGS, new_parser, prompt_opens_thinking
+from services.gateway.parsers.reasoning_parsers import REASONING_PARSERS, TAGS, new_parser, prompt_opens_thinking
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from test_gateway import FakeEngine, sse_events
@@ -148,7 +148,7 @@ HARMONY_PIECES = ["<|channel|>", "analysis", "final", "commentary", "<|message|>
 def test_harmony_streamed_deltas_add_up_to_the_whole(text, cuts):
     """The reasoning parser and the `openai` tool-call parser after it, however the text
     is cut: what streams is what the whole answer reads as."""
-    from services.gateway.tool_parsers import HarmonyToolParser, parse_whole
+    from services.gateway.parsers.tool_parsers import HarmonyToolParser, parse_whole
 
     reasoning_whole, content_whole = new_parser("openai_gptoss", "").whole(text)
     want = parse_whole(HarmonyToolParser(), content_whole)
@@ -193,8 +193,8 @@ def test_gpt_oss_is_served_with_harmony_s_parsers_by_default(tiny_llama, tmp_pat
     """A gpt-oss checkpoint's gateway reads harmony (vLLM's openai_gptoss and openai parsers)
     unless others were asked for; its chat answers keep their special tokens for them: the
     thinking is reasoning, the final channel content, a message to a function a call."""
-    from llmbus.args import gateway_config
-    from llmbus.cli import build_parser
+    from llmbus.cli.args import gateway_config
+    from llmbus.cli.main import build_parser
 
     folder = harmony_tokenizer(tiny_llama, tmp_path)
     config = gateway_config(build_parser().parse_args(["gateway"]), "tiny", str(folder))

@@ -105,7 +105,7 @@ def test_every_series_of_vllm_s_dashboard_is_there_from_the_start():
 def test_iteration_tokens_are_the_scheduler_s_steps_by_their_tokens():
     """vLLM's iteration_tokens_total: every step the scheduler builds, by its tokens (a
     prefill of 40 tokens, then decodes of 2, of 1), a fleet's workers added up."""
-    from services.scheduler.scheduler import Scheduler
+    from services.scheduler.core.scheduler import Scheduler
     from shared.config import SchedulerConfig
     from shared.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerStats
     from shared.sampling_params import SamplingParams

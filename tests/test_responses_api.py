@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
-from services.gateway.response_store import ResponseStore, StoredResponse
+from services.gateway.responses_api.store import ResponseStore, StoredResponse
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from shared.messages import EngineCoreOutput, FinishReason, Logprobs
@@ -281,8 +281,8 @@ def test_a_stored_response_is_read_and_deleted_by_id(tiny_llama):
 
 
 def test_a_server_storing_nothing_refuses_store_by_name(tiny_llama):
-    from llmbus.args import gateway_config
-    from llmbus.cli import build_parser
+    from llmbus.cli.args import gateway_config
+    from llmbus.cli.main import build_parser
 
     def store_bytes(mb: str) -> int:
         return gateway_config(build_parser().parse_args(["gateway", "--responses-store-mb", mb]), "tiny",

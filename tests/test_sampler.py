@@ -9,11 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.random_draws import as_int64, sample_inverse_cdf, uniform
+from services.worker.sample.random_draws import as_int64, sample_inverse_cdf, uniform
 
 from services.worker.request_state import RequestState
-from services.worker.penalty_counts import PenaltyCounts
-from services.worker.sampler import Sampler, apply_penalties, filter_logits, largest_first
+from services.worker.sample.penalties import PenaltyCounts
+from services.worker.sample.sampler import Sampler, apply_penalties, filter_logits, largest_first
 from shared.messages import Logprobs
 from shared.sampling_params import SamplingParams
 
@@ -607,7 +607,7 @@ def test_allowed_token_ids_match_transformers_restricted_to_them(tiny_llama):
 
 
 def test_repetition_penalty_matches_transformers_across_steps_beside_unpenalized_requests(tiny_llama):
-    """The counts the sampler keeps between steps (penalty_counts.py) against transformers'
+    """The counts the sampler keeps between steps (penalties.py) against transformers'
     repetition_penalty over prompt and output, in a batch where only some rows are
     penalized, and again once the first requests' rows are free for new ones."""
     from llmbus import LLM, SamplingParams
@@ -692,7 +692,7 @@ def test_logprobs_in_one_copy_are_the_ones_read_row_by_row(wanted, seed):
         assert got.sampled_rank == int((lp > lp.max()).sum()) + 1
 
 
-# ---- penalties' token counts kept between steps (penalty_counts.py) ------------------------
+# ---- penalties' token counts kept between steps (penalties.py) ------------------------
 
 
 def reference_counts(token_ids, num_prompt, vocab):
@@ -712,7 +712,7 @@ def test_counts_kept_between_steps_equal_counts_from_the_whole_history(data):
     """Steps append tokens (some past the vocabulary), requests come and go (rows reused,
     the tables grown), rows are drafts of a request: every step's rows equal a count of
     each row's whole history."""
-    from services.worker.spec_decode import DraftPosition
+    from services.worker.sample.spec_decode import DraftPosition
 
     vocab = 12
     tokens = st.integers(0, vocab + 3)

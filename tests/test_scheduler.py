@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.request import RequestStatus
+from services.scheduler.core.scheduler import Scheduler
 from shared.config import SchedulerConfig
 from shared.messages import (
     CachedRequestData,

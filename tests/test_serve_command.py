@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from deployment import completion_texts, llmbus_serve
-from llmbus.serve import live_children
+from llmbus.deploy.serve import live_children
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -356,7 +356,7 @@ def test_a_port_another_server_holds_is_one_line_and_nothing_starts(tiny_llama):
                                               ("localhost", True, "https://localhost:8000")])
 def test_the_url_serve_waits_on_and_prints_writes_an_ipv6_host_in_brackets(host, https, url):
     """(--host :: once gave http://:::8000, which /health could never answer at.)"""
-    from llmbus.serve import base_url
+    from llmbus.deploy.serve import base_url
 
     assert base_url(host, 8000, https) == url
 

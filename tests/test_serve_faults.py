@@ -28,9 +28,9 @@ import openai
 import psutil
 import pytest
 
-from llmbus.nats_server import node_with_client
+from llmbus.deploy.nats_server import node_with_client
 from deployment import completion_texts, llmbus_serve, login
-from llmbus.serve import live_children
+from llmbus.deploy.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,4 +1,4 @@
-"""services/worker/served_steps.py's order of launches and answers, with steps that stay
+"""services/worker/shell/served_steps.py's order of launches and answers, with steps that stay
 on a "device" until the test lets them land (as a GPU's would; on a CPU they come back
 finished, and tests/test_launched_steps.py drives the real runner through llmbus serve):
 the next step is launched before the one before is answered when it is already waiting;
@@ -13,8 +13,8 @@ import threading
 import msgspec
 import pytest
 
-from services.worker import served_steps
-from services.worker.served_steps import ServedSteps
+from services.worker.shell import served_steps
+from services.worker.shell.served_steps import ServedSteps
 from shared.bus import encode
 from shared.messages import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 from shared.tracing import setup_tracing

@@ -227,7 +227,7 @@ def test_a_service_that_cannot_reach_nats_says_so_and_stops_at_once_on_ctrl_c(ti
     import subprocess
     import sys
 
-    from llmbus.serve import free_port
+    from llmbus.deploy.serve import free_port
 
     url = f"nats://127.0.0.1:{free_port()}"  # (nothing listens there)
     procs, logs = {}, {}

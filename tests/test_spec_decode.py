@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from llmbus import LLM, SamplingParams
-from services.scheduler.block_pool import hash_block_tokens
-from services.worker.spec_decode import NgramProposer, num_accepted
+from services.scheduler.core.block_pool import hash_block_tokens
+from services.worker.sample.spec_decode import NgramProposer, num_accepted
 from shared.config import SpeculativeConfig
 from tiny_models import hf_greedy
 
@@ -164,7 +164,7 @@ def test_served_with_speculation_equals_offline_without_it_across_a_worker_kill(
     import psutil
 
     from deployment import llmbus_serve
-    from llmbus.serve import live_children
+    from llmbus.deploy.serve import live_children
 
     texts = [f"{t} {i}" for i in range(3) for t in TEXTS]
     plain = LLM(str(tiny_llama))
@@ -247,7 +247,7 @@ def test_a_request_whose_drafts_keep_failing_stops_speculating_and_one_whose_dra
     are accepted keeps its slots."""
     from test_scheduler import make_request, make_scheduler
 
-    from services.scheduler.scheduler import SPEC_MIN_ACCEPTANCE, SPEC_PROBATION_TOKENS
+    from services.scheduler.core.scheduler import SPEC_MIN_ACCEPTANCE, SPEC_PROBATION_TOKENS
     from shared.messages import ModelRunnerOutput
 
     scheduler = make_scheduler(num_speculative_tokens=4, speculative_disable_by_batch_size=None)

@@ -1,4 +1,4 @@
-"""A hybrid model's prefix cache, on the scheduler's side (services/scheduler/state_snapshots.py):
+"""A hybrid model's prefix cache, on the scheduler's side (services/scheduler/core/state_snapshots.py):
 which steps save a request's recurrent state, where its prefill is cut for that, which
 later requests start from a save, and that a save the worker never made (its step failed,
 or failed for that request) is never restored. The worker's side, and the outputs held to
@@ -6,8 +6,8 @@ transformers': tests/test_hybrid_models.py."""
 
 from __future__ import annotations
 
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.state_snapshots import StateSnapshots
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.core.state_snapshots import StateSnapshots
 from shared.config import SchedulerConfig
 from test_scheduler import make_request, runner_output
 

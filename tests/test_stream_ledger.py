@@ -1,7 +1,7 @@
 """The gateway's ledger of its streams: what it resumes after a scheduler restart or a bus
 gap, and how a repeated or missing output is told from the next one."""
 
-from services.gateway.stream_ledger import StreamLedger
+from services.gateway.shell.stream_ledger import StreamLedger
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
 from shared.sampling_params import SamplingParams
 

@@ -298,7 +298,7 @@ def test_the_worker_builds_the_grammar_compiler_before_it_joins_the_bus(tiny_lla
     import asyncio
     import time
 
-    from services.worker import service
+    from services.worker.shell import service
     from services.worker.structured_output import GrammarBackend
     from shared.config import CacheConfig
 

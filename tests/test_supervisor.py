@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from llmbus.supervisor import CrashLoop, Supervisor
+from llmbus.deploy.supervisor import CrashLoop, Supervisor
 
 
 class FakeProcess:
@@ -110,8 +110,8 @@ def test_stop_goes_group_by_group():
 def test_serve_hands_its_children_repeated_and_json_flags_as_they_parse_back(monkeypatch):
     """`llmbus serve` passes flags as LLMBUS_* variables: a repeated one (--api-key) and a
     JSON one (--speculative-config) must come back the same in the child's parser."""
-    from llmbus.args import as_env
-    from llmbus.cli import build_parser
+    from llmbus.cli.args import as_env
+    from llmbus.cli.main import build_parser
 
     argv = ["serve", "--api-key", "k1", "--api-key", "k2", "--speculative-config",
             '{"method": "ngram", "num_speculative_tokens": 2}', "--seed", "5"]
@@ -132,8 +132,8 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     """`vllm serve MODEL ...`'s flags: the model as a positional, vLLM's spellings of the
     prefix caching and chunked prefill switches (reaching the scheduler as ours do), flags
     that change nothing here accepted, a parallelism llmbus lacks refused by name."""
-    from llmbus.args import as_env, gateway_config
-    from llmbus.cli import build_parser
+    from llmbus.cli.args import as_env, gateway_config
+    from llmbus.cli.main import build_parser
 
     argv = ["serve", "some/model", "--enable-prefix-caching", "--no-enable-chunked-prefill", "--trust-remote-code",
             "-tp", "1", "--pipeline-parallel-size", "1", "--enable-auto-tool-choice", "--enable-prompt-tokens-details", "--chat-template", "{{ x }}",
@@ -189,8 +189,8 @@ def test_vllm_s_config_file_gives_a_command_s_flags_and_the_command_line_wins(tm
     the command is refused by name."""
     import yaml
 
-    from llmbus.cli import build_parser
-    from llmbus.config_file import expand_config
+    from llmbus.cli.main import build_parser
+    from llmbus.cli.config_file import expand_config
 
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({
@@ -217,7 +217,7 @@ def test_vllm_s_config_file_gives_a_command_s_flags_and_the_command_line_wins(tm
 def test_api_server_count_takes_siblings_but_not_runtime_lora_loading(monkeypatch, capsys):
     """--api-server-count N runs N gateways; an adapter loaded at runtime would reach only
     the one gateway asked, so the two are refused together by name, before anything starts."""
-    from llmbus.cli import main
+    from llmbus.cli.main import main
 
     with pytest.raises(SystemExit) as refused:
         main(["serve", "--api-server-count", "0"])

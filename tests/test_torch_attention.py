@@ -7,7 +7,7 @@ import torch
 
 import kernels.cpu as cpu_kernels
 import services.worker.attention.torch_backend as torch_backend
-from services.worker.attention.random_step import heads_first, make_batch
+from llmbus.bench.attention_batches import heads_first, make_batch
 
 
 def naive_attention(query, kv_cache, md, scale):

@@ -26,8 +26,8 @@ import httpx
 
 from llmbus.bench.serve import sse_data
 from llmbus.model_fetch import resolve_model
-from llmbus.nats_server import node_with_client
-from llmbus.serve import free_port, live_children
+from llmbus.deploy.nats_server import node_with_client
+from llmbus.deploy.serve import free_port, live_children
 
 KINDS = ("worker", "tokenizer", "scheduler", "nats")
 

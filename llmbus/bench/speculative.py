@@ -78,7 +78,7 @@ def run_once(llm, prompts, max_tokens, one_at_a_time: bool) -> tuple[float, list
 
 def run(args: argparse.Namespace) -> int:
     from llmbus import LLM
-    from llmbus.args import engine_kwargs
+    from llmbus.cli.args import engine_kwargs
 
     kwargs = engine_kwargs(args)
     kwargs.pop("speculative_config", None)

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from llmbus import LLM
-    from llmbus.args import engine_kwargs
+    from llmbus.cli.args import engine_kwargs
     from llmbus.bench.roofline import measure_runner
     from llmbus.model_fetch import resolve_model
     from services.worker.loader import parse_dtype

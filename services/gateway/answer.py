@@ -1,5 +1,5 @@
 """The answer to one completion or chat request: its deltas collected into one JSON body,
-or framed as an SSE stream (serving.py prepares the request; responses_api.py frames the
+or framed as an SSE stream (serving.py prepares the request; answer.py frames the
 same generation as a Responses API answer).
 
 A stream waits for the engine's first output before its headers go out, so a request the
@@ -20,15 +20,15 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry import trace
 
-from services.gateway import responses as r
+from services.gateway import response_bodies as r
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest, completion_prompts
-from services.gateway.reasoning_parsers import new_parser
+from services.gateway.parsers.reasoning_parsers import new_parser
 from services.gateway.request_ids import request_names
-from services.gateway.tool_parsers import parse_whole
+from services.gateway.parsers.tool_parsers import parse_whole
 from services.gateway.tools import ToolChoice
-from shared.output_processor import ChoiceDelta
+from shared.processing.output_processor import ChoiceDelta
 from shared.tracing import inject
 
 if TYPE_CHECKING:

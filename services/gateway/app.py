@@ -26,10 +26,11 @@ from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdap
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.request_ids import RequestIdHeader
-from services.gateway.response_items import input_items
-from services.gateway.responses_api import ResponsesAnswer, ResponsesRequest
+from services.gateway.responses_api.items import input_items
+from services.gateway.responses_api.answer import ResponsesAnswer, ResponsesRequest
 from services.gateway.serving import OpenAIServing
-from services.gateway import classification, embeddings, scoring, tokenization
+from services.gateway import tokenization
+from services.gateway.pooling import classification, embeddings, scoring
 from shared.config import GatewayConfig
 
 LLMBUS_VERSION = llmbus_version()
@@ -174,7 +175,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
     def no_response(response_id: str) -> NotFound:
         return NotFound(f"Response with id '{response_id}' not found.", "response_id")
 
-    # OpenAI's retrieve and delete of a stored response (response_store.py)
+    # OpenAI's retrieve and delete of a stored response (store.py)
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str):
         if request.query_params.get("stream", "false").lower() != "false":

@@ -8,7 +8,7 @@ import msgspec
 from fastapi.responses import Response
 
 from shared.messages import FinishReason
-from shared.output_processor import ChoiceDelta
+from shared.processing.output_processor import ChoiceDelta
 
 
 # The status a request is logged (and, non-streamed, answered) with when its client left

@@ -13,11 +13,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.gateway.engine_client import EngineClient
+from services.gateway.shell.engine_client import EngineClient
 from services.gateway.errors import Unavailable, raise_for_engine_error
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutput
-from shared.output_processor import ChoiceDelta, ParentRequest
+from shared.processing.output_processor import ChoiceDelta, ParentRequest
 from shared.sampling_params import SamplingParams
 
 

@@ -105,7 +105,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     # vLLM's: the prompt's and each choice's token ids beside the text (what RL frameworks
     # train on); streamed, the prompt's with a choice's first chunk, each chunk's own
     return_token_ids: bool = False
-    # vLLM's beam search (n beams; shared/beam_search.py), answered whole; the fields it
+    # vLLM's beam search (n beams; shared/processing/beam_search.py), answered whole; the fields it
     # takes are BEAM_SEARCH_FIELDS, any other set beside it is a 400
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -285,7 +285,7 @@ def to_sampling_params(
 ) -> SamplingParams:
     """`structured_outputs`: the request's, from `structured_outputs_of` (the caller also
     needs the field it came from). `defaults`: the model's, for fields the request leaves
-    out (shared/generation_config.py)."""
+    out (shared/hf/generation_config.py)."""
     defaults = defaults or {}
     check_beam_search(request)
     prompt_logprobs = request.prompt_logprobs

@@ -11,10 +11,10 @@ from fastapi import Request
 from fastapi.responses import Response
 from opentelemetry import trace
 
-from services.gateway import responses as r
-from services.gateway.beam_search import BeamSearchAnswer
+from services.gateway import response_bodies as r
+from services.gateway.beam_search_answer import BeamSearchAnswer
 from services.gateway.answer import Answer, end_span
-from services.gateway.engine_client import EngineClient
+from services.gateway.shell.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
 from services.gateway.lora_modules import LoRAModules
 from services.gateway.metrics import GatewayMetrics
@@ -27,15 +27,15 @@ from services.gateway.protocol import (
     validate_chat_options,
     validate_messages,
 )
-from services.gateway.reasoning_parsers import KEEPS_SPECIAL_TOKENS
+from services.gateway.parsers.reasoning_parsers import KEEPS_SPECIAL_TOKENS
 from services.gateway.request_ids import client_request_id
-from services.gateway.peers import GatewayPeers
-from services.gateway.response_peers import ResponsePeers
-from services.gateway.response_store import ResponseStore
-from services.gateway.sibling_metrics import SiblingMetrics
+from services.gateway.shell.peers import GatewayPeers
+from services.gateway.shell.response_peers import ResponsePeers
+from services.gateway.responses_api.store import ResponseStore
+from services.gateway.shell.sibling_metrics import SiblingMetrics
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
-from shared.generation_config import stop_at_model_eos
+from shared.hf.generation_config import stop_at_model_eos
 from shared.lora_request import LoRARequest
 from shared.messages import TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized

@@ -10,7 +10,7 @@ of requests that ended meanwhile, so nothing here depends on the depth but the c
 
 The executor is the only transport: a direct call into the model runner offline
 (`services.worker.executor.InProcessExecutor`) or a NATS request to a worker process
-(`services.scheduler.nats_executor.NatsExecutor`). The offline `LLM`, the scheduler
+(`services.scheduler.shell.nats_executor.NatsExecutor`). The offline `LLM`, the scheduler
 service and the tests all drive this one object.
 """
 
@@ -24,7 +24,7 @@ from typing import Protocol
 
 from opentelemetry import trace
 
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.step_tracer import StepTracer
 from shared.messages import EngineCoreOutputs, ModelRunnerOutput, SchedulerOutput
 from shared.tracing import inject

@@ -12,8 +12,8 @@ import time
 
 from opentelemetry import trace
 
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.core.request import Request
+from services.scheduler.core.scheduler import Scheduler
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 from shared.tracing import Link, Tracer, extract, span_context_of
 

@@ -23,7 +23,7 @@ from services.worker.request_state import RequestState
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:  # (the sampler's penalty counts read device tokens through this module)
-    from services.worker.sampler import Samples
+    from services.worker.sample.sampler import Samples
 
 
 @dataclass(slots=True, eq=False)
@@ -84,7 +84,7 @@ def reads_device_tokens_only(requests: dict[str, RequestState], so: SchedulerOut
     """Whether this step can run beside the launched ones: each request with tokens
     still on the device only feeds its latest one back as a decode, and nothing reads
     its history on the host (penalties count the latest token on the device too, the one
-    before it only once it has landed: penalty_counts.py; bad words compare it there:
+    before it only once it has landed: penalties.py; bad words compare it there:
     bad_words.py)."""
     for rid, n in so.num_scheduled_tokens.items():
         state = requests.get(rid)

@@ -11,14 +11,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
-from services.worker.models.fp8_weights import fp8_widened
+from services.worker.models.checkpoints.fp8_weights import fp8_widened
 from services.worker.models.fused_decode import FusedDecode
-from services.worker.models.quantized_weights import quantized_widened
+from services.worker.models.checkpoints.quantized_weights import quantized_widened
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
-from services.worker.model_config import ModelConfig
-from services.worker.models.llama import MULTIMODAL_PARTS, LlamaForCausalLM
+from services.worker.models.decoder_config import ModelConfig
+from services.worker.models.decoder import MULTIMODAL_PARTS, LlamaForCausalLM
 from shared.config import DTYPE_ALIASES, DTYPE_CHOICES
 
 LOAD_FORMATS = ("auto", "dummy")

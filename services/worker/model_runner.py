@@ -33,14 +33,14 @@ from services.worker.host_values import to_device
 from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
-from services.worker.lora_adapter import LoRAAdapter
-from services.worker.lora_manager import LoRAManager
+from services.worker.lora.adapter import LoRAAdapter
+from services.worker.lora.manager import LoRAManager
 from services.worker.memory import check_kv_cache_fits, kv_cache_budget
-from services.worker.model_config import ModelConfig
-from services.worker.prompt_logprobs import add_chunk
+from services.worker.models.decoder_config import ModelConfig
+from services.worker.sample.prompt_logprobs import add_chunk
 from services.worker.request_state import RequestState
-from services.worker.sampler import Sampler
-from services.worker.spec_decode import DraftPosition, NgramProposer, num_accepted
+from services.worker.sample.sampler import Sampler
+from services.worker.sample.spec_decode import DraftPosition, NgramProposer, num_accepted
 from services.worker.step_inputs import StepInputs
 from services.worker.structured_output import GrammarBackend, plain_greedy, split_ready
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
@@ -119,16 +119,16 @@ class ModelRunner:
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, load_format)
         # Latent attention caches one latent a token, read as its keys and its values: one
-        # memory for both (models/latent_attention.py)
+        # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
         # A hybrid's recurrent layers (linear attention, short convolutions, Mamba2) keep a
-        # state a request in place of KV blocks (models/gated_delta_net.py, short_conv.py,
+        # state a request in place of KV blocks (layers/gated_delta_net.py, short_conv.py,
         # mamba2.py): a row for each request it may hold at once, found by the request's
         # block-table row, and one more, where a decode graph's pads write.
         self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
         # With prefix caching, up to as many rows again of snapshots (as the budget allows:
         # _num_kv_blocks), past the pad row: a request's state at a cached block's end
-        # (services/scheduler/state_snapshots.py).
+        # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (the adapter module pulls in torch)
-    from services.worker.lora_adapter import LoRAAdapter
+    from services.worker.lora.adapter import LoRAAdapter
 
 
 @dataclass(slots=True, eq=False)
@@ -31,14 +31,14 @@ class RequestState:
     # (device tensor of a step's sampled ids, index) pair, is what the next step reads.
     num_pending: int = 0
     pending_token: tuple | None = None
-    # Penalized: its (table, row) of the sampler's token counts (penalty_counts.py), and
+    # Penalized: its (table, row) of the sampler's token counts (penalties.py), and
     # how many of token_ids are counted there.
     penalty_row: tuple | None = None
     num_counted: int = 0
     # Asked for prompt logprobs, with no output yet: one per prompt position computed so
     # far (prompt_logprobs.py); None otherwise.
     prompt_logprobs: list | None = None
-    lora: LoRAAdapter | None = None  # its adapter, read (lora_manager.py); None: the base model
+    lora: LoRAAdapter | None = None  # its adapter, read (manager.py); None: the base model
     # SamplingParams.argmax_only, read once: a step of such requests only (most decode
     # steps) takes the sampler's and the runner's shortest path.
     argmax_only: bool = field(init=False, default=False)

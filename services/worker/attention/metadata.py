@@ -24,7 +24,7 @@ class AttentionMetadata:
     query_start_loc_cpu: np.ndarray  # [num_reqs + 1]
     seq_lens_cpu: np.ndarray  # [num_reqs]
     # Each row's request's row of the persistent batch (its block-table row), where a
-    # hybrid's recurrent layers keep its state (models/causal_conv.py, linear_recurrence.py)
+    # hybrid's recurrent layers keep its state (layers/causal_conv.py, linear_recurrence.py)
     state_rows: torch.Tensor | None = None  # [num_reqs] int64
     state_rows_cpu: np.ndarray | None = None
     # What a backend derives from the above once per step and reuses in every layer.

@@ -1,4 +1,4 @@
-"""gpt-oss's checkpoint tensors in the layout the loader reads (models/llama.py).
+"""gpt-oss's checkpoint tensors in the layout the loader reads (models/decoder.py).
 
 Its experts come stacked, one tensor per projection for all experts of a layer, with the
 gate and up columns interleaved (gate at even indices, up at odd ones, as transformers'

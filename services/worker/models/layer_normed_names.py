@@ -1,5 +1,5 @@
 """The LayerNorm decoders' checkpoint names (GPT-2, OPT, GPT-NeoX, Phi, StarCoder2) in the Llama
-layout the loader reads (models/llama.py), and their tensors as our modules hold them:
+layout the loader reads (models/decoder.py), and their tensors as our modules hold them:
 GPT-2's products stored transposed (Conv1D), GPT-NeoX's q/k/v rows interleaved head by
 head. Buffers some checkpoints carry (causal masks) are skipped.
 """

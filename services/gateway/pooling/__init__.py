@@ -1,0 +1,1 @@
+"""The pooling endpoints: /v1/embeddings, /score and /rerank, /classify."""

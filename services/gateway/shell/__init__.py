@@ -1,0 +1,1 @@
+"""The gateway's NATS shell: the service's main, the engine client on the bus, and the deployment's other gateways (peers, their stored responses, a shared port's metrics, the stream ledger). Only this package of the gateway talks to NATS."""

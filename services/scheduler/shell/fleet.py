@@ -1,0 +1,222 @@
+"""Every worker the scheduler knows, each with its own scheduler core and KV block pool,
+and where each request lives.
+
+Workers are data-parallel replicas: a request is placed on the worker that already
+caches most of its prefix (then the least loaded) and stays there while it runs. When
+a worker dies or drains, its unfinished requests move to the others and resume from
+their prompt plus the tokens already generated; with no worker left they wait here,
+for a bounded time. A plain object: the service shell calls it between steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.core.request import Request
+from services.scheduler.core.scheduler import Scheduler
+from services.scheduler.shell.wakefulness import Wakefulness
+from shared.config import SchedulerConfig
+from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, WorkerInfo
+
+log = logging.getLogger("llmbus.scheduler")
+
+# A request ended here rather than by a worker: (its gateway's reply subject, the output).
+Rejection = tuple[str, EngineCoreOutput]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerHandle:
+    info: WorkerInfo
+    core: Scheduler
+    last_seen: float
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+
+class Fleet:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        heartbeat_timeout_s: float = 2.0,
+        no_worker_timeout_s: float = 30.0,
+        max_waiting_requests: int = 0,  # 0 = unbounded
+    ) -> None:
+        self.config = config
+        self.max_waiting_requests = max_waiting_requests
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.no_worker_timeout_s = no_worker_timeout_s
+        self.workers: dict[str, WorkerHandle] = {}
+        self.owner: dict[str, WorkerHandle] = {}
+        # Requests no worker can take yet, with when they started waiting.
+        self.unplaced: deque[tuple[EngineCoreRequest | Request, float]] = deque()
+        # The cumulative counts of removed workers' cores (tokens generated, prefix-cache
+        # lookups, drafts, ...): the fleet's counters must never go back, or a gateway
+        # would take the drop for a new scheduler and count everything again.
+        self.retired_counts = SchedulerStats()
+
+    # ---- workers ---------------------------------------------------------------------
+
+    def heard_from(self, info: WorkerInfo, now: float) -> list[Rejection]:
+        """An announcement or heartbeat. Returns outputs for requests it had to reject."""
+        handle = self.workers.get(info.worker_id)
+        if info.draining:
+            return self.remove(info.worker_id, "draining") if handle is not None else []
+        if handle is not None and info.incarnation != handle.info.incarnation:
+            # It reconnected to NATS: a step or its answer may have been lost in the gap, so
+            # it starts afresh (its requests recompute) rather than wait out a step deadline.
+            return self.remove(info.worker_id, "it reconnected to NATS") + self.heard_from(info, now)
+        # A worker declared dead that speaks again rejoins as new: a fresh core, and a
+        # reset of whatever it still holds with its first step.
+        if handle is not None:
+            handle.last_seen = now
+            return []
+        config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
+        core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
+                         info.generates, info.max_loras, info.recurrent_rows,
+                         info.recurrent_snapshot_rows)
+        self.workers[info.worker_id] = WorkerHandle(info, core, now)
+        log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
+        waiting, self.unplaced = self.unplaced, deque()
+        rejected = []
+        for item, since in waiting:
+            rejected += self._place(item, since)
+        return rejected
+
+    def remove(self, worker_id: str, reason: str) -> list[Rejection]:
+        """A worker is gone (dead, timed out, drained): move its requests to the others."""
+        handle = self.workers.pop(worker_id, None)
+        if handle is None:
+            return []
+        moved = handle.core.take_unfinished()
+        self.retired_counts.add_counts(handle.core.make_stats())
+        log.warning("worker %s removed (%s); moving %d request(s); %d worker(s) left",
+                    worker_id, reason, len(moved), len(self.workers))
+        rejected = []
+        for request in moved:
+            self.owner.pop(request.request_id, None)
+            rejected += self._place(request, handle.last_seen)
+        return rejected
+
+    def saw(self, handle: WorkerHandle, now: float) -> None:
+        """Proof of life other than a heartbeat: a step it answered (a handle since
+        replaced proves nothing of the new one)."""
+        if self.workers.get(handle.worker_id) is handle:
+            handle.last_seen = max(handle.last_seen, now)
+
+    def check(self, now: float, awake: Wakefulness | None = None) -> list[Rejection]:
+        """Declare silent workers dead; fail requests that waited too long for any worker.
+
+        A worker is silent only for as long as this process was `awake` to hear it
+        (wakefulness.py): after the host descheduled the scheduler, heartbeats
+        may be waiting unread in its socket."""
+        rejected = []
+        for handle in list(self.workers.values()):
+            silent = now - handle.last_seen if awake is None else awake.silent_for(handle.last_seen, now)
+            if silent > self.heartbeat_timeout_s:
+                rejected += self.remove(handle.worker_id, f"no heartbeat for {now - handle.last_seen:.1f} s")
+        while self.unplaced and now - self.unplaced[0][1] > self.no_worker_timeout_s:
+            item, _ = self.unplaced.popleft()
+            rejected.append(_error(item, f"no worker became available within {self.no_worker_timeout_s:.0f} s"))
+        return rejected
+
+    # ---- requests --------------------------------------------------------------------
+
+    def submit(self, request: EngineCoreRequest, now: float) -> list[Rejection]:
+        """Place a new request; returns a rejection when it is invalid or the queue is full.
+
+        A request already here was sent twice (nothing to do) or is asked to resume: then
+        the outputs its gateway lacks go out again. A resumed one not here (this
+        scheduler is new, or it finished and its last output was lost) is placed anew."""
+        known = self._known(request.request_id)
+        if known is not None:
+            return self._replay(known, request) if request.resume else []
+        limit = self.max_waiting_requests
+        if limit and not request.resume and self.num_waiting() >= limit:
+            return [_error(request, f"the engine has {limit} requests waiting; try again later",
+                           FinishReason.OVERLOADED)]
+        return self._place(request, now)
+
+    def _known(self, request_id: str) -> Request | EngineCoreRequest | None:
+        handle = self.owner.get(request_id)
+        if handle is not None:
+            return handle.core.requests.get(request_id)
+        return next((item for item, _ in self.unplaced if item.request_id == request_id), None)
+
+    @staticmethod
+    def _replay(known: Request | EngineCoreRequest, request: EngineCoreRequest) -> list[Rejection]:
+        have = len(request.output_token_ids)
+        missing = known.output_token_ids[have:]
+        if not missing:
+            return []
+        return [(request.reply_subject, EngineCoreOutput(request.request_id, list(missing), index=have))]
+
+    def num_waiting(self) -> int:
+        return len(self.unplaced) + sum(len(h.core.waiting) for h in self.workers.values())
+
+    def _place(self, item: EngineCoreRequest | Request, since: float) -> list[Rejection]:
+        if not self.workers:
+            self.unplaced.append((item, since))
+            return []
+        if isinstance(item, EngineCoreRequest):
+            tokens = [*item.prompt_token_ids, *item.output_token_ids]
+        else:
+            tokens = item.all_token_ids
+        lora = item.lora_request
+        # A worker that serves adapters, for a request with one; then the most of its
+        # prefix cached; then the least loaded.
+        handle = max(
+            self.workers.values(),
+            key=lambda h: (lora is None or h.info.max_loras > 0,
+                           h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt), -h.core.load()),
+        )
+        try:
+            if isinstance(item, EngineCoreRequest):
+                handle.core.add_request(item)
+            else:
+                handle.core.adopt([item])
+        except ValueError as exc:
+            return [_error(item, str(exc), FinishReason.REJECTED)]
+        self.owner[item.request_id] = handle
+        return []
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            handle = self.owner.pop(request_id, None)
+            if handle is not None:
+                handle.core.abort_requests([request_id])  # its worker drops it at the next step
+        if self.unplaced:
+            drop = set(request_ids)
+            self.unplaced = deque((item, t) for item, t in self.unplaced if item.request_id not in drop)
+
+    def finished(self, request_id: str) -> None:
+        self.owner.pop(request_id, None)
+
+    def requests_of(self, reply_subject: str) -> list[str]:
+        """The ids of the requests a gateway (its outputs subject) has here."""
+        ids = [rid for rid, handle in self.owner.items()
+               if getattr(handle.core.requests.get(rid), "reply_subject", None) == reply_subject]
+        return ids + [item.request_id for item, _ in self.unplaced if item.reply_subject == reply_subject]
+
+    # ---- views -----------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return min((h.core.max_model_len for h in self.workers.values()), default=0)
+
+    @property
+    def max_lora_rank(self) -> int:
+        return max((h.info.max_lora_rank for h in self.workers.values()), default=0)
+
+    def stats(self) -> SchedulerStats:
+        total = SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
+        total.add_counts(self.retired_counts)
+        return total
+
+
+def _error(item: EngineCoreRequest | Request, reason: str, finish=FinishReason.ERROR) -> Rejection:
+    return item.reply_subject, EngineCoreOutput(item.request_id, [], finish, error=reason)

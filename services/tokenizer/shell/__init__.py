@@ -1,0 +1,1 @@
+"""The tokenizer's NATS shell: request/reply in a queue group."""

@@ -1,0 +1,135 @@
+"""The worker service: the model runner behind the bus.
+
+It announces itself (model, KV capacity, context) on start, whenever a scheduler says
+hello, and every `heartbeat_s` after that; then it answers `SchedulerOutput` requests on
+its step subject with a `ModelRunnerOutput`, in order (served_steps.py: on a GPU the next
+step is launched before the one before it is answered). The forward pass runs on the
+executor's one thread, so the event loop keeps heartbeats and NATS pings alive during a
+long step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+
+from services.worker.executor import InProcessExecutor
+from services.worker.model_runner import ModelRunner
+from services.worker.shell.served_steps import ServedSteps
+from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
+from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
+from shared.messages import WorkerInfo
+from shared.tracing import setup_tracing, shutdown_tracing
+
+log = logging.getLogger("llmbus.worker")
+
+
+async def serve(
+    model_path: str,
+    nats_url: str,
+    model_name: str,
+    cache_config: CacheConfig,
+    dtype: str = "float32",
+    attention_backend: str | None = None,
+    max_model_len: int | None = None,
+    worker_id: str | None = None,
+    heartbeat_s: float = 0.5,
+    drain_timeout_s: float = 10.0,
+    threads: int | None = None,
+    ready: asyncio.Event | None = None,
+    quantization: str | None = None,
+    speculative_config: SpeculativeConfig | None = None,
+    enforce_eager: bool = False,
+    max_cudagraph_capture_size: int = 256,
+    load_format: str = "auto",
+    auth: BusAuth | None = None,
+    lora_config: LoRAConfig | None = None,
+    seed: int | None = None,
+    tokenizer: str | None = None,
+    max_num_seqs: int = 128,
+) -> None:
+    worker_id = worker_id or uuid.uuid4().hex[:8]
+    tracer = setup_tracing("worker")
+    # The runner lives on the executor's one thread, loading included (executor.py says why).
+    executor = InProcessExecutor(
+        lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
+                            speculative_config, enforce_eager=enforce_eager,
+                            max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format,
+                            lora_config=lora_config, seed=seed, tokenizer=tokenizer, max_num_seqs=max_num_seqs),
+        threads,
+    )
+    runner = executor.runner
+    # A server's first constrained request should not build the grammar compiler, and no
+    # step should run beside its building (it holds the GIL): built before the worker joins.
+    try:
+        await asyncio.wrap_future(runner.grammars.warm_up())
+    except Exception as exc:  # noqa: BLE001 - unconstrained requests are served all the same
+        log.warning("structured outputs will fail: the grammar compiler did not build (%s)", exc)
+    subjects = Subjects(model_name)
+    info = WorkerInfo(
+        worker_id=worker_id,
+        model=model_name,
+        num_kv_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.vocab_size,
+        eos_token_id=runner.model_config.eos_token_id,
+        long_rope_threshold=runner.model_config.long_rope_threshold,
+        generates=runner.model.generates,
+        max_loras=lora_config.max_loras if lora_config else 0,
+        max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
+        recurrent_rows=runner.recurrent_rows,
+        recurrent_snapshot_rows=runner.snapshot_rows,
+        # Random per process: one restarted under the same id (as `llmbus serve` and compose
+        # restart it) is a new incarnation to the scheduler, however soon it is back.
+        incarnation=secrets.randbits(48),
+    )
+    steps = ServedSteps(executor, tracer)
+
+    async def on_reconnect() -> None:
+        # A step or its answer may have been lost in the gap: say so at once, and the
+        # scheduler takes this worker back afresh instead of waiting out a step deadline.
+        info.incarnation += 1
+        await announce()
+
+    nc = await connect(nats_url, f"worker-{worker_id}", on_reconnect, auth)
+
+    last_step_at = [time.monotonic()]
+
+    async def handle_step(msg) -> None:
+        last_step_at[0] = time.monotonic()
+        steps.put(msg)
+
+    async def announce(_msg=None) -> None:
+        await nc.publish(subjects.announce, encode(info))
+
+    answering = asyncio.create_task(steps.run())
+    await nc.subscribe(subjects.step(worker_id), cb=handle_step)
+    await nc.subscribe(subjects.scheduler_hello, cb=announce)
+    await nc.flush()
+    stop = stop_on_signals()
+    log.info("worker %s ready: %d KV blocks of %d", worker_id, runner.num_blocks, runner.block_size)
+    if ready is not None:
+        ready.set()
+    while not stop.is_set():
+        if nc.is_connected:
+            await announce()
+        try:
+            await asyncio.wait_for(stop.wait(), heartbeat_s)
+        except asyncio.TimeoutError:
+            pass
+    # Drain: say we are leaving (the scheduler moves our requests elsewhere), finish the
+    # step in hand, and go once steps have stopped coming.
+    info.draining = True
+    await announce()
+    deadline = time.monotonic() + drain_timeout_s
+    while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
+        await asyncio.sleep(0.1)
+    answering.cancel()
+    await asyncio.gather(answering, return_exceptions=True)
+    await close_for_exit(nc)
+    executor.close()
+    shutdown_tracing()
