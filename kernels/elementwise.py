@@ -23,7 +23,7 @@ import triton.language as tl
 
 import kernels  # noqa: F401 - interpreter without a GPU
 from kernels.cpu import check_norm_args, check_rotary_args
-from kernels.reshape_and_cache import _fp8_grid, _round_to_fp8_grid
+from kernels.reshape_and_cache import fp8_grid, round_to_fp8_grid
 
 
 @triton.jit
@@ -111,10 +111,10 @@ def _rotary_and_cache_kernel(
             v1 = tl.load(v_base + d, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(v_base + HALF + d, mask=mask, other=0.0).to(tl.float32)
             if SATURATE > 0:
-                out1 = _round_to_fp8_grid(out1, SATURATE, MANTISSA, MIN_EXP)
-                out2 = _round_to_fp8_grid(out2, SATURATE, MANTISSA, MIN_EXP)
-                v1 = _round_to_fp8_grid(v1, SATURATE, MANTISSA, MIN_EXP)
-                v2 = _round_to_fp8_grid(v2, SATURATE, MANTISSA, MIN_EXP)
+                out1 = round_to_fp8_grid(out1, SATURATE, MANTISSA, MIN_EXP)
+                out2 = round_to_fp8_grid(out2, SATURATE, MANTISSA, MIN_EXP)
+                v1 = round_to_fp8_grid(v1, SATURATE, MANTISSA, MIN_EXP)
+                v2 = round_to_fp8_grid(v2, SATURATE, MANTISSA, MIN_EXP)
             cache_dtype = key_cache_ptr.dtype.element_ty
             tl.store(key_cache_ptr + dst + d, out1.to(cache_dtype), mask=mask)
             tl.store(key_cache_ptr + dst + HALF + d, out2.to(cache_dtype), mask=mask)
@@ -191,7 +191,7 @@ def rotary_and_cache(
             value, key_cache, value_cache, slot_mapping,
             value.stride(0), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.shape[1],
             num_q_heads,
-            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), **_fp8_grid(key_cache.dtype),
+            HALF=half, BLOCK_HALF=triton.next_power_of_2(half), **fp8_grid(key_cache.dtype),
         )
     return qk[:, :num_q_heads]
 

@@ -15,7 +15,7 @@ import triton.language as tl
 _FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _fp8_grid(dtype: torch.dtype) -> dict:
+def fp8_grid(dtype: torch.dtype) -> dict:
     """The kernel's constants for a cache of `dtype`: a float8 format's largest finite value,
     mantissa bits and smallest normal exponent (all zero for any other dtype)."""
     if dtype not in _FLOAT8:
@@ -26,7 +26,7 @@ def _fp8_grid(dtype: torch.dtype) -> dict:
 
 
 @triton.jit
-def _round_to_fp8_grid(x, SATURATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+def round_to_fp8_grid(x, SATURATE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
     """x (float32) saturated and rounded to nearest even on a float8 format's grid, so the
     cast that follows is exact: the same trick as kernels/cpu/fp8.h. (Triton's interpreter
     rounds float8 casts its own way, ties and all; a GPU's cvt.rn would agree with this.)"""
@@ -68,8 +68,8 @@ def _reshape_and_cache_kernel(
         k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
         v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
         if SATURATE > 0:
-            k = _round_to_fp8_grid(k.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
-            v = _round_to_fp8_grid(v.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
+            k = round_to_fp8_grid(k.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
+            v = round_to_fp8_grid(v.to(tl.float32), SATURATE, MANTISSA, MIN_EXP)
         dst = block * stride_c_block + offset * stride_c_slot + head * stride_c_head + d
         tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
@@ -97,5 +97,5 @@ def reshape_and_cache(
         key_cache.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        **_fp8_grid(key_cache.dtype),
+        **fp8_grid(key_cache.dtype),
     )

@@ -103,11 +103,11 @@ class GatewayConfig:
     idle_timeout_s: float = 300.0  # a request whose engine stays silent this long fails
     # How long requests in flight wait for a scheduler to come back and resume them.
     scheduler_resume_timeout_s: float = 30.0
-    tool_call_parser: str = "hermes"  # how tool_choice auto reads the model's calls (tool_parsers.py)
+    tool_call_parser: str = "hermes"  # how tool_choice auto reads the model's calls (parsers/tool/)
     # GET /tokenizer_info (vLLM's flag): the tokenizer's special tokens and chat template,
     # which lm-evaluation-harness's remote tokenizer reads. Off by default, as there.
     enable_tokenizer_info_endpoint: bool = False
-    reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (reasoning_parsers.py)
+    reasoning_parser: str | None = None  # vLLM's: the thinking apart from the content (parsers/reasoning.py)
     # The model's sampling defaults for fields a request leaves out (generation_config.py)
     default_sampling: dict = field(default_factory=dict)
     # The file's eos_token_id: those beyond the tokenizer's EOS end a request (generation_config.py)

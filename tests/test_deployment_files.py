@@ -55,7 +55,7 @@ def test_every_compose_command_is_a_real_llmbus_subcommand(compose):
 
 
 def test_environment_names_are_ones_the_code_reads(compose):
-    source = "\n".join(p.read_text() for p in (ROOT / "llmbus").glob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "llmbus").rglob("*.py"))
     flags = set(re.findall(r'env(?:_flag)?\("(--[a-z-]+)"', source))
     read = {"LLMBUS_" + f.lstrip("-").replace("-", "_").upper() for f in flags} | {"LLMBUS_HOME"}
     standard_otel = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}

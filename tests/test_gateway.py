@@ -542,7 +542,7 @@ def test_the_version_of_a_checkout_never_installed_is_pyprojects(monkeypatch):
     import tomllib
     from pathlib import Path
 
-    from llmbus.version import llmbus_version
+    from shared.version import llmbus_version
 
     installed = importlib.metadata.version
 

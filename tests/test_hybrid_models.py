@@ -249,7 +249,7 @@ def test_a_grammar_still_compiling_is_waited_for_not_computed_twice(hybrid, monk
     with xgrammar's mask."""
     import time
 
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
     from test_structured_outputs import MAX_TOKENS, SPECS, hf_constrained
 
     compile_matcher = GrammarBackend.matcher

@@ -152,8 +152,9 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
     from pathlib import Path
 
     worker = Path(__file__).resolve().parents[1] / "services" / "worker"
-    step_path = ["model_runner.py", "sampler.py", "launched_step.py", "step_inputs.py", "structured_output.py",
-                 "spec_decode.py", "random_draws.py", "penalties.py", "bad_words.py", "layers/lora.py"]
+    step_path = ["model_runner.py", "sample/sampler.py", "launched_step.py", "step_inputs.py", "sample/grammar.py",
+                 "sample/spec_decode.py", "sample/random_draws.py", "sample/penalties.py", "sample/bad_words.py",
+                 "layers/lora.py"]
     # (and `t[device_indices] = scalar`, which copies the scalar over synchronously: put_scalar)
     waiting = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)|\.to\([^)]*non_blocking|\[[^\]]*to_device\(.*\]\s*=\s*(_MASK|True|False|[-\d.]+)\s*$")
     found = [f"{name}:{n}: {line.strip()}" for name in step_path
@@ -227,7 +228,7 @@ def test_device_tokens_are_gathered_from_each_step_that_sampled_them():
     otherwise (a request that sat out the newest step waits on an older one's ids)."""
     import torch
 
-    from services.worker.launched_step import gather_device_tokens, read_device_tokens
+    from services.worker.device_tokens import gather_device_tokens, read_device_tokens
 
     older, newer = torch.tensor([10, 11, 12]), torch.tensor([20, 21, 22, 23])
     one_step = gather_device_tokens([(5, (newer, 3)), (0, (newer, 0)), (2, (newer, 2))])

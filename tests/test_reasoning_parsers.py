@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.gateway.app import create_app
-from services.gateway.parsers.reasoning_parsers import REASONING_PARSERS, TAGS, new_parser, prompt_opens_thinking
+from services.gateway.parsers.reasoning import REASONING_PARSERS, TAGS, new_parser, prompt_opens_thinking
 from services.tokenizer.tokenizer import Tokenizer
 from shared.config import GatewayConfig
 from test_gateway import FakeEngine, sse_events
@@ -148,7 +148,7 @@ HARMONY_PIECES = ["<|channel|>", "analysis", "final", "commentary", "<|message|>
 def test_harmony_streamed_deltas_add_up_to_the_whole(text, cuts):
     """The reasoning parser and the `openai` tool-call parser after it, however the text
     is cut: what streams is what the whole answer reads as."""
-    from services.gateway.parsers.tool_parsers import HarmonyToolParser, parse_whole
+    from services.gateway.parsers.tool import HarmonyToolParser, parse_whole
 
     reasoning_whole, content_whole = new_parser("openai_gptoss", "").whole(text)
     want = parse_whole(HarmonyToolParser(), content_whole)

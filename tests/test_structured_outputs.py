@@ -63,7 +63,7 @@ def hf_constrained(folder, spec: StructuredOutputsParams, prompts, device: str =
     import xgrammar as xgr
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(device)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -173,7 +173,7 @@ def test_a_slow_compile_holds_up_its_own_request_and_no_other(tiny_llama, monkey
     one a fast compile gives (its last prompt token computed again, then sampled)."""
     import threading
 
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
 
     llm = LLM(str(tiny_llama))
     prompts = [llm.tokenizer.encode(text) for text in TEXTS[:2]]
@@ -236,7 +236,7 @@ def test_a_grammar_that_fails_on_the_worker_fails_its_request_alone():
 
 
 def test_a_compile_that_fails_on_the_worker_ends_that_request_and_the_engine_goes_on(tiny_llama, monkeypatch):
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
 
     llm = LLM(str(tiny_llama))
     prompts = [llm.tokenizer.encode(text) for text in TEXTS[:2]]
@@ -267,7 +267,7 @@ def test_a_greedy_row_whose_argmax_the_grammar_allows_samples_the_same_unmasked(
     whose argmax is allowed are skipped."""
     import xgrammar as xgr
 
-    from services.worker.structured_output import _rows_to_mask
+    from services.worker.sample.grammar import _rows_to_mask
 
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(num_rows, vocab + extra, generator=generator)
@@ -299,7 +299,7 @@ def test_the_worker_builds_the_grammar_compiler_before_it_joins_the_bus(tiny_lla
     import time
 
     from services.worker.shell import service
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
     from shared.config import CacheConfig
 
     built, connected_after_build = [], []

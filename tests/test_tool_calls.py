@@ -12,7 +12,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.parsers.tool_parsers import (
+from services.gateway.parsers.tool import (
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
     Glm45ToolParser,

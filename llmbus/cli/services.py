@@ -133,9 +133,9 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-group", default=env("--api-server-group", ""), help=argparse.SUPPRESS)
     parser.add_argument("--scheduler-resume-timeout", type=float, default=env("--scheduler-resume-timeout", 30.0),
                         help="seconds requests in flight wait for a scheduler to come back and resume them")
-    from services.gateway.parsers.tool_parsers import TOOL_CALL_PARSERS
+    from services.gateway.parsers.tool import TOOL_CALL_PARSERS
 
-    from services.gateway.parsers.reasoning_parsers import REASONING_PARSERS
+    from services.gateway.parsers.reasoning import REASONING_PARSERS
 
     parser.add_argument("--reasoning-parser", default=env("--reasoning-parser", None), choices=REASONING_PARSERS,
                         help="a reasoning model's thinking goes to the chat message's `reasoning`, apart from its "

@@ -9,7 +9,6 @@ engine refuses still gets a real HTTP status.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,49 +17,21 @@ from typing import TYPE_CHECKING
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from opentelemetry import trace
 
 from services.gateway import response_bodies as r
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest, completion_prompts
-from services.gateway.parsers.reasoning_parsers import new_parser
+from services.gateway.parsers.reasoning import new_parser
 from services.gateway.request_ids import request_names
-from services.gateway.parsers.tool_parsers import parse_whole
+from services.gateway.parsers.tool import parse_whole
 from services.gateway.tools import ToolChoice
 from shared.processing.output_processor import ChoiceDelta
+from services.gateway.sse import JSON, end_span, request_log, sse_event
 from shared.tracing import inject
 
 if TYPE_CHECKING:
     from services.gateway.serving import OpenAIServing
-
-request_log = logging.getLogger("llmbus.requests")
-
-_json = msgspec.json.Encoder()
-
-
-# U+0085, U+2028 and U+2029 may stand unescaped in JSON, and msgspec leaves them so; but
-# Python's str.splitlines() ends a line at each, and SSE clients that read lines with it
-# (httpx's aiter_lines, and httpx-sse over it) cut an event in two where a token's text
-# holds one, then fail on half a JSON object. Escaped, an event is one line to any reader.
-_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
-
-
-def sse_event(data: bytes, event: str | None = None) -> bytes:
-    """One server-sent event whose data is this JSON."""
-    for raw, escaped in _LINE_BREAKS:
-        if raw in data:  # (UTF-8: these bytes are that character and nothing else)
-            data = data.replace(raw, escaped)
-    return (f"event: {event}\n".encode() if event else b"") + b"data: " + data + b"\n\n"
-
-
-def end_span(span, status: int, exc: BaseException | None = None) -> None:
-    span.set_attribute("http.response.status_code", status)
-    if exc is not None:
-        span.record_exception(exc)
-    if status >= 500:
-        span.set_status(trace.Status(trace.StatusCode.ERROR))
-    span.end()
 
 
 class Answer:
@@ -286,14 +257,14 @@ class Answer:
             body.prompt_logprobs = self.s.logprobs.prompt(g.prompt_logprobs[0])
         if self.chat and token_ids:
             body.prompt_token_ids = self.prompt_ids[0]
-        return Response(_json.encode(body), media_type="application/json")
+        return Response(JSON.encode(body), media_type="application/json")
 
     def _chunk(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = r.Chunk(self.response_id, obj, self.created, self.model, choices, usage, prompt_token_ids)
         # msgspec: UTF-8 unescaped like json.dumps(ensure_ascii=False), at a fraction of
         # its cost per chunk (one chunk per token per stream at 128 streams).
-        return sse_event(_json.encode(chunk))
+        return sse_event(JSON.encode(chunk))
 
     def _chunks(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
         """An event for each choice, as OpenAI's and vLLM's streams send them: a client

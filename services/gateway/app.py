@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from opentelemetry import trace
 
-from llmbus.version import llmbus_version
+from shared.version import llmbus_version
 from services.gateway.api_keys import ApiKeys
 from services.gateway.errors import BadRequest, GatewayError, NoRoute, NotFound, Unavailable, error_response
 from services.gateway.limits import Limits

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.gateway import response_bodies as r
-from services.gateway.answer import _json, end_span, request_log
+from services.gateway.sse import JSON, end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
@@ -51,7 +51,7 @@ class BeamSearchAnswer:
         finally:
             self.s.server_load -= 1
         end_span(self.span, 200)
-        return Response(_json.encode(body), media_type="application/json")
+        return Response(JSON.encode(body), media_type="application/json")
 
     async def _step(self, batch: list[list[int]], step: int, step_params, eos, usage):
         """One step's engine requests, a beam each; --max-logprobs refusing the candidates n

@@ -13,7 +13,8 @@ from opentelemetry import trace
 
 from services.gateway import response_bodies as r
 from services.gateway.beam_search_answer import BeamSearchAnswer
-from services.gateway.answer import Answer, end_span
+from services.gateway.answer import Answer
+from services.gateway.sse import end_span
 from services.gateway.shell.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
 from services.gateway.lora_modules import LoRAModules
@@ -27,7 +28,7 @@ from services.gateway.protocol import (
     validate_chat_options,
     validate_messages,
 )
-from services.gateway.parsers.reasoning_parsers import KEEPS_SPECIAL_TOKENS
+from services.gateway.parsers.reasoning import KEEPS_SPECIAL_TOKENS
 from services.gateway.request_ids import client_request_id
 from services.gateway.shell.peers import GatewayPeers
 from services.gateway.shell.response_peers import ResponsePeers

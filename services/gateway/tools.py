@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from services.gateway.errors import BadRequest
-from services.gateway.parsers.tool_parsers import TOOL_CALL_PARSERS, NamedToolParser, RequiredToolParser, ToolCallParser
+from services.gateway.parsers.tool import TOOL_CALL_PARSERS, NamedToolParser, RequiredToolParser, ToolCallParser
 from shared.sampling_params import StructuredOutputsParams
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names

@@ -24,7 +24,7 @@ _backend = None  # the child's GrammarBackend
 
 def _init_child(model_path: str) -> None:
     global _backend
-    from services.worker.structured_output import GrammarBackend
+    from shared.structured_output import GrammarBackend
     from transformers import AutoTokenizer
 
     _backend = GrammarBackend(model_path, len(AutoTokenizer.from_pretrained(model_path)))

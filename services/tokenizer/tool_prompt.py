@@ -6,7 +6,7 @@ assistant made as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in 
 and each tool's answer as `<tool_response>...</tool_response>` in a user turn. Rewriting
 messages rather than shipping a ChatML template of our own keeps every model's special
 tokens its own: a template file would be right for ChatML models only.
-`services/gateway/parsers/tool_parsers.py` reads back what the model writes in this format.
+`services/gateway/parsers/tool/` reads back what the model writes in this format.
 """
 
 from __future__ import annotations

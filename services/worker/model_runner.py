@@ -30,7 +30,8 @@ from services.worker.attention.kv_cache_dtype import cache_dtype
 from services.worker.block_table import BlockTable
 from services.worker.decode_graphs import DecodeGraphs
 from services.worker.host_values import to_device
-from services.worker.launched_step import LaunchedStep, read_device_tokens, reads_device_tokens_only
+from services.worker.device_tokens import read_device_tokens
+from services.worker.launched_step import LaunchedStep, reads_device_tokens_only
 from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora.adapter import LoRAAdapter
@@ -42,7 +43,9 @@ from services.worker.request_state import RequestState
 from services.worker.sample.sampler import Sampler
 from services.worker.sample.spec_decode import DraftPosition, NgramProposer, num_accepted
 from services.worker.step_inputs import StepInputs
-from services.worker.structured_output import GrammarBackend, plain_greedy, split_ready
+from services.worker.sample import grammar
+from services.worker.sample.grammar import plain_greedy, split_ready
+from shared.structured_output import GrammarBackend
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
@@ -427,7 +430,7 @@ class ModelRunner:
             if jobs:
                 t_mask = time.perf_counter_ns()
                 plain = frozenset(r for r, st in enumerate(row_states) if plain_greedy(st))
-                valid = dict(zip((job[0] for job in jobs), self.grammars.mask(logits, jobs, plain)))
+                valid = dict(zip((job[0] for job in jobs), grammar.mask(logits, jobs, self.grammars.vocab_size, plain)))
                 mask_ns = time.perf_counter_ns() - t_mask
             samples = self.sampler.argmax(logits) if argmax_only else self.sampler.sample(logits, row_states)
             if drafts or constrained or not self.overlap_steps:

@@ -1,1 +1,2 @@
-"""Parsers of a model's answer text: tool calls (tool_parsers.py), reasoning (reasoning_parsers.py) and gpt-oss's harmony messages (harmony.py)."""
+"""Parsers of a model's answer text: tool calls (tool/), reasoning (reasoning.py), gpt-oss's harmony messages
+(harmony.py), and what the streaming parsers share (streamed.py)."""

@@ -12,7 +12,7 @@ text for these parsers (as vLLM keeps them for its harmony path) and taken out b
 - `HarmonyReasoningParser`: the analysis channel is the message's `reasoning`; the final
   and commentary channels' text its content; a call passes on whole, as one normalized
   message, to the tool-call parser.
-- tool_parsers.py's `HarmonyToolParser`: calls from those messages (the name without
+- parsers/tool/'s `HarmonyToolParser`: calls from those messages (the name without
   `functions.`, the arguments as written, streamed), other messages' text as content.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from services.gateway.parsers.reasoning_parsers import StreamedReasoning, _partial_suffix
+from services.gateway.parsers.streamed import StreamedReasoning, partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
@@ -47,7 +47,7 @@ class HarmonyStream:
             if self.in_header:
                 at = self.buffer.find(MESSAGE)
                 if at < 0:  # (the header so far, less what may begin <|message|>)
-                    keep = _partial_suffix(self.buffer, MESSAGE)
+                    keep = partial_suffix(self.buffer, MESSAGE)
                     self.header += self.buffer[: len(self.buffer) - keep]
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -60,7 +60,7 @@ class HarmonyStream:
             found = [(self.buffer.find(m), m) for m in (*_OPENERS, *ENDS)]
             at, marker = min(((i, m) for i, m in found if i >= 0), default=(-1, ""))
             if at < 0:  # (held back: what may begin a marker)
-                keep = max(_partial_suffix(self.buffer, m) for m in (*_OPENERS, *ENDS, MESSAGE))
+                keep = max(partial_suffix(self.buffer, m) for m in (*_OPENERS, *ENDS, MESSAGE))
                 if len(self.buffer) > keep:
                     events.append(("text", self.buffer[: len(self.buffer) - keep]))
                 self.buffer = self.buffer[len(self.buffer) - keep:]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from fastapi import Request
 
-from services.gateway.answer import end_span, request_log
+from services.gateway.sse import end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import EmbeddingRequest, parse_body, prompt_batch

@@ -46,8 +46,9 @@ from fastapi.responses import Response
 
 from services.gateway.errors import CLIENT_LEFT, BadRequest, GatewayError, NotFound, error_body, status_of
 from services.gateway.protocol import ChatCompletionRequest, Int
-from services.gateway.answer import Answer, prepend, sse_event
-from services.gateway.parsers.tool_parsers import ToolCall
+from services.gateway.answer import Answer, prepend
+from services.gateway.sse import sse_event
+from services.gateway.parsers.tool import ToolCall
 from shared.messages import StoredResponse
 
 _json = msgspec.json.Encoder()

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from services.worker.host_values import put_scalar, to_device
-from services.worker.launched_step import gather_device_tokens
+from services.worker.device_tokens import gather_device_tokens
 
 _MASK = float("-inf")
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from services.worker.host_values import to_device
-from services.worker.launched_step import gather_device_tokens
+from services.worker.device_tokens import gather_device_tokens
 from services.worker.request_state import RequestState
 
 

@@ -3,7 +3,7 @@ the text between `<think>` and `</think>` goes to the message's `reasoning`, the
 its `content` (and from there to a tool-call parser).
 
 One parser per choice, fed the choice's text deltas; the non-streamed answer feeds its
-whole text at once, so both agree by construction (as tool_parsers.py). A tag split
+whole text at once, so both agree by construction (as parsers/tool/). A tag split
 across deltas is held back until it is whole or cannot be one.
 
 - `deepseek_r1`: the template opens the thinking in the prompt, so the answer is reasoning
@@ -24,34 +24,15 @@ Reasoning that never closes (max_tokens ran out) stays reasoning.
 
 from __future__ import annotations
 
+from services.gateway.parsers.harmony import HarmonyReasoningParser
+from services.gateway.parsers.streamed import StreamedReasoning, partial_suffix
+
 # name -> the tags around its thinking
 TAGS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>"), "glm45": ("<think>", "</think>"),
         "minimax_m2": ("<think>", "</think>"), "seed_oss": ("<seed:think>", "</seed:think>"),
         "deepseek_v3": ("<think>", "</think>")}
 # The answer is reasoning from its first character, whatever the prompt says
 STARTS_IN_REASONING = ("deepseek_r1", "minimax_m2")
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (to hold back)."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class StreamedReasoning:
-    """A parser fed a choice's text deltas (`feed`, then `finish`), (reasoning, content)
-    each; a whole answer is the same calls at once, so both agree by construction."""
-
-    def feed(self, text: str) -> tuple[str, str]: ...
-
-    def finish(self) -> tuple[str, str]: ...
-
-    def whole(self, text: str) -> tuple[str, str]:
-        reasoning, content = self.feed(text)
-        more_reasoning, more_content = self.finish()
-        return reasoning + more_reasoning, content + more_content
 
 
 class ReasoningParser(StreamedReasoning):
@@ -78,7 +59,7 @@ class ReasoningParser(StreamedReasoning):
         if self._state == "reasoning":
             end = text.find(self.close)
             if end < 0:
-                keep = _partial_suffix(text, self.close)
+                keep = partial_suffix(text, self.close)
                 reasoning, self._held = text[: len(text) - keep], text[len(text) - keep:]
                 return reasoning, ""
             reasoning, text, self._state = text[:end], text[end + len(self.close):], "content"
@@ -102,8 +83,6 @@ def new_parser(name: str, prompt_tail: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ValueError(f"unknown reasoning parser {name!r}: {', '.join(REASONING_PARSERS)}")
     if name == "openai_gptoss":
-        from services.gateway.parsers.harmony import HarmonyReasoningParser
-
         return HarmonyReasoningParser()
     tags = TAGS[name]
     return ReasoningParser(name in STARTS_IN_REASONING or prompt_opens_thinking(prompt_tail, tags), tags)
