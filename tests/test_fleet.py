@@ -181,7 +181,7 @@ def test_the_counts_of_a_removed_worker_stay_counted():
         step = core.schedule()
         [req_id] = step.num_scheduled_tokens
         core.update_from_output(step, ModelRunnerOutput(step.step_id, [req_id], [[7]]))
-        core.spec_accepted_per_pos = [2, 1] if handle.worker_id == "w2" else [1]
+        core.speculation.accepted_per_pos = [2, 1] if handle.worker_id == "w2" else [1]
     before = fleet.stats()
     assert (before.num_generation_tokens, before.prefix_cache_queries) == (2, 12)
     assert before.spec_decode_num_accepted_tokens_per_pos == [3, 1]

@@ -247,7 +247,7 @@ def test_a_request_whose_drafts_keep_failing_stops_speculating_and_one_whose_dra
     are accepted keeps its slots."""
     from test_scheduler import make_request, make_scheduler
 
-    from services.scheduler.core.scheduler import SPEC_MIN_ACCEPTANCE, SPEC_PROBATION_TOKENS
+    from services.scheduler.core.speculation import SPEC_MIN_ACCEPTANCE, SPEC_PROBATION_TOKENS
     from shared.messages import ModelRunnerOutput
 
     scheduler = make_scheduler(num_speculative_tokens=4, speculative_disable_by_batch_size=None)

@@ -11,7 +11,7 @@ into a snapshot slot after that step, and the slot is keyed by the hash of the b
 state ends at (the chain of hashes names every token before it, its LoRA adapter and
 cache salt too). A later request whose cached prefix reaches that block starts after it,
 its state copied back from the slot first; one whose cached blocks reach a save still in
-flight waits for it (Scheduler._state_on_its_way).
+flight waits for it (`on_its_way`).
 
 A slot becomes findable only when the step that filled it has landed without an error
 for its request: a save the worker never made must never be restored. Slots are reused
@@ -20,12 +20,37 @@ least recently used first; one with a save in flight is never taken.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections import Counter, OrderedDict
 
 from services.scheduler.core.block_pool import BlockHash
+from services.scheduler.core.request import Request
+from shared.config import SchedulerConfig
+
+log = logging.getLogger(__name__)
 
 
 class StateSnapshots:
+    @classmethod
+    def for_hybrid(cls, config: SchedulerConfig, recurrent_rows: int,
+                   snapshot_rows: int) -> tuple[SchedulerConfig, StateSnapshots | None]:
+        """A scheduler's config and snapshots for a model whose worker holds `recurrent_rows`
+        requests' recurrent state (0: no recurrent layers, the config as it is) and
+        `snapshot_rows` snapshots of it. A recurrent layer's state is a request's whole past
+        folded into one row: a cached prefix restores it only from a snapshot of the state at
+        the prefix's end; without snapshots every request computes from its first token. No
+        more run at once than the worker has rows for."""
+        if not recurrent_rows:
+            return config, None
+        caching = config.enable_prefix_caching and snapshot_rows > 0
+        if config.enable_prefix_caching != caching or config.max_num_seqs > recurrent_rows:
+            log.info("a hybrid model: prefix caching %s, max_num_seqs %d", "on" if caching else "off",
+                     min(config.max_num_seqs, recurrent_rows))
+        config = dataclasses.replace(config, enable_prefix_caching=caching,
+                                     max_num_seqs=min(config.max_num_seqs, recurrent_rows))
+        return config, cls(snapshot_rows) if caching else None
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # landed, least recently used first
@@ -78,3 +103,29 @@ class StateSnapshots:
             self._slot_of[block_hash] = slot
         else:
             self._free.append(slot)
+
+    # ---- a request's saves and the ones it waits for --------------------------------
+
+    def points_for(self, request: Request, num_hit: int, kv_hit: int, block_size: int) -> list[int]:
+        """Where a hybrid request (re)starting after `num_hit` tokens saves its recurrent
+        state, ascending: the last block boundary before its last token (as far as the same
+        tokens again can hit: one is always computed), for the same prompt again or a
+        conversation's next turn; and where its KV cache hit ends (`kv_hit`) if no state
+        was saved there: blocks another request computed before, a prefix they share (a
+        system prompt), so the requests after both find a state at its end. Boundaries
+        saved already, or not past the hit, are left out. (Its block hashes must be up to
+        date: KVCacheManager.update_block_hashes.)"""
+        points = sorted({kv_hit, (request.num_tokens - 1) // block_size * block_size})
+        return [p for p in points if p > num_hit and not self.has(request.block_hashes[p // block_size - 1])]
+
+    def on_its_way(self, request: Request, num_hit: int, kv_hit: int, block_size: int) -> bool:
+        """Whether a save in flight would let this hybrid request start past `num_hit`:
+        at a block boundary of its KV cache hit (`kv_hit`) beyond it."""
+        return any(self.saving(request.block_hashes[end // block_size - 1]) for end in range(kv_hit, num_hit, -block_size))
+
+    def reserve_next(self, request: Request, saves: dict[str, int], block_size: int) -> None:
+        """This step computes the request's tokens up to its next snapshot point: the
+        worker saves its state there after the forward (findable once the step lands)."""
+        slot = self.reserve(request.block_hashes[request.snapshot_points.pop(0) // block_size - 1])
+        if slot is not None:  # (None: every slot has a save in flight; this one goes unsaved)
+            saves[request.request_id] = slot

@@ -1,0 +1,73 @@
+"""What a step's decisions become on the wire: full data for the requests new to the
+worker and only deltas for the ones it holds (SchedulerOutput), the outputs of a landed
+step grouped by gateway with the scheduler's figures (EngineCoreOutputs), and the step
+sizes counted for /metrics."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from services.scheduler.core.request import Request
+from shared.messages import (
+    ITERATION_TOKENS_BUCKETS,
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    NewRequestData,
+    SchedulerStats,
+)
+
+
+def requests_for_worker(scheduled: list[Request], new_blocks: dict[str, list[int]],
+                        block_ids: Callable[[str], list[list[int]]]) -> tuple[list[NewRequestData], CachedRequestData]:
+    """The scheduled requests as the worker takes them: a request it does not hold yet in
+    full (and from now on held), the others as their new blocks and computed count."""
+    new_reqs, cached_ids, cached_blocks, cached_computed = [], [], [], []
+    for request in scheduled:
+        if request.in_worker:
+            cached_ids.append(request.request_id)
+            cached_blocks.append(new_blocks[request.request_id])
+            cached_computed.append(request.num_computed_tokens)
+            continue
+        request.in_worker = True
+        request.awaiting_grammar = request.sampling_params.structured_outputs is not None
+        new_reqs.append(NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            block_ids=block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens,
+            lora_request=request.lora_request,
+        ))
+    return new_reqs, CachedRequestData(cached_ids, cached_blocks, cached_computed)
+
+
+@dataclass(slots=True)
+class IterationTokens:
+    """Steps by their tokens (vLLM's iteration_tokens_total): a count per bucket, and the tokens."""
+
+    by_bucket: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    total: int = 0
+
+    def count(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.by_bucket[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+            self.total += num_tokens
+
+
+def pack(outputs: dict[str, list[EngineCoreOutput]], stats: Callable[[], SchedulerStats]) -> dict[str, EngineCoreOutputs]:
+    """Each gateway's outputs, with the scheduler's figures (none asked for when no one
+    gets outputs: a step of held outputs only)."""
+    if not outputs:
+        return {}
+    figures, now = stats(), time.time()
+    return {subject: EngineCoreOutputs(outs, scheduler_stats=figures, timestamp=now) for subject, outs in outputs.items()}
+
+
+def adapter_names(requests) -> list[str]:
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
