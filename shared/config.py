@@ -66,7 +66,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact number of blocks; wins over the memory budget
     # The budget when num_kv_blocks is not given; None: gpu_memory_utilization's share on a
-    # GPU where that is given, else the default (services/worker/memory.py: kv_cache_budget).
+    # GPU where that is given, else the default (services/worker/kv_cache.py: kv_cache_budget).
     kv_cache_memory_bytes: int | None = None
     # vLLM's: on a GPU, the share of its memory this worker may hold, the KV cache taking
     # what the loaded model and a step's work leave of it. A CPU's cache is the budget's.

@@ -1,5 +1,5 @@
 """A KV cache larger than the memory left after the model is refused before it is
-allocated (services/worker/memory.py), with the flag that sized it named: allocated, it
+allocated (services/worker/kv_cache.py), with the flag that sized it named: allocated, it
 would be zeroed page by page until the OOM killer ended the worker with a bare SIGKILL."""
 
 import subprocess
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from llmbus import LLM
-from services.worker import memory
+from services.worker import kv_cache
 
 
 def test_a_kv_cache_past_the_free_memory_is_refused_by_its_flag(tiny_llama):
-    free = memory.free_bytes(torch.device("cpu"))
+    free = kv_cache.free_bytes(torch.device("cpu"))
     assert free > 0
     with pytest.raises(ValueError, match=r"KV cache \(.* GiB, --kv-cache-memory-gb .*\) does not fit .* lower it"):
         LLM(str(tiny_llama), kv_cache_memory_bytes=2 * free)
@@ -38,10 +38,10 @@ def test_a_containers_limit_caps_the_free_memory_its_page_cache_not_counted(tmp_
     (tmp_path / "memory.max").write_text(f"{8 << 30}\n")
     (tmp_path / "memory.current").write_text(f"{7 << 30}\n")
     (tmp_path / "memory.stat").write_text(f"anon {3 << 30}\nfile {4 << 30}\nkernel 0\n")
-    monkeypatch.setattr(memory, "CGROUP", tmp_path)
-    assert memory.free_bytes(torch.device("cpu")) == min(5 << 30, memory.psutil.virtual_memory().available)
+    monkeypatch.setattr(kv_cache, "CGROUP", tmp_path)
+    assert kv_cache.free_bytes(torch.device("cpu")) == min(5 << 30, kv_cache.psutil.virtual_memory().available)
     (tmp_path / "memory.max").write_text("max\n")
-    assert memory.free_bytes(torch.device("cpu")) > 0  # no limit: the host's
+    assert kv_cache.free_bytes(torch.device("cpu")) > 0  # no limit: the host's
 
 
 def test_vllm_s_gpu_memory_utilization_sizes_a_gpu_s_cache_and_not_a_cpu_s(monkeypatch, caplog):
@@ -57,17 +57,17 @@ def test_vllm_s_gpu_memory_utilization_sizes_a_gpu_s_cache_and_not_a_cpu_s(monke
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # (tests/conftest.py sets it)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 16 * gib)
-    assert memory.kv_cache_budget(None, 0.5, gpu) == (24 * gib - memory.STEP_RESERVE_BYTES,
+    assert kv_cache.kv_cache_budget(None, 0.5, gpu) == (24 * gib - kv_cache.STEP_RESERVE_BYTES,
                                                        "--gpu-memory-utilization 0.5")
-    assert memory.kv_cache_budget(2 * gib, 0.5, gpu) == (2 * gib, "--kv-cache-memory-gb 2")
+    assert kv_cache.kv_cache_budget(2 * gib, 0.5, gpu) == (2 * gib, "--kv-cache-memory-gb 2")
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization 0.2 leaves no room .* holds 16.00 GiB of the "
                                          r"16.00 GiB it allows"):
-        memory.kv_cache_budget(None, 0.2, gpu)
+        kv_cache.kv_cache_budget(None, 0.2, gpu)
     with caplog.at_level(logging.INFO, logger="llmbus.worker"):
-        assert memory.kv_cache_budget(None, 0.5, cpu) == (gib, "--kv-cache-memory-gb 1 (the default)")
+        assert kv_cache.kv_cache_budget(None, 0.5, cpu) == (gib, "--kv-cache-memory-gb 1 (the default)")
     assert "sizes a GPU's KV cache" in caplog.text
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.25")
-    assert memory.kv_cache_budget(None, None, cpu) == (gib // 4, "--kv-cache-memory-gb 0.25 (the default)")
+    assert kv_cache.kv_cache_budget(None, None, cpu) == (gib // 4, "--kv-cache-memory-gb 0.25 (the default)")
 
 
 def test_the_cpu_cache_space_of_a_vllm_deployment_sizes_the_cache(tiny_llama, monkeypatch):

@@ -153,6 +153,7 @@ def test_the_step_path_copies_host_values_to_the_device_without_waiting_for_it()
 
     worker = Path(__file__).resolve().parents[1] / "services" / "worker"
     step_path = ["model_runner.py", "sample/sampler.py", "launched_step.py", "step_inputs.py", "sample/grammar.py",
+                 "sample/acceptance.py", "pooling.py", "recurrent_state.py", "device_tokens.py",
                  "sample/spec_decode.py", "sample/random_draws.py", "sample/penalties.py", "sample/bad_words.py",
                  "layers/lora.py"]
     # (and `t[device_indices] = scalar`, which copies the scalar over synchronously: put_scalar)

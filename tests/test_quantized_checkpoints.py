@@ -146,7 +146,7 @@ def test_a_4_bit_checkpoint_is_served_at_4_bits_on_its_own_levels_in_bfloat16_on
         assert bool(((low.half().float() - low).abs() <= group_scale / 100).all()), module
         checked += 1
     assert checked == 14  # 7 projections in each of 2 layers
-    with caplog.at_level("WARNING", logger="services.worker.model_runner"):
+    with caplog.at_level("WARNING", logger="services.worker.models.quantization"):
         assert LLM(str(folder), dtype="float32").runner.quantization is None  # (float32: widened, and said so)
     assert "quantized checkpoint widened to float32" in caplog.text
 

@@ -1,19 +1,15 @@
 """The model runner core: applies a `SchedulerOutput`, runs one forward, samples.
 
 It holds the model, the paged KV cache and the state of every request it serves; the
-scheduler sends full data only for requests new to it and deltas for the rest. It turns
-those requests into flat tensors (token ids, positions, query_start_loc, seq_lens,
-slot_mapping, block_table) and knows nothing of transport. A step is launched (forward
-and sampling queued on the device) and finished (its tokens on the host) apart, so the
-next step can be launched in between and read those tokens on the device
-(launched_step.py).
-"""
+scheduler sends full data only for requests new to it and deltas for the rest. It orders
+each step's work (inputs: step_inputs.py; sampling: sample/; KV sizing: kv_cache.py) and
+knows nothing of transport. A step is launched (forward and sampling queued on the device)
+and finished (its tokens on the host) apart, so the next step can be launched in between
+and read those tokens on the device (launched_step.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import operator
 import os
 import time
@@ -23,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from services.worker.attention.backend import get_attention_backend
 from services.worker.attention.kv_cache_dtype import cache_dtype
@@ -32,28 +27,26 @@ from services.worker.decode_graphs import DecodeGraphs
 from services.worker.host_values import to_device
 from services.worker.device_tokens import read_device_tokens
 from services.worker.launched_step import LaunchedStep, reads_device_tokens_only
-from services.worker.layers.quantized_linear import QUANTIZATIONS
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora.adapter import LoRAAdapter
 from services.worker.lora.manager import LoRAManager
-from services.worker.memory import check_kv_cache_fits, kv_cache_budget
+from services.worker.kv_cache import size_kv_cache
 from services.worker.models.decoder_config import ModelConfig
-from services.worker.sample.prompt_logprobs import add_chunk
+from services.worker.models.quantization import choose_quantization
+from services.worker.pooling import EMBED_PLACEHOLDER, pool
+from services.worker import recurrent_state
+from services.worker.step_log import StepLog
 from services.worker.request_state import RequestState
 from services.worker.sample.sampler import Sampler
-from services.worker.sample.spec_decode import DraftPosition, NgramProposer, num_accepted
+from services.worker.sample.acceptance import accept
+from services.worker.sample.spec_decode import NgramProposer, logit_rows, propose_drafts
 from services.worker.step_inputs import StepInputs
-from services.worker.sample import grammar
+from services.worker.sample import grammar, prompt_logprobs
 from services.worker.sample.grammar import plain_greedy, split_ready
 from shared.structured_output import GrammarBackend
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput
 
-# How long a step with only grammar-waiting requests waits for a compile (see split_ready).
-GRAMMAR_WAIT_S = 0.05
-
-# The token an embedding request ends with (it samples nothing): any id the vocabulary has.
-EMBED_PLACEHOLDER = 0
 _ARGMAX_ONLY = operator.attrgetter("argmax_only")
 _NUM_COMPUTED, _REQ_ID = operator.attrgetter("num_computed_tokens"), operator.attrgetter("req_id")
 
@@ -83,33 +76,8 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
-        held = self.model_config.quantized_weights
-        # int4 on a GPU: the Triton kernel, in 16-bit activations (kernels/linear_int4.py)
-        int4_dtypes = ("bfloat16",) if self.device.type == "cpu" else ("bfloat16", "float16")
-        if quantization is None and held is not None and held.bits == 4 and not held.reordered \
-                and dtype in int4_dtypes:
-            # A 4-bit checkpoint (AWQ, W4A16, GPTQ) stays at 4 bits, as vLLM serves it:
-            # int4_grid finds its levels again in each group of 32 inputs (the offsets rounded
-            # to float16, within a hundredth of a level). Elsewhere (float32, GPTQ's reordered
-            # groups, which no run of 32 inputs keeps) it runs widened.
-            quantization = "int4"
-        elif quantization is None and held is not None and held.bits == 8 and held.int_per_channel \
-                and not held.zero_points and dtype == "bfloat16" and self.device.type == "cpu":
-            # A symmetric int8 checkpoint with a scale an output channel (W8A8 INT8, W8A16)
-            # stays at 8 bits on a CPU, as vLLM's CPU backend serves W8A8: the int8 layers'
-            # grid (int8_grid) finds its levels and scales again, exactly.
-            quantization = "int8"
-        elif quantization is None and held is not None and dtype == "float32":
-            log.warning("quantized checkpoint widened to float32 (four bytes a weight): --dtype bfloat16 or auto "
-                        "serves it at its own precision's size or near it", extra={"model": str(model_path)})
-        if quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"unknown quantization {quantization!r}: {', '.join(QUANTIZATIONS)}")
-        if quantization == "int8" and self.device.type != "cpu":
-            raise ValueError("--quantization int8 runs on CPU (its kernels are CPU ones)")
-        if quantization is not None and dtype not in int4_dtypes:
-            # int8's kernel takes bfloat16 only; int4's float32 path is a slow reference
-            # (measured: a decode step 127 ms, against 60 ms unquantized in float32).
-            raise ValueError(f"--quantization {quantization} runs with --dtype {' or '.join(int4_dtypes)}")
+        quantization = choose_quantization(quantization, self.model_config.quantized_weights, dtype, self.device,
+                                           model_path)
         self.quantization = quantization
         # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
         attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
@@ -130,13 +98,16 @@ class ModelRunner:
         # block-table row, and one more, where a decode graph's pads write.
         self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
         # With prefix caching, up to as many rows again of snapshots (as the budget allows:
-        # _num_kv_blocks), past the pad row: a request's state at a cached block's end
+        # size_kv_cache), past the pad row: a request's state at a cached block's end
         # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
         if self.recurrent_rows and speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
                              "recurrent layers' state cannot take back rejected drafts")
-        self.num_blocks = self._num_kv_blocks()
+        self.num_blocks, self.recurrent_rows, self.snapshot_rows = size_kv_cache(
+            self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
+            self.device, self.recurrent_rows, self.snapshot_rows,
+            lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
         # id -> why, sent with the step's output.
@@ -151,7 +122,9 @@ class ModelRunner:
                 self.device, values_are_keys=self.values_are_keys,
             )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
             if i in cfg.attention_layers else
-            tuple(torch.zeros(shape, dtype=dtype, device=self.device) for shape, dtype in self._state_shapes(i))
+            tuple(torch.zeros(shape, dtype=dtype, device=self.device)
+                  for shape, dtype in recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
+                                                                   self.dtype))
             if i in cfg.recurrent_layers else None  # (a layer without a token mixer: Nemotron-H's MLP blocks)
             for i in range(cfg.num_hidden_layers)
         ]
@@ -178,72 +151,12 @@ class ModelRunner:
         self._launched: deque[LaunchedStep] = deque()
         overlap = os.environ.get("LLMBUS_OVERLAP_STEPS")
         self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap == "1"
-        # LLMBUS_STEP_LOG=FILE: one JSON line per step (phase times and batch shape), to
-        # compare what the worker does offline and served without a tracing backend.
-        step_log = os.environ.get("LLMBUS_STEP_LOG")
-        self._step_log = open(step_log, "a", buffering=1) if step_log else None
+        self._step_log = StepLog.from_env()
         log.info(
             "model loaded",
             extra={"model": str(model_path), "dtype": dtype, "quantization": quantization,
                    "kv_blocks": self.num_blocks},
         )
-
-    def _num_kv_blocks(self) -> int:
-        """The scheduler's blocks: --num-kv-blocks, or as many as the budget holds
-        (memory.kv_cache_budget: --kv-cache-memory-gb, or --gpu-memory-utilization's share on
-        a GPU); refused (before any is allocated) where they and the pad block do not fit."""
-        cfg = self.model_config
-        bytes_per_block = (
-            (1 if self.values_are_keys else 2) * len(cfg.attention_layers) * self.block_size * cfg.num_key_value_heads
-            * cfg.head_dim * self.kv_cache_dtype.itemsize
-        )
-        # A hybrid's recurrent state comes out of the same budget (vLLM counts it so)
-        cc = self.cache_config
-        if cc.num_kv_blocks is not None:
-            num_blocks, asked = cc.num_kv_blocks, f"--num-kv-blocks {cc.num_kv_blocks}"
-            state_bytes = self._state_bytes()
-        else:
-            budget, asked = kv_cache_budget(cc.kv_cache_memory_bytes, cc.gpu_memory_utilization, self.device)
-            row_bytes = self._state_bytes(1) - self._state_bytes(0)
-            if row_bytes and (self.recurrent_rows + 1) * row_bytes > budget // 2:
-                # A hybrid's state a request is that of hundreds of tokens' KV (Qwen3.5-0.8B:
-                # 19 MiB): --max-num-seqs of them would leave a default budget no blocks. Its
-                # rows then take at most half of the budget, and so many requests run at once.
-                rows = max(1, budget // 2 // row_bytes - 1)
-                log.warning("the recurrent state of %d requests (%.2f GiB) would take over half the KV cache's "
-                            "budget (%s): %d requests run at once (raise the budget for more)",
-                            self.recurrent_rows, (self.recurrent_rows + 1) * row_bytes / (1 << 30), asked, rows)
-                self.recurrent_rows = rows
-            if self.snapshot_rows:
-                # The prefix cache's snapshots: one a request where a quarter of the budget
-                # holds them, else as many as it does (fewer than requests: the least
-                # recently used goes first), so the cache never costs a running request.
-                spare = budget * 3 // 4 - (self.recurrent_rows + 1) * row_bytes
-                self.snapshot_rows = max(0, min(self.recurrent_rows, spare // row_bytes))
-                if not self.snapshot_rows:
-                    log.warning("no room for the prefix cache's snapshots of a hybrid's state in the KV cache's "
-                                "budget (%s): prefix caching off (raise the budget for it)", asked)
-            state_bytes = self._state_bytes()
-            num_blocks = (budget - state_bytes) // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(f"the KV cache's budget ({asked}) is too small for one block"
-                                 + (f" beside the recurrent state of {self.recurrent_rows} requests "
-                                    f"({state_bytes / (1 << 30):.2f} GiB)" if state_bytes else ""))
-        check_kv_cache_fits((num_blocks + 1) * bytes_per_block + state_bytes, self.device, asked)
-        # More blocks than the longest request could use at max_num_seqs are wasted memory,
-        # but we cannot know max_num_seqs here; the budget is the user's to set.
-        return int(num_blocks)
-
-    def _state_shapes(self, layer: int, rows: int | None = None) -> tuple:
-        """A recurrent layer's state: its tensors' (shape, dtype), a row a request and a
-        snapshot (`recurrent_rows` and `snapshot_rows` unless given) and the pad row."""
-        rows = self.recurrent_rows + self.snapshot_rows if rows is None else rows
-        return self.model.model.layers[layer].self_attn.state_shapes(rows + 1, self.dtype)
-
-    def _state_bytes(self, rows: int | None = None) -> int:
-        """The recurrent layers' state for `rows` rows (requests' and snapshots' unless given)."""
-        return sum(math.prod(shape) * dtype.itemsize for i in self.model_config.recurrent_layers
-                   for shape, dtype in self._state_shapes(i, rows))
 
     def set_decode_graphs(self, mode: str | None) -> None:
         """Decode steps from persistent buffers: "capture" (CUDA graphs), "replay" (the same
@@ -316,7 +229,8 @@ class ModelRunner:
             self.finish_launched()
         # Speculation: drafts for the requests given slots; each computes its scheduled
         # tokens less the slots its drafts leave unused.
-        drafts = self._propose(scheduler_output.num_draft_slots)
+        drafts = propose_drafts(self.proposer, self.requests, scheduler_output.num_draft_slots,
+                                self.model_config.long_rope_threshold)
         num_tokens = {
             rid: n - scheduler_output.num_draft_slots.get(rid, 0) + len(drafts.get(rid, ()))
             for rid, n in num_scheduled.items()
@@ -369,33 +283,19 @@ class ModelRunner:
         argmax_only = not drafts and all(map(_ARGMAX_ONLY, states))
         constrained = [] if argmax_only else [i for i in sample_rows if states[i].matcher is not None]
         if any(isinstance(states[i].matcher, Future) for i in constrained):
-            # A step of nothing but requests waiting for their grammars may wait for one a
-            # little, rather than come straight back to compute the same token again.
-            only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
-            wait_s = GRAMMAR_WAIT_S if only_waiting else 0.0
-            if self.recurrent_rows:
-                # A hybrid's recurrent layers have folded this step's tokens into their state
-                # and cannot compute them again: it waits for its compiles instead.
-                wait_s = None
-            sample_rows, pending, failed = split_ready(states, sample_rows, wait_s)
+            sample_rows, pending, failed = split_ready(states, sample_rows, grammar.wait_s(states, sample_rows,
+                                                                                           self.recurrent_rows > 0))
             output.resample_req_ids = [order[i] for i in pending]
             output.request_errors.update({order[i]: why for i, why in failed.items()})
             self.drop_requests([order[i] for i in failed])
             constrained = [i for i in sample_rows if states[i].matcher is not None]
         if not argmax_only and any(s.prompt_logprobs is not None for s in states):  # (mostly none)
-            sample_rows = self._add_prompt_logprobs(states, num_tokens, last_token, hidden, sample_rows, output)
+            sample_rows = prompt_logprobs.add_step(self.model, states, num_tokens, last_token, hidden, sample_rows,
+                                                   output, self.drop_requests)
             constrained = [i for i in sample_rows if states[i].matcher is not None]
         embeds = [] if argmax_only else [i for i in sample_rows if states[i].sampling_params.embed]  # (mostly none)
         if embeds:
-            # Last-token pooling, as vLLM's for decoder models: the final norm's output at
-            # the prompt's last position, L2-normalized (a sync, paid only by such steps).
-            # Nothing samples for them (no logits: a model without an LM head embeds too);
-            # the one token such a request ends with is a placeholder, never shown.
-            rows = to_device(last_token[embeds], self.device)
-            if self.model.score is not None:  # a classifier's: its score head's raw logits there
-                vectors = self.model.score(hidden[rows]).float().tolist()
-            else:
-                vectors = F.normalize(hidden[rows].float(), dim=-1).tolist()
+            vectors = pool(self.model, hidden, to_device(last_token[embeds], self.device))
             output.pooled = {order[i]: vector for i, vector in zip(embeds, vectors)}
             for i in embeds:
                 states[i].token_ids.append(EMBED_PLACEHOLDER)
@@ -403,21 +303,7 @@ class ModelRunner:
             sample_rows = [i for i in sample_rows if not states[i].sampling_params.embed]
             constrained = [i for i in sample_rows if states[i].matcher is not None]
         if sample_rows:
-            # One logits row per sampled position: a request's last token, and before it
-            # one per draft, each seen by the sampler with the drafts before it.
-            if drafts:
-                rows, row_states, first_row = [], [], []
-                for i in sample_rows:
-                    state, d = states[i], drafts.get(order[i], [])
-                    first_row.append(len(rows))
-                    rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
-                    row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
-                rows = torch.tensor(rows)
-            else:  # one row a request (every request, in a decode step: no index to apply)
-                every = len(sample_rows) == len(states)
-                rows = torch.from_numpy(last_token if every else last_token[sample_rows])
-                row_states = states if every else [states[i] for i in sample_rows]
-                first_row = range(len(sample_rows))
+            rows, row_states, first_row = logit_rows(sample_rows, states, order, drafts, last_token)
             # A decode step's every token samples, in order: its hidden states as they are.
             selected = hidden if len(rows) == len(hidden) else hidden[to_device(rows, self.device)]
             logits = self.model.compute_logits(selected)
@@ -436,8 +322,8 @@ class ModelRunner:
             if drafts or constrained or not self.overlap_steps:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
-                self._accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
-                             bool(constrained))
+                accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
+                       bool(constrained))
             else:
                 # The tokens stay on the device; the next step reads them there.
                 samples.start_copy()
@@ -456,102 +342,17 @@ class ModelRunner:
             state.num_computed_tokens += num_tokens[state.req_id]
         self.last_step_ns = (t_start, t_forward, t_sample, time.time_ns())
         if self._step_log is not None:
-            self._write_step_log(inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order, behind)
+            self._step_log.write(self.last_step_ns, inputs, on_graph, len(sample_rows), mask_ns, drafts, sampled, order,
+                                 behind)
         return launched
 
-    def _accept(self, samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
-                constrained: bool) -> None:
-        """On the host now: each request's accepted drafts and the token after them, its
-        grammar advanced over them."""
-        token_ids, token_logprobs = samples.to_host()
-        if not (drafts or constrained):  # (valid is only filled for constrained rows)
-            for i, first in zip(sample_rows, first_row):  # one token a request, nothing to check
-                token_id = token_ids[first]
-                states[i].token_ids.append(token_id)
-                sampled[i] = [token_id]
-                if token_logprobs[first] is not None:
-                    logprobs[i] = [token_logprobs[first]]
-            return
-        for i, first in zip(sample_rows, first_row):
-            state, d = states[i], drafts.get(order[i], [])
-            accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
-            out = token_ids[first:first + accepted + 1]
-            if state.matcher is not None:
-                for token_id in out:
-                    if state.matcher.is_terminated():
-                        break
-                    state.matcher.accept_token(token_id)
-            state.token_ids.extend(out)
-            state.num_computed_tokens -= len(d) - accepted  # rejected drafts' K/V is stale
-            sampled[i] = out
-            logprobs[i] = [lp for lp in token_logprobs[first:first + accepted + 1] if lp is not None]
-
-    def _add_prompt_logprobs(self, states, num_tokens, last_token, hidden, sample_rows, output) -> list[int]:
-        """This step's prompt positions' logprobs into their requests' states; a request
-        that samples now (its prompt is done) sends them (prompt_logprobs.py). Returns the
-        sampling rows less any request that failed here."""
-        failed = set()
-        for i, state in enumerate(states):
-            if state.prompt_logprobs is None:
-                continue
-            n = num_tokens[state.req_id]
-            try:
-                add_chunk(self.model, hidden, int(last_token[i]) - n + 1, state.num_computed_tokens, n, state)
-            except ValueError as exc:  # positions it never computed here: fail it alone
-                output.request_errors[state.req_id] = f"prompt logprobs: {exc}"
-                failed.add(i)
-        if failed:
-            self.drop_requests([states[i].req_id for i in failed])
-            sample_rows = [i for i in sample_rows if i not in failed]
-        for i in sample_rows:
-            state = states[i]
-            if state.prompt_logprobs is not None:
-                output.prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
-        return sample_rows
-
-    def _recurrent_refusal(self, new, snapshot: int | None) -> str | None:
-        """Why a hybrid model cannot take this request now (None: it can): its recurrent
-        layers' state starts from a request's first token or from a `snapshot` of the state
-        at a cached block's end, in one of `recurrent_rows` rows. The scheduler keeps within
-        both (Scheduler's recurrent_rows); this says so should anything else reach here."""
-        if new.num_computed_tokens and (snapshot is None or not 0 <= snapshot < self.snapshot_rows):
-            return (f"a {self.model_config.architecture} request cannot start at token {new.num_computed_tokens}: "
-                    "its recurrent layers' state is computed from the first token or a snapshot")
-        if self.block_table.num_rows_in_use >= self.recurrent_rows:
-            return (f"this worker holds {self.recurrent_rows} requests at most (--max-num-seqs): its "
-                    "recurrent state has no row left")
-        return None
-
     def _copy_states(self, slots: dict[str, int], to_snapshot: bool) -> None:
-        """Copy the recurrent state of each request (its row) to its snapshot slot, or
-        back: every recurrent layer's tensors, in the step's stream order (a restore lands
-        before the forward reads the row, a save after the forward wrote it). Snapshots
-        lie past the pad row. A request the worker dropped (it failed as it arrived) is
-        skipped: the scheduler hears of its error and never finds that save."""
-        pairs = [(self.requests[rid].block_row, self.recurrent_rows + 1 + slot)
-                 for rid, slot in slots.items() if rid in self.requests]
-        if not pairs:
-            return
-        rows, snapshots = (to_device(side, self.device, torch.int64) for side in zip(*pairs))
-        src, dst = (rows, snapshots) if to_snapshot else (snapshots, rows)
-        for layer in self.model_config.recurrent_layers:
-            for tensor in self.kv_caches[layer]:
-                tensor.index_copy_(0, dst, tensor.index_select(0, src))
-
-    def _propose(self, num_draft_slots: dict[str, int]) -> dict[str, list[int]]:
-        if self.proposer is None or not num_draft_slots:
-            return {}
-        drafts = {}
-        for rid, slots in num_draft_slots.items():
-            state = self.requests.get(rid)
-            if state is not None and not isinstance(state.matcher, Future):  # a grammar still compiling: none
-                threshold = self.model_config.long_rope_threshold
-                if threshold is not None and not state.long_rope and len(state.token_ids) + slots > threshold:
-                    continue  # drafts would cross the longrope threshold, where the request restarts
-                proposed = self.proposer.propose(state.token_ids, slots)
-                if proposed:
-                    drafts[rid] = proposed
-        return drafts
+        """Each request's recurrent state to its snapshot slot, or back; a request the worker
+        dropped (it failed as it arrived) is skipped: the scheduler hears of its error and
+        never finds that save."""
+        pairs = [(self.requests[rid].block_row, slot) for rid, slot in slots.items() if rid in self.requests]
+        recurrent_state.copy_states(self.kv_caches, self.model_config.recurrent_layers, pairs, self.recurrent_rows,
+                                    self.device, to_snapshot)
 
     def _prepare_lora(self, lora) -> LoRAAdapter | str:
         """The adapter, read, or why it cannot be."""
@@ -562,21 +363,6 @@ class ModelRunner:
         except (ValueError, OSError) as exc:
             return str(exc)
 
-    def _write_step_log(self, inputs: StepInputs, on_graph: bool, num_sampled: int, mask_ns: int,
-                        drafts: dict[str, list[int]], sampled: list[list[int]], order: list[str],
-                        launched_behind: int) -> None:
-        start, forward, sample, end = self.last_step_ns
-        num_drafts = sum(len(d) for d in drafts.values())
-        accepted = sum(len(out) - 1 for rid, out in zip(order, sampled) if rid in drafts and out)
-        self._step_log.write(json.dumps({
-            "pid": os.getpid(), "start_ns": start, "prepare_ms": (forward - start) / 1e6,
-            "forward_ms": (sample - forward) / 1e6, "sample_ms": (end - sample) / 1e6, "mask_ms": mask_ns / 1e6,
-            "tokens": inputs.num_tokens, "reqs": inputs.num_rows,
-            "decodes": inputs.num_decodes, "sampled": num_sampled,
-            "context": int(inputs.seq_lens.sum()), "graph": on_graph,
-            "draft_tokens": num_drafts, "accepted_tokens": accepted, "launched_behind": launched_behind,
-        }) + "\n")
-
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
             self.drop_requests(list(self.requests))
@@ -584,31 +370,20 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             spec = new.sampling_params.structured_outputs
             self.drop_requests([new.req_id])  # (sent again whole: resumed or preempted)
-            refusal = self._recurrent_refusal(new, so.state_restores.get(new.req_id)) if self.recurrent_rows else None
+            refusal = recurrent_state.refusal(
+                new, so.state_restores.get(new.req_id), self.recurrent_rows, self.snapshot_rows,
+                self.block_table.num_rows_in_use, self.model_config.architecture) if self.recurrent_rows else None
             adapter = refusal or (self._prepare_lora(new.lora_request) if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter
                 so.num_scheduled_tokens.pop(new.req_id, None)
                 so.num_draft_slots.pop(new.req_id, None)
                 continue
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
-                sampling_params=new.sampling_params,
-                eos_token_id=new.eos_token_id,
-                block_row=self.block_table.add(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                # New to this worker (first step, resumed, preempted, migrated): a fresh
-                # matcher, with the tokens already generated replayed into it.
-                matcher=self.grammars.start_matcher(spec, new.output_token_ids) if spec is not None else None,
-                long_rope=(self.model_config.long_rope_threshold is not None
-                           and len(new.prompt_token_ids) + len(new.output_token_ids) > self.model_config.long_rope_threshold),
-                # (one with output already sent them with its first token)
-                prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
-                else None,
-                lora=adapter,
-            )
+            # New to this worker (first step, resumed, preempted, migrated): a fresh matcher,
+            # with the tokens already generated replayed into it.
+            matcher = self.grammars.start_matcher(spec, new.output_token_ids) if spec is not None else None
+            self.requests[new.req_id] = RequestState.of_new(new, self.block_table.add(new.block_ids), matcher,
+                                                            self.model_config.long_rope_threshold, adapter)
         cached = so.scheduled_cached_reqs
         for req_id, new_block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                        cached.num_computed_tokens):

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shared.messages import NewRequestData
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (the adapter module pulls in torch)
@@ -45,6 +46,27 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.argmax_only = self.sampling_params.argmax_only
+
+    @classmethod
+    def of_new(cls, new: NewRequestData, block_row: int, matcher, long_rope_threshold: int | None,
+               lora: LoRAAdapter | None) -> RequestState:
+        """A request new to this worker (first step, resumed, preempted, migrated)."""
+        num_tokens = len(new.prompt_token_ids) + len(new.output_token_ids)
+        return cls(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            block_row=block_row,
+            num_computed_tokens=new.num_computed_tokens,
+            matcher=matcher,
+            long_rope=long_rope_threshold is not None and num_tokens > long_rope_threshold,
+            # (one with output already sent them with its first token)
+            prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
+            else None,
+            lora=lora,
+        )
 
     @property
     def num_output_tokens(self) -> int:

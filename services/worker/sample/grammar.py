@@ -8,6 +8,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
+# How long a step with only grammar-waiting requests waits for a compile (see split_ready).
+GRAMMAR_WAIT_S = 0.05
+
 
 def mask(logits: torch.Tensor, jobs: list[tuple[int, object, list[int]]], vocab_size: int,
          plain_greedy: frozenset[int] = frozenset()) -> list[int]:
@@ -90,3 +93,15 @@ def split_ready(states: list, rows: list[int], wait_s: float | None = 0.0) -> tu
             state.matcher = state.matcher.result()
         ready.append(i)
     return ready, pending, failed
+
+
+def wait_s(states: list, sample_rows: list[int], recurrent: bool) -> float | None:
+    """How long a step whose constrained rows include a compile in flight waits for one
+    (split_ready's wait_s): a step of nothing but requests waiting for their grammars a
+    little, rather than come straight back to compute the same token again; a hybrid's
+    (`recurrent`) for every compile, its recurrent layers having folded this step's tokens
+    into their state, which cannot compute them again; any other not at all."""
+    if recurrent:
+        return None
+    only_waiting = len(sample_rows) == len(states) and all(isinstance(s.matcher, Future) for s in states)
+    return GRAMMAR_WAIT_S if only_waiting else 0.0

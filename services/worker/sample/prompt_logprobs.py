@@ -39,3 +39,27 @@ def add_chunk(model, hidden: torch.Tensor, first_row: int, start: int, length: i
         logprobs = model.compute_logits(hidden[first_row + a : first_row + b]).float().log_softmax(-1)
         for token_id, line in zip(targets[a:b], logprob_table(logprobs, target_rows[a:b], k).tolist()):
             entries.append(read_logprob_line(token_id, line, k, k))
+
+
+def add_step(model, states, num_tokens, last_token, hidden, sample_rows, output, drop_requests) -> list[int]:
+    """This step's prompt positions' logprobs into their requests' states; a request
+    that samples now (its prompt is done) sends them. Returns the
+    sampling rows less any request that failed here."""
+    failed = set()
+    for i, state in enumerate(states):
+        if state.prompt_logprobs is None:
+            continue
+        n = num_tokens[state.req_id]
+        try:
+            add_chunk(model, hidden, int(last_token[i]) - n + 1, state.num_computed_tokens, n, state)
+        except ValueError as exc:  # positions it never computed here: fail it alone
+            output.request_errors[state.req_id] = f"prompt logprobs: {exc}"
+            failed.add(i)
+    if failed:
+        drop_requests([states[i].req_id for i in failed])
+        sample_rows = [i for i in sample_rows if i not in failed]
+    for i in sample_rows:
+        state = states[i]
+        if state.prompt_logprobs is not None:
+            output.prompt_logprobs[state.req_id], state.prompt_logprobs = state.prompt_logprobs, None
+    return sample_rows

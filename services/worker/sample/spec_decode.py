@@ -13,7 +13,10 @@ correction) always comes with them.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from services.worker.request_state import RequestState
@@ -81,3 +84,41 @@ def num_accepted(drafts: list[int], samples: list[int]) -> int:
     while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
         accepted += 1
     return accepted
+
+
+def propose_drafts(proposer: NgramProposer | None, requests: dict[str, RequestState], num_draft_slots: dict[str, int],
+                   long_rope_threshold: int | None) -> dict[str, list[int]]:
+    """Drafts for the requests the scheduler gave slots: none for a request whose grammar
+    is still compiling, or whose drafts would cross the longrope threshold."""
+    if proposer is None or not num_draft_slots:
+        return {}
+    drafts = {}
+    for rid, slots in num_draft_slots.items():
+        state = requests.get(rid)
+        if state is not None and not isinstance(state.matcher, Future):  # a grammar still compiling: none
+            threshold = long_rope_threshold
+            if threshold is not None and not state.long_rope and len(state.token_ids) + slots > threshold:
+                continue  # drafts would cross the longrope threshold, where the request restarts
+            proposed = proposer.propose(state.token_ids, slots)
+            if proposed:
+                drafts[rid] = proposed
+    return drafts
+
+
+def logit_rows(sample_rows: list[int], states: list[RequestState], order: list[str], drafts: dict[str, list[int]],
+               last_token: np.ndarray) -> tuple[torch.Tensor, list, list[int] | range]:
+    """One logits row per sampled position: a request's last token, and before it one per
+    draft, each seen by the sampler with the drafts before it -> (the rows of the step's
+    hidden states, what the sampler sees at each, each request's first row)."""
+    if drafts:
+        rows, row_states, first_row = [], [], []
+        for i in sample_rows:
+            state, d = states[i], drafts.get(order[i], [])
+            first_row.append(len(rows))
+            rows.extend(range(int(last_token[i]) - len(d), int(last_token[i]) + 1))
+            row_states.extend([DraftPosition(state, d[:j]) for j in range(len(d) + 1)] if d else [state])
+        return torch.tensor(rows), row_states, first_row
+    # one row a request (every request, in a decode step: no index to apply)
+    every = len(sample_rows) == len(states)
+    rows = torch.from_numpy(last_token if every else last_token[sample_rows])
+    return rows, states if every else [states[i] for i in sample_rows], range(len(sample_rows))

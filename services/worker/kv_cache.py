@@ -1,4 +1,5 @@
-"""How much memory a worker may still take, for a KV cache sized before it is allocated.
+"""A worker's KV cache sized before it is allocated: how much memory it may still take, and
+how many blocks (and a hybrid's state rows) that buys.
 
 A KV cache is allocated zeroed, so every byte is touched at start: one larger than the
 machine's free memory has the kernel's OOM killer end the worker (or a neighbour) with a
@@ -92,3 +93,53 @@ def check_kv_cache_fits(kv_bytes: int, device: torch.device, asked: str) -> None
             f"the KV cache ({kv_bytes / (1 << 30):.2f} GiB, {asked}) does not fit in the "
             f"{free / (1 << 30):.2f} GiB {'the GPU' if device.type == 'cuda' else 'this machine'} has free after "
             f"loading the model (with {STEP_RESERVE_BYTES >> 20} MiB kept for a step's work): lower it")
+
+
+def size_kv_cache(cfg, cache_config, block_size: int, kv_cache_dtype: torch.dtype, values_are_keys: bool,
+                  device: torch.device, recurrent_rows: int, snapshot_rows: int,
+                  state_bytes) -> tuple[int, int, int]:
+    """(the scheduler's blocks, the recurrent state's request rows, its snapshot rows):
+    --num-kv-blocks, or as many blocks as the budget holds (kv_cache_budget:
+    --kv-cache-memory-gb, or --gpu-memory-utilization's share on a GPU), beside a hybrid's
+    state (`state_bytes(rows)`: its bytes for that many rows), which comes out of the same
+    budget (vLLM counts it so); refused (before any is allocated) where they and the pad
+    block do not fit."""
+    bytes_per_block = (
+        (1 if values_are_keys else 2) * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads
+        * cfg.head_dim * kv_cache_dtype.itemsize
+    )
+    if cache_config.num_kv_blocks is not None:
+        num_blocks, asked = cache_config.num_kv_blocks, f"--num-kv-blocks {cache_config.num_kv_blocks}"
+        state = state_bytes(recurrent_rows + snapshot_rows)
+    else:
+        budget, asked = kv_cache_budget(cache_config.kv_cache_memory_bytes, cache_config.gpu_memory_utilization,
+                                        device)
+        row_bytes = state_bytes(1) - state_bytes(0)
+        if row_bytes and (recurrent_rows + 1) * row_bytes > budget // 2:
+            # A hybrid's state a request is that of hundreds of tokens' KV (Qwen3.5-0.8B:
+            # 19 MiB): --max-num-seqs of them would leave a default budget no blocks. Its
+            # rows then take at most half of the budget, and so many requests run at once.
+            rows = max(1, budget // 2 // row_bytes - 1)
+            log.warning("the recurrent state of %d requests (%.2f GiB) would take over half the KV cache's "
+                        "budget (%s): %d requests run at once (raise the budget for more)",
+                        recurrent_rows, (recurrent_rows + 1) * row_bytes / (1 << 30), asked, rows)
+            recurrent_rows = rows
+        if snapshot_rows:
+            # The prefix cache's snapshots: one a request where a quarter of the budget
+            # holds them, else as many as it does (fewer than requests: the least
+            # recently used goes first), so the cache never costs a running request.
+            spare = budget * 3 // 4 - (recurrent_rows + 1) * row_bytes
+            snapshot_rows = max(0, min(recurrent_rows, spare // row_bytes))
+            if not snapshot_rows:
+                log.warning("no room for the prefix cache's snapshots of a hybrid's state in the KV cache's "
+                            "budget (%s): prefix caching off (raise the budget for it)", asked)
+        state = state_bytes(recurrent_rows + snapshot_rows)
+        num_blocks = (budget - state) // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache's budget ({asked}) is too small for one block"
+                             + (f" beside the recurrent state of {recurrent_rows} requests "
+                                f"({state / (1 << 30):.2f} GiB)" if state else ""))
+    check_kv_cache_fits((num_blocks + 1) * bytes_per_block + state, device, asked)
+    # More blocks than the longest request could use at max_num_seqs are wasted memory,
+    # but we cannot know max_num_seqs here; the budget is the user's to set.
+    return int(num_blocks), recurrent_rows, snapshot_rows
