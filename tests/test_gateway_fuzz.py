@@ -21,7 +21,7 @@ from services.gateway.protocol import (
     TokenizeChatRequest,
     TokenizePromptRequest,
 )
-from services.gateway.responses_api.answer import ResponsesRequest
+from services.gateway.responses_api.request import ResponsesRequest
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import encode
 from shared.messages import EngineCoreRequest

@@ -10,7 +10,8 @@ import pytest
 
 from deployment import llmbus_serve
 from llmbus import LLM, SamplingParams
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.engine_params import to_sampling_params
 from shared.hf.generation_config import default_sampling, stop_at_model_eos
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 

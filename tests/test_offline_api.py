@@ -197,7 +197,7 @@ def test_chat_takes_tools_and_text_parts_as_the_served_chat(tiny_llama):
     (this template has none of its own: the hermes system prompt); content as text parts
     is one string, joined by newlines as vLLM's; a part that is not text is refused; and
     get_tokenizer() is the tokenizer that renders it."""
-    from services.gateway.protocol import validate_messages
+    from services.gateway.engine_params import validate_messages
 
     llm = LLM(str(tiny_llama), max_model_len=1024)  # (the tools' system prompt is ~450 tokens)
     weather = {"type": "object", "properties": {"city": {"type": "string"}}}

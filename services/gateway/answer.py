@@ -21,7 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 from services.gateway import response_bodies as r
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
-from services.gateway.protocol import ChatCompletionRequest, completion_prompts
+from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.engine_params import completion_prompts
 from services.gateway.parsers.reasoning import new_parser
 from services.gateway.request_ids import request_names
 from services.gateway.parsers.tool import parse_whole

@@ -27,7 +27,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from services.gateway.request_ids import RequestIdHeader
 from services.gateway.responses_api.items import input_items
-from services.gateway.responses_api.answer import ResponsesAnswer, ResponsesRequest
+from services.gateway.responses_api.answer import ResponsesAnswer
+from services.gateway.responses_api.request import ResponsesRequest
 from services.gateway.serving import OpenAIServing
 from services.gateway import tokenization
 from services.gateway.pooling import classification, embeddings, scoring

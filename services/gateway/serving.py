@@ -19,10 +19,9 @@ from services.gateway.shell.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
 from services.gateway.lora_modules import LoRAModules
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.protocol import (
-    ChatCompletionRequest,
+from services.gateway.protocol import ChatCompletionRequest, parse_body
+from services.gateway.engine_params import (
     completion_prompts,
-    parse_body,
     structured_outputs_of,
     to_sampling_params,
     validate_chat_options,

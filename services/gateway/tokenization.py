@@ -17,8 +17,8 @@ import msgspec
 from fastapi import Request
 
 from services.gateway.errors import BadRequest, Unavailable
-from services.gateway.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest, parse_body, \
-    validate_chat_options, validate_messages
+from services.gateway.engine_params import validate_chat_options, validate_messages
+from services.gateway.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizePromptRequest, parse_body
 from services.gateway.tools import tool_choice_of
 from shared.messages import TokenizeRequest
 

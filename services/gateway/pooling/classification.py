@@ -13,7 +13,7 @@ import msgspec
 from fastapi import Request
 
 from services.gateway.pooling.embeddings import MAX_INPUTS, answered, embed
-from services.gateway.protocol import prompt_batch
+from services.gateway.engine_params import prompt_batch
 
 if TYPE_CHECKING:
     from services.gateway.serving import OpenAIServing

@@ -20,7 +20,8 @@ from fastapi import Request
 from services.gateway.sse import end_span, request_log
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
-from services.gateway.protocol import EmbeddingRequest, parse_body, prompt_batch
+from services.gateway.protocol import EmbeddingRequest, parse_body
+from services.gateway.engine_params import prompt_batch
 from shared.sampling_params import embedding_params
 from shared.tracing import inject
 

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from services.gateway.errors import BadRequest
-from services.gateway.responses_api.answer import chat_messages_of
+from services.gateway.responses_api.request import chat_messages_of
 from shared.messages import StoredResponse
 
 
