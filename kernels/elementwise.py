@@ -138,8 +138,6 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * n + cols, _rounded(silu * up, dtype), mask=mask)
 
 
-
-
 def add_rms_norm(
     x: torch.Tensor,  # [rows, hidden]
     residual: torch.Tensor | None,  # [rows, hidden], updated in place to residual + x

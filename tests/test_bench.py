@@ -171,7 +171,7 @@ def test_the_bench_client_reads_an_event_whole_whatever_its_json_holds_raw():
     when one arrives split across reads."""
     import asyncio
 
-    from llmbus.bench.serve import sse_data
+    from llmbus.bench.streaming_client import sse_data
 
     events = [{"text": "a\u2028b\x85c"}, {"text": "d\u2029e"}]
     body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events) + "data: [DONE]\n\n"

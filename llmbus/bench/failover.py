@@ -24,7 +24,7 @@ import time
 
 import httpx
 
-from llmbus.bench.serve import sse_data
+from llmbus.bench.streaming_client import sse_data
 from llmbus.model_fetch import resolve_model
 from llmbus.deploy.nats_server import node_with_client
 from llmbus.deploy.serve import free_port, live_children

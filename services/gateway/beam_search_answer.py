@@ -112,4 +112,3 @@ class BeamSearchAnswer:
         return r.Response(self.response_id, "chat.completion" if self.chat else "text_completion", int(time.time()),
                           self.s.response_model(self.body.model), choices,
                           r.UsageInfo.of(prompt_tokens, generated, cached))
-

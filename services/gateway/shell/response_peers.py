@@ -75,4 +75,3 @@ class ResponsePeers:
             entry = self.store.get(query.response_id)
             answer = StoredResponseAnswer(entry is not None, entry)
         await msg.respond(encode(answer))
-
