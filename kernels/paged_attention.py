@@ -11,7 +11,7 @@ copy.
 A program's inner loop reads TILE_KEYS keys at once, gathered from TILE_KEYS / block_size
 cache blocks: more bytes in flight per program than one block at a time (on an H200 a
 16-key tile left decode at 0.67 of the memory bandwidth where contiguous SDPA reached
-0.95; docs/kernels.md).
+0.95; docs/design/kernels.md).
 
 A sliding window and Gemma 2's soft cap are constexpr switches, so other models' kernels
 are unchanged: SOFTCAP caps each scaled score at softcap * tanh(score / softcap) before the softmax,

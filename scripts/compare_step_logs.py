@@ -1,6 +1,6 @@
 """Compare the model runners in an `LLMBUS_STEP_LOG` file: what each process did, and
 whether two of them ran the same schedule. The command behind the served-against-offline
-analysis in docs/performance.md.
+analysis in docs/performance/history.md.
 
     LLMBUS_STEP_LOG=steps.jsonl llmbus serve ... &
     LLMBUS_STEP_LOG=steps.jsonl llmbus bench serve ... --compare-offline MODEL

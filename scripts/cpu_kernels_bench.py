@@ -1,5 +1,5 @@
 """Time the CPU kernels (kernels/cpu) against the PyTorch ops they replace, on SmolLM2's
-shapes: the kernel figures in docs/performance.md ("Third pass").
+shapes: the kernel figures in docs/performance/history.md ("Third pass").
 
     python scripts/cpu_kernels_bench.py [--quick] [--dtype float32] [--attention-only --heads 4,1,256]
 

@@ -1,5 +1,5 @@
 """Time the engine's decode steps at one batch size: the figures of the step table in
-docs/performance.md, and a torch.profiler table with --profile.
+docs/performance/history.md, and a torch.profiler table with --profile.
 
     python scripts/decode_steps.py --batch 32 --dtype bfloat16 [--quantization int4]
         [--kv-cache-dtype fp8] [--prompt-len 128] [--profile]

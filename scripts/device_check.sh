@@ -18,14 +18,14 @@
 #      share, seeded draws equal to the CPU's
 #      and a Mixtral-shaped MoE layer on the fused kernels against the per-expert loop
 # (python -m llmbus.bench.kernels, Triton paged attention at real sizes, was measured on an
-# H200 on 2026-11-30, docs/kernels.md; run it by hand when the attention kernel changes.)
+# H200 on 2026-11-30, docs/design/kernels.md; run it by hand when the attention kernel changes.)
 #   3. `bash scripts/device_check.sh served`, a second call right after the first (the
 #      machine stays warm 30 s; the two do not fit one call's 10 minutes):
 #      scripts/served_check.py, `llmbus serve` on the GPU — served W0 ITL with the worker
 #      overlapping steps and without, offline's in the same run, served greedy = offline,
 #      and the GPU's busy share of a served batch-128 decode step (served.json's
 #      served_gpu_busy_fraction_decode_b128: scheduling, stepping and detokenizing in
-#      processes of their own) (needs the services' wheels too, docs/kernels.md; about 2
+#      processes of their own) (needs the services' wheels too, docs/design/kernels.md; about 2
 #      minutes), then
 #      scripts/sampler_times.py on the GPU: each kind of request's sampling a step
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in

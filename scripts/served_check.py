@@ -25,7 +25,7 @@ alone (`llmbus bench latency`'s clock). Writes $OUT/served.json:
   graphs) and its share of the served step's period: the issue's GPU-busy figure with the
   host's work split across the services' processes
 
-Needs nats-server and the services' packages (docs/kernels.md lists the wheels);
+Needs nats-server and the services' packages (docs/design/kernels.md lists the wheels);
 `--cpu` runs it on CPU for the tests (any model folder: its config, random weights).
 """
 

@@ -186,7 +186,7 @@ class LoRAConfig:
 
 # A big batch is compute-bound: drafts pay there only at high acceptance (W1, 128 at once,
 # 0.96 accepted: 1.064x; at middling acceptance not measured yet), so by default only
-# batches of up to 8 speculate (docs/performance.md).
+# batches of up to 8 speculate (docs/performance/history.md).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 

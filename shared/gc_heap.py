@@ -2,7 +2,7 @@
 
 A process that has imported torch and loaded a model tracks hundreds of thousands of
 container objects (a SmolLM2 worker ~385k), and CPython's full collection walks every
-one: 146-161 ms, once in the middle of each offline batch measured (docs/performance.md,
+one: 146-161 ms, once in the middle of each offline batch measured (docs/performance/history.md,
 "The garbage collector"), with every request's next token waiting. None of those objects
 is garbage: modules, the model, the tokenizer live as long as the process. `gc.freeze()`
 moves them out of the collector's sight; what is allocated later is collected as before.

@@ -88,7 +88,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # placeholder token, nothing sampled.
     embed: bool = False
     # vLLM's. FINAL_ONLY spares every step the landing of a request's tokens (at batch 128
-    # a share of the host's work a step; docs/performance.md); stop strings are looked for
+    # a share of the host's work a step; docs/performance/history.md); stop strings are looked for
     # in the text as it grows, so a request with them gets its tokens step by step anyway.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 

@@ -45,7 +45,7 @@ async def violations(nc, errors: list[str], subscribe=(), publish=()) -> list[st
 
 
 def test_the_permission_table_in_the_docs_is_the_one_enforced():
-    assert permission_table() in (ROOT / "docs/security.md").read_text()
+    assert permission_table() in (ROOT / "docs/serving/security.md").read_text()
 
 
 @pytest.fixture(scope="module")

@@ -269,7 +269,7 @@ def test_prefill_attention_refuses_what_it_cannot_read():
 
 @needs_kernels
 def test_the_kernel_benchmark_script_runs():
-    """scripts/cpu_kernels_bench.py, behind docs/performance.md's kernel figures, still runs."""
+    """scripts/cpu_kernels_bench.py, behind docs/performance/history.md's kernel figures, still runs."""
     import subprocess
     import sys
 

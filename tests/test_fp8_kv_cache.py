@@ -5,7 +5,7 @@ the same bytes: every finite value, the midpoints between neighbours, subnormals
 past the largest one), and every read is the exact widening of those bytes: the attention
 kernels and the PyTorch path give the same bits on a float8 cache as on its widened copy.
 How far greedy output moves is a precision question, measured by `llmbus bench agreement`
-(docs/performance.md), not asserted here.
+(docs/performance/history.md), not asserted here.
 """
 
 import pytest

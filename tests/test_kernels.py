@@ -172,7 +172,7 @@ def test_sliding_window_soft_cap_and_sinks_match_the_written_out_attention(windo
 
 
 # (batch, context) -> the split count that was fastest (or within 3%) for the 64-key tile
-# on an H200, 8 KV heads (docs/kernels.md, second GPU run).
+# on an H200, 8 KV heads (docs/design/kernels.md, second GPU run).
 MEASURED_BEST_SPLITS = {
     (1, 512): 1, (1, 4096): 16, (1, 16384): 16,
     (16, 512): 1, (16, 4096): 4, (16, 16384): 4,

@@ -775,7 +775,7 @@ def test_only_plain_greedy_requests_take_the_argmax_path_and_it_samples_what_sam
 
 @pytest.mark.parametrize("logits", ["random", "model"])
 def test_sampler_times_script_times_every_kind_of_request(logits):
-    """scripts/sampler_times.py, behind docs/performance.md's sampling figures, runs and
+    """scripts/sampler_times.py, behind docs/performance/history.md's sampling figures, runs and
     reports each kind of request for the batch asked, on either kind of logits."""
     import json
     import subprocess

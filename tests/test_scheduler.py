@@ -687,7 +687,7 @@ def test_a_random_workload_never_leaks_a_block(seed):
 
 
 def test_scheduler_step_times_script_times_both_halves_of_a_step():
-    """scripts/scheduler_step_times.py, behind docs/performance.md's scheduler figures, runs
+    """scripts/scheduler_step_times.py, behind docs/performance/history.md's scheduler figures, runs
     and reports both halves for the batch asked."""
     import json
     import subprocess

@@ -6,7 +6,7 @@ boundary the hardware prefetchers stop at. This machine's kernel gives huge page
 memory that asks (`/sys/kernel/mm/transparent_hugepage/enabled`: madvise), so buffers here
 are allocated untouched, marked with madvise(MADV_HUGEPAGE), and only then written: the
 first touch of each 2 MB then faults in one huge page. Measured (scripts in
-docs/performance.md, "Fourth pass"): a float32 decode step's weights at one row 34 -> 40 GB/s;
+docs/performance/history.md, "Fourth pass"): a float32 decode step's weights at one row 34 -> 40 GB/s;
 decode attention over a shuffled cache 10-17% faster.
 
 Where huge pages are not on offer (not Linux, THP off, madvise refused) or are turned off

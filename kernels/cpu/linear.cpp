@@ -6,7 +6,7 @@
 // broadcast pair of x), float32 S = 1 (an FMA against a broadcast element). A block is one
 // contiguous stream, so a decode step (1-4 rows of x) reads the weights front to back at
 // close to memory speed; more rows reuse each loaded block from cache. Measured on this
-// machine (docs/performance.md): bfloat16 1.3-1.6x oneDNN's packed product at 1-8 rows,
+// machine (docs/performance/history.md): bfloat16 1.3-1.6x oneDNN's packed product at 1-8 rows,
 // on par at 128, about 0.9x at 2048. Each output is one float32 chain over k in order, so
 // float32 results differ from MKL's blocked sums in the last bits.
 #include <string.h>

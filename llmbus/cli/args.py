@@ -136,7 +136,7 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=env("--block-size", 16))
     parser.add_argument("--kv-cache-dtype", default=env("--kv-cache-dtype", "auto"), choices=KV_CACHE_DTYPES,
                         help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a value, twice "
-                             "the tokens per GB (docs/performance.md for how often greedy output moves)")
+                             "the tokens per GB (docs/performance/history.md for how often greedy output moves)")
     parser.add_argument("--attention-backend", default=env("--attention-backend"), choices=["torch", "triton"],
                         help="default: triton on a GPU, torch on CPU")
     parser.add_argument("--threads", type=int, default=env("--threads"),

@@ -1,7 +1,7 @@
 """Who may do what on a deployment's bus: one NATS user per service identity, each allowed
 only the subjects its role needs, and the nats-server `authorization` config for them.
 
-`PERMISSIONS` is the table (docs/security.md renders it; a test keeps the two equal).
+`PERMISSIONS` is the table (docs/serving/security.md renders it; a test keeps the two equal).
 Each row is a role; `{id}` is the instance (a gateway reads only its own outputs, a
 worker takes only its own steps), `{inbox}` the identity's inbox. Replies to a request go
 to the requester's inbox, `_INBOX.<role>.<instance>.…` (shared.bus.inbox_of): a requester
@@ -115,7 +115,7 @@ def authorization_config(identities: list[Identity], subjects: Subjects) -> str:
 
 
 def permission_table() -> str:
-    """The table as markdown, for docs/security.md."""
+    """The table as markdown, for docs/serving/security.md."""
     rows = ["| role | publishes | subscribes | answers requests |", "|---|---|---|---|"]
     for role, (publish, subscribe, responds) in PERMISSIONS.items():
         rows.append(f"| {role} | {', '.join(f'`{p}`' for p in publish) or '—'} | "

@@ -11,7 +11,7 @@ Offline, the engine core's event loop runs on that thread too and `execute` call
 runner inline: it launches the step and the engine core finishes it when it lands it,
 after launching the next (launched_step.py). Running the forward on the thread while the loop scheduled and
 detokenized beside it was measured and lost: W1 bfloat16 368.6 and 369.8 output tok/s
-against the one-at-a-time loop's 402.3 (ABBA, docs/performance.md). On two cores the
+against the one-at-a-time loop's 402.3 (ABBA, docs/performance/history.md). On two cores the
 loop's Python work preempts one of the two OpenMP threads that run in lockstep, and the
 stall costs more than the overlap hides. The worker service keeps its loop on another
 thread (heartbeats must go on during a long step) and calls `run`.

@@ -93,7 +93,7 @@ class StepInputs:
     ) -> tuple[StepInputs, list[int], np.ndarray, list | torch.Tensor]:
         """`build` for a step of one token a request and no drafts, most steps of a busy
         engine: one row a request, so none of `_any_rows`' mapping between requests, rows
-        and tokens (57 -> 32-40 us at 128 requests: docs/performance.md)."""
+        and tokens (57 -> 32-40 us at 128 requests: docs/performance/history.md)."""
         num_states = len(states)
         req_starts, _, known, pending, block_rows = per_state.T
         plain = req_starts < known  # a decode of a token the host knows

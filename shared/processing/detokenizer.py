@@ -8,7 +8,7 @@ they match across token boundaries) and never shown: when streaming, the last
 A reader that wants the text only at the end (`LLM.generate`, a response that is not
 streamed) and has no stop string to look for gets it in one decode when the request
 finishes: one call for the whole output instead of a DecodeStream step and its Python a
-token — the largest share of an offline decode step's host work (docs/performance.md).
+token — the largest share of an offline decode step's host work (docs/performance/history.md).
 The text is the same: the output's tokens decoded after the same prompt context, less the
 context's own text, which is what the stream's steps add up to.
 """

@@ -12,7 +12,7 @@ from services.worker.attention.metadata import AttentionMetadata
 
 # Split-KV pays when too few (sequence, KV head) programs exist to fill the GPU and each
 # has a long run of keys. Set from `python -m llmbus.bench.kernels` on an H200 (132 SMs; tile of
-# 64 keys; docs/kernels.md): with 8 or 128 programs, splitting up to ~512 programs won
+# 64 keys; docs/design/kernels.md): with 8 or 128 programs, splitting up to ~512 programs won
 # (1 x 4096: 16 splits, 2.1x faster than 8; 16 x 4096: 4, 1.15x faster than 2); from 512
 # programs on, one split was best or within 3%; under 1024 keys a split only added the
 # reduction's launch (1 x 512: 2 splits took 2.1x as long as 1). Slices stay >= 256 keys.

@@ -12,7 +12,7 @@ columns, then that against every slot's B. It computes every used slot's columns
 every token (4 slots of rank 16 on SmolLM2: ~27% of the base products' arithmetic) for
 fixed shapes, no index arithmetic and two launches a module, what graphs and a
 launch-bound GPU step want; on this CPU it runs as fast as a gather, two products and a
-scatter per adapter did (docs/performance.md, "LoRA adapters"). A step on one adapter
+scatter per adapter did (docs/performance/history.md, "LoRA adapters"). A step on one adapter
 alone skips the mask. A model with no adapter in its step does nothing more than look at
 `active`, and its decode steps keep the fused C layer and CUDA graphs.
 """
