@@ -41,7 +41,7 @@ def test_every_relative_link_in_the_docs_points_at_a_file():
 
 
 def test_every_supported_architecture_has_a_row_in_the_models_page():
-    from services.worker.models.decoder_config import SUPPORTED_ARCHITECTURES, TEXT_MODELS_OF
+    from services.worker.models.families.registry import SUPPORTED_ARCHITECTURES, TEXT_MODELS_OF
 
     page = (ROOT / "docs/models/supported_models.md").read_text()
     missing = [arch for arch in [*SUPPORTED_ARCHITECTURES, *TEXT_MODELS_OF] if f"`{arch}`" not in page]

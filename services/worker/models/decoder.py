@@ -35,9 +35,9 @@ from services.worker.layers.mamba2 import Mamba2Mixer
 from services.worker.layers.short_conv import ShortConv
 from services.worker.layers.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.models.layer_normed_names import checkpoint_tensor
-from services.worker.models.decoder_config import (DEEPSEEK_V3_MOES, GRANITE_HYBRID, HUNYUANS, LINEAR_ATTENTION, OLMO_HYBRID,
-                                          SHORT_CONVS,
-                                          ModelConfig)
+from services.worker.models.decoder_config import ModelConfig
+from services.worker.models.families.registry import (DEEPSEEK_V3_MOES, GRANITE_HYBRID, HUNYUANS, LINEAR_ATTENTION,
+                                                      OLMO_HYBRID, SHORT_CONVS)
 
 log = logging.getLogger("llmbus.worker")
 
