@@ -171,7 +171,7 @@ def weight_bytes_per_decode_step(model) -> int:
 def moe_layer_times(device: str, tiny: bool) -> dict:
     """A Mixtral-8x7B-shaped sparse layer (bf16): fused grouped GEMMs against the loop."""
     from services.worker.layers.moe import SparseMoE
-    from services.worker.models.decoder import MLP
+    from services.worker.layers.mlp import MLP
 
     hidden, inter = (64, 128) if tiny else (4096, 14336)
     with torch.device(device):

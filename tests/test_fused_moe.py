@@ -7,7 +7,7 @@ import torch
 
 from kernels.fused_moe import BLOCK_M, align_by_expert, fused_moe
 from services.worker.layers.moe import SparseMoE
-from services.worker.models.decoder import MLP
+from services.worker.layers.mlp import MLP
 
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts", [(1, 2, 8), (5, 2, 8), (40, 2, 8), (7, 1, 4), (9, 4, 4)])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kernels.linear_int4 import GROUP, linear_int4, pack_levels
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.quantized_linear import Int4Linear, int4_grid, quantize
-from services.worker.models.decoder import MLP
+from services.worker.layers.mlp import MLP
 
 
 def _grid(n: int, k: int, seed: int):

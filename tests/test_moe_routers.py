@@ -65,7 +65,7 @@ def test_hunyuan_routing_in_bfloat16_equals_hunyuan_v1_moe_s(tokens):
     from transformers import HunYuanMoEV1Config
     from transformers.models.hunyuan_v1_moe.modeling_hunyuan_v1_moe import HunYuanMoEV1Gate
 
-    from services.worker.models.decoder import MLP
+    from services.worker.layers.mlp import MLP
 
     config = HunYuanMoEV1Config(hidden_size=32, num_experts=16, moe_topk=3, intermediate_size=8)
     theirs = HunYuanMoEV1Gate(config)

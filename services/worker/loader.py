@@ -18,7 +18,8 @@ from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
 from services.worker.layers.quantized_linear import quantize, quantized_linear
 from services.worker.models.decoder_config import ModelConfig
-from services.worker.models.decoder import MULTIMODAL_PARTS, LlamaForCausalLM
+from services.worker.models.decoder import LlamaForCausalLM
+from services.worker.models.weight_names import MULTIMODAL_PARTS
 from shared.config import DTYPE_ALIASES, DTYPE_CHOICES
 
 LOAD_FORMATS = ("auto", "dummy")

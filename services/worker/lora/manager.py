@@ -21,7 +21,7 @@ import torch
 
 from services.worker.layers.lora import LoRAMapping, LoRAStack
 from services.worker.lora.adapter import NUM_SHARDS, LoRAAdapter, module_shape
-from services.worker.models.decoder import MLP
+from services.worker.layers.mlp import MLP
 from shared.config import LoRAConfig
 from shared.lora_request import LoRARequest
 
