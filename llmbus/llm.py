@@ -33,7 +33,7 @@ from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.processing.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.hf.classification import classifier_of
-from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
+from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, scheduler_context
 from shared.gc_heap import frozen_heap
 from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
@@ -134,28 +134,19 @@ class LLM:
         )
         self.runner = self.executor.runner
         self.tokenizer = Tokenizer(tokenizer_path or path)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=self.runner.max_model_len,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                enable_chunked_prefill=enable_chunked_prefill,
-                enable_prefix_caching=enable_prefix_caching,
-                scheduling_policy=scheduling_policy,
-                max_logprobs=max_logprobs,
-                num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-                speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
-            ),
-            num_kv_blocks=self.runner.num_blocks,
-            block_size=block_size,
-            vocab_size=self.runner.vocab_size,
-            long_rope_threshold=self.runner.model_config.long_rope_threshold,
-            generates=self.runner.model.generates,
-            max_loras=lora_config.max_loras if lora_config else 0,
-            recurrent_rows=self.runner.recurrent_rows,
-            recurrent_snapshot_rows=self.runner.snapshot_rows,
-        )
+        self.scheduler = Scheduler.for_worker(SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=scheduler_context(max_model_len, self.runner.max_model_len, max_num_batched_tokens,
+                                            enable_chunked_prefill),
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
+            scheduling_policy=scheduling_policy,
+            max_logprobs=max_logprobs,
+            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+            speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
+        ), self.runner.describe())
         self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._ids = itertools.count()

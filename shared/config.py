@@ -9,6 +9,18 @@ from shared.hf.classification import Classifier
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def scheduler_context(asked: int | None, model: int | None, max_num_batched_tokens: int,
+                      enable_chunked_prefill: bool) -> int:
+    """A scheduler's context (max_model_len): the one asked for, else the model's (served, each
+    worker caps it later: Scheduler.for_worker). Without chunked prefill a prompt must fit in
+    one step's budget, so that caps a context nobody asked for; one asked for past it is
+    SchedulerConfig's error."""
+    context = asked or model or (1 << 31)
+    if not enable_chunked_prefill and not asked:
+        context = min(context, max_num_batched_tokens)
+    return context
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 128  # requests running at once

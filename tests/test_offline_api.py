@@ -345,3 +345,18 @@ def test_bad_request_mid_batch_does_not_disturb_running_requests(llm):
 def test_unknown_model_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         LLM(str(tmp_path))
+
+
+def test_without_chunked_prefill_the_context_is_the_step_budget_as_served(tiny_llama):
+    """`LLM(enable_chunked_prefill=False)` caps a context nobody asked for at one step's
+    budget, as `llmbus serve --no-enable-chunked-prefill` does (one rule:
+    shared.config.scheduler_context); a context asked for past the budget is refused."""
+    from shared.config import scheduler_context
+
+    llm = LLM(str(tiny_llama), enable_chunked_prefill=False, max_num_batched_tokens=48)
+    assert llm.max_model_len == 48 == scheduler_context(None, 4096, 48, False)
+    out = llm.generate([list(range(1, 40))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="must cover max_model_len"):
+        LLM(str(tiny_llama), enable_chunked_prefill=False, max_num_batched_tokens=48, max_model_len=64)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
-                           LoRAConfig, SchedulerConfig, SpeculativeConfig)
+                           LoRAConfig, SchedulerConfig, SpeculativeConfig, scheduler_context)
 from shared.hf.classification import classifier_of
 from shared.hf.generation_config import SOURCES_HELP, default_sampling, model_eos_ids
 from shared.lora_request import LoRARequest, parse_lora_modules
@@ -277,14 +277,11 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
 
 def scheduler_config(args: argparse.Namespace, max_model_len: int | None = None) -> SchedulerConfig:
     """`max_model_len`: the model's, when known here; served, each worker's caps it later."""
-    context = args.max_model_len or max_model_len or (1 << 31)
-    if args.no_chunked_prefill and not args.max_model_len:
-        # A prompt must then fit in one step's budget: that caps the context.
-        context = min(context, args.max_num_batched_tokens)
     return SchedulerConfig(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=context,
+        max_model_len=scheduler_context(args.max_model_len, max_model_len, args.max_num_batched_tokens,
+                                        not args.no_chunked_prefill),
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -143,3 +143,18 @@ def size_kv_cache(cfg, cache_config, block_size: int, kv_cache_dtype: torch.dtyp
     # More blocks than the longest request could use at max_num_seqs are wasted memory,
     # but we cannot know max_num_seqs here; the budget is the user's to set.
     return int(num_blocks), recurrent_rows, snapshot_rows
+
+
+def allocate_kv_caches(cfg, backend, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype,
+                       values_are_keys: bool, device: torch.device, state_shapes) -> list:
+    """A layer's cache each: an attention layer's paged K and V, a recurrent layer's state
+    (`state_shapes(layer)`: its tensors' shapes and dtypes), None for a layer without a
+    token mixer (Nemotron-H's MLP blocks)."""
+    return [
+        backend.new_kv_cache(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, kv_cache_dtype, device,
+                             values_are_keys=values_are_keys)  # [2, num_blocks, block_size, kv_heads, head_dim]
+        if i in cfg.attention_layers else
+        tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in state_shapes(i))
+        if i in cfg.recurrent_layers else None
+        for i in range(cfg.num_hidden_layers)
+    ]

@@ -28,9 +28,8 @@ from services.worker.host_values import to_device
 from services.worker.device_tokens import read_device_tokens
 from services.worker.launched_step import LaunchedStep, reads_device_tokens_only
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
-from services.worker.lora.adapter import LoRAAdapter
-from services.worker.lora.manager import LoRAManager
-from services.worker.kv_cache import size_kv_cache
+from services.worker.lora.manager import LoRAManager, adapter_or_why
+from services.worker.kv_cache import allocate_kv_caches, size_kv_cache
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.models.quantization import choose_quantization
 from services.worker.pooling import EMBED_PLACEHOLDER, pool
@@ -45,7 +44,7 @@ from services.worker.sample import grammar, prompt_logprobs
 from services.worker.sample.grammar import plain_greedy, split_ready
 from shared.structured_output import GrammarBackend
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
-from shared.messages import ModelRunnerOutput, SchedulerOutput
+from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 _ARGMAX_ONLY = operator.attrgetter("argmax_only")
 _NUM_COMPUTED, _REQ_ID = operator.attrgetter("num_computed_tokens"), operator.attrgetter("req_id")
@@ -108,26 +107,18 @@ class ModelRunner:
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
             lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
+        self.lora_config = lora_config
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
         # id -> why, sent with the step's output.
         self._arrival_errors: dict[str, str] = {}
-        cfg = self.model_config
         # One block more than the scheduler is told of: the pad block, where the padded
         # rows of a decode graph write (decode_graphs.py), never a request's.
         self.pad_block = self.num_blocks
-        self.kv_caches = [
-            backend.new_kv_cache(
-                self.num_blocks + 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.kv_cache_dtype,
-                self.device, values_are_keys=self.values_are_keys,
-            )  # [2 (K, V), num_blocks + 1, block_size, num_kv_heads, head_dim]
-            if i in cfg.attention_layers else
-            tuple(torch.zeros(shape, dtype=dtype, device=self.device)
-                  for shape, dtype in recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
-                                                                   self.dtype))
-            if i in cfg.recurrent_layers else None  # (a layer without a token mixer: Nemotron-H's MLP blocks)
-            for i in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(
+            self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,
+            self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
+                                                               self.dtype))
         self.max_cudagraph_capture_size = max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
         # a step's launches cost little beside its products (and the fused decode layer
@@ -182,6 +173,19 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+    def describe(self, worker_id: str = "", model: str = "", incarnation: int = 0) -> WorkerInfo:
+        """What a scheduler needs to know of this runner (Scheduler.for_worker), as a worker
+        announces it on the bus."""
+        lora = self.lora_config
+        return WorkerInfo(
+            worker_id=worker_id, model=model, num_kv_blocks=self.num_blocks, block_size=self.block_size,
+            max_model_len=self.max_model_len, vocab_size=self.vocab_size, eos_token_id=self.model_config.eos_token_id,
+            incarnation=incarnation, long_rope_threshold=self.model_config.long_rope_threshold,
+            generates=self.model.generates, max_loras=lora.max_loras if lora else 0,
+            max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
+            recurrent_snapshot_rows=self.snapshot_rows,
+        )
 
     def drop_requests(self, req_ids) -> None:
         for req_id in req_ids:
@@ -354,15 +358,6 @@ class ModelRunner:
         recurrent_state.copy_states(self.kv_caches, self.model_config.recurrent_layers, pairs, self.recurrent_rows,
                                     self.device, to_snapshot)
 
-    def _prepare_lora(self, lora) -> LoRAAdapter | str:
-        """The adapter, read, or why it cannot be."""
-        if self.loras is None:
-            return lora.not_served()  # (the scheduler refuses it first; a twin for a stray placement)
-        try:
-            return self.loras.prepare(lora)
-        except (ValueError, OSError) as exc:
-            return str(exc)
-
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
             self.drop_requests(list(self.requests))
@@ -373,7 +368,8 @@ class ModelRunner:
             refusal = recurrent_state.refusal(
                 new, so.state_restores.get(new.req_id), self.recurrent_rows, self.snapshot_rows,
                 self.block_table.num_rows_in_use, self.model_config.architecture) if self.recurrent_rows else None
-            adapter = refusal or (self._prepare_lora(new.lora_request) if new.lora_request is not None else None)
+            adapter = refusal or (adapter_or_why(self.loras, new.lora_request)
+                                  if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter
                 so.num_scheduled_tokens.pop(new.req_id, None)

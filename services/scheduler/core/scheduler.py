@@ -11,6 +11,7 @@ It knows nothing of tensors or transport: it takes and returns `shared.messages`
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -32,6 +33,7 @@ from shared.messages import (
     ModelRunnerOutput,
     SchedulerOutput,
     SchedulerStats,
+    WorkerInfo,
 )
 
 class Scheduler(RequestQueues):
@@ -64,6 +66,14 @@ class Scheduler(RequestQueues):
         self.num_generation_tokens = 0
         self.speculation = Speculation(config.num_speculative_tokens, config.speculative_disable_by_batch_size)
         self.iteration_tokens = IterationTokens()
+
+    @classmethod
+    def for_worker(cls, config: SchedulerConfig, info: WorkerInfo) -> Scheduler:
+        """The core that schedules for the worker `info` announces: its blocks, vocabulary and
+        state rows, the context no longer than its own."""
+        config = dataclasses.replace(config, max_model_len=min(config.max_model_len, info.max_model_len))
+        return cls(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
+                   info.generates, info.max_loras, info.recurrent_rows, info.recurrent_snapshot_rows)
 
     # ---- requests in and out -------------------------------------------------------
 

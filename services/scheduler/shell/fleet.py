@@ -10,7 +10,6 @@ for a bounded time. A plain object: the service shell calls it between steps.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -75,10 +74,7 @@ class Fleet:
         if handle is not None:
             handle.last_seen = now
             return []
-        config = dataclasses.replace(self.config, max_model_len=min(self.config.max_model_len, info.max_model_len))
-        core = Scheduler(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
-                         info.generates, info.max_loras, info.recurrent_rows,
-                         info.recurrent_snapshot_rows)
+        core = Scheduler.for_worker(self.config, info)
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
         log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
         waiting, self.unplaced = self.unplaced, deque()

@@ -117,3 +117,13 @@ class LoRAManager:
                 lo, r = piece.shard * rank, adapter.rank
                 stack.a[slot, lo:lo + r].copy_(piece.a)
                 stack.b[slot, lo:lo + r, piece.start:piece.start + piece.size].copy_(piece.b.T)
+
+
+def adapter_or_why(manager: LoRAManager | None, lora) -> LoRAAdapter | str:
+    """A request's adapter, read, or why it cannot be (it fails alone)."""
+    if manager is None:
+        return lora.not_served()  # (the scheduler refuses it first; a twin for a stray placement)
+    try:
+        return manager.prepare(lora)
+    except (ValueError, OSError) as exc:
+        return str(exc)

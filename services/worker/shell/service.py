@@ -21,7 +21,6 @@ from services.worker.model_runner import ModelRunner
 from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
-from shared.messages import WorkerInfo
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
@@ -69,24 +68,9 @@ async def serve(
     except Exception as exc:  # noqa: BLE001 - unconstrained requests are served all the same
         log.warning("structured outputs will fail: the grammar compiler did not build (%s)", exc)
     subjects = Subjects(model_name)
-    info = WorkerInfo(
-        worker_id=worker_id,
-        model=model_name,
-        num_kv_blocks=runner.num_blocks,
-        block_size=runner.block_size,
-        max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size,
-        eos_token_id=runner.model_config.eos_token_id,
-        long_rope_threshold=runner.model_config.long_rope_threshold,
-        generates=runner.model.generates,
-        max_loras=lora_config.max_loras if lora_config else 0,
-        max_lora_rank=lora_config.max_lora_rank if lora_config else 0,
-        recurrent_rows=runner.recurrent_rows,
-        recurrent_snapshot_rows=runner.snapshot_rows,
-        # Random per process: one restarted under the same id (as `llmbus serve` and compose
-        # restart it) is a new incarnation to the scheduler, however soon it is back.
-        incarnation=secrets.randbits(48),
-    )
+    # The incarnation is random per process: one restarted under the same id (as `llmbus
+    # serve` and compose restart it) is a new incarnation to the scheduler, however soon it is back.
+    info = runner.describe(worker_id, model_name, incarnation=secrets.randbits(48))
     steps = ServedSteps(executor, tracer)
 
     async def on_reconnect() -> None:
