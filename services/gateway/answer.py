@@ -12,13 +12,13 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from services.gateway import response_bodies as r
+from services.gateway.context import ServingContext
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
@@ -31,8 +31,6 @@ from shared.processing.output_processor import ChoiceDelta
 from services.gateway.sse import JSON, end_span, request_log, sse_event
 from shared.tracing import inject
 
-if TYPE_CHECKING:
-    from services.gateway.serving import OpenAIServing
 
 
 class Answer:
@@ -41,7 +39,7 @@ class Answer:
 
     ID_PREFIX: str | None = None  # the response id's (None: a chat's or a completion's)
 
-    def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]],
+    def __init__(self, serving: ServingContext, request: Request, body, params, prompts: list[list[int]],
                  tools: ToolChoice | None, span, ctx) -> None:
         self.s = serving
         self.request = request

@@ -38,8 +38,10 @@ LLMBUS_VERSION = llmbus_version()
 log = logging.getLogger("llmbus.gateway")
 
 
-def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) -> FastAPI:
-    """`client_factory(on_stats)` is awaited at startup and returns a started EngineClient."""
+def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None, join_peers=None) -> FastAPI:
+    """`client_factory(on_stats)` is awaited at startup and returns a started engine client
+    (engine.Engine); `join_peers(serving, client)`, where given, is awaited next: it joins
+    the deployment's other gateways (the shell's; a test's app stands alone)."""
     metrics = GatewayMetrics(config.model_name)
     keys = ApiKeys(config.api_keys, config.api_key_file)
 
@@ -53,7 +55,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None) ->
         client = await client_factory(metrics.observe_stats)
         tracer_ = tracer or trace.get_tracer("llmbus.gateway")
         app.state.serving = OpenAIServing(client, tokenizer, config, metrics, tracer_)
-        await app.state.serving.start()
+        if join_peers is not None:
+            await join_peers(app.state.serving, client)
         yield
         close = getattr(client, "aclose", None)
         if close is not None:

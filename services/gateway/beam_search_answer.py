@@ -10,13 +10,13 @@ once and the returned beams' tokens.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from services.gateway import response_bodies as r
 from services.gateway.sse import JSON, end_span, request_log
+from services.gateway.context import ServingContext
 from services.gateway.errors import BadRequest, raise_for_engine_error, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.protocol import ChatCompletionRequest
@@ -24,12 +24,10 @@ from services.gateway.request_ids import request_names
 from shared.processing.beam_search import BeamSearch, BeamSearchParams, advance_each, step_batch
 from shared.tracing import inject
 
-if TYPE_CHECKING:
-    from services.gateway.serving import OpenAIServing
 
 
 class BeamSearchAnswer:
-    def __init__(self, serving: OpenAIServing, request: Request, body, params, prompts: list[list[int]], tools,
+    def __init__(self, serving: ServingContext, request: Request, body, params, prompts: list[list[int]], tools,
                  span, ctx) -> None:
         self.s, self.body, self.prompts, self.span, self.ctx = serving, body, prompts, span, ctx
         self.chat = isinstance(body, ChatCompletionRequest)

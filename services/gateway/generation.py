@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.gateway.shell.engine_client import EngineClient
+from services.gateway.engine import Engine
 from services.gateway.errors import Unavailable, raise_for_engine_error
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutput
@@ -101,7 +101,7 @@ class Usage:
 
 
 async def generate(
-    client: EngineClient,
+    client: Engine,
     tokenizer_backend,
     base_id: str,
     prompts: list[list[int]],

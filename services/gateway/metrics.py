@@ -305,3 +305,13 @@ class _IterationTokens:
             buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
             family.add_metric([self.model_name, scheduler], buckets + [("+Inf", cumulative[-1])], tokens)
         yield family
+
+
+class OwnMetrics:
+    """/metrics of this gateway alone (shell/sibling_metrics.py merges its siblings' on a shared port)."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    async def exposition(self) -> bytes:
+        return self.metrics.render()

@@ -11,14 +11,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from opentelemetry import trace
 
-from services.gateway import response_bodies as r
 from services.gateway.beam_search_answer import BeamSearchAnswer
 from services.gateway.answer import Answer
+from services.gateway.context import ServingContext
 from services.gateway.sse import end_span
-from services.gateway.shell.engine_client import EngineClient
 from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
-from services.gateway.lora_modules import LoRAModules
-from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import ChatCompletionRequest, parse_body
 from services.gateway.engine_params import (
     completion_prompts,
@@ -29,43 +26,17 @@ from services.gateway.engine_params import (
 )
 from services.gateway.parsers.reasoning import KEEPS_SPECIAL_TOKENS
 from services.gateway.request_ids import client_request_id
-from services.gateway.shell.peers import GatewayPeers
-from services.gateway.shell.response_peers import ResponsePeers
-from services.gateway.responses_api.store import ResponseStore
-from services.gateway.shell.sibling_metrics import SiblingMetrics
 from services.gateway.tools import tool_choice_of
-from shared.config import STRUCTURED_CHECK_TIMEOUT_S, GatewayConfig
+from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.hf.generation_config import stop_at_model_eos
-from shared.lora_request import LoRARequest
 from shared.messages import TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
 
 
-class OpenAIServing:
-    def __init__(self, client: EngineClient, tokenizer, config: GatewayConfig, metrics: GatewayMetrics,
-                 tracer) -> None:
-        self.client = client
-        self.tokenizer = tokenizer
-        self.config = config
-        self.metrics = metrics
-        self.tracer = tracer
-        self.loras = LoRAModules(config.model_name, config.lora_modules)
-        self.logprobs = r.LogprobsFormatter(tokenizer.backend)
-        self.logprobs_as_ids = r.LogprobsFormatter(tokenizer.backend, as_token_ids=True)
-        # The Responses API's stored responses, this gateway's and (once started) the others'
-        self.responses = ResponsePeers(ResponseStore(config.responses_store_bytes))
-        self.port_metrics = SiblingMetrics(metrics)  # /metrics: its own, or its siblings' too
-        self.server_load = 0  # requests being answered (vLLM's /load)
-
-    async def start(self) -> None:
-        """The deployment's other gateways, where this one is on the bus (not in a test's app)."""
-        nc = getattr(self.client, "nc", None)
-        if nc is not None:
-            peers = GatewayPeers(nc, self.client.subjects, self.client.reply_subject, self.client.group)
-            await peers.start()
-            await self.responses.start(peers)
-            await self.port_metrics.start(peers)
+class OpenAIServing(ServingContext):
+    """Prepares each request (parse, validate, tokenize, params) and hands it, with the
+    context it was made with, to the answer that serves it."""
 
     async def handle(self, request: Request, kind: type, answer: type = Answer) -> Response:
         """`kind`: the body's struct (a completion, a chat, or one that becomes a chat:
@@ -122,14 +93,6 @@ class OpenAIServing:
             served = ", ".join(f"`{m}`" for m in (*names, *(n for n, _ in self.loras.items())))
             raise NotFound(f"the model `{model}` does not exist; this server serves {served}", "model",
                            "model_not_found")
-
-    def lora_of(self, model: str | None) -> LoRARequest | None:
-        """The adapter a (checked) model name asks for; None for the base model."""
-        return self.loras.get(model)
-
-    def response_model(self, model: str | None) -> str:
-        """The `model` a response names: the adapter asked for, else the base model."""
-        return model if model in self.loras else self.config.model_name
 
     async def _prepare(self, request: Request, kind, ctx):
         if self.client.scheduler_silent():

@@ -60,3 +60,16 @@ class ResponseStore:
             return False
         self.num_bytes -= entry.size
         return True
+
+
+class StoredHere:
+    """The stored responses of this gateway alone (shell/response_peers.py asks the others too)."""
+
+    def __init__(self, store: ResponseStore) -> None:
+        self.store = store
+
+    async def find(self, response_id: str) -> StoredResponse | None:
+        return self.store.get(response_id)
+
+    async def delete(self, response_id: str) -> bool:
+        return self.store.delete(response_id)

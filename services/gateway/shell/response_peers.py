@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from services.gateway.shell.peers import GatewayPeers
-from services.gateway.responses_api.store import ResponseStore
+from services.gateway.responses_api.store import ResponseStore, StoredHere
 from shared.bus import encode
 from shared.messages import StoredResponse, StoredResponseAnswer, StoredResponseQuery
 
@@ -20,9 +20,9 @@ _answer = msgspec.msgpack.Decoder(StoredResponseAnswer)
 _query = msgspec.msgpack.Decoder(StoredResponseQuery)
 
 
-class ResponsePeers:
+class ResponsePeers(StoredHere):
     def __init__(self, store: ResponseStore) -> None:
-        self.store = store
+        super().__init__(store)
         self.peers: GatewayPeers | None = None  # (set by start: the others, over the bus)
 
     async def start(self, peers: GatewayPeers) -> None:

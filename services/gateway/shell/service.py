@@ -10,7 +10,11 @@ import uuid
 import uvicorn
 
 from services.gateway.app import create_app
+from services.gateway.serving import OpenAIServing
 from services.gateway.shell.engine_client import EngineClient
+from services.gateway.shell.peers import GatewayPeers
+from services.gateway.shell.response_peers import ResponsePeers
+from services.gateway.shell.sibling_metrics import SiblingMetrics
 from services.tokenizer.tokenizer import Tokenizer
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, exit_if_stuck
 from shared.config import GatewayConfig
@@ -45,7 +49,18 @@ def build_app(tokenizer_path: str, nats_url: str, config: GatewayConfig, timeout
         client.aclose = aclose  # type: ignore[attr-defined]
         return client
 
-    return create_app(client_factory, tokenizer, config, setup_tracing("gateway"))
+    return create_app(client_factory, tokenizer, config, setup_tracing("gateway"), join_peers)
+
+
+async def join_peers(serving: OpenAIServing, client: EngineClient) -> None:
+    """The deployment's other gateways: stored responses found and dropped at any of them,
+    and /metrics merged across the gateways of one port."""
+    peers = GatewayPeers(client.nc, client.subjects, client.reply_subject, client.group)
+    await peers.start()
+    serving.responses = ResponsePeers(serving.responses.store)
+    await serving.responses.start(peers)
+    serving.port_metrics = SiblingMetrics(serving.metrics)
+    await serving.port_metrics.start(peers)
 
 
 def serve(tokenizer_path: str, nats_url: str, config: GatewayConfig, host: str, port: int,

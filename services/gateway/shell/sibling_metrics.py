@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, OwnMetrics
 from services.gateway.shell.peers import GatewayPeers
 from shared.bus import encode
 from shared.messages import MetricsQuery
@@ -15,9 +15,9 @@ from shared.messages import MetricsQuery
 _query = msgspec.msgpack.Decoder(MetricsQuery)
 
 
-class SiblingMetrics:
+class SiblingMetrics(OwnMetrics):
     def __init__(self, metrics: GatewayMetrics) -> None:
-        self.metrics = metrics
+        super().__init__(metrics)
         self.peers: GatewayPeers | None = None  # (set by start: siblings, over the bus)
 
     async def start(self, peers: GatewayPeers) -> None:
