@@ -33,7 +33,8 @@ from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.processing.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.hf.classification import classifier_of
-from shared.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, scheduler_context
+from shared.config import (CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig,
+                           scheduler_context)
 from shared.gc_heap import frozen_heap
 from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
@@ -122,14 +123,14 @@ class LLM:
         )
         # An unsupported model fails in the runner's constructor, before any weight loads.
         self.executor = InProcessExecutor(
-            lambda: ModelRunner(
-                path, cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
+            lambda: ModelRunner(path, WorkerConfig(
+                cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
                 max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
                 # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
                 max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
                 load_format=load_format, device=device, lora_config=lora_config, seed=seed, tokenizer=tokenizer_path,
                 max_num_seqs=max_num_seqs,
-            ),
+            )),
             threads,
         )
         self.runner = self.executor.runner

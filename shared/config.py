@@ -241,3 +241,24 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config does not take {', '.join(sorted(unknown))}")
         return cls(**value)
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """What a model runner is built with (ModelRunner(model_path, WorkerConfig)): the offline
+    LLM and `llmbus worker` build one each, from the same flags."""
+
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    dtype: str = "float32"  # --dtype: float32 (transformers' greedy output), bfloat16, float16, auto
+    attention_backend: str | None = None  # None: triton on a GPU, torch on a CPU
+    max_model_len: int | None = None  # None: the model's
+    device: str | None = None  # None: "cuda" when there is one, else "cpu"
+    quantization: str | None = None  # --quantization int8|int4; None: the checkpoint's own where served so
+    speculative_config: SpeculativeConfig | None = None
+    enforce_eager: bool = False  # no CUDA graphs
+    max_cudagraph_capture_size: int = 256  # the largest decode batch captured as a graph
+    load_format: str = "auto"  # "dummy": random weights of the config's shape
+    lora_config: LoRAConfig | None = None  # --enable-lora: serve LoRA adapters
+    seed: int | None = None  # vLLM's --seed: unseeded requests' draws repeat from run to run
+    tokenizer: str | None = None  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
+    max_num_seqs: int = 128  # a hybrid model's recurrent state is allocated for this many requests

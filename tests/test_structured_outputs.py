@@ -300,7 +300,7 @@ def test_the_worker_builds_the_grammar_compiler_before_it_joins_the_bus(tiny_lla
 
     from services.worker.shell import service
     from shared.structured_output import GrammarBackend
-    from shared.config import CacheConfig
+    from shared.config import CacheConfig, WorkerConfig
 
     built, connected_after_build = [], []
     build = GrammarBackend._build_compiler
@@ -320,5 +320,6 @@ def test_the_worker_builds_the_grammar_compiler_before_it_joins_the_bus(tiny_lla
     monkeypatch.setattr(GrammarBackend, "_build_compiler", slow_build)
     monkeypatch.setattr(service, "connect", connect)
     with pytest.raises(Joined):
-        asyncio.run(service.serve(str(tiny_llama), "nats://127.0.0.1:1", "tiny", CacheConfig(num_kv_blocks=16)))
+        asyncio.run(service.serve(str(tiny_llama), "nats://127.0.0.1:1", "tiny",
+                                  WorkerConfig(CacheConfig(num_kv_blocks=16))))
     assert connected_after_build == [True]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, GatewayConfig,
-                           LoRAConfig, SchedulerConfig, SpeculativeConfig, scheduler_context)
+                           LoRAConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig, scheduler_context)
 from shared.hf.classification import classifier_of
 from shared.hf.generation_config import SOURCES_HELP, default_sampling, model_eos_ids
 from shared.lora_request import LoRARequest, parse_lora_modules
@@ -272,6 +272,17 @@ def cache_config(args: argparse.Namespace) -> CacheConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
+    )
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """`llmbus worker`'s model runner, from its flags."""
+    return WorkerConfig(
+        cache_config=cache_config(args), dtype=args.dtype, attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len, quantization=args.quantization, speculative_config=args.speculative_config,
+        enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        load_format=args.load_format, lora_config=lora_config(args), seed=args.seed, tokenizer=args.tokenizer,
+        max_num_seqs=args.max_num_seqs,
     )
 
 

@@ -20,7 +20,6 @@ from llmbus.cli.args import (
     add_speculative_args,
     add_worker_args,
     as_env,
-    cache_config,
     env,
     env_flag,
     gateway_config,
@@ -29,6 +28,7 @@ from llmbus.cli.args import (
     lora_modules,
     runtime_lora_updating,
     scheduler_config,
+    worker_config,
 )
 from llmbus.cli.service_args import (
     add_bus_args,
@@ -122,13 +122,8 @@ def cmd_worker(args) -> int:
     from services.worker.shell.service import serve
 
     path, name = _setup(args)
-    asyncio.run(serve(path, args.nats_url, name, cache_config(args), args.dtype, args.attention_backend,
-                      args.max_model_len, args.worker_id, threads=args.threads,
-                      quantization=args.quantization, speculative_config=args.speculative_config,
-                      enforce_eager=args.enforce_eager, max_cudagraph_capture_size=args.max_cudagraph_capture_size,
-                      load_format=args.load_format, auth=bus_auth(args), lora_config=lora_config(args),
-                      seed=args.seed, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
-                      ready=_FreezeWhenReady("worker")))
+    asyncio.run(serve(path, args.nats_url, name, worker_config(args), args.worker_id, threads=args.threads,
+                      auth=bus_auth(args), ready=_FreezeWhenReady("worker")))
     return 0
 
 

@@ -9,6 +9,7 @@ and read those tokens on the device (launched_step.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import os
@@ -43,7 +44,7 @@ from services.worker.step_inputs import StepInputs
 from services.worker.sample import grammar, prompt_logprobs
 from services.worker.sample.grammar import plain_greedy, split_ready
 from shared.structured_output import GrammarBackend
-from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
+from shared.config import CacheConfig, WorkerConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
 
 _ARGMAX_ONLY = operator.attrgetter("argmax_only")
@@ -53,25 +54,13 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model_path: str | Path,
-        cache_config: CacheConfig | None = None,
-        dtype: str = "float32",
-        attention_backend: str | None = None,
-        max_model_len: int | None = None,
-        device: str | None = None,
-        quantization: str | None = None,
-        speculative_config: SpeculativeConfig | None = None,
-        *,
-        enforce_eager: bool = False,
-        max_cudagraph_capture_size: int = 256,
-        load_format: str = "auto",
-        lora_config: LoRAConfig | None = None,  # --enable-lora: serve LoRA adapters
-        seed: int | None = None,  # vLLM's --seed: unseeded requests' draws repeat from run to run
-        tokenizer: str | None = None,  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
-        max_num_seqs: int = 128,  # vLLM's: a hybrid model's recurrent state is allocated for this many requests
-    ) -> None:
+    def __init__(self, model_path: str | Path, config: WorkerConfig | None = None, **fields) -> None:
+        """`fields`: WorkerConfig's, over `config` (or its defaults)."""
+        self.config = config = dataclasses.replace(config or WorkerConfig(), **fields)
+        cache_config, dtype, attention_backend, max_model_len = (config.cache_config, config.dtype,
+                                                                 config.attention_backend, config.max_model_len)
+        device, quantization, speculative_config, lora_config = (config.device, config.quantization,
+                                                                 config.speculative_config, config.lora_config)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
@@ -87,7 +76,7 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
-                                self.device, load_format)
+                                self.device, config.load_format)
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
@@ -95,7 +84,7 @@ class ModelRunner:
         # state a request in place of KV blocks (layers/gated_delta_net.py, short_conv.py,
         # mamba2.py): a row for each request it may hold at once, found by the request's
         # block-table row, and one more, where a decode graph's pads write.
-        self.recurrent_rows = max_num_seqs if self.model_config.recurrent_layers else 0
+        self.recurrent_rows = config.max_num_seqs if self.model_config.recurrent_layers else 0
         # With prefix caching, up to as many rows again of snapshots (as the budget allows:
         # size_kv_cache), past the pad row: a request's state at a cached block's end
         # (services/scheduler/core/state_snapshots.py).
@@ -107,7 +96,6 @@ class ModelRunner:
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
             lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
-        self.lora_config = lora_config
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
         # id -> why, sent with the step's output.
@@ -119,18 +107,18 @@ class ModelRunner:
             self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
                                                                self.dtype))
-        self.max_cudagraph_capture_size = max_cudagraph_capture_size
+        self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
         # a step's launches cost little beside its products (and the fused decode layer
         # already makes one call a layer).
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
         # (+1: a step's blocks may reach one past max_model_len's, for the token it samples.)
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
-        self.sampler = Sampler(seed)
-        self.grammars = GrammarBackend(tokenizer or model_path, self.vocab_size)
+        self.sampler = Sampler(config.seed)
+        self.grammars = GrammarBackend(config.tokenizer or model_path, self.vocab_size)
         self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -177,7 +165,7 @@ class ModelRunner:
     def describe(self, worker_id: str = "", model: str = "", incarnation: int = 0) -> WorkerInfo:
         """What a scheduler needs to know of this runner (Scheduler.for_worker), as a worker
         announces it on the bus."""
-        lora = self.lora_config
+        lora = self.config.lora_config
         return WorkerInfo(
             worker_id=worker_id, model=model, num_kv_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, eos_token_id=self.model_config.eos_token_id,

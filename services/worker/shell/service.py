@@ -20,7 +20,7 @@ from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
-from shared.config import CacheConfig, LoRAConfig, SpeculativeConfig
+from shared.config import WorkerConfig
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
@@ -30,34 +30,19 @@ async def serve(
     model_path: str,
     nats_url: str,
     model_name: str,
-    cache_config: CacheConfig,
-    dtype: str = "float32",
-    attention_backend: str | None = None,
-    max_model_len: int | None = None,
+    worker_config: WorkerConfig,
     worker_id: str | None = None,
     heartbeat_s: float = 0.5,
     drain_timeout_s: float = 10.0,
     threads: int | None = None,
     ready: asyncio.Event | None = None,
-    quantization: str | None = None,
-    speculative_config: SpeculativeConfig | None = None,
-    enforce_eager: bool = False,
-    max_cudagraph_capture_size: int = 256,
-    load_format: str = "auto",
     auth: BusAuth | None = None,
-    lora_config: LoRAConfig | None = None,
-    seed: int | None = None,
-    tokenizer: str | None = None,
-    max_num_seqs: int = 128,
 ) -> None:
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
     executor = InProcessExecutor(
-        lambda: ModelRunner(model_path, cache_config, dtype, attention_backend, max_model_len, None, quantization,
-                            speculative_config, enforce_eager=enforce_eager,
-                            max_cudagraph_capture_size=max_cudagraph_capture_size, load_format=load_format,
-                            lora_config=lora_config, seed=seed, tokenizer=tokenizer, max_num_seqs=max_num_seqs),
+        lambda: ModelRunner(model_path, worker_config),
         threads,
     )
     runner = executor.runner
