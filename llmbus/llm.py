@@ -22,16 +22,15 @@ from typing import TypeVar
 import msgspec
 from tqdm import tqdm
 
-from llmbus.inputs import Prompt, TokensPrompt, is_one_prompt, parse_prompt
+from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
+from llmbus.llm_apis import GenerateBasedAPIs
 from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_hf_overrides
-from llmbus.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                            EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from llmbus.outputs import CompletionOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.core.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
-from shared.processing.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.hf.classification import classifier_of
 from shared.config import (CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig,
                            scheduler_context)
@@ -41,13 +40,14 @@ from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.processing.output_processor import ParentRequest
 from shared.hf.pooling_config import unsupported_pooling
-from shared.sampling_params import RequestOutputKind, SamplingParams, embedding_params, with_bad_words_tokenized
-from shared.processing.scoring import cosine, pair_token_ids, score_pairs
+from shared.sampling_params import RequestOutputKind, SamplingParams, with_bad_words_tokenized
 
 T = TypeVar("T")
 
 
-class LLM:
+class LLM(GenerateBasedAPIs):
+    """vLLM's offline LLM: the engine, `generate` and `step` (chat, embed, ...: llm_apis.py)."""
+
     def __init__(
         self,
         model: str | None = None,
@@ -254,109 +254,6 @@ class LLM:
                 concurrent.futures.wait([running])
             raise
 
-    def score(self, text_1: Prompt | Sequence[Prompt], text_2: Prompt | Sequence[Prompt], use_tqdm: bool = False,
-              lora_request: LoRARequest | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's: each pair's score (one text_1 against every text_2, or text_1[i] against
-        text_2[i]): from an embedding model the cosine similarity of the two texts'
-        embeddings, each distinct text embedded once; from a cross-encoder (a classifier of
-        one label) its output on the pair encoded together."""
-        texts, pairs = score_pairs(text_1, text_2, limit=1 << 30)
-        if self.classifier is not None:
-            if not self.classifier.cross_encoder:
-                raise ValueError(f"a classifier of {len(self.classifier.labels)} labels does not score pairs "
-                                 "(a cross-encoder has one): LLM.classify")
-            together = [pair_token_ids(self.tokenizer.hf, texts[a], texts[b]) for a, b in pairs]
-            results = self.generate(together, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-            return [ScoringRequestOutput(r.request_id, ScoringOutput(self.classifier.probabilities(r.embedding)[0]),
-                                         r.prompt_token_ids) for r in results]
-        embedded = self.embed(texts, use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ScoringRequestOutput(f"{embedded[a].request_id}_{embedded[b].request_id}",
-                                     ScoringOutput(cosine(embedded[a].outputs.embedding, embedded[b].outputs.embedding)),
-                                     embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
-                for a, b in pairs]
-
-    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
-              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
-        """vLLM's: each prompt's embedding, the model's final hidden state at its last
-        token, L2-normalized (last-token pooling, as decoder embedding models such as
-        Qwen3-Embedding and e5-mistral are trained for)."""
-        if self.unsupported_pooling is not None:
-            raise ValueError(self.unsupported_pooling)
-        if self.classifier is not None:
-            raise ValueError("this model is a sequence classifier: LLM.classify (served: /classify), not embeddings")
-        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
-
-    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[ClassificationRequestOutput]:
-        """vLLM's, for a sequence classifier (`*ForSequenceClassification`): each prompt's
-        class probabilities, from its score head at the prompt's last token."""
-        if self.classifier is None:
-            raise ValueError("this model is not a sequence classifier (no *ForSequenceClassification in its config)")
-        results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
-        return [ClassificationRequestOutput(r.request_id, r.prompt_token_ids,
-                                            ClassificationOutput(self.classifier.probabilities(r.embedding)))
-                for r in results]
-
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
-                    lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's: each prompt's `beam_width` best beams (shared/processing/beam_search.py), every beam
-        of every prompt a request of each step's batch; a sequence's `tokens` are the
-        prompt's and its own, its `text` all of them decoded (as vLLM's)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]  # type: ignore[list-item]
-        searches = []
-        for prompt in prompts:  # type: ignore[union-attr]
-            parsed = parse_prompt(prompt)
-            token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
-            searches.append(BeamSearch(token_ids, params, self.eos_token_id, self.runner.max_model_len))
-        step = params.step_params()
-        with tqdm(total=params.max_tokens, disable=not use_tqdm, desc="beam search", unit="token") as bar:
-            while (batch := step_batch(searches))[0]:
-                live, prompts = batch
-                results = self.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], step,
-                                        lora_request=lora_request)
-                advance_each(live, [r.outputs[0].logprobs[0] if r.outputs[0].logprobs else None for r in results])
-                bar.update(1)
-        answers = []
-        for search in searches:
-            best = search.best()
-            for beam in best:
-                beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=False)
-            answers.append(BeamSearchOutput(best))
-        return answers
-
-    def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        add_generation_prompt: bool = True,
-        use_tqdm: bool = False,
-        continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        chat_template: str | None = None,
-        tools: list[dict] | None = None,
-    ) -> list[RequestOutput]:
-        """vLLM's: `continue_final_message` goes on from a last assistant message (with
-        add_generation_prompt=False); `chat_template_kwargs` are the template's own
-        variables (Qwen3's enable_thinking); `chat_template`, a Jinja template's text, in
-        place of the model's; `tools`, OpenAI's function tools, shown to the model as the
-        served chat shows them (the output is the model's text: calls are not parsed).
-        Messages are OpenAI's, as served: content a string or text parts."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            self.tokenizer.render_chat(conv, add_generation_prompt, tools, continue_final_message,
-                                       chat_template_kwargs, chat_template)
-            for conv in conversations  # type: ignore[union-attr]
-        ]
-        # Token ids, as the template rendered them (its special tokens its own: no BOS added)
-        outputs = self.generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
-                                sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
-        for out, text in zip(outputs, texts):
-            out.prompt = text  # (vLLM's: the rendered conversation)
-        return outputs
 
     # ---- the engine -------------------------------------------------------------------
 
