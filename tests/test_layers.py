@@ -183,3 +183,11 @@ def test_our_kernels_package_is_never_taken_for_hugging_faces():
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_no_file_in_the_engine_passes_400_lines():
+    """A file does one thing and stays under 400 lines (kernels/cpu's ctypes bindings and
+    the tests aside)."""
+    long = {str(path.relative_to(ROOT)): n for top in ("llmbus", "services", "shared")
+            for path in (ROOT / top).rglob("*.py") if (n := len(path.read_text().splitlines())) > 400}
+    assert long == {}
