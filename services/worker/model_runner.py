@@ -57,20 +57,16 @@ class ModelRunner:
     def __init__(self, model_path: str | Path, config: WorkerConfig | None = None, **fields) -> None:
         """`fields`: WorkerConfig's, over `config` (or its defaults)."""
         self.config = config = dataclasses.replace(config or WorkerConfig(), **fields)
-        cache_config, dtype, attention_backend, max_model_len = (config.cache_config, config.dtype,
-                                                                 config.attention_backend, config.max_model_len)
-        device, quantization, speculative_config, lora_config = (config.device, config.quantization,
-                                                                 config.speculative_config, config.lora_config)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = resolve_dtype(dtype, model_path, self.device)  # ("auto": the checkpoint's)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = resolve_dtype(config.dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.model_config = ModelConfig.from_folder(model_path)
-        quantization = choose_quantization(quantization, self.model_config.quantized_weights, dtype, self.device,
-                                           model_path)
+        quantization = choose_quantization(config.quantization, self.model_config.quantized_weights, dtype,
+                                           self.device, model_path)
         self.quantization = quantization
         # Triton kernels on a GPU; plain PyTorch on the CPU (Triton there only interprets).
-        attention_backend = attention_backend or ("triton" if self.device.type == "cuda" else "torch")
-        self.cache_config = cache_config or CacheConfig()
-        self.max_model_len = min(self.model_config.max_model_len, max_model_len or 1 << 62)
+        attention_backend = config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        self.cache_config = config.cache_config or CacheConfig()
+        self.max_model_len = min(self.model_config.max_model_len, config.max_model_len or 1 << 62)
         self.dtype = parse_dtype(dtype)
         self.kv_cache_dtype = cache_dtype(self.cache_config.cache_dtype, self.dtype)
         self.block_size = self.cache_config.block_size
@@ -89,13 +85,14 @@ class ModelRunner:
         # size_kv_cache), past the pad row: a request's state at a cached block's end
         # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
-        if self.recurrent_rows and speculative_config is not None:
+        if self.recurrent_rows and config.speculative_config is not None:
             raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
                              "recurrent layers' state cannot take back rejected drafts")
         self.num_blocks, self.recurrent_rows, self.snapshot_rows = size_kv_cache(
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
             lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
+        lora_config = config.lora_config
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
         # id -> why, sent with the step's output.
@@ -119,7 +116,7 @@ class ModelRunner:
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarBackend(config.tokenizer or model_path, self.vocab_size)
-        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         # Steps launched whose tokens are not on the host yet (see launch), oldest first.

@@ -36,6 +36,7 @@ from shared.messages import (
     WorkerInfo,
 )
 
+
 class Scheduler(RequestQueues):
     """Each step: who runs and with how many tokens (schedule), then what the worker's
     answer does to each request (update_from_output). RequestQueues holds the requests."""
@@ -53,15 +54,13 @@ class Scheduler(RequestQueues):
         recurrent_snapshot_rows: int = 0,  # and the snapshots of that state it keeps for the prefix cache
     ) -> None:
         config, self.snapshots = StateSnapshots.for_hybrid(config, recurrent_rows, recurrent_snapshot_rows)
-        self.config = config
+        super().__init__(config, KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
+                                                long_rope_threshold))
         self.max_loras = max_loras
         self.vocab_size = vocab_size
         self.generates = generates
-        self.kv_cache_manager = KVCacheManager(num_kv_blocks, block_size, config.enable_prefix_caching,
-                                               long_rope_threshold)
         # A request must fit in the cache on its own, or it could never finish.
         self.max_model_len = min(config.max_model_len, num_kv_blocks * block_size)
-        RequestQueues.__init__(self, config, self.kv_cache_manager)
         self._step_id = 0
         self.num_generation_tokens = 0
         self.speculation = Speculation(config.num_speculative_tokens, config.speculative_disable_by_batch_size)
