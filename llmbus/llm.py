@@ -254,7 +254,6 @@ class LLM(GenerateBasedAPIs):
                 concurrent.futures.wait([running])
             raise
 
-
     # ---- the engine -------------------------------------------------------------------
 
     def step(self) -> list[str]:

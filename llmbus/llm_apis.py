@@ -48,7 +48,6 @@ class GenerateBasedAPIs:
                                      embedded[a].prompt_token_ids + embedded[b].prompt_token_ids)
                 for a, b in pairs]
 
-
     def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
               lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding, the model's final hidden state at its last
@@ -61,7 +60,6 @@ class GenerateBasedAPIs:
         results = self.generate(prompts, embedding_params(), use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(r.embedding)) for r in results]
 
-
     def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[ClassificationRequestOutput]:
@@ -73,7 +71,6 @@ class GenerateBasedAPIs:
         return [ClassificationRequestOutput(r.request_id, r.prompt_token_ids,
                                             ClassificationOutput(self.classifier.probabilities(r.embedding)))
                 for r in results]
-
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams,
                     lora_request: LoRARequest | None = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -102,7 +99,6 @@ class GenerateBasedAPIs:
                 beam.text = self.tokenizer.decode(beam.tokens, skip_special_tokens=False)
             answers.append(BeamSearchOutput(best))
         return answers
-
 
     def chat(
         self,

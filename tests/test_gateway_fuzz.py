@@ -37,6 +37,7 @@ json_values = st.recursive(
     max_leaves=12,
 )
 
+
 def message():
     known = {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=30)}
     return st.one_of(st.fixed_dictionaries(known), st.fixed_dictionaries(known, optional={"extra": json_values}))

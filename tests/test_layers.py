@@ -18,6 +18,8 @@ FLOORS = {"kernels": 0, "shared": 1, "services": 2, "llmbus": 3}
 # what `llmbus serve` deploys.
 NATS_ALLOWED = ("services.gateway.shell.", "services.scheduler.shell.", "services.tokenizer.shell.",
                 "services.worker.shell.", "shared.bus", "llmbus.deploy.")
+
+
 @dataclass(frozen=True, slots=True)
 class Import:
     source: str  # the importing module

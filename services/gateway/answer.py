@@ -32,7 +32,6 @@ from services.gateway.sse import JSON, end_span, request_log, sse_event
 from shared.tracing import inject
 
 
-
 class Answer:
     """One request's answer: its deltas collected into a body, or framed as SSE. A batch of
     prompts has n choices for each, prompt by prompt (choice p * n + i)."""

@@ -25,7 +25,6 @@ from shared.processing.beam_search import BeamSearch, BeamSearchParams, advance_
 from shared.tracing import inject
 
 
-
 class BeamSearchAnswer:
     def __init__(self, serving: ServingContext, request: Request, body, params, prompts: list[list[int]], tools,
                  span, ctx) -> None:

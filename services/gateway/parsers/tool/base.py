@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+
 @dataclass(slots=True)
 class ToolCallDelta:
     index: int  # which of the choice's calls

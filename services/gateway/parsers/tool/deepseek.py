@@ -6,6 +6,7 @@ import re
 
 from services.gateway.parsers.tool.hermes import HermesToolParser
 
+
 class DeepSeekV3ToolParser(HermesToolParser):
     """vLLM's `deepseek_v3` (DeepSeek-V3, R1): after the content, one
     `<｜tool▁calls▁begin｜>` block of calls, each `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`

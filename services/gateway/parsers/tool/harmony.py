@@ -5,6 +5,7 @@ from __future__ import annotations
 from services.gateway.parsers.harmony import HarmonyStream
 from services.gateway.parsers.tool.base import ParsedDelta, ToolCallDelta, new_call_id
 
+
 class HarmonyToolParser:
     """vLLM's `openai`: gpt-oss's harmony messages to `functions.NAME` are calls, their
     bodies the arguments (harmony.py reads the messages); other messages' text is content."""

@@ -8,6 +8,7 @@ import re
 from services.gateway.parsers.streamed import partial_suffix
 from services.gateway.parsers.tool.base import ParsedDelta, ToolCallDelta, call_of, new_call_id
 
+
 class HermesToolParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"  # a call's block
 

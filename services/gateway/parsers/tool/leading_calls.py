@@ -6,6 +6,7 @@ import json
 
 from services.gateway.parsers.tool.base import ParsedDelta, ToolCallDelta, balanced_end, call_of, new_call_id
 
+
 class _LeadingCallsParser:
     """Models whose answer is either text or, from its first character, calls alone (Llama
     3's JSON, Llama 3.2's and 4's Python list): the first character that is not space
