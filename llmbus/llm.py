@@ -32,8 +32,7 @@ from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.hf.classification import classifier_of
-from shared.config import (CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig, WorkerConfig,
-                           scheduler_context)
+from shared.engine_args import EngineArgs
 from shared.gc_heap import frozen_heap
 from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
@@ -48,107 +47,25 @@ T = TypeVar("T")
 class LLM(GenerateBasedAPIs):
     """vLLM's offline LLM: the engine, `generate` and `step` (chat, embed, ...: llm_apis.py)."""
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        quantization: str | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,  # None: 1 GiB (VLLM_CPU_KVCACHE_SPACE), or as below on a GPU
-        gpu_memory_utilization: float | None = None,  # vLLM's: a GPU's share this engine may hold
-        block_size: int = 16,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        scheduling_policy: str = "fcfs",
-        max_logprobs: int = 20,  # vLLM's: the most logprobs a request may ask for (-1: the vocabulary)
-        attention_backend: str | None = None,
-        threads: int | None = None,
-        async_scheduling: bool = True,
-        speculative_config: SpeculativeConfig | dict | None = None,
-        enforce_eager: bool = False,
-        max_cudagraph_capture_size: int | None = None,
-        load_format: str = "auto",
-        seed: int | None = None,  # vLLM's: unseeded requests' draws repeat from run to run (None: fresh)
-        tokenizer: str | None = None,  # vLLM's: the tokenizer's folder or Hub id, where not the model's
-        device: str | None = None,  # "cuda" when there is one, else "cpu"
-        generation_config: str = "auto",  # vLLM's: the model's sampling defaults (shared/hf/generation_config.py)
-        override_generation_config: dict | None = None,
-        # vLLM's LoRA options: adapters are then named per request (lora_request=)
-        enable_lora: bool = False,
-        max_loras: int = 1,
-        max_lora_rank: int = 16,
-        max_cpu_loras: int | None = None,
-        # vLLM's: a Hub model's commit, branch or tag, and the cache it is kept in
-        revision: str | None = None,
-        download_dir: str | None = None,
-        # vLLM's, taken as its command line's are: llmbus runs no code from a checkpoint, and
-        # a model runs on one device (more requests: more replicas, `llmbus serve --workers`).
-        trust_remote_code: bool = False,
-        hf_overrides: dict | None = None,  # vLLM's: keys over the model's config.json (model_fetch.with_hf_overrides)
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        swap_space: float | None = None,  # vLLM's: a preempted request is recomputed here (as in V1), nothing swapped
-        tokenizer_mode: str = "auto",  # vLLM's: the tokenizer's fast implementation (auto only)
-    ) -> None:
-        for name, size in (("tensor_parallel_size", tensor_parallel_size),
-                           ("pipeline_parallel_size", pipeline_parallel_size),
-                           ("data_parallel_size", data_parallel_size)):
-            if size != 1:
-                raise ValueError(f"{name}={size}: a model runs on one device here (no tensor, pipeline or data "
-                                 "parallelism); serve more requests with replicas (llmbus serve --workers N)")
-        if tokenizer_mode != "auto":
-            raise ValueError(f"tokenizer_mode={tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
-        path = with_hf_overrides(resolve_model(model, revision, download_dir), hf_overrides)
-        tokenizer_path = None if tokenizer is None else str(resolve_tokenizer(tokenizer, download_dir=download_dir))
-        self.default_sampling = default_sampling(path, generation_config, override_generation_config)
-        self.model_eos_ids = model_eos_ids(path, generation_config)  # ending requests beside the tokenizer's EOS
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        """`kwargs`: EngineArgs' fields (shared/engine_args.py), by vLLM's names; one it does
+        not know is a TypeError naming it."""
+        args = EngineArgs(model=model, **kwargs)
+        path = with_hf_overrides(resolve_model(model, args.revision, args.download_dir), args.hf_overrides)
+        tokenizer_path = (None if args.tokenizer is None
+                          else str(resolve_tokenizer(args.tokenizer, download_dir=args.download_dir)))
+        self.default_sampling = default_sampling(path, args.generation_config, args.override_generation_config)
+        self.model_eos_ids = model_eos_ids(path, args.generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
         self.classifier = classifier_of(path)  # a *ForSequenceClassification's labels
-        speculative = SpeculativeConfig.of(speculative_config)
-        lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
-        cache_config = CacheConfig(
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            cache_dtype=kv_cache_dtype,
-            enable_prefix_caching=enable_prefix_caching,
-        )
         # An unsupported model fails in the runner's constructor, before any weight loads.
-        self.executor = InProcessExecutor(
-            lambda: ModelRunner(path, WorkerConfig(
-                cache_config, dtype=dtype, quantization=quantization, attention_backend=attention_backend,
-                max_model_len=max_model_len, speculative_config=speculative, enforce_eager=enforce_eager,
-                # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
-                max_cudagraph_capture_size=max_cudagraph_capture_size or min(2 * max_num_seqs, 512),
-                load_format=load_format, device=device, lora_config=lora_config, seed=seed, tokenizer=tokenizer_path,
-                max_num_seqs=max_num_seqs,
-            )),
-            threads,
-        )
+        worker_config = args.worker_config(tokenizer_path)
+        self.executor = InProcessExecutor(lambda: ModelRunner(path, worker_config), args.threads)
         self.runner = self.executor.runner
         self.tokenizer = Tokenizer(tokenizer_path or path)
-        self.scheduler = Scheduler.for_worker(SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=scheduler_context(max_model_len, self.runner.max_model_len, max_num_batched_tokens,
-                                            enable_chunked_prefill),
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
-            scheduling_policy=scheduling_policy,
-            max_logprobs=max_logprobs,
-            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
-            speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
-        ), self.runner.describe())
-        self.engine = EngineCore(self.scheduler, self.executor, 2 if async_scheduling else 1)
+        self.scheduler = Scheduler.for_worker(args.scheduler_config(self.runner.max_model_len),
+                                              self.runner.describe())
+        self.engine = EngineCore(self.scheduler, self.executor, 2 if args.async_scheduling else 1)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._ids = itertools.count()
         # engine request id -> (its client request, what `generate` returns for it)

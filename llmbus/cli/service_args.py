@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from llmbus.cli.args import env, env_flag
+from shared.flags import env, env_flag
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 

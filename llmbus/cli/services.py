@@ -1,6 +1,6 @@
 """The service subcommands: `llmbus gateway|tokenizer|scheduler|worker|serve`.
 
-Every knob is a flag with an `LLMBUS_*` environment default (llmbus/cli/args.py), so
+Every knob is a flag with an `LLMBUS_*` environment default (shared/flags.py), so
 compose files and `llmbus serve` start the very same commands; `serve` hands each child
 its flags as those variables instead of rendering them back into argv.
 """
@@ -13,23 +13,7 @@ import logging
 import os
 import sys
 
-from llmbus.cli.args import (
-    add_model_args,
-    add_prefix_caching_args,
-    add_scheduler_args,
-    add_speculative_args,
-    add_worker_args,
-    as_env,
-    env,
-    env_flag,
-    gateway_config,
-    hf_overrides,
-    lora_config,
-    lora_modules,
-    runtime_lora_updating,
-    scheduler_config,
-    worker_config,
-)
+from llmbus.cli.args import add_engine_args, as_env, gateway_config, lora_config, lora_modules, runtime_lora_updating
 from llmbus.cli.service_args import (
     add_bus_args,
     add_bus_auth_args,
@@ -42,6 +26,8 @@ from llmbus.cli.service_args import (
 )
 from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
                                  with_hf_overrides)
+from shared.engine_args import EngineArgs
+from shared.flags import env, env_flag
 from shared.gc_heap import freeze_heap
 from shared.hf.generation_config import default_sampling
 
@@ -69,7 +55,8 @@ def _model_name(args: argparse.Namespace) -> str:
 def _setup(args) -> tuple[str, str]:
     """The model's folder (fetched or downloaded once) and the deployment's name; the names
     are filled in where none was given, and --tokenizer made a folder too."""
-    path = str(with_hf_overrides(resolve_model(args.model, args.revision, args.download_dir), hf_overrides(args)))
+    overrides = EngineArgs.from_cli_args(args).hf_overrides
+    path = str(with_hf_overrides(resolve_model(args.model, args.revision, args.download_dir), overrides))
     args.served_model_name = served_names(args)
     if args.tokenizer:
         args.tokenizer = str(resolve_tokenizer(args.tokenizer, download_dir=args.download_dir))
@@ -122,7 +109,7 @@ def cmd_worker(args) -> int:
     from services.worker.shell.service import serve
 
     path, name = _setup(args)
-    asyncio.run(serve(path, args.nats_url, name, worker_config(args), args.worker_id, threads=args.threads,
+    asyncio.run(serve(path, args.nats_url, name, EngineArgs.from_cli_args(args).worker_config(), args.worker_id, threads=args.threads,
                       auth=bus_auth(args), ready=_FreezeWhenReady("worker")))
     return 0
 
@@ -131,7 +118,7 @@ def cmd_scheduler(args) -> int:
     from services.scheduler.shell.service import serve
 
     asyncio.run(serve(
-        args.nats_url, served_name(args), scheduler_config(args),
+        args.nats_url, served_name(args), EngineArgs.from_cli_args(args).scheduler_config(),
         step_timeout_s=args.step_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         gateway_timeout_s=args.gateway_timeout,
@@ -202,27 +189,22 @@ def cmd_serve(args) -> int:
 def add_service_commands(sub) -> None:
     p = sub.add_parser("tokenizer", help="run a tokenizer replica")
     add_bus_args(p)
-    add_model_args(p)
+    add_engine_args(p, "model")
     add_tokenizer_args(p)
     p.set_defaults(func=cmd_tokenizer)
 
     p = sub.add_parser("worker", help="run a worker (model runner + KV cache)")
     add_bus_args(p)
-    add_model_args(p)
-    add_worker_args(p)
-    add_prefix_caching_args(p)
-    add_speculative_args(p)
+    add_engine_args(p, "model", "worker", "prefix_caching", "speculative")
     p.add_argument("--worker-id", default=env("--worker-id", None))
-    # (the scheduler's flag: a hybrid model's worker allocates its recurrent state for that many requests)
-    p.add_argument("--max-num-seqs", type=int, default=env("--max-num-seqs", 128))
+    # (the scheduler's flag: a hybrid model's worker allocates its recurrent state for that many
+    # requests, and captures decode graphs up to twice that)
+    EngineArgs.add_cli_args(p, only=("max_num_seqs",))
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("scheduler", help="run the scheduler")
     add_bus_args(p)
-    add_model_args(p)
-    add_scheduler_args(p)
-    add_prefix_caching_args(p)
-    add_speculative_args(p)
+    add_engine_args(p, "model", "scheduler", "prefix_caching", "speculative")
     p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)),
                    help="seconds a worker may take for one step before it is declared dead")
     p.add_argument("--heartbeat-timeout", type=float, default=env("--heartbeat-timeout", 2.0),
@@ -238,7 +220,7 @@ def add_service_commands(sub) -> None:
 
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP gateway")
     add_bus_args(p)
-    add_model_args(p)
+    add_engine_args(p, "model")
     add_gateway_args(p)
     add_chat_template_arg(p)
     p.add_argument("--gateway-id", default=env("--gateway-id", None),
@@ -258,11 +240,7 @@ def add_service_commands(sub) -> None:
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
     add_tracing_args(p)
     add_served_model_name_arg(p)
-    add_model_args(p)
-    add_worker_args(p)
-    add_scheduler_args(p)
-    add_prefix_caching_args(p)
-    add_speculative_args(p)
+    add_engine_args(p)
     add_gateway_args(p)
     add_tokenizer_args(p)
     p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),
