@@ -33,6 +33,7 @@ from services.worker.executor import InProcessExecutor
 from services.worker.model_runner import ModelRunner
 from shared.hf.classification import classifier_of
 from shared.engine_args import EngineArgs
+from shared.kv_events import KVEventsConfig
 from shared.gc_heap import frozen_heap
 from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
@@ -51,6 +52,12 @@ class LLM(GenerateBasedAPIs):
         """`kwargs`: EngineArgs' fields (shared/engine_args.py), by vLLM's names; one it does
         not know is a TypeError naming it."""
         args = EngineArgs(model=model, **kwargs)
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size}: the offline engine is one scheduler and "
+                             "one worker; shards are served (llmbus serve --data-parallel-size N)")
+        if KVEventsConfig.parse(args.kv_events_config) is not None:
+            raise ValueError("kv_events_config: KV events go out on a served deployment's bus; the offline engine "
+                             "has none")
         path = with_hf_overrides(resolve_model(model, args.revision, args.download_dir), args.hf_overrides)
         tokenizer_path = (None if args.tokenizer is None
                           else str(resolve_tokenizer(args.tokenizer, download_dir=args.download_dir)))

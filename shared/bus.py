@@ -32,8 +32,6 @@ class Subjects:
         self.model = model
         self.prefix = f"llmbus.{subject_token(model)}"
         self.tokenize = f"{self.prefix}.tokenize"  # request/reply, tokenizer queue group
-        self.requests = f"{self.prefix}.requests"  # gateway -> scheduler: EngineCoreRequest
-        self.abort = f"{self.prefix}.abort"  # gateway -> scheduler: AbortRequests
         self.announce = f"{self.prefix}.workers.announce"  # worker -> scheduler: WorkerInfo
         self.scheduler_hello = f"{self.prefix}.scheduler.hello"  # scheduler -> workers: announce!
         self.scheduler_info = f"{self.prefix}.scheduler.info"  # request/reply: SchedulerInfo
@@ -42,6 +40,22 @@ class Subjects:
         self.gateway_heartbeat = f"{self.prefix}.gateways.heartbeat"  # gateway -> scheduler, gateways: GatewayHeartbeat
         self.responses = f"{self.prefix}.responses"  # gateway -> gateways: StoredResponseQuery, each answers
         self.gateway_metrics = f"{self.prefix}.gateways.metrics"  # gateway -> its siblings: MetricsQuery
+
+    def requests(self, rank: int = 0) -> str:
+        """gateway -> scheduler shard `rank` (--data-parallel-rank): EngineCoreRequest."""
+        return f"{self.prefix}.requests.{rank}"
+
+    def abort(self, rank: int = 0) -> str:
+        """gateway -> scheduler shard `rank`: AbortRequests."""
+        return f"{self.prefix}.abort.{rank}"
+
+    def kv_events(self, rank: int = 0) -> str:
+        """scheduler shard `rank` -> anyone: KVEventBatch (shared/kv_events.py)."""
+        return f"{self.prefix}.kv_events.{rank}"
+
+    def kv_snapshot(self, rank: int = 0) -> str:
+        """request/reply, scheduler shard `rank`: KVEventSnapshot."""
+        return f"{self.prefix}.kv_snapshot.{rank}"
 
     def step(self, worker_id: str) -> str:
         return f"{self.prefix}.workers.{worker_id}.step"  # request/reply: SchedulerOutput

@@ -19,8 +19,9 @@ from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, 
                            SchedulerConfig, SpeculativeConfig, WorkerConfig, scheduler_context)
 from shared.flags import env, env_flag, human_int, json_object, one_device, one_device_size
 from shared.hf.generation_config import SOURCES_HELP
+from shared.kv_events import KVEventsConfig
 
-GROUPS = ("model", "worker", "scheduler", "prefix_caching", "speculative")
+GROUPS = ("model", "worker", "scheduler", "prefix_caching", "speculative", "data_parallel")
 
 
 def arg(default, group: str, help: str = "", *, type=None, choices=None, flag: str | None = None,
@@ -48,7 +49,7 @@ def _gigabytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * (1 << 30))
 
 
-_PARALLEL_HELP = "vLLM's; 1 only: a worker runs on one device (--workers adds replicas)"
+_PARALLEL_HELP = "vLLM's; 1 only: a worker runs on one device (--workers and --data-parallel-size add replicas)"
 
 
 @dataclass
@@ -102,7 +103,6 @@ class EngineArgs:
                               type=int)
     tensor_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-tp")
     pipeline_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-pp")
-    data_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-dp")
     swap_space: float | None = arg(None, "worker", "vLLM's; accepted as typed: a preempted request is recomputed, "
                                    "as in vLLM's V1 engine, so no CPU swap space is kept", type=float)
     enforce_eager: bool = arg(False, "worker", "no CUDA graphs for decode steps (a GPU's default)")
@@ -120,6 +120,13 @@ class EngineArgs:
     max_cpu_loras: int | None = arg(None, "worker", "adapters kept read in memory, least recently used dropped "
                                     "(default: --max-loras)", type=int)
     device: str | None = arg(None, None)  # offline only: "cuda" when there is one, else "cpu"
+    # -- data parallelism: scheduler shards, each with workers of its own
+    data_parallel_size: int = arg(1, "data_parallel", "vLLM's: scheduler shards (`llmbus serve` starts them, its "
+                                  "workers spread over them; gateways route each request to one by load and "
+                                  "prefix); a worker without --data-parallel-rank joins one by a hash of its id",
+                                  type=int, short="-dp")
+    data_parallel_rank: int | None = arg(None, "data_parallel", "vLLM's: this scheduler's shard, or the shard this "
+                                         "worker joins (0 to --data-parallel-size - 1)", type=int, short="-dpn")
     # -- the scheduler
     max_num_seqs: int = arg(128, "scheduler", type=int)
     max_num_batched_tokens: int = arg(2048, "scheduler", type=human_int)
@@ -132,6 +139,10 @@ class EngineArgs:
                             "vocabulary)", type=int)
     async_scheduling: bool = arg(True, "scheduler", "wait for each step's answer before building the next "
                                  "(default: keep two in flight)", on="two steps in flight")
+    kv_events_config: str | dict | None = arg(
+        None, "scheduler", 'vLLM\'s: \'{"enable_kv_cache_events": true}\' publishes what enters and leaves each '
+        "worker's prefix cache (BlockStored, BlockRemoved, AllBlocksCleared) on the bus, for a router to route by "
+        "(docs/serving/deployment.md)", type=json_object)
     # The scheduler looks prefixes up; a hybrid model's worker keeps snapshots of its
     # recurrent state for them only where the cache is on: both take it.
     enable_prefix_caching: bool = arg(True, "prefix_caching", on="prefix caching on")
@@ -141,11 +152,17 @@ class EngineArgs:
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'', type=_speculative)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             one_device_size(name, getattr(self, name))
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
+        if self.data_parallel_rank is not None and not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is not a shard of "
+                             f"data_parallel_size {self.data_parallel_size} (0 to {self.data_parallel_size - 1})")
         if self.tokenizer_mode != "auto":
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        KVEventsConfig.parse(self.kv_events_config)  # (a key or publisher it does not know: a ValueError)
 
     # ---- the configs each half of the engine is built with -------------------------------
 

@@ -55,8 +55,8 @@ def one_device_size(name: str, size: int) -> int:
     """--tensor-parallel-size and its kin: vLLM's, where only 1 holds here."""
     if size != 1:
         raise ValueError(
-            f"{name}={size}: a worker runs its model on one device (no tensor, pipeline or data parallelism); "
-            f"serve more requests with more replicas (--workers N, or `llmbus worker` on other machines)")
+            f"{name}={size}: a worker runs its model on one device (no tensor or pipeline parallelism); serve "
+            f"more requests with more replicas (--workers N, --data-parallel-size N, or `llmbus worker` elsewhere)")
     return size
 
 

@@ -197,6 +197,7 @@ class SchedulerStats(msgspec.Struct, **_WIRE):
     # of ITERATION_TOKENS_BUCKETS (one more at the end: beyond them) and their tokens.
     iteration_tokens_by_bucket: list[int] = []
     iteration_tokens_sum: int = 0
+    data_parallel_rank: int = 0  # the scheduler shard's (--data-parallel-rank)
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
@@ -302,6 +303,7 @@ class WorkerInfo(msgspec.Struct, **_WIRE):
     # prefix cache (0: prefix caching off, every request computed from its first token).
     recurrent_rows: int = 0
     recurrent_snapshot_rows: int = 0
+    data_parallel_rank: int = 0  # the scheduler shard it joins (--data-parallel-rank)
 
 
 class GatewayHeartbeat(msgspec.Struct, **_WIRE):
@@ -363,6 +365,9 @@ class SchedulerHeartbeat(msgspec.Struct, **_WIRE):
     # Counts the scheduler's reconnections to NATS: outputs it sent across a gap may be
     # lost, so a gateway that sees it change resumes its open requests.
     epoch: int = 0
+    data_parallel_rank: int = 0  # which shard (--data-parallel-rank): gateways route among them
+    # The shard's load as gateways route by it (running + waiting requests)
+    num_requests: int = 0
 
 
 class SchedulerInfo(msgspec.Struct, **_WIRE):
@@ -376,3 +381,20 @@ class SchedulerInfo(msgspec.Struct, **_WIRE):
     # The largest LoRA rank a worker of the fleet takes (0: none serves adapters), so a
     # gateway refuses a runtime adapter load no worker could run with a 400, at the load.
     max_lora_rank: int = 0
+    data_parallel_rank: int = 0
+    # Filled in by a gateway that asked every shard (--data-parallel-size): rank -> workers
+    shard_workers: dict[int, int] = {}
+
+    @classmethod
+    def combine(cls, shards: list["SchedulerInfo"]) -> "SchedulerInfo":
+        """Every shard's answer as one deployment's: workers and requests add up, the
+        context is the shortest any worker serves."""
+        if len(shards) == 1:
+            return msgspec.structs.replace(shards[0], shard_workers={shards[0].data_parallel_rank: shards[0].num_workers})
+        serving = [s for s in shards if s.num_workers] or shards
+        stats = [s.stats for s in shards if s.stats is not None]
+        return cls(
+            scheduler_id=",".join(s.scheduler_id for s in shards), model=shards[0].model,
+            num_workers=sum(s.num_workers for s in shards), max_model_len=min(s.max_model_len for s in serving),
+            stats=SchedulerStats.combine(stats) if stats else None, max_lora_rank=max(s.max_lora_rank for s in shards),
+            shard_workers={s.data_parallel_rank: s.num_workers for s in shards})

@@ -30,8 +30,9 @@ def test_the_command_line_defaults_are_the_offline_defaults():
     assert from_cli == EngineArgs(device=from_cli.device)
 
 
-def test_every_field_but_the_offline_ones_is_a_flag_of_serve():
-    options = {o for a in build_parser()._subparsers._group_actions[0].choices["serve"]._actions
+def test_every_field_but_the_offline_ones_is_a_flag():
+    commands = build_parser()._subparsers._group_actions[0].choices
+    options = {o for command in ("serve", "worker", "scheduler") for a in commands[command]._actions
                for o in a.option_strings}
     for f in dataclasses.fields(EngineArgs):
         if f.metadata["group"] is None:

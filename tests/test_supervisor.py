@@ -165,7 +165,7 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     assert (config.force_include_usage, config.return_tokens_as_token_ids, config.server_load_tracking,
             config.root_path) == (True, True, True, "/api")
     assert build_parser().parse_args(["worker"]).max_model_len == 32000  # (a service reads serve's sizes back)
-    for refused in (["--tokenizer-mode", "slow"], ["-dp", "2"], ["--max-model-len", "1.5"],
+    for refused in (["--tokenizer-mode", "slow"], ["-tp", "2"], ["--max-model-len", "1.5"],
                     ["--chat-template-content-format", "openai"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *refused])

@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *groups: str) -> None:
         "model": f"a local HF folder or a known model ({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}"})
 
 
-def _or_exit(check, *args):
+def or_exit(check, *args):
     """A start-up check's ValueError stops the command with its reason, no traceback."""
     try:
         return check(*args)
@@ -58,12 +58,12 @@ def _or_exit(check, *args):
 
 def lora_config(args: argparse.Namespace) -> LoRAConfig | None:
     """None without --enable-lora; limits that cannot hold stop the command, saying why."""
-    return _or_exit(lambda: EngineArgs.from_cli_args(args).lora_config())
+    return or_exit(lambda: EngineArgs.from_cli_args(args).lora_config())
 
 
 def lora_modules(values: list[str], max_rank: int | None = None) -> dict[str, LoRARequest]:
     """--lora-modules, each adapter's folder checked: a wrong one stops the gateway at start."""
-    return _or_exit(parse_lora_modules, values, max_rank)
+    return or_exit(parse_lora_modules, values, max_rank)
 
 
 def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -> GatewayConfig:

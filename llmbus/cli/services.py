@@ -12,8 +12,10 @@ import asyncio
 import logging
 import os
 import sys
+import uuid
 
-from llmbus.cli.args import add_engine_args, as_env, gateway_config, lora_config, lora_modules, runtime_lora_updating
+from llmbus.cli.args import (or_exit, add_engine_args, as_env, gateway_config, lora_config, lora_modules,
+                             runtime_lora_updating)
 from llmbus.cli.service_args import (
     add_bus_args,
     add_bus_auth_args,
@@ -26,9 +28,11 @@ from llmbus.cli.service_args import (
 )
 from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
                                  with_hf_overrides)
-from shared.engine_args import EngineArgs
+from shared.engine_args import GROUPS, EngineArgs
 from shared.flags import env, env_flag
+from shared.shards import shard_of
 from shared.gc_heap import freeze_heap
+from shared.kv_events import KVEventsConfig
 from shared.hf.generation_config import default_sampling
 
 
@@ -108,8 +112,11 @@ def cmd_tokenizer(args) -> int:
 def cmd_worker(args) -> int:
     from services.worker.shell.service import serve
 
+    engine = or_exit(EngineArgs.from_cli_args, args)
     path, name = _setup(args)
-    asyncio.run(serve(path, args.nats_url, name, EngineArgs.from_cli_args(args).worker_config(), args.worker_id, threads=args.threads,
+    args.worker_id = args.worker_id or uuid.uuid4().hex[:8]
+    rank = shard_of(args.worker_id, engine.data_parallel_size, engine.data_parallel_rank)
+    asyncio.run(serve(path, args.nats_url, name, engine.worker_config(), args.worker_id, data_parallel_rank=rank, threads=args.threads,
                       auth=bus_auth(args), ready=_FreezeWhenReady("worker")))
     return 0
 
@@ -117,8 +124,11 @@ def cmd_worker(args) -> int:
 def cmd_scheduler(args) -> int:
     from services.scheduler.shell.service import serve
 
+    engine = or_exit(EngineArgs.from_cli_args, args)
     asyncio.run(serve(
-        args.nats_url, served_name(args), EngineArgs.from_cli_args(args).scheduler_config(),
+        args.nats_url, served_name(args), engine.scheduler_config(),
+        data_parallel_rank=engine.data_parallel_rank or 0,
+        kv_events=KVEventsConfig.parse(engine.kv_events_config) is not None,
         step_timeout_s=args.step_timeout,
         heartbeat_timeout_s=args.heartbeat_timeout,
         gateway_timeout_s=args.gateway_timeout,
@@ -172,6 +182,10 @@ def cmd_serve(args) -> int:
     lora_config(args)  # (bad limits or a wrong adapter fail here, before a fetch or a child)
     if args.api_server_count < 1:
         raise SystemExit("llmbus serve: --api-server-count must be at least 1")
+    if args.data_parallel_size < 1:
+        raise SystemExit("llmbus serve: --data-parallel-size must be at least 1")
+    # vLLM's data parallelism is a model replica a shard: each shard gets a worker at least
+    args.workers = max(args.workers, args.data_parallel_size)
     if args.api_server_count > 1 and runtime_lora_updating(warn=False):
         raise SystemExit("llmbus serve: runtime LoRA updating (VLLM_ALLOW_RUNTIME_LORA_UPDATING) loads an adapter "
                          "into the one gateway asked, not its siblings: it takes --api-server-count 1")
@@ -195,7 +209,7 @@ def add_service_commands(sub) -> None:
 
     p = sub.add_parser("worker", help="run a worker (model runner + KV cache)")
     add_bus_args(p)
-    add_engine_args(p, "model", "worker", "prefix_caching", "speculative")
+    add_engine_args(p, "model", "worker", "prefix_caching", "speculative", "data_parallel")
     p.add_argument("--worker-id", default=env("--worker-id", None))
     # (the scheduler's flag: a hybrid model's worker allocates its recurrent state for that many
     # requests, and captures decode graphs up to twice that)
@@ -204,7 +218,7 @@ def add_service_commands(sub) -> None:
 
     p = sub.add_parser("scheduler", help="run the scheduler")
     add_bus_args(p)
-    add_engine_args(p, "model", "scheduler", "prefix_caching", "speculative")
+    add_engine_args(p, "model", "scheduler", "prefix_caching", "speculative", "data_parallel")
     p.add_argument("--step-timeout", type=float, default=float(env("--step-timeout", 120.0)),
                    help="seconds a worker may take for one step before it is declared dead")
     p.add_argument("--heartbeat-timeout", type=float, default=env("--heartbeat-timeout", 2.0),
@@ -240,7 +254,9 @@ def add_service_commands(sub) -> None:
     add_bus_auth_args(p)  # for a NATS of yours: handed to every service
     add_tracing_args(p)
     add_served_model_name_arg(p)
-    add_engine_args(p)
+    # (a shard's rank is each scheduler's own: serve hands them out)
+    add_engine_args(p, *(group for group in GROUPS if group != "data_parallel"))
+    EngineArgs.add_cli_args(p, only=("data_parallel_size",))
     add_gateway_args(p)
     add_tokenizer_args(p)
     p.add_argument("--nats-cluster", type=int, default=env("--nats-cluster", 1),

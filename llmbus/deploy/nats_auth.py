@@ -29,7 +29,7 @@ from shared.bus import Subjects, inbox_of
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
-        ("requests", "abort", "tokenize", "scheduler.info", "gateways.heartbeat", "responses", "gateways.metrics"),
+        ("requests.*", "abort.*", "tokenize", "scheduler.info", "gateways.heartbeat", "responses", "gateways.metrics"),
         ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "gateways.heartbeat", "responses",
          "gateways.metrics", "{inbox}.>"),
         True,  # (the other gateways' questions: stored responses, a shared port's metrics; peers.py)
@@ -37,8 +37,9 @@ PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),
     "scheduler": (
         ("scheduler.hello", "scheduler.heartbeat", "scheduler.stats", "outputs.*.*", "workers.*.step",
-         "_INBOX.gateway.>"),
-        ("requests", "abort", "workers.announce", "scheduler.info", "gateways.heartbeat", "{inbox}.>"),
+         "kv_events.*", "_INBOX.gateway.>"),
+        ("requests.*", "abort.*", "workers.announce", "scheduler.info", "gateways.heartbeat", "kv_snapshot.*",
+         "{inbox}.>"),
         True,
     ),
     "worker": (("workers.announce", "_INBOX.scheduler.>"), ("workers.{id}.step", "scheduler.hello"), True),

@@ -188,11 +188,17 @@ def run_serve(args, service_env: dict[str, str]) -> int:
                 argv, fds = [*argv, "--fd", str(fd)], (fd,)
             supervisor.add(name, lambda: spawn_service(argv, child_env, fds), time.monotonic())
 
-        add("scheduler", "scheduler", identities["scheduler"])
+        # vLLM's --data-parallel-size: that many scheduler shards, the workers dealt out to
+        # them in turn (each shard its own; gateways route among the shards)
+        shards = args.data_parallel_size
+        for rank in range(shards):
+            add("scheduler" if shards == 1 else f"scheduler-{rank}", "scheduler", identities["scheduler"],
+                extra_env={"LLMBUS_DATA_PARALLEL_RANK": str(rank)})
         for i in range(args.tokenizers):
             add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
         for i in range(args.workers):
-            add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"])
+            add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"],
+                extra_env={"LLMBUS_DATA_PARALLEL_RANK": str(i % shards)})
         # vLLM's --api-server-count: that many gateways serve the one port (the kernel hands
         # each connection to one), siblings that answer /metrics for all of them.
         group = {"LLMBUS_API_SERVER_GROUP": secrets.token_hex(4)} if args.api_server_count > 1 else {}

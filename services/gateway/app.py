@@ -108,6 +108,8 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None, jo
             "status": "ok",
             "model": config.model_name,
             "workers": info.num_workers,
+            # the scheduler shards (--data-parallel-size) and their workers
+            "shards": {str(rank): workers for rank, workers in info.shard_workers.items()},
             "max_model_len": info.max_model_len,
             "stats": stats,
         }

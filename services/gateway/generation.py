@@ -160,8 +160,9 @@ async def generate(
             if deltas:
                 yield _merge_by_choice(deltas)
     finally:
-        client.close(list(of_child))
+        # (the aborts first: each goes to the shard the ledger says, which closing forgets)
         client.abort_soon([rid for parent in parents for rid in parent.unfinished_ids()])
+        client.close(list(of_child))
 
 
 def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:

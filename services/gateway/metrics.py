@@ -123,6 +123,7 @@ class GatewayMetrics:
                                                          self.request_success, *request_histograms))
         self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
         self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
+        self._rank_of: dict[str, int] = {}  # scheduler -> its shard
         self.stale_s = stale_s
         for metric in (self.prompt_tokens, self.generation_tokens, *request_histograms):
             metric.labels(model_name)
@@ -132,9 +133,10 @@ class GatewayMetrics:
     def observe_stats(self, stats: SchedulerStats) -> None:
         labels = (self._model, stats.scheduler_id or "unknown")
         if labels[1] not in self._last_seen:
-            # One scheduler serves a deployment: a new one replaced the one before, whose
-            # figures are gone with it.
-            self._drop(list(self._last_seen))
+            # One scheduler serves a shard (--data-parallel-rank): a new one replaced the
+            # shard's one before, whose figures are gone with it.
+            self._drop([s for s, rank in self._rank_of.items() if rank == stats.data_parallel_rank])
+            self._rank_of[labels[1]] = stats.data_parallel_rank
             for counter in self._counters.values():
                 counter.labels(*labels)  # at 0 from the first sight of this scheduler
         self._last_seen[labels[1]] = time.monotonic()
@@ -264,7 +266,8 @@ class GatewayMetrics:
             for gauge in self._gauges.values():
                 gauge.remove(self._model, scheduler)
             self._iteration_tokens.by_scheduler.pop(scheduler, None)
-            del self._last_seen[scheduler]
+            self._last_seen.pop(scheduler, None)
+            self._rank_of.pop(scheduler, None)
 
 
 _families = msgspec.msgpack.Encoder()

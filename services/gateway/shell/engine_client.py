@@ -15,6 +15,7 @@ import msgspec
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import BadRequest, Unavailable
+from services.gateway.shard_router import ShardRouter
 from services.gateway.shell.stream_ledger import StreamLedger
 from shared.bus import Subjects, encode
 from shared.messages import (
@@ -62,8 +63,9 @@ class EngineClient:
         # How long in-flight requests wait for a scheduler to resume them on.
         self.resume_timeout_s = resume_timeout_s
         self.ledger = StreamLedger()
-        self.scheduler_id: str | None = None
-        self.scheduler_epoch = 0
+        # The scheduler shards (--data-parallel-size) as their heartbeats tell: where each
+        # request goes, and which requests to send again when a shard changes hands.
+        self.router = ShardRouter(scheduler_timeout_s)
         self._last_heartbeat: float | None = None
         self._watchdog: asyncio.Task | None = None
 
@@ -83,15 +85,13 @@ class EngineClient:
             beat = self._heartbeat_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        before = (self.scheduler_id, self.scheduler_epoch)
-        self.scheduler_id, self.scheduler_epoch = beat.scheduler_id, beat.epoch
         self._last_heartbeat = time.monotonic()
-        if before[0] is not None and before != (beat.scheduler_id, beat.epoch):
+        why = self.router.heard(beat, self._last_heartbeat)
+        if why is not None:
             # A new scheduler knows nothing of what the old one was running, and one that
-            # reconnected to NATS may have lost outputs in the gap: every unfinished
-            # request is sent again, resumed from the tokens already streamed.
-            why = "took over" if before[0] != beat.scheduler_id else "reconnected to NATS"
-            await self._resume(None, f"scheduler {beat.scheduler_id} {why}")
+            # reconnected to NATS may have lost outputs in the gap: the shard's unfinished
+            # requests are sent again, resumed from the tokens already streamed.
+            await self._resume(self.ledger.on_shard(beat.data_parallel_rank), why)
 
     def scheduler_silent(self) -> bool:
         """True when no scheduler has been heard for too long (or at all since start)."""
@@ -109,21 +109,47 @@ class EngineClient:
                 beat_at = time.monotonic()
                 await self.nc.publish(self.subjects.gateway_heartbeat, self._heartbeat)
             await asyncio.sleep(0.25)
+            await self._move_off_silent_shards()
             silent_for = time.monotonic() - self._last_heartbeat
             if silent_for > bound and self._queues:
                 self._fail_open_requests(f"no scheduler has been heard from for {silent_for:.1f} s")
+
+    async def _move_off_silent_shards(self) -> None:
+        """A shard gone silent (its scheduler died, and none has taken its place yet) while
+        others serve: its requests resume on them. (Alone, they wait for it to come back.)"""
+        now = time.monotonic()
+        if not self.router.live(now):
+            return
+        for rank in self.router.silent(now):
+            moved = self.ledger.on_shard(rank)
+            if moved:
+                log.warning("scheduler shard %d silent for %.1f s: resuming its %d request(s) on the others", rank,
+                            self.router.timeout_s, len(moved))
+                # (should it be alive after all, it drops them rather than run them twice)
+                await self._publish_abort(rank, moved)
+                await self._resume(moved, "", reroute=True)
 
     async def on_reconnect(self) -> None:
         """Outputs (and submits) sent while this gateway was away from the bus are lost:
         every open request resumes, and the scheduler sends again what it lacks."""
         await self._resume(None, "this gateway reconnected to NATS")
 
-    async def _resume(self, request_ids: list[str] | None, why: str) -> None:
+    async def _resume(self, request_ids: list[str] | None, why: str, reroute: bool = False) -> None:
+        """Send requests again as resumes, each to its shard (`reroute`: to a shard chosen
+        afresh)."""
         resumed = self.ledger.resumed(request_ids)
-        if resumed and request_ids is None:
+        if resumed and why:
             log.warning("%s; resuming %d request(s)", why, len(resumed))
         for request in resumed:
-            await self.nc.publish(self.subjects.requests, encode(request))
+            rank = self.ledger.shard.get(request.request_id, 0)
+            if reroute:
+                rank = self._route(request)
+                self.ledger.shard[request.request_id] = rank
+            await self.nc.publish(self.subjects.requests(rank), encode(request))
+
+    def _route(self, request: EngineCoreRequest) -> int:
+        lora = request.lora_request.lora_name if request.lora_request is not None else None
+        return self.router.route(request.prompt_token_ids, lora, time.monotonic())
 
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
@@ -134,6 +160,7 @@ class EngineClient:
             stats = self._stats_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        self.router.reported(stats.data_parallel_rank, stats.num_running_reqs + stats.num_waiting_reqs)
         if self._on_stats is not None:
             self._on_stats(stats)
 
@@ -146,8 +173,10 @@ class EngineClient:
         if outputs.resume_all:  # (after every output sent before it: the ledger is up to date)
             await self._resume(None, "the scheduler dropped this gateway's requests while it did not hear it")
         if outputs.scheduler_stats is not None:
+            stats = outputs.scheduler_stats
+            self.router.reported(stats.data_parallel_rank, stats.num_running_reqs + stats.num_waiting_reqs)
             if self._on_stats is not None:
-                self._on_stats(outputs.scheduler_stats)
+                self._on_stats(stats)
         gaps = []
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)
@@ -159,7 +188,7 @@ class EngineClient:
             if fresh is not None:
                 queue.put_nowait(fresh)
         if gaps:
-            await self._resume(gaps, "outputs were lost")
+            await self._resume(gaps, "")  # (quietly: a bus that lost a message)
 
     # ---- calls ------------------------------------------------------------------------
 
@@ -191,16 +220,48 @@ class EngineClient:
         return response.token_ids
 
     async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
+        """The deployment's scheduler: every live shard's answer, combined."""
         now = time.monotonic()
         if self._info is not None and now - self._info_at < max_age_s:
             return self._info
+        shards = len(self.router.live(now))
+        timeout = min(self.timeout_s, 2.0)
         try:
-            reply = await self.nc.request(self.subjects.scheduler_info, b"", timeout=min(self.timeout_s, 2.0))
+            if shards <= 1:  # (a request: no responder is an answer at once)
+                reply = await self.nc.request(self.subjects.scheduler_info, b"", timeout=timeout)
+                infos = [self._info_decoder.decode(reply.data)]
+            else:
+                infos = await self._ask_every_shard(shards, timeout)
         except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
             self._info = None
             raise Unavailable(f"no scheduler answered ({type(exc).__name__})") from exc
-        self._info, self._info_at = self._info_decoder.decode(reply.data), now
+        self._info, self._info_at = SchedulerInfo.combine(infos), now
         return self._info
+
+    async def _ask_every_shard(self, shards: int, timeout: float) -> list[SchedulerInfo]:
+        """Each shard answers the one question: the answers until all `shards` have (or
+        the timeout, with some)."""
+        infos: dict[int, SchedulerInfo] = {}
+        all_in = asyncio.Event()
+
+        async def on_reply(msg) -> None:
+            info = self._info_decoder.decode(msg.data)
+            infos[info.data_parallel_rank] = info
+            if len(infos) >= shards:
+                all_in.set()
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(self.subjects.scheduler_info, b"", reply=inbox)
+            try:
+                await asyncio.wait_for(all_in.wait(), timeout)
+            except asyncio.TimeoutError:
+                if not infos:
+                    raise
+        finally:
+            await sub.unsubscribe()
+        return [infos[rank] for rank in sorted(infos)]
 
     def open(self, request_ids: list[str], queue: asyncio.Queue) -> None:
         for request_id in request_ids:
@@ -212,16 +273,22 @@ class EngineClient:
         self.ledger.forget(request_ids)
 
     async def submit(self, request: EngineCoreRequest) -> None:
-        self.ledger.submitted(request)
-        await self.nc.publish(self.subjects.requests, encode(request))
+        rank = self._route(request)
+        self.ledger.submitted(request, rank)
+        await self.nc.publish(self.subjects.requests(rank), encode(request))
 
     def abort_soon(self, request_ids: list[str]) -> None:
         """Abort from anywhere, even a cancelled task's cleanup: the publish runs on its own."""
         if not request_ids:
             return
+        by_shard: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            by_shard.setdefault(self.ledger.shard.get(request_id, 0), []).append(request_id)
         self.ledger.forget(request_ids)
-        task = asyncio.get_running_loop().create_task(
-            self.nc.publish(self.subjects.abort, encode(AbortRequests(list(request_ids))))
-        )
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        for rank, ids in by_shard.items():
+            task = asyncio.get_running_loop().create_task(self._publish_abort(rank, ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _publish_abort(self, rank: int, request_ids: list[str]) -> None:
+        await self.nc.publish(self.subjects.abort(rank), encode(AbortRequests(list(request_ids))))

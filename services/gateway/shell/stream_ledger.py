@@ -24,13 +24,19 @@ class StreamLedger:
         # request id -> (the request as first submitted, the tokens received since)
         self._open: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self._resumed_at: dict[str, float] = {}  # a gap's resume sent, its answer not yet in
+        self.shard: dict[str, int] = {}  # request id -> the scheduler shard it was sent to
         self.resume_every_s = resume_every_s
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def submitted(self, request: EngineCoreRequest) -> None:
+    def submitted(self, request: EngineCoreRequest, shard: int = 0) -> None:
         self._open[request.request_id] = (request, list(request.output_token_ids))
+        self.shard[request.request_id] = shard
+
+    def on_shard(self, shard: int) -> list[str]:
+        """The open requests sent to one shard."""
+        return [request_id for request_id, rank in self.shard.items() if rank == shard]
 
     def received(self, output: EngineCoreOutput, now: float | None = None) -> tuple[EngineCoreOutput | None, bool]:
         """What of `output` is new (None: nothing), and whether to resume its request
@@ -65,6 +71,7 @@ class StreamLedger:
         for request_id in request_ids:
             self._open.pop(request_id, None)
             self._resumed_at.pop(request_id, None)
+            self.shard.pop(request_id, None)
 
     def resumed(self, request_ids: list[str] | None = None) -> list[EngineCoreRequest]:
         """The open requests (all, or those named) as resumes from what they have."""

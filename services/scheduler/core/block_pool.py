@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
 BlockHash = bytes
 
 
@@ -46,6 +48,16 @@ class BlockPool:
         # Front is evicted first. An OrderedDict gives O(1) pop-front, append and removal.
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        # KV events (--kv-events-config): what entered and left the prefix cache since the
+        # shell last took them; None while nobody publishes them
+        self.events: list[KVCacheEvent] | None = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events or [], ([] if self.events is not None else None)
+        return events
+
+    def cached_blocks(self) -> list[BlockHash]:
+        return list(self._cached)
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +98,9 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash, parent_hash: BlockHash | None = None,
+                         token_ids: Sequence[int] = (), lora_id: int | None = None) -> None:
+        """(parent_hash, token_ids, lora_id: for the KV event that says so)"""
         if not self.enable_caching or block.block_hash is not None:
             return
         # Two requests may compute the same prefix at once; the first one registered wins
@@ -94,6 +108,8 @@ class BlockPool:
         if block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block
+            if self.events is not None:
+                self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), len(token_ids), lora_id))
 
     def uncache(self, block: KVCacheBlock) -> None:
         self._evict(block)
@@ -102,6 +118,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash]))
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -111,4 +129,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

@@ -151,6 +151,10 @@ class Fleet:
             return []
         return [(request.reply_subject, EngineCoreOutput(request.request_id, list(missing), index=have))]
 
+    def num_requests(self) -> int:
+        """Every request here, placed or waiting for a worker: the load gateways route by."""
+        return len(self.owner) + len(self.unplaced)
+
     def num_waiting(self) -> int:
         return len(self.unplaced) + sum(len(h.core.waiting) for h in self.workers.values())
 

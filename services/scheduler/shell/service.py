@@ -21,6 +21,7 @@ import msgspec
 from services.scheduler.engine_core import EngineCore, LandedStep, WorkerLost
 from services.scheduler.shell.fleet import Fleet, Rejection, WorkerHandle
 from services.scheduler.shell.gateways import Gateways
+from services.scheduler.shell.kv_event_publisher import KVEventPublisher
 from services.scheduler.shell.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
 from services.scheduler.shell.wakefulness import Wakefulness
@@ -52,14 +53,21 @@ class SchedulerService:
         max_waiting_requests: int = 0,
         async_scheduling: bool = True,
         gateway_timeout_s: float = 10.0,
+        data_parallel_rank: int = 0,
+        kv_events: bool = False,
     ) -> None:
+        """`kv_events`: publish KV cache events (--kv-events-config, kv_event_publisher.py)."""
         self.nc = nc
+        # This shard's (--data-parallel-rank): its own requests and aborts subjects, and
+        # the workers that name it; gateways route among shards by their heartbeats.
+        self.rank = data_parallel_rank
         self.async_scheduling = async_scheduling
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
         self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
                            max_waiting_requests)
         self.gateways = Gateways(gateway_timeout_s)
+        self.kv_events = KVEventPublisher(nc, subjects, data_parallel_rank) if kv_events else None
         self.scheduler_id = uuid.uuid4().hex[:8]
         tracer = setup_tracing("scheduler")
         self.step_tracer = StepTracer(tracer if tracing_enabled() else None)
@@ -74,11 +82,13 @@ class SchedulerService:
 
     async def start(self) -> None:
         s = self.subjects
-        await self.nc.subscribe(s.requests, cb=self.on_request)
-        await self.nc.subscribe(s.abort, cb=self.on_abort)
+        await self.nc.subscribe(s.requests(self.rank), cb=self.on_request)
+        await self.nc.subscribe(s.abort(self.rank), cb=self.on_abort)
         await self.nc.subscribe(s.announce, cb=self.on_announce)
         await self.nc.subscribe(s.scheduler_info, cb=self.on_info)
         await self.nc.subscribe(s.gateway_heartbeat, cb=self.on_gateway_heartbeat)
+        if self.kv_events is not None:
+            await self.kv_events.start()
         await self.nc.flush()
         await self.nc.publish(s.scheduler_hello, b"")  # workers already up announce themselves
 
@@ -108,6 +118,11 @@ class SchedulerService:
             info = self._worker_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        if info.data_parallel_rank != self.rank:  # another shard's; one of ours that moved there leaves
+            if info.worker_id in self.fleet.workers:
+                await self._publish_rejections(self.fleet.remove(info.worker_id, "it joined another shard"))
+                self._wake_all()
+            return
         await self._publish_rejections(self.fleet.heard_from(info, time.monotonic()))
         self._wake_all()
 
@@ -129,6 +144,7 @@ class SchedulerService:
             max_model_len=fleet.max_model_len,
             stats=fleet.stats() if fleet.workers else None,
             max_lora_rank=fleet.max_lora_rank,
+            data_parallel_rank=self.rank,
         )
         await msg.respond(encode(info))
 
@@ -167,9 +183,12 @@ class SchedulerService:
                 awake.tick(now)
                 if now - last_heartbeat >= 0.5:  # gateways watch this to notice a dead scheduler
                     last_heartbeat = now
-                    beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers), self.epoch)
+                    beat = SchedulerHeartbeat(self.scheduler_id, len(self.fleet.workers), self.epoch, self.rank,
+                                              self.fleet.num_requests())
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
                     await self._publish_stats()  # idle included: gauges come back to 0
+                    if self.kv_events is not None:  # (a worker's departure, evictions between steps)
+                        await self.kv_events.flush(self.fleet.workers)
                 await self._publish_rejections(self.fleet.check(now, awake))
                 self._drop_silent_gateways(now, awake)
                 for worker_id, (handle, task) in list(tasks.items()):
@@ -209,7 +228,8 @@ class SchedulerService:
             self._wake_all()
 
     def _fleet_stats(self):
-        return msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id)
+        return msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id,
+                                       data_parallel_rank=self.rank)
 
     async def _publish_stats(self, only_if_changed: bool = False, stats=None) -> None:
         """The fleet's stats on their own subject: every gateway renders the latest, so
@@ -233,6 +253,8 @@ class SchedulerService:
             if subject:
                 await self.nc.publish(subject, encode(outputs))
         await self._publish_stats(only_if_changed=True, stats=fleet_stats)
+        if self.kv_events is not None:
+            await self.kv_events.flush(self.fleet.workers)
 
     async def _sleep(self, stop: asyncio.Event, timeout: float) -> None:
         self.wake.clear()
@@ -263,7 +285,7 @@ async def serve(
     holder.append(service)
     await service.start()
     stop = stop_on_signals()
-    log.info("scheduler %s ready", service.scheduler_id)
+    log.info("scheduler %s (shard %d) ready", service.scheduler_id, service.rank)
     if ready is not None:
         ready.set()
     await service.run(stop)

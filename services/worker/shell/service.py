@@ -37,7 +37,9 @@ async def serve(
     threads: int | None = None,
     ready: asyncio.Event | None = None,
     auth: BusAuth | None = None,
+    data_parallel_rank: int = 0,
 ) -> None:
+    """`data_parallel_rank`: the scheduler shard this worker joins."""
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
@@ -56,6 +58,7 @@ async def serve(
     # The incarnation is random per process: one restarted under the same id (as `llmbus
     # serve` and compose restart it) is a new incarnation to the scheduler, however soon it is back.
     info = runner.describe(worker_id, model_name, incarnation=secrets.randbits(48))
+    info.data_parallel_rank = data_parallel_rank
     steps = ServedSteps(executor, tracer)
 
     async def on_reconnect() -> None:
@@ -80,7 +83,8 @@ async def serve(
     await nc.subscribe(subjects.scheduler_hello, cb=announce)
     await nc.flush()
     stop = stop_on_signals()
-    log.info("worker %s ready: %d KV blocks of %d", worker_id, runner.num_blocks, runner.block_size)
+    log.info("worker %s ready: %d KV blocks of %d, joining shard %d", worker_id, runner.num_blocks, runner.block_size,
+             data_parallel_rank)
     if ready is not None:
         ready.set()
     while not stop.is_set():

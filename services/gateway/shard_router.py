@@ -1,0 +1,134 @@
+"""Which scheduler shard (--data-parallel-size) a request goes to, from what the shards
+publish: their heartbeats (id, workers, requests held) and their stats (running and
+waiting requests, on every change).
+
+Cache first, then load, as SGLang's cache-aware router: the gateway remembers which shard
+it sent each prompt's blocks to (a chain of block hashes, as the scheduler's prefix cache
+keys them); a prompt whose longest remembered prefix covers at least half its blocks goes
+to that shard, where those blocks are cached — unless that shard holds more than
+`imbalance_ratio` x the least loaded one's requests (plus `imbalance_slack`). Any other
+prompt goes to the least loaded shard. Herding — every gateway sending its burst to the
+shard that looked idlest in the last report — is avoided by each gateway counting what it
+sent to each shard since that shard's last report, and by ties broken at random. A plain
+object: the engine client feeds it and asks it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from shared.messages import SchedulerHeartbeat
+
+BLOCK_TOKENS = 16  # the prefix cache's block (--block-size's default)
+MAX_BLOCKS = 64  # a prompt's first 1,024 tokens say where it is cached
+REMEMBERED_BLOCKS = 200_000  # block hashes remembered, least recently used forgotten
+
+
+@dataclass(slots=True)
+class Shard:
+    rank: int
+    scheduler_id: str
+    epoch: int
+    num_workers: int
+    num_requests: int  # running + waiting, as last reported
+    heard_at: float
+    sent_since: int = 0  # routed here by this gateway since that report
+
+    @property
+    def load(self) -> int:
+        return self.num_requests + self.sent_since
+
+
+class ShardRouter:
+    def __init__(self, timeout_s: float = 2.5, imbalance_ratio: float = 1.5, imbalance_slack: int = 4,
+                 rng: random.Random | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.imbalance_ratio = imbalance_ratio
+        self.imbalance_slack = imbalance_slack
+        self.shards: dict[int, Shard] = {}
+        self._rng = rng or random.Random()
+        self._sent: OrderedDict[int, int] = OrderedDict()  # block chain hash -> the shard sent it
+
+    def heard(self, beat: SchedulerHeartbeat, now: float) -> str | None:
+        """A shard's heartbeat. Returns why its requests must be sent again (a new scheduler
+        took the shard over, or it reconnected to NATS and may have lost outputs), else None."""
+        shard = self.shards.get(beat.data_parallel_rank)
+        if shard is None:
+            self.shards[beat.data_parallel_rank] = Shard(beat.data_parallel_rank, beat.scheduler_id, beat.epoch,
+                                                         beat.num_workers, beat.num_requests, now)
+            return None
+        why = None
+        if shard.scheduler_id != beat.scheduler_id:
+            why = f"scheduler {beat.scheduler_id} took shard {shard.rank} over"
+        elif shard.epoch != beat.epoch:
+            why = f"the scheduler of shard {shard.rank} reconnected to NATS"
+        shard.scheduler_id, shard.epoch, shard.num_workers = beat.scheduler_id, beat.epoch, beat.num_workers
+        shard.heard_at = now
+        self.reported(shard.rank, beat.num_requests)
+        return why
+
+    def reported(self, rank: int, num_requests: int) -> None:
+        """A shard's own count of its requests (stats, heartbeats): it replaces ours."""
+        shard = self.shards.get(rank)
+        if shard is not None:
+            shard.num_requests, shard.sent_since = num_requests, 0
+
+    def live(self, now: float) -> list[Shard]:
+        return [s for s in self.shards.values() if now - s.heard_at <= self.timeout_s]
+
+    def silent(self, now: float) -> list[int]:
+        """The shards not heard for longer than the timeout (forgotten here: one that speaks
+        again is a new shard)."""
+        gone = [rank for rank, s in self.shards.items() if now - s.heard_at > self.timeout_s]
+        for rank in gone:
+            del self.shards[rank]
+        return gone
+
+    def num_workers(self, now: float) -> int:
+        return sum(s.num_workers for s in self.live(now))
+
+    def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float) -> int:
+        """The shard for a request: a live one with workers (else any live one, which holds
+        it until a worker joins; none heard yet: shard 0)."""
+        live = self.live(now)
+        candidates = [s for s in live if s.num_workers > 0] or live
+        if not candidates:
+            return 0
+        chain = block_chain(prompt_token_ids, lora_name)
+        least = min(s.load for s in candidates)
+        chosen = None
+        cached, depth = self._longest_sent(chain, {s.rank for s in candidates})
+        if depth and 2 * depth >= len(chain):
+            shard = self.shards[cached]
+            if shard.load <= least * self.imbalance_ratio + self.imbalance_slack:
+                chosen = shard
+        if chosen is None:
+            chosen = self._rng.choice([s for s in candidates if s.load == least])
+        for key in chain:
+            self._sent[key] = chosen.rank
+            self._sent.move_to_end(key)
+        while len(self._sent) > REMEMBERED_BLOCKS:
+            self._sent.popitem(last=False)
+        chosen.sent_since += 1
+        return chosen.rank
+
+    def _longest_sent(self, chain: list[int], ranks: set[int]) -> tuple[int, int]:
+        """The shard sent the longest prefix of `chain` among `ranks`, and that prefix's blocks."""
+        for depth in range(len(chain), 0, -1):
+            rank = self._sent.get(chain[depth - 1])
+            if rank is not None and rank in ranks:
+                return rank, depth
+        return 0, 0
+
+
+def block_chain(token_ids: list[int], lora_name: str | None = None) -> list[int]:
+    """Hashes of a prompt's full blocks, each over the blocks before it (its prefix), as
+    the prefix cache keys them; a LoRA adapter's prompts chain apart from the base model's."""
+    chain, parent = [], hash(lora_name)
+    end = min(len(token_ids), MAX_BLOCKS * BLOCK_TOKENS)
+    for start in range(0, end - BLOCK_TOKENS + 1, BLOCK_TOKENS):
+        parent = hash((parent, tuple(token_ids[start:start + BLOCK_TOKENS])))
+        chain.append(parent)
+    return chain

@@ -1,0 +1,92 @@
+"""How a gateway picks a scheduler shard (services/gateway/shard_router.py): cache first,
+then load, from the shards' own heartbeats and reports."""
+
+from __future__ import annotations
+
+import random
+
+from services.gateway.shard_router import ShardRouter, block_chain
+from shared.messages import SchedulerHeartbeat
+from shared.shards import rendezvous, shard_of
+
+
+def router(num_shards: int = 2, seed: int = 0, workers: int = 1) -> ShardRouter:
+    r = ShardRouter(timeout_s=2.5, rng=random.Random(seed))
+    for rank in range(num_shards):
+        r.heard(SchedulerHeartbeat(f"s{rank}", workers, 0, rank, 0), now=0.0)
+    return r
+
+
+def prompt(seed: int, length: int = 64) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(length)]
+
+
+def test_unrelated_prompts_spread_evenly():
+    r = router()
+    counts = [0, 0]
+    for i in range(64):
+        counts[r.route(prompt(i), None, now=0.1)] += 1
+    assert max(counts) <= 1.3 * min(counts), counts
+
+
+def test_a_shared_prefix_lands_where_it_was_sent_while_loads_allow():
+    r = router()
+    for group in range(8):
+        prefix = prompt(1000 + group, 256)
+        ranks = {r.route(prefix + prompt(i, 16), None, now=0.1) for i in range(4)}
+        assert len(ranks) == 1, group
+    # each group whole on one shard, and the groups' first requests by load: 4 groups each
+    assert (r.shards[0].load, r.shards[1].load) == (16, 16)
+
+
+def test_affinity_yields_to_an_overloaded_shard():
+    r = router()
+    prefix = prompt(7, 256)
+    first = r.route(prefix, None, now=0.1)
+    r.reported(first, 40)  # that shard is busy now
+    r.reported(1 - first, 2)
+    assert r.route(prefix + [1, 2, 3], None, now=0.2) == 1 - first
+
+
+def test_a_lora_adapter_s_prompts_chain_apart_from_the_base_model_s():
+    base = prompt(3, 128)
+    assert len(block_chain(base, None)) == 8 and block_chain(base[:20], None) == block_chain(base, None)[:1]
+    assert set(block_chain(base, "sql")).isdisjoint(block_chain(base, None))
+
+
+def test_a_shard_without_workers_or_gone_silent_gets_nothing():
+    r = router()
+    r.heard(SchedulerHeartbeat("s1", 0, 0, 1, 0), now=0.5)  # shard 1's last worker left
+    assert {r.route(prompt(i), None, now=0.6) for i in range(20)} == {0}
+    r = router()
+    r.heard(SchedulerHeartbeat("s0", 1, 0, 0, 0), now=3.0)  # shard 1 silent since 0.0
+    assert {r.route(prompt(i), None, now=3.1) for i in range(20)} == {0}
+    assert r.silent(now=3.1) == [1] and set(r.shards) == {0}
+
+
+def test_a_new_scheduler_on_a_shard_or_a_reconnect_asks_for_its_requests_again():
+    r = router()
+    assert r.heard(SchedulerHeartbeat("s0", 1, 0, 0, 0), now=0.5) is None
+    assert "took shard 0 over" in r.heard(SchedulerHeartbeat("s0-new", 1, 0, 0, 0), now=0.6)
+    assert "reconnected" in r.heard(SchedulerHeartbeat("s0-new", 1, 1, 0, 0), now=0.7)
+
+
+def test_each_gateway_counts_what_it_sent_until_the_shard_reports():
+    r = router()
+    for i in range(10):
+        r.route(prompt(i), None, now=0.1)
+    assert r.shards[0].load + r.shards[1].load == 10
+    r.reported(0, 3)
+    assert r.shards[0].load == 3
+
+
+def test_workers_without_a_rank_spread_over_shards_by_their_ids():
+    assert shard_of("w1", 4, 2) == 2
+    ranks = [shard_of(f"worker-{i}", 4) for i in range(400)]
+    assert all(ranks.count(rank) > 60 for rank in range(4))
+    # a shard that goes away moves only its own keys
+    keys = [f"k{i}" for i in range(200)]
+    before = {k: rendezvous(k, [0, 1, 2]) for k in keys}
+    after = {k: rendezvous(k, [0, 1]) for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != 2)
