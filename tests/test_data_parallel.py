@@ -104,6 +104,59 @@ def test_streams_equal_one_scheduler_s_and_both_shards_serve(served, offline_tex
     assert len(live_children(proc.pid, "scheduler")) == 2
 
 
+def prefix_cache_counts(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(queries, hits) by scheduler, from /metrics."""
+    found: tuple[dict, dict] = ({}, {})
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        match = re.match(r'llmbus:prefix_cache_(queries|hits)_total\{.*scheduler="([^"]+)".*\} (\S+)', line)
+        if match:
+            table = found[0 if match.group(1) == "queries" else 1]
+            table[match.group(2)] = table.get(match.group(2), 0.0) + float(match.group(3))
+    return found
+
+
+def send_all(url: str, prompts: list[list[int]]) -> None:
+    """Token-id prompts, all at once, a few tokens each."""
+    import openai
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=2, temperature=0)
+                                   for p in prompts))
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {s: n - before.get(s, 0.0) for s, n in after.items() if n > before.get(s, 0.0)}
+
+
+def test_groups_sharing_a_prefix_keep_their_hits_and_unrelated_prompts_spread(served):
+    import random
+
+    _, url = served
+    rng = random.Random(0)
+    # 8 groups of 4 sharing a 256-token prefix (16 blocks): 3 of each 4 can hit it all
+    prompts = []
+    for _ in range(8):
+        prefix = [rng.randrange(384) for _ in range(256)]
+        prompts += [prefix + [rng.randrange(384) for _ in range(8)] for _ in range(4)]
+    rng.shuffle(prompts)
+    queries, hits = prefix_cache_counts(url)
+    send_all(url, prompts)
+    queries_after, hits_after = prefix_cache_counts(url)
+    rate = sum(delta(hits_after, hits).values()) / sum(delta(queries_after, queries).values())
+    ideal = 8 * 3 * 256 / (32 * 264)  # what one scheduler and one worker would find
+    assert rate >= ideal - 0.10, (rate, ideal)
+    # 64 unrelated prompts of one length: each shard's lookups count its requests
+    send_all(url, [[rng.randrange(384) for _ in range(40)] for _ in range(64)])
+    per_shard = delta(prefix_cache_counts(url)[0], queries_after)
+    assert len(per_shard) == 2 and max(per_shard.values()) <= 1.3 * min(per_shard.values()), per_shard
+
+
 def test_a_killed_shard_loses_no_stream_and_comes_back(served, offline_texts):
     proc, url = served
     schedulers = live_children(proc.pid, "scheduler")

@@ -58,6 +58,20 @@ def test_a_request_goes_where_its_prefix_is_cached():
     assert owner_of(fleet, "d") != owner_of(fleet, "a")
 
 
+def test_a_burst_sharing_a_prefix_lands_together_before_any_of_it_is_computed():
+    fleet = make_fleet()
+    for name in ("w1", "w2", "w3"):
+        fleet.heard_from(worker(name), now=0.0)
+    shared = list(range(1, 17))  # four blocks of 4
+    for i in range(4):  # nothing scheduled yet: no pool caches any of it
+        fleet.submit(request(f"s{i}", prompt=shared + [40 + i]), now=0.0)
+    assert len({owner_of(fleet, f"s{i}") for i in range(4)}) == 1
+    for i in range(6):  # unrelated prompts spread by load over the other two first
+        fleet.submit(request(f"u{i}", prompt=[60 + i, 70 + i, 80 + i, 90, 91]), now=0.0)
+    loads = sorted(h.core.load() for h in fleet.workers.values())
+    assert loads == [3, 3, 4], loads
+
+
 def test_a_salted_request_goes_where_its_own_salt_s_prefix_is_cached():
     fleet = make_fleet()
     fleet.heard_from(worker("w1"), now=0.0)

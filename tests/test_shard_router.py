@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 
-from services.gateway.shard_router import ShardRouter, block_chain
+from services.gateway.shard_router import ShardRouter
+from shared.prefix_affinity import block_chain
 from shared.messages import SchedulerHeartbeat
 from shared.shards import rendezvous, shard_of
 

@@ -2,12 +2,11 @@
 publish: their heartbeats (id, workers, requests held) and their stats (running and
 waiting requests, on every change).
 
-Cache first, then load, as SGLang's cache-aware router: the gateway remembers which shard
-it sent each prompt's blocks to (a chain of block hashes, as the scheduler's prefix cache
-keys them); a prompt whose longest remembered prefix covers at least half its blocks goes
-to that shard, where those blocks are cached — unless that shard holds more than
-`imbalance_ratio` x the least loaded one's requests (plus `imbalance_slack`). Any other
-prompt goes to the least loaded shard. Herding — every gateway sending its burst to the
+Cache first, then load, as SGLang's cache-aware router (shared/prefix_affinity.py): the
+gateway remembers which shard it sent each prompt's blocks to; a prompt whose longest
+remembered prefix covers at least half its blocks goes to that shard, where those blocks
+are cached — unless that shard holds more than `imbalance_ratio` x the least loaded one's
+requests (plus `imbalance_slack`). Any other prompt goes to the least loaded shard. Herding — every gateway sending its burst to the
 shard that looked idlest in the last report — is avoided by each gateway counting what it
 sent to each shard since that shard's last report, and by ties broken at random. A plain
 object: the engine client feeds it and asks it.
@@ -16,14 +15,10 @@ object: the engine client feeds it and asks it.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from shared.messages import SchedulerHeartbeat
-
-BLOCK_TOKENS = 16  # the prefix cache's block (--block-size's default)
-MAX_BLOCKS = 64  # a prompt's first 1,024 tokens say where it is cached
-REMEMBERED_BLOCKS = 200_000  # block hashes remembered, least recently used forgotten
+from shared.prefix_affinity import PrefixAffinity, block_chain
 
 
 @dataclass(slots=True)
@@ -45,11 +40,9 @@ class ShardRouter:
     def __init__(self, timeout_s: float = 2.5, imbalance_ratio: float = 1.5, imbalance_slack: int = 4,
                  rng: random.Random | None = None) -> None:
         self.timeout_s = timeout_s
-        self.imbalance_ratio = imbalance_ratio
-        self.imbalance_slack = imbalance_slack
         self.shards: dict[int, Shard] = {}
         self._rng = rng or random.Random()
-        self._sent: OrderedDict[int, int] = OrderedDict()  # block chain hash -> the shard sent it
+        self.affinity = PrefixAffinity(ratio=imbalance_ratio, slack=imbalance_slack)
 
     def heard(self, beat: SchedulerHeartbeat, now: float) -> str | None:
         """A shard's heartbeat. Returns why its requests must be sent again (a new scheduler
@@ -96,39 +89,8 @@ class ShardRouter:
         candidates = [s for s in live if s.num_workers > 0] or live
         if not candidates:
             return 0
-        chain = block_chain(prompt_token_ids, lora_name)
-        least = min(s.load for s in candidates)
-        chosen = None
-        cached, depth = self._longest_sent(chain, {s.rank for s in candidates})
-        if depth and 2 * depth >= len(chain):
-            shard = self.shards[cached]
-            if shard.load <= least * self.imbalance_ratio + self.imbalance_slack:
-                chosen = shard
-        if chosen is None:
-            chosen = self._rng.choice([s for s in candidates if s.load == least])
-        for key in chain:
-            self._sent[key] = chosen.rank
-            self._sent.move_to_end(key)
-        while len(self._sent) > REMEMBERED_BLOCKS:
-            self._sent.popitem(last=False)
+        self._rng.shuffle(candidates)  # (ties at random: gateways do not all pick the same)
+        chosen = self.affinity.choose(block_chain(prompt_token_ids, lora_name), candidates,
+                                      key=lambda s: s.rank, load=lambda s: s.load)
         chosen.sent_since += 1
         return chosen.rank
-
-    def _longest_sent(self, chain: list[int], ranks: set[int]) -> tuple[int, int]:
-        """The shard sent the longest prefix of `chain` among `ranks`, and that prefix's blocks."""
-        for depth in range(len(chain), 0, -1):
-            rank = self._sent.get(chain[depth - 1])
-            if rank is not None and rank in ranks:
-                return rank, depth
-        return 0, 0
-
-
-def block_chain(token_ids: list[int], lora_name: str | None = None) -> list[int]:
-    """Hashes of a prompt's full blocks, each over the blocks before it (its prefix), as
-    the prefix cache keys them; a LoRA adapter's prompts chain apart from the base model's."""
-    chain, parent = [], hash(lora_name)
-    end = min(len(token_ids), MAX_BLOCKS * BLOCK_TOKENS)
-    for start in range(0, end - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-        parent = hash((parent, tuple(token_ids[start:start + BLOCK_TOKENS])))
-        chain.append(parent)
-    return chain

@@ -1,8 +1,9 @@
 """Every worker the scheduler knows, each with its own scheduler core and KV block pool,
 and where each request lives.
 
-Workers are data-parallel replicas: a request is placed on the worker that already
-caches most of its prefix (then the least loaded) and stays there while it runs. When
+Workers are data-parallel replicas: a request is placed where its prefix is cached (or
+was just sent), unless that worker is much busier than the least loaded one, and stays
+there while it runs. When
 a worker dies or drains, its unfinished requests move to the others and resume from
 their prompt plus the tokens already generated; with no worker left they wait here,
 for a bounded time. A plain object: the service shell calls it between steps.
@@ -18,6 +19,7 @@ from services.scheduler.core.request import Request
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.shell.wakefulness import Wakefulness
 from shared.config import SchedulerConfig
+from shared.prefix_affinity import PrefixAffinity, block_chain
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, WorkerInfo
 
 log = logging.getLogger("llmbus.scheduler")
@@ -57,6 +59,7 @@ class Fleet:
         # lookups, drafts, ...): the fleet's counters must never go back, or a gateway
         # would take the drop for a new scheduler and count everything again.
         self.retired_counts = SchedulerStats()
+        self.affinity = PrefixAffinity()  # where recent prompts' blocks were sent
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -167,13 +170,18 @@ class Fleet:
         else:
             tokens = item.all_token_ids
         lora = item.lora_request
-        # A worker that serves adapters, for a request with one; then the most of its
-        # prefix cached; then the least loaded.
-        handle = max(
-            self.workers.values(),
-            key=lambda h: (lora is None or h.info.max_loras > 0,
-                           h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt), -h.core.load()),
-        )
+        # A worker that serves adapters, for a request with one; of those, where its prefix
+        # is cached or was just sent (a burst sharing a prefix lands together before any of
+        # it is computed), unless that worker is much busier than the least loaded; else
+        # the least loaded (shared/prefix_affinity.py).
+        able = [h for h in self.workers.values() if lora is None or h.info.max_loras > 0] or list(self.workers.values())
+        block_size = able[0].info.block_size
+        chain = block_chain(tokens, (lora.lora_int_id if lora else None, item.cache_salt), block_size)
+        cached = {h: h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt) for h in able}
+        best = max(able, key=lambda h: (cached[h], -h.core.load()))
+        if cached[best]:  # (what a pool holds outranks what was sent: the pool knows)
+            self.affinity.record(chain[:cached[best]], best.worker_id)
+        handle = self.affinity.choose(chain, able, key=lambda h: h.worker_id, load=lambda h: h.core.load())
         try:
             if isinstance(item, EngineCoreRequest):
                 handle.core.add_request(item)
