@@ -194,3 +194,34 @@ class _Chunks(httpx.AsyncByteStream):
     async def __aiter__(self):
         for part in self.parts:
             yield part
+
+
+def test_the_instant_runner_answers_as_a_model_runner_would_under_a_real_scheduler():
+    """Chunked prefill: no token until the prompt is whole; then one a step, never EOS."""
+    from services.scheduler.core.scheduler import Scheduler
+    from services.worker.instant_runner import InstantRunner
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest
+    from shared.sampling_params import SamplingParams
+
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=256), num_kv_blocks=64,
+                          block_size=16, vocab_size=50)
+    runner = InstantRunner(vocab_size=50, eos_token_id=7)
+    scheduler.add_request(EngineCoreRequest("a", list(range(40)), SamplingParams(max_tokens=5), eos_token_id=7))
+    sampled = []
+    while scheduler.requests:
+        step = scheduler.schedule()
+        out = runner.execute(step)
+        sampled.append([len(t) for t in out.sampled_token_ids])
+        for outputs in scheduler.update_from_output(step, out).values():
+            assert all(o.error is None for o in outputs.outputs)
+    assert sampled == [[0], [0], [1], [1], [1], [1], [1]]  # 16 + 16 + 8 prompt tokens, then decodes
+
+
+@pytest.mark.slow
+def test_bench_control_plane_streams_through_shards_and_gateways_and_reports_cores(tiny_llama, capsys):
+    assert main(["bench", "control-plane", "--model", str(tiny_llama), "--data-parallel-size", "2",
+                 "--api-server-count", "2", "--num-requests", "32", "--output-len", "16", "--concurrency", "16"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["failed"] == 0 and report["output_tokens"] == 32 * 16
+    assert report["us_per_output_token"]["gateway"] > 0 and report["us_per_output_token"]["scheduler"] > 0
