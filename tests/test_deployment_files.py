@@ -55,9 +55,16 @@ def test_every_compose_command_is_a_real_llmbus_subcommand(compose):
 
 
 def test_environment_names_are_ones_the_code_reads(compose):
-    source = "\n".join(p.read_text() for p in (ROOT / "llmbus").rglob("*.py"))
-    flags = set(re.findall(r'env(?:_flag)?\("(--[a-z-]+)"', source))
-    read = {"LLMBUS_" + f.lstrip("-").replace("-", "_").upper() for f in flags} | {"LLMBUS_HOME"}
+    import argparse
+
+    from llmbus.cli.main import build_parser
+    from shared.flags import env_name
+
+    # every flag of every command reads its LLMBUS_* variable (shared/flags.py), the engine's
+    # (shared/engine_args.py) as the services' own
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
+    read = {env_name(a.dest) for command in commands.values() for a in command._actions if a.option_strings}
+    read |= {"LLMBUS_HOME"}
     standard_otel = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
     for name, service in compose["services"].items():
         for key in service.get("environment") or {}:
