@@ -138,3 +138,29 @@ def test_iteration_tokens_are_the_scheduler_s_steps_by_their_tokens():
     assert got[series % "+Inf"] == 6
     assert got['llmbus:iteration_tokens_total_count{scheduler="s1"}'] == 6
     assert got['llmbus:iteration_tokens_total_sum{scheduler="s1"}'] == 86
+
+
+def test_a_report_overtaken_by_a_newer_one_counts_nothing_again_and_shards_keep_their_own():
+    """A scheduler's reports can arrive out of order (its engine cores publish concurrently):
+    an older one neither resets its counters nor moves its gauges; each shard's scheduler is
+    its own series, and a new one on a shard replaces only that shard's."""
+    from shared.messages import SchedulerStats
+
+    metrics = GatewayMetrics("tiny")
+
+    def queries() -> dict[str, float]:
+        return {key: value for key, value in samples(metrics).items()
+                if key.startswith("llmbus:prefix_cache_queries_total")}
+
+    metrics.observe_stats(SchedulerStats(num_running_reqs=5, prefix_cache_queries=100, scheduler_id="a"))
+    metrics.observe_stats(SchedulerStats(num_running_reqs=9, prefix_cache_queries=80, scheduler_id="a"))
+    metrics.observe_stats(SchedulerStats(num_running_reqs=2, prefix_cache_queries=120, scheduler_id="a"))
+    metrics.observe_stats(SchedulerStats(prefix_cache_queries=30, scheduler_id="b", data_parallel_rank=1))
+    assert sorted(queries().values()) == [30.0, 120.0]
+    assert any(k.startswith("llmbus:num_requests_running") and 'scheduler="a"' in k and v == 2.0
+               for k, v in samples(metrics).items())
+    metrics.observe_stats(SchedulerStats(prefix_cache_queries=7, scheduler_id="b2", data_parallel_rank=1))
+    # b's shard has a new scheduler: b's gauges go (its counts stay counted), a's stay
+    gauges = {k for k in samples(metrics) if k.startswith("llmbus:num_requests_running")}
+    assert gauges == {'llmbus:num_requests_running{scheduler="a"}', 'llmbus:num_requests_running{scheduler="b2"}'}
+    assert sorted(queries().values()) == [7.0, 30.0, 120.0]

@@ -140,13 +140,16 @@ class GatewayMetrics:
             for counter in self._counters.values():
                 counter.labels(*labels)  # at 0 from the first sight of this scheduler
         self._last_seen[labels[1]] = time.monotonic()
-        for field, gauge in self._gauges.items():
-            gauge.labels(*labels).set(getattr(stats, field))
         now = {field: getattr(stats, field) for field in self._counters}
         now.update({(_PER_POS, pos): n for pos, n in enumerate(getattr(stats, _PER_POS))})
         before = self._last_counts.get(labels[1], {})
         if any(now[f] < before.get(f, 0) for f in now):
-            before = {}  # that scheduler restarted: its counts began again
+            # An older report overtaken by a newer one (a scheduler's engine cores publish
+            # concurrently, and its stats subject beside the outputs): a scheduler's counts
+            # never go back (a restarted one has a new id), so it says nothing new.
+            return
+        for field, gauge in self._gauges.items():
+            gauge.labels(*labels).set(getattr(stats, field))
         for key, value in now.items():
             if value > before.get(key, 0):
                 counter = self._counters[key].labels(*labels) if isinstance(key, str) else self._per_pos.labels(
