@@ -879,3 +879,24 @@ def test_vllms_request_logging_flags_log_prompts_params_and_outputs_cut_to_max_l
                                        for i in range(2)]
     received, finished = lines(GatewayConfig("tiny"), stream=True)
     assert received == [] and len(finished) == 1 and not hasattr(finished[0], "outputs")
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_quiet_499():
+    """Starlette's ClientDisconnect reached the server's error log as a traceback."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from services.gateway.errors import ClientLeft
+    from services.gateway.serving import OpenAIServing
+
+    messages = [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive)
+    with pytest.raises(ClientLeft) as left:
+        asyncio.run(OpenAIServing.read_body(SimpleNamespace(config=SimpleNamespace(max_body_bytes=1000)), request))
+    assert left.value.status == 499

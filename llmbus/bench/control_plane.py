@@ -16,9 +16,12 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
@@ -41,9 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _start(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+def _start(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "ab") as out:  # (each service's log, kept when a request failed)
+        return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
 
 
 def _wait_healthy(url: str, workers: int, procs: list[subprocess.Popen], timeout_s: float = 120.0) -> None:
@@ -78,7 +81,9 @@ def _cpu_seconds(procs: dict[str, list[subprocess.Popen]]) -> dict[str, float]:
 
 
 async def _stream(urls: list[str], model: str, requests: list[tuple[list[int], int]], concurrency: int) -> dict:
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    # (connections idle for less than uvicorn's 5 s keep-alive: one the server closes just as
+    # it is taken again is a ReadError; with several gateways a connection can idle that long)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
     semaphore = asyncio.Semaphore(concurrency)
     extra = {"temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
@@ -113,18 +118,21 @@ def run(args) -> int:
     llmbus = [sys.executable, "-m", "llmbus"]
     procs: dict[str, list[subprocess.Popen]] = {role: [] for role in ROLES}
     urls = []
+    logs = Path(tempfile.mkdtemp(prefix="llmbus-bench-"))
     try:
         for rank in range(shards):
             procs["scheduler"].append(_start([*llmbus, "scheduler", *common, "--data-parallel-rank", str(rank),
-                                              "--data-parallel-size", str(shards)], env))
-        procs["tokenizer"].append(_start([*llmbus, "tokenizer", *common], env))
+                                              "--data-parallel-size", str(shards)], env, logs / f"scheduler-{rank}.log"))
+        procs["tokenizer"].append(_start([*llmbus, "tokenizer", *common], env, logs / "tokenizer.log"))
         for i in range(num_workers):
             procs["worker"].append(_start([sys.executable, "-m", "services.worker.shell.instant_worker",
                                            "--nats-url", nats.url, "--served-model-name", "bench",
-                                           "--data-parallel-rank", str(i % shards), "--vocab-size", str(vocab)], env))
-        for _ in range(gateways):
+                                           "--data-parallel-rank", str(i % shards), "--vocab-size", str(vocab)], env,
+                                          logs / f"worker-{i}.log"))
+        for i in range(gateways):
             port = free_port()
-            procs["gateway"].append(_start([*llmbus, "gateway", *common, "--port", str(port)], env))
+            procs["gateway"].append(_start([*llmbus, "gateway", *common, "--port", str(port)], env,
+                                           logs / f"gateway-{i}.log"))
             urls.append(f"http://127.0.0.1:{port}")
         procs["nats"] = [nats.proc]
         everyone = [p for members in procs.values() for p in members]
@@ -149,6 +157,11 @@ def run(args) -> int:
                     except subprocess.TimeoutExpired:
                         proc.kill()
         nats.stop()
+    if summary["failed"]:
+        print(f"llmbus bench control-plane: {summary['failed']} request(s) failed; the services' logs: {logs}",
+              file=sys.stderr)
+    else:
+        shutil.rmtree(logs, ignore_errors=True)
     tokens = summary["output_tokens"]
     duration = summary["duration_s"]
     report = {

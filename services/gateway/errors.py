@@ -46,6 +46,13 @@ class NoRoute(GatewayError):
         self.status = status
 
 
+class ClientLeft(GatewayError):
+    """The client went before its request was read whole: nobody to answer, nothing to log
+    but its line."""
+
+    status, type = CLIENT_LEFT, "client_closed_request"
+
+
 class TooLarge(GatewayError):
     status, type = 413, "invalid_request_error"
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 from opentelemetry import trace
 
 from services.gateway.beam_search_answer import BeamSearchAnswer
 from services.gateway.answer import Answer
 from services.gateway.context import ServingContext
 from services.gateway.sse import end_span
-from services.gateway.errors import BadRequest, NotFound, TooLarge, Unavailable, status_of
+from services.gateway.errors import BadRequest, ClientLeft, NotFound, TooLarge, Unavailable, status_of
 from services.gateway.protocol import ChatCompletionRequest, parse_body
 from services.gateway.engine_params import (
     completion_prompts,
@@ -57,10 +58,13 @@ class OpenAIServing(ServingContext):
 
     async def read_body(self, request: Request) -> bytes:
         body = b""
-        async for chunk in request.stream():  # also bounds bodies sent without a length
-            body += chunk
-            if len(body) > self.config.max_body_bytes:
-                raise TooLarge(f"request body exceeds {self.config.max_body_bytes} bytes")
+        try:
+            async for chunk in request.stream():  # also bounds bodies sent without a length
+                body += chunk
+                if len(body) > self.config.max_body_bytes:
+                    raise TooLarge(f"request body exceeds {self.config.max_body_bytes} bytes")
+        except ClientDisconnect:  # (left to Starlette, a traceback in the log for a client that went)
+            raise ClientLeft("the client closed the connection while sending its request") from None
         return body
 
     async def tokenize(self, request: TokenizeRequest, ctx=None, **options) -> list[int]:
