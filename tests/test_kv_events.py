@@ -148,3 +148,43 @@ def test_a_served_scheduler_s_events_rebuild_its_workers_caches(tiny_llama):
         assert index.blocks == truth.blocks
     finally:
         d.close()
+
+
+def test_a_worker_s_blocks_cached_before_the_first_flush_and_after_a_rejoin_are_all_published():
+    """The shard's publisher (with a recording bus): a pool records from its core's birth,
+    so blocks cached between a worker joining (or rejoining afresh) and the next flush reach
+    the consumers."""
+    import asyncio
+
+    from services.scheduler.shell.fleet import Fleet
+    from services.scheduler.shell.kv_event_publisher import KVEventPublisher
+    from shared.bus import Subjects
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest, WorkerInfo
+    from shared.sampling_params import SamplingParams
+
+    class Bus:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def publish(self, subject: str, data: bytes) -> None:
+            self.sent.append(data)
+
+    bus = Bus()
+    fleet = Fleet(SchedulerConfig(max_model_len=512), kv_events=True)
+    publisher = KVEventPublisher(bus, Subjects("tiny"), 0)
+    index = KVEventIndex()
+
+    def run(incarnation: int, request_id: str) -> None:
+        fleet.heard_from(WorkerInfo("w1", "tiny", 64, 4, 1024, 100, incarnation=incarnation), now=0.0)
+        fleet.submit(EngineCoreRequest(request_id, list(range(1, 14)), SamplingParams(max_tokens=2)), now=0.0)
+        fleet.workers["w1"].core.schedule()  # the prompt's full blocks cached, before any flush
+        asyncio.run(publisher.flush(fleet.workers))
+        for data in bus.sent:
+            assert index.apply(DECODE.decode(data))
+        bus.sent.clear()
+
+    run(1, "a")
+    assert index.blocks["w1"] == cached_set(fleet.workers["w1"].core) and len(index.blocks["w1"]) == 3
+    run(2, "b")  # it reconnected: a fresh core, its old cache gone
+    assert index.blocks["w1"] == cached_set(fleet.workers["w1"].core) and len(index.blocks["w1"]) == 3

@@ -46,7 +46,11 @@ class Fleet:
         heartbeat_timeout_s: float = 2.0,
         no_worker_timeout_s: float = 30.0,
         max_waiting_requests: int = 0,  # 0 = unbounded
+        kv_events: bool = False,
     ) -> None:
+        # Each new core's pool records KV events from its first block (--kv-events-config):
+        # a block cached before recording began would be missing from every consumer's view.
+        self.kv_events = kv_events
         self.config = config
         self.max_waiting_requests = max_waiting_requests
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -78,6 +82,8 @@ class Fleet:
             handle.last_seen = now
             return []
         core = Scheduler.for_worker(self.config, info)
+        if self.kv_events:
+            core.kv_cache_manager.block_pool.events = []
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
         log.warning("worker %s joined (%d KV blocks); %d worker(s)", info.worker_id, info.num_kv_blocks, len(self.workers))
         waiting, self.unplaced = self.unplaced, deque()

@@ -26,17 +26,14 @@ class KVEventPublisher:
         await self.nc.subscribe(self.snapshot_subject, cb=self.on_snapshot)
 
     def sync(self, workers: dict[str, WorkerHandle]) -> None:
-        """Record for workers that joined; say a cleared cache for those that left (a worker
-        that rejoins starts with an empty pool)."""
+        """Watch workers that joined (their pools record from the start: Fleet(kv_events=True));
+        say a cleared cache for those that left (one that rejoins starts with an empty pool)."""
         for worker_id, handle in list(self._watched.items()):
             if workers.get(worker_id) is not handle:
                 del self._watched[worker_id]
                 self._gone.append(worker_id)
         for worker_id, handle in workers.items():
             if worker_id not in self._watched:
-                pool = handle.core.kv_cache_manager.block_pool
-                if pool.events is None:
-                    pool.events = []
                 self._watched[worker_id] = handle
 
     async def flush(self, workers: dict[str, WorkerHandle]) -> None:

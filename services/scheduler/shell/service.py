@@ -65,7 +65,7 @@ class SchedulerService:
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
         self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
-                           max_waiting_requests)
+                           max_waiting_requests, kv_events)
         self.gateways = Gateways(gateway_timeout_s)
         self.kv_events = KVEventPublisher(nc, subjects, data_parallel_rank) if kv_events else None
         self.scheduler_id = uuid.uuid4().hex[:8]
