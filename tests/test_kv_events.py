@@ -143,7 +143,7 @@ def test_a_served_scheduler_s_events_rebuild_its_workers_caches(tiny_llama):
         index, final, num_batches = asyncio.run(run())
         truth = KVEventIndex()
         truth.apply_snapshot(final)
-        assert num_batches > 2 and index.seq == final.seq
+        assert num_batches >= 2 and index.seq == final.seq  # (at least a batch a worker: both cache)
         assert len(truth.blocks) == 2 and all(truth.blocks.values())  # both workers cache something
         assert index.blocks == truth.blocks
     finally:

@@ -64,6 +64,10 @@ def test_a_shard_without_workers_or_gone_silent_gets_nothing():
     r.heard(SchedulerHeartbeat("s0", 1, 0, 0, 0), now=3.0)  # shard 1 silent since 0.0
     assert {r.route(prompt(i), None, now=3.1) for i in range(20)} == {0}
     assert r.silent(now=3.1) == [1] and set(r.shards) == {0}
+    r = router()
+    r.heard(SchedulerHeartbeat("s1", 0, 0, 1, 0), now=0.5)  # shard 1's beat before its worker joined
+    r.answered(1, 1)  # ... and its answer to /health's question after
+    assert {r.route(prompt(i), None, now=0.6) for i in range(20)} == {0, 1}
 
 
 def test_a_new_scheduler_on_a_shard_or_a_reconnect_asks_for_its_requests_again():

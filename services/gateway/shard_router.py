@@ -62,6 +62,13 @@ class ShardRouter:
         self.reported(shard.rank, beat.num_requests)
         return why
 
+    def answered(self, rank: int, num_workers: int) -> None:
+        """A shard's answer to an info query (/health's): its workers as of now, fresher than
+        its last heartbeat's, so a deployment that says it is healthy routes to all of it."""
+        shard = self.shards.get(rank)
+        if shard is not None:
+            shard.num_workers = num_workers
+
     def reported(self, rank: int, num_requests: int) -> None:
         """A shard's own count of its requests (stats, heartbeats): it replaces ours."""
         shard = self.shards.get(rank)

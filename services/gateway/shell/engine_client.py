@@ -235,6 +235,8 @@ class EngineClient:
         except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
             self._info = None
             raise Unavailable(f"no scheduler answered ({type(exc).__name__})") from exc
+        for info in infos:
+            self.router.answered(info.data_parallel_rank, info.num_workers)
         self._info, self._info_at = SchedulerInfo.combine(infos), now
         return self._info
 
