@@ -172,14 +172,14 @@ def test_a_worker_s_blocks_cached_before_the_first_flush_and_after_a_rejoin_are_
 
     bus = Bus()
     fleet = Fleet(SchedulerConfig(max_model_len=512), kv_events=True)
-    publisher = KVEventPublisher(bus, Subjects("tiny"), 0)
+    publisher = KVEventPublisher(bus, Subjects("tiny"), 0, fleet.workers)
     index = KVEventIndex()
 
     def run(incarnation: int, request_id: str) -> None:
         fleet.heard_from(WorkerInfo("w1", "tiny", 64, 4, 1024, 100, incarnation=incarnation), now=0.0)
         fleet.submit(EngineCoreRequest(request_id, list(range(1, 14)), SamplingParams(max_tokens=2)), now=0.0)
         fleet.workers["w1"].core.schedule()  # the prompt's full blocks cached, before any flush
-        asyncio.run(publisher.flush(fleet.workers))
+        asyncio.run(publisher.flush())
         for data in bus.sent:
             assert index.apply(DECODE.decode(data))
         bus.sent.clear()

@@ -86,9 +86,6 @@ class ShardRouter:
             del self.shards[rank]
         return gone
 
-    def num_workers(self, now: float) -> int:
-        return sum(s.num_workers for s in self.live(now))
-
     def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float) -> int:
         """The shard for a request: a live one with workers (else any live one, which holds
         it until a worker joins; none heard yet: shard 0)."""

@@ -160,6 +160,11 @@ class EngineClient:
             stats = self._stats_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        self._saw_stats(stats)
+
+    def _saw_stats(self, stats: SchedulerStats) -> None:
+        """A shard's figures, on their subject or with its outputs: its load for routing,
+        and the metrics."""
         self.router.reported(stats.data_parallel_rank, stats.num_running_reqs + stats.num_waiting_reqs)
         if self._on_stats is not None:
             self._on_stats(stats)
@@ -173,10 +178,7 @@ class EngineClient:
         if outputs.resume_all:  # (after every output sent before it: the ledger is up to date)
             await self._resume(None, "the scheduler dropped this gateway's requests while it did not hear it")
         if outputs.scheduler_stats is not None:
-            stats = outputs.scheduler_stats
-            self.router.reported(stats.data_parallel_rank, stats.num_running_reqs + stats.num_waiting_reqs)
-            if self._on_stats is not None:
-                self._on_stats(stats)
+            self._saw_stats(outputs.scheduler_stats)
         gaps = []
         for output in outputs.outputs:
             queue = self._queues.get(output.request_id)

@@ -154,13 +154,12 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         if num_full <= num_cached:
             return
-        pool, hashes = self.block_pool, request.block_hashes
+        pool, hashes, bs = self.block_pool, request.block_hashes, self.block_size
+        lora = request.lora_request.lora_int_id if request.lora_request is not None else None
         for i in range(num_cached, num_full):
             if pool.events is None:
                 pool.cache_full_block(req_blocks[i], hashes[i])
             else:  # (what a KV event says of the block: its parent, its tokens, its adapter)
-                lora = request.lora_request.lora_int_id if request.lora_request is not None else None
-                bs = self.block_size
                 pool.cache_full_block(req_blocks[i], hashes[i], hashes[i - 1] if i else None,
                                       request.all_token_ids[i * bs:(i + 1) * bs], lora)
         self.num_cached_blocks[request.request_id] = num_full

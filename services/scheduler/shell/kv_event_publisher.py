@@ -13,8 +13,10 @@ from shared.kv_events import AllBlocksCleared, BlockStored, KVEventBatch, KVEven
 
 
 class KVEventPublisher:
-    def __init__(self, nc, subjects: Subjects, rank: int) -> None:
+    def __init__(self, nc, subjects: Subjects, rank: int, workers: dict[str, WorkerHandle]) -> None:
+        """`workers`: the shard's (Fleet.workers, read at each flush)."""
         self.nc = nc
+        self.workers = workers
         self.subject = subjects.kv_events(rank)
         self.snapshot_subject = subjects.kv_snapshot(rank)
         self.rank = rank
@@ -25,24 +27,25 @@ class KVEventPublisher:
     async def start(self) -> None:
         await self.nc.subscribe(self.snapshot_subject, cb=self.on_snapshot)
 
-    def sync(self, workers: dict[str, WorkerHandle]) -> None:
+    def sync(self) -> None:
         """Watch workers that joined (their pools record from the start: Fleet(kv_events=True));
         say a cleared cache for those that left (one that rejoins starts with an empty pool)."""
         for worker_id, handle in list(self._watched.items()):
-            if workers.get(worker_id) is not handle:
+            if self.workers.get(worker_id) is not handle:
                 del self._watched[worker_id]
                 self._gone.append(worker_id)
-        for worker_id, handle in workers.items():
+        for worker_id, handle in self.workers.items():
             if worker_id not in self._watched:
                 self._watched[worker_id] = handle
 
-    async def flush(self, workers: dict[str, WorkerHandle]) -> None:
-        self.sync(workers)
+    async def flush(self) -> None:
+        self.sync()
         now = time.time()
-        for worker_id in self._gone:
+        gone, self._gone = self._gone, []
+        for worker_id in gone:
             await self._send(KVEventBatch(now, [AllBlocksCleared()], self.rank, worker_id))
-        self._gone.clear()
-        for worker_id, handle in self._watched.items():
+        # (a copy: another flush may change the watched set while this one publishes)
+        for worker_id, handle in list(self._watched.items()):
             events = handle.core.kv_cache_manager.block_pool.take_events()
             if events:
                 await self._send(KVEventBatch(now, events, self.rank, worker_id))
@@ -54,7 +57,7 @@ class KVEventPublisher:
 
     async def on_snapshot(self, msg) -> None:
         """Every worker's cached blocks, as of the last batch: what came before goes out first."""
-        await self.flush({worker_id: handle for worker_id, handle in self._watched.items()})
+        await self.flush()
         now = time.time()
         batches = [KVEventBatch(now, [AllBlocksCleared(), BlockStored(
             handle.core.kv_cache_manager.block_pool.cached_blocks(), None, [],

@@ -67,7 +67,8 @@ class SchedulerService:
         self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
                            max_waiting_requests, kv_events)
         self.gateways = Gateways(gateway_timeout_s)
-        self.kv_events = KVEventPublisher(nc, subjects, data_parallel_rank) if kv_events else None
+        self.kv_events = (KVEventPublisher(nc, subjects, data_parallel_rank, self.fleet.workers)
+                          if kv_events else None)
         self.scheduler_id = uuid.uuid4().hex[:8]
         tracer = setup_tracing("scheduler")
         self.step_tracer = StepTracer(tracer if tracing_enabled() else None)
@@ -188,7 +189,7 @@ class SchedulerService:
                     await self.nc.publish(self.subjects.scheduler_heartbeat, encode(beat))
                     await self._publish_stats()  # idle included: gauges come back to 0
                     if self.kv_events is not None:  # (a worker's departure, evictions between steps)
-                        await self.kv_events.flush(self.fleet.workers)
+                        await self.kv_events.flush()
                 await self._publish_rejections(self.fleet.check(now, awake))
                 self._drop_silent_gateways(now, awake)
                 for worker_id, (handle, task) in list(tasks.items()):
@@ -254,7 +255,7 @@ class SchedulerService:
                 await self.nc.publish(subject, encode(outputs))
         await self._publish_stats(only_if_changed=True, stats=fleet_stats)
         if self.kv_events is not None:
-            await self.kv_events.flush(self.fleet.workers)
+            await self.kv_events.flush()
 
     async def _sleep(self, stop: asyncio.Event, timeout: float) -> None:
         self.wake.clear()
