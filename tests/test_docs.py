@@ -40,8 +40,16 @@ def test_every_relative_link_in_the_docs_points_at_a_file():
     assert len(PAGES) > 10 and broken == []
 
 
+def test_the_models_table_is_what_the_family_records_generate():
+    result = subprocess.run([sys.executable, "scripts/models_doc.py", "--check"], cwd=ROOT, timeout=300)
+    assert result.returncode == 0, "docs/models/supported_models.md is stale: run python scripts/models_doc.py"
+
+
 def test_every_supported_architecture_has_a_row_in_the_models_page():
-    from services.worker.models.families.registry import SUPPORTED_ARCHITECTURES, TEXT_MODELS_OF
+    from services.worker.models.families.registry import (
+        SUPPORTED_ARCHITECTURES,
+        TEXT_MODELS_OF,
+    )
 
     page = (ROOT / "docs/models/supported_models.md").read_text()
     missing = [arch for arch in [*SUPPORTED_ARCHITECTURES, *TEXT_MODELS_OF] if f"`{arch}`" not in page]

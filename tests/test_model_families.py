@@ -22,11 +22,11 @@ import math
 
 import pytest
 import torch
+from tiny_models import build_tiny_model, causal_lm_class, hf_greedy, random_prompts
 
 from llmbus import LLM, SamplingParams
 from services.worker.layers.moe import SparseMoE
 from services.worker.models.decoder_config import ModelConfig
-from tiny_models import build_tiny_model, causal_lm_class, hf_greedy, random_prompts
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -52,9 +52,26 @@ FAMILIES = ["qwen3", "phi3", "granite", "gemma", "gemma2", "gemma3", "smollm3", 
             "bamba", "nemotron_h"]
 
 
+def test_every_family_has_its_test_rows():
+    """Each family's record names the tiny models that hold it to transformers, and each of
+    them is a test row here or in the suite's other model tests."""
+    from pathlib import Path
+
+    from services.worker.models.families.registry import FAMILIES as RECORDS
+
+    suite = " ".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    untested = {f.name: [t for t in f.tests if f'"{t}"' not in suite] for f in RECORDS}
+    assert {name: rows for name, rows in untested.items() if rows} == {}
+    assert {t for f in RECORDS for t in f.tests} >= set(FAMILIES)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
+    from services.worker.models.families.registry import FAMILY_OF
+
     folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=2)
+    arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+    assert request.param in FAMILY_OF[arch].tests  # (the row is the family's own)
     return folder, hf_greedy(folder, PROMPTS, MAX_NEW), request.param
 
 
@@ -1021,7 +1038,7 @@ def test_mxfp4_widens_as_transformers_widens():
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from services.worker.models.gpt_oss_weights import widen_mxfp4
+    from services.worker.models.checkpoints.gpt_oss_weights import widen_mxfp4
 
     gen = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 8, 2, 16), dtype=torch.uint8, generator=gen)
@@ -1037,7 +1054,7 @@ def test_gpt_oss_serves_its_mxfp4_experts(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from services.worker.models.gpt_oss_weights import widen_mxfp4
+    from services.worker.models.checkpoints.gpt_oss_weights import widen_mxfp4
 
     folder = build_tiny_model(tmp_path / "oss", "gpt_oss", seed=3)
     weights = load_file(folder / "model.safetensors")

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from llmbus.bench.streaming_client import one_request, summarize
+from shared.hf.model_folder import read_config, text_config
 
 ROLES = ("gateway", "scheduler", "tokenizer", "worker", "nats")
 
@@ -108,8 +109,7 @@ def run(args) -> int:
     from llmbus.model_fetch import resolve_model
 
     path = str(resolve_model(args.model))
-    config = json.loads((resolve_model(args.model) / "config.json").read_text())
-    vocab = (config.get("text_config") or config)["vocab_size"]
+    vocab = text_config(read_config(path))["vocab_size"]
     shards, gateways = args.data_parallel_size, args.api_server_count
     num_workers = args.workers or shards
     nats = NatsServer().start()

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-from pathlib import Path
 
 from llmbus.model_fetch import DEFAULT_MODEL, KNOWN_MODELS
 from shared.config import GatewayConfig, LoRAConfig
@@ -18,8 +17,9 @@ from shared.engine_args import GROUPS, EngineArgs
 from shared.flags import env_name
 from shared.hf.classification import classifier_of
 from shared.hf.generation_config import default_sampling, model_eos_ids
-from shared.lora_request import LoRARequest, parse_lora_modules
+from shared.hf.model_folder import architectures
 from shared.hf.pooling_config import unsupported_pooling
+from shared.lora_request import LoRARequest, parse_lora_modules
 
 log = logging.getLogger("llmbus.gateway")
 
@@ -73,7 +73,7 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                  "(--generation-config vllm to ignore them)", defaults)
     aliases = tuple(name for name in args.served_model_name or [] if name and name != model_name)
     reasoning_parser, tool_call_parser = args.reasoning_parser, args.tool_call_parser
-    if _architectures(model_path) & {"GptOssForCausalLM"}:
+    if "GptOssForCausalLM" in architectures(model_path):
         # gpt-oss answers in harmony, which vLLM always reads as harmony: its parsers, unless
         # others were asked for (hermes, the default, means none was)
         reasoning_parser = reasoning_parser or "openai_gptoss"
@@ -102,13 +102,6 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                          log_request_inputs=args.enable_log_requests, log_outputs=args.enable_log_outputs,
                          max_log_len=args.max_log_len)
-
-
-def _architectures(model_path: str) -> set[str]:
-    try:
-        return set(json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or [])
-    except (OSError, ValueError, AttributeError):
-        return set()
 
 
 def runtime_lora_updating(warn: bool = True) -> bool:

@@ -11,16 +11,22 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
-from services.worker.models.checkpoints.fp8_weights import fp8_widened
-from services.worker.models.fused_decode import FusedDecode
-from services.worker.models.checkpoints.quantized_weights import quantized_widened
 from services.worker.layers.moe import SparseMoE
-from services.worker.layers.packed_linear import PackedLinear, can_pack, move_to_huge_pages, pack_linears
+from services.worker.layers.packed_linear import (
+    PackedLinear,
+    can_pack,
+    move_to_huge_pages,
+    pack_linears,
+)
 from services.worker.layers.quantized_linear import quantize, quantized_linear
-from services.worker.models.decoder_config import ModelConfig
+from services.worker.models.checkpoints.fp8_weights import fp8_widened
+from services.worker.models.checkpoints.quantized_weights import quantized_widened
 from services.worker.models.decoder import LlamaForCausalLM
+from services.worker.models.decoder_config import ModelConfig
+from services.worker.models.fused_decode import FusedDecode
 from services.worker.models.weight_names import MULTIMODAL_PARTS
 from shared.config import DTYPE_ALIASES, DTYPE_CHOICES
+from shared.hf.model_folder import checkpoint_dtype
 
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,9 +47,7 @@ def resolve_dtype(name: str, folder: str | Path, device: torch.device) -> str:
     packed products take bfloat16 and not float16, which PyTorch runs several times slower."""
     name = DTYPE_ALIASES.get(name, name)
     if name == "auto":
-        config_path = Path(folder) / "config.json"
-        raw = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        name = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        name = checkpoint_dtype(folder) or "float32"
         name = name if name in DTYPES else "float32"
         if name == "float16" and device.type == "cpu":
             name = "bfloat16"

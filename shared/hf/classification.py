@@ -10,10 +10,11 @@ sigmoid for multi-label, otherwise softmax over the labels (sigmoid where there 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
+from shared.hf.model_folder import config_or_empty
 
 SUFFIX = "ForSequenceClassification"
 
@@ -54,10 +55,7 @@ def is_classifier(raw: dict) -> bool:
 
 def classifier_of(model_path: str | Path) -> Classifier | None:
     """The model's classifier, when its config.json names a `*ForSequenceClassification`."""
-    try:
-        raw = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
+    raw = config_or_empty(model_path)
     if not is_classifier(raw):
         return None
     names = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}

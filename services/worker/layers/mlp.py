@@ -77,7 +77,7 @@ class ClampedSwiGLUExpert(nn.Module):
     """gpt-oss's expert: biased products, and between them a SwiGLU with clamps, its gate
     at most `limit` and its up within +-`limit`, (up + 1) * gate * sigmoid(alpha * gate),
     as transformers computes it. `gate_up_proj` holds the gate rows, then the up rows (the
-    checkpoint interleaves them: models/gpt_oss_weights.py reorders them at load)."""
+    checkpoint interleaves them: models/checkpoints/gpt_oss_weights.py reorders them at load)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float) -> None:
         super().__init__()

@@ -172,6 +172,10 @@ class Int4Linear(nn.Module):
             self.register_buffer("low", low.T.contiguous().half())
             self.register_buffer("bias", None if bias is None else bias.detach().to(dtype).float())
             return
+        # PyTorch's kernel takes outputs by 16s: a size that is not (Mistral 4's latent
+        # projections) is padded with zero rows, sliced off after the product.
+        pad = -out_features % 16
+        levels, step, low = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (levels, step, low))
         self.register_buffer("weight_int4", torch._convert_weight_to_int4pack_for_cpu(levels, 1))
         # The kernel computes (level - 8) * scale + zero.
         scales_and_zeros = torch.stack([step, low + 8 * step], dim=-1)  # [out, groups, 2]
@@ -186,6 +190,7 @@ class Int4Linear(nn.Module):
             out = triton_int4.linear_int4(rows, self.weight_packed, self.step, self.low, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         out = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4, INT4_GROUP_SIZE, self.scales_and_zeros)
+        out = out[:, :self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)

@@ -4,8 +4,6 @@ config, sliding windows by layer and the layers without rotary."""
 
 from __future__ import annotations
 
-import math
-
 from services.worker.models.families.registry import (
     ALWAYS_BY_LAYER_TYPE,
     BY_LAYER_TYPE,
@@ -16,13 +14,6 @@ from services.worker.models.families.registry import (
     OLMO_HYBRID,
     TEXT_CONFIG_AS_RUN,
 )
-
-
-def tagged_float(obj: dict):
-    """transformers 5 writes the floats JSON has no literal for as {"__float__": "Infinity"}
-    (Granite 4.0-H's time_step_limit), and reads them back so."""
-    tag = obj.get("__float__") if len(obj) == 1 else None
-    return {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}.get(tag, obj) if isinstance(tag, str) else obj
 
 
 def filled(raw: dict, model_type: str) -> dict:

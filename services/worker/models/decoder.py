@@ -20,7 +20,9 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.layers.attention import Attention, triton_elementwise
-from services.worker.layers.gated_delta_net import GatedDeltaNet, key_head_grouped_tensors
+from services.worker.layers.gated_delta_net import (
+    GatedDeltaNet,
+)
 from services.worker.layers.latent_attention import LatentAttention, rope_rows_as_halves
 from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping
@@ -31,25 +33,16 @@ from services.worker.layers.query_scale import QueryScale
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
 from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
 from services.worker.layers.short_conv import ShortConv
+from services.worker.models.checkpoints.layer_normed_names import renamed_tensors
+from services.worker.models.checkpoints.tensor_fixups import TENSOR_FIXUPS
 from services.worker.models.decoder_config import ModelConfig
-from services.worker.models.families.hybrid_tensors import (
-    gated_query_tensors,
-    granite_hybrid_tensors,
-    nemotron_h_tensors,
-    olmo_hybrid_tensors,
-)
-from services.worker.models.families.registry import GRANITE_HYBRID, LINEAR_ATTENTION, OLMO_HYBRID, SHORT_CONVS
-from services.worker.models.gpt_oss_weights import gpt_oss_tensors
-from services.worker.models.layer_normed_names import checkpoint_tensor
+from services.worker.models.families.registry import FAMILY_OF
 from services.worker.models.weight_names import (
     ALIASES,
     LANGUAGE_MODEL_PREFIXES,
-    NAMES_OF,
     PACKED_WEIGHTS,
     STACKED_EXPERTS,
-    STACKED_OUT_IN,
     TRANSPOSED_FIRST,
-    UNREAD_PREFIXES,
 )
 
 log = logging.getLogger("llmbus.worker")
@@ -254,29 +247,16 @@ class LlamaForCausalLM(nn.Module):
         # (GLM-4.5's routers' correction biases are float32 buffers, read as weights are)
         params.update((n, b) for n, b in self.named_buffers() if n.endswith(".e_score_correction_bias"))
         loaded: set[str] = set()
-        arch, heads = self.config.architecture, self.config.num_attention_heads
+        family = FAMILY_OF[self.config.architecture]
         num_layers = self.config.num_hidden_layers
         skipped = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + self.config.skipped_layers))
-        if arch == "GptOssForCausalLM":  # its stacked, interleaved, MXFP4 experts, one by one
-            weights = gpt_oss_tensors(weights)
-        if arch in LINEAR_ATTENTION:
-            weights = gated_query_tensors(weights, heads, self.config.head_dim)
-        if arch == "Qwen3NextForCausalLM":
-            weights = key_head_grouped_tensors(weights, self.config)
-        if arch == GRANITE_HYBRID:
-            weights = granite_hybrid_tensors(weights, bool(self.config.moe_layers))
-        if arch == "NemotronHForCausalLM":
-            weights = nemotron_h_tensors(weights, self.config)
-        if arch == OLMO_HYBRID:
-            weights = olmo_hybrid_tensors(weights)
-        unread = UNREAD_PREFIXES.get(arch, ())
+        if family.unread:
+            weights = ((n, t) for n, t in weights if not n.startswith(family.unread))
+        weights = renamed_tensors(family, weights)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's layouts)
+        for fixup in family.tensor_fixups:  # (stacked experts, fused products, a layout of its own)
+            weights = TENSOR_FIXUPS[fixup](weights, self.config)
+        names = family.weight_names
         for name, tensor in weights:
-            if unread and name.startswith(unread):
-                continue
-            renamed = checkpoint_tensor(arch, name, tensor, heads)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's names)
-            if renamed is None:
-                continue
-            name, tensor = renamed
             for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
                 if name.startswith(theirs):
                     name = ours + name[len(theirs):]
@@ -284,12 +264,11 @@ class LlamaForCausalLM(nn.Module):
                 name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
             if skipped and name.startswith(skipped):
                 continue  # (GLM-4.5's multi-token-prediction layers: transformers skips them too)
-            if ".experts." in name or ".block_sparse_moe." in name or arch in SHORT_CONVS:
+            if ".experts." in name or ".block_sparse_moe." in name or self.config.recurrent_mixer == "short_conv":
                 for theirs, ours in ALIASES.items():
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
-            names = NAMES_OF.get(self.config.architecture, {})
             theirs = next((n for n in names if n in name), None)
             name = name if theirs is None else name.replace(theirs, names[theirs])
             if name == "lm_head.weight" and self.lm_head is None:
@@ -305,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
                     target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
                     if target not in params:
                         raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
-                    if stacked in TRANSPOSED_FIRST and arch not in STACKED_OUT_IN and rows.T.shape == params[target].shape:
+                    if stacked in TRANSPOSED_FIRST and not family.stacked_experts_out_in and rows.T.shape == params[target].shape:
                         rows = rows.T
                     _copy(params[target].data, rows, name)
                     loaded.add(target)

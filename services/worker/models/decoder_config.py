@@ -2,27 +2,68 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.worker.models.checkpoints.fp8_weights import fp8_weight_block
-from services.worker.models.checkpoints.quantized_weights import QuantizedWeights, quantized_weight_format
-from services.worker.models.config_reader import filled, nope_layers, sliding_window_fields, tagged_float, text_config
-from services.worker.models.families.gemma import gemma_fields, granite_fields, ropes_by_layer_type
-from services.worker.models.families.hybrid import (lfm2, linear_attention_fields, mamba_fields, nemotron_h,
-                                                    short_conv_fields)
-from services.worker.models.families.latent_attention import latent_attention_fields, query_scale_fields
-from services.worker.models.families.layer_normed import layer_normed, layer_normed_fields
-from services.worker.models.families.moe import moe_fields
+from services.worker.models.checkpoints.quantized_weights import (
+    QuantizedWeights,
+    quantized_weight_format,
+)
+from services.worker.models.config_fields.gemma import (
+    gemma_fields,
+    granite_fields,
+    ropes_by_layer_type,
+)
+from services.worker.models.config_fields.hybrid import (
+    lfm2,
+    linear_attention_fields,
+    mamba_fields,
+    nemotron_h,
+    short_conv_fields,
+)
+from services.worker.models.config_fields.latent_attention import (
+    latent_attention_fields,
+    query_scale_fields,
+)
+from services.worker.models.config_fields.layer_normed import (
+    layer_normed,
+    layer_normed_fields,
+)
+from services.worker.models.config_fields.moe import moe_fields
+from services.worker.models.config_reader import (
+    filled,
+    nope_layers,
+    sliding_window_fields,
+    text_config,
+)
+from services.worker.models.families.registry import (
+    BASE_MODELS,
+    COHERES,
+    FILLED_BY_TRANSFORMERS,
+    GATED_ACTS,
+    GEMMAS,
+    GLMS,
+    GRANITE_HYBRID,
+    HUNYUANS,
+    LATENT_ATTENTION,
+    LAYER_NORMED,
+    LINEAR_ATTENTION,
+    OLMO_HYBRID,
+    POST_NORMED,
+    QK_NORMS_OVER_HEADS,
+    ROPES_BY_LAYER_TYPE,
+    SHORT_CONVS,
+    SUPPORTED_ARCHITECTURES,
+    TEXT_MODELS_OF,
+    UNCLASSIFIED,
+    UNGATED,
+    WINDOWED,
+)
 from services.worker.models.rope_config import read_rope
-from services.worker.models.families.registry import (BASE_MODELS, COHERES, FILLED_BY_TRANSFORMERS, GATED_ACTS, GEMMAS,
-                                                      GLMS, GRANITE_HYBRID, HUNYUANS, LATENT_ATTENTION, LAYER_NORMED,
-                                                      LINEAR_ATTENTION, OLMO_HYBRID, POST_NORMED, QK_NORMS_OVER_HEADS,
-                                                      ROPES_BY_LAYER_TYPE, SHORT_CONVS, SUPPORTED_ARCHITECTURES,
-                                                      TEXT_MODELS_OF, UNCLASSIFIED, UNGATED, WINDOWED)
 from shared.hf.classification import SUFFIX, is_classifier, num_labels
+from shared.hf.model_folder import read_config
 
 
 @dataclass(slots=True)
@@ -236,10 +277,7 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        path = Path(folder) / "config.json"
-        if not path.is_file():
-            raise ValueError(f"{folder} is not a model folder: it has no config.json")
-        raw = json.loads(path.read_text(), object_hook=tagged_float)
+        raw = read_config(folder)
         # (a quantization neither reads refused here, by its method)
         quantized_weights, fp8_block = quantized_weight_format(raw), fp8_weight_block(raw)
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)

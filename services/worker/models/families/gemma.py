@@ -1,72 +1,78 @@
-"""Gemma 1-3 and VaultGemma's config: norms by 1 + w, scaled embeddings, Gemma 2's soft caps
-and output norms, alternating windows, Gemma 3's base of its own for windowed layers;
-Granite's four scalars."""
+"""Gemma's families: GeGLU MLPs, norms that weigh by 1 + w, scaled embeddings; Gemma 2's windows
+and soft caps, VaultGemma, Gemma 3's query/key norms and rotary bases by layer type."""
 
 from __future__ import annotations
 
-from services.worker.models.config_reader import layer_windows
-from services.worker.models.families.registry import GEMMAS, GRANITE_HYBRID
+from services.worker.models.families.family import Family
+
+GEMMA = Family(
+    name="Gemma",
+    architectures=("GemmaForCausalLM",),
+    served="`GemmaForCausalLM`",
+    adds=('a GeGLU MLP (`gelu_pytorch_tanh`; the first releases\' `"gelu"` read as that, as transformers and vLLM '
+          "read it); norms that weigh by 1 + w (the 1 added at load, in float32 as transformers does; in bfloat16 "
+          "the weight is then applied after the cast to bfloat16, Llama's order, where Gemma's is before it: a "
+          "last-bit difference); embeddings times sqrt(hidden_size) rounded to the activations' dtype (as "
+          "transformers); tied embeddings by default"),
+    cpu=("all dtypes and int8/int4; the GELU-and-mul on the CPU kernels (PyTorch's own tanh form, bfloat16 bits as"
+         " PyTorch's), the one-call decode layer included"),
+    gpu="as Llama, the GELU in PyTorch",
+    tests=("gemma",),
+)
 
 
-def gemma_fields(arch: str, raw: dict) -> dict:
-    if arch not in GEMMAS:
-        return {}
-    fields = dict(embedding_multiplier=raw["hidden_size"] ** 0.5, embedding_multiplier_in_dtype=True,
-                  norm_weight_offset=1.0)
-    if arch != "GemmaForCausalLM":
-        fields.update(windowed_gemma_fields(raw, pattern=6 if arch == "Gemma3ForCausalLM" else 2))
-    if arch == "VaultGemmaForCausalLM":  # (Gemma 2's layer without its two output norms)
-        fields["sandwich_norms"] = False
-    return fields
+GEMMA_2 = Family(
+    name="Gemma 2",
+    architectures=("Gemma2ForCausalLM",),
+    served="`Gemma2ForCausalLM`",
+    adds=("Gemma's, and: a norm on the attention's and on the MLP's output before each joins the residual stream "
+          "(`post_attention_layernorm`, `post_feedforward_layernorm`; `pre_feedforward_layernorm` before the MLP);"
+          " a sliding window on the layers `layer_types` names `sliding_attention` (transformers' default: every "
+          "even layer; a query sees its last `sliding_window` positions, itself included), so the context is "
+          "`max_position_embeddings`, not capped at the window; each attention score soft-capped, "
+          "`attn_logit_softcapping * tanh(score / cap)`, and the logits by `final_logit_softcapping` (in float32; "
+          "transformers caps them in the model's dtype); the attention scale `query_pre_attn_scalar ** -0.5`"),
+    cpu=("all dtypes and int8/int4; the one-call decode layer included (both branch norms, the cap, each layer's "
+         "window); attention on the CPU kernels, which take the window and the cap (decodes read only the window's"
+         " keys; a prefill chunk starts at its window's first tile); where they do not load (float16, head sizes "
+         "other than 64/128/256) a loop over the step's requests that gathers only the window's blocks"),
+    gpu=("the paged-attention kernel with two constexpr switches (cap, window; a windowed program starts at the "
+         "first tile its queries see, split-KV splits the window); the GELU in PyTorch"),
+    tests=("gemma2",),
+)
 
 
-def ropes_by_layer_type(raw: dict) -> tuple[dict, float]:
-    """Two rotary setups: the global layers' as every family's (Gemma 3's: rope_theta,
-    default 1e6, with rope_scaling; OLMo 3's: its YaRN), the windowed layers' base apart
-    (default rope; Gemma 3's rope_local_base_freq, default 1e4). transformers 5 writes
-    both in rope_parameters, by layer type."""
-    by_type = raw.get("rope_parameters") or {}
-    if "full_attention" in by_type or "sliding_attention" in by_type:
-        full = dict(by_type.get("full_attention") or {})
-        local = dict(by_type.get("sliding_attention") or {})
-    else:
-        full = dict(raw.get("rope_scaling") or {})
-        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-    full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
-    if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ValueError(f"unsupported rope_type {local.get('rope_type')!r} for Gemma 3's sliding layers: default")
-    raw = {**raw, "rope_parameters": full}
-    raw.pop("rope_scaling", None)
-    return raw, float(local.get("rope_theta", 10000.0))
+VAULTGEMMA = Family(
+    name="VaultGemma",
+    architectures=("VaultGemmaForCausalLM",),
+    served="`VaultGemmaForCausalLM` (vaultgemma-1b)",
+    adds=("Gemma 2's attention (windows on every other layer, the soft caps, `query_pre_attn_scalar`), embedding "
+          "scale and 1 + w norms, without Gemma 2's norms on the attention's and the MLP's outputs: its "
+          "`pre_feedforward_layernorm` is the MLP's input norm, as a Llama's"),
+    cpu="all dtypes and int8/int4; the one-call decode layer included",
+    gpu="as Gemma 2",
+    tests=("vaultgemma",),
+    config_class="vaultgemma",
+    weight_names={".pre_feedforward_layernorm.": ".post_attention_layernorm."},
+)
 
 
-def windowed_gemma_fields(raw: dict, pattern: int) -> dict:
-    """Which layers slide (`layer_types`, or transformers' default from the pattern: all but
-    every `pattern`-th layer - Gemma 2 every other, Gemma 3 five in six), the caps, and the
-    attention scale from query_pre_attn_scalar rather than head_dim."""
-    num_layers, window = raw["num_hidden_layers"], raw.get("sliding_window")
-    pattern = raw.get("sliding_window_pattern", pattern)
-    kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                       for i in range(num_layers)]
-    windows = layer_windows(kinds, window, num_layers)
-    caps = {}
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        cap = raw.get(name)
-        if cap is not None and cap <= 0:
-            raise ValueError(f"{name} {cap} must be positive (or null: no cap)")
-        caps[name] = None if cap is None else float(cap)
-    scalar = raw.get("query_pre_attn_scalar") or raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-    return dict(layer_windows=windows, sandwich_norms=True,
-                attention_scale=float(scalar) ** -0.5, **caps)
+GEMMA_3 = Family(
+    name="Gemma 3",
+    architectures=("Gemma3ForCausalLM",),
+    served=("`Gemma3ForCausalLM` (gemma-3-1b), and the language model of `Gemma3ForConditionalGeneration` "
+            "checkpoints (gemma-3-4b/12b/27b-it: its `text_config`, filled in with transformers' defaults as "
+            "transformers reads it, and its `language_model.*` weights; the vision tower and projector are left "
+            "unread, and a message with an image part is a 400, as every non-text part)"),
+    adds=("Gemma 2's layer without its caps (null in Gemma 3's configs; honoured if set); Qwen3's per-head "
+          "query/key norms (weighing by 1 + w); windowed layers five in six by default (`sliding_window_pattern`, "
+          "or `layer_types`), which rotate with their own base (`rope_local_base_freq`, default 10000, default "
+          "rope) while the global layers take `rope_theta` (default 1e6) and `rope_scaling`; transformers 5's "
+          "`rope_parameters` by layer type read the same; `use_bidirectional_attention` (embedding Gemma) refused"),
+    cpu="as Gemma 2 (the one-call decode layer takes each layer's rotary table)",
+    gpu="as Gemma 2",
+    tests=("gemma3", "gemma3_multimodal"),
+)
 
 
-def granite_fields(arch: str, raw: dict) -> dict:
-    if arch not in ("GraniteForCausalLM", "GraniteMoeForCausalLM", GRANITE_HYBRID):
-        return {}
-    fields = dict(embedding_multiplier=raw.get("embedding_multiplier", 1.0),
-                  residual_multiplier=raw.get("residual_multiplier", 1.0),
-                  attention_scale=raw.get("attention_multiplier", 1.0),  # transformers' default too
-                  logits_scaling=raw.get("logits_scaling", 1.0))
-    if fields["logits_scaling"] == 0:
-        raise ValueError("logits_scaling must not be 0")
-    return {name: float(value) for name, value in fields.items()}
+FAMILIES = (GEMMA, GEMMA_2, VAULTGEMMA, GEMMA_3)

@@ -1,79 +1,186 @@
-"""The LayerNorm decoders' config (GPT-2, OPT, GPT-NeoX, Phi, StarCoder2, StableLM, Jais 2,
-Cohere): their own names for the usual fields, biases, parallel residuals, learned positions."""
+"""The LayerNorm decoders: biased LayerNorms and (mostly) ungated biased MLPs, several with
+attention and MLP side by side off one residual: GPT-2, OPT, GPT-NeoX, Phi, StarCoder2,
+StableLM, Jais 2, Cohere, Cohere 2."""
 
 from __future__ import annotations
 
-from services.worker.models.families.registry import COHERES, LAYER_NORMED, LEARNED_POSITIONS
+from services.worker.models.families.family import Family
+
+GPT_2 = Family(
+    name="GPT-2",
+    architectures=("GPT2LMHeadModel",),
+    served="`GPT2LMHeadModel` (gpt2, distilgpt2, gpt2-medium to -xl)",
+    adds=("the LayerNorm decoders' layer (`layers/layer_norm.py`: LayerNorm with a bias, in the activations' dtype"
+          " as transformers' `nn.LayerNorm`; an ungated MLP with biases, `down(act(up x))`); learned absolute "
+          "positions added to the embeddings (`wpe`), no layer rotating (each gets the identity rotary, as "
+          "SmolLM3's NoPE layers); its products stored transposed (Conv1D) and q/k/v fused (`c_attn`), both read "
+          "as they are; `gelu_new` as transformers computes it; the Hub's names without `transformer.` and its "
+          "causal-mask buffers (skipped) read too; tied; per-layer attention scaling and upcast reordering refused"
+          " by name"),
+    cpu="all dtypes and int8/int4 on the module path (the one-call layer's norms are RMSNorms)",
+    gpu="as Llama, the norms and activation in PyTorch",
+    tests=("gpt2",),
+    config_class="gpt2",
+    ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    tensor_fixups=("conv1d_transposed",),
+    checkpoint_prefixes=("transformer.",),
+    checkpoint_renames=((r"^wte\.", "model.embed_tokens."),
+                        (r"^wpe\.", "model.embed_positions."),
+                        (r"^ln_f\.", "model.norm."),
+                        (r"^h\.(\d+)\.ln_1\.", r"model.layers.\1.input_layernorm."),
+                        (r"^h\.(\d+)\.ln_2\.", r"model.layers.\1.post_attention_layernorm."),
+                        (r"^h\.(\d+)\.attn\.c_attn\.", r"model.layers.\1.self_attn.qkv_proj."),
+                        (r"^h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
+                        (r"^h\.(\d+)\.mlp\.c_fc\.", r"model.layers.\1.mlp.up_proj."),
+                        (r"^h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj.")),
+)
 
 
-def layer_normed(arch: str, raw: dict) -> dict:
-    """A LayerNorm decoder's config (as its transformers class fills it in) in the names the
-    rest of this reader takes, where they differ; what the loader would mishandle refused."""
-    raw = dict(raw)
-    if arch == "GPT2LMHeadModel":
-        for flag, runs in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                           ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
-            if bool(raw.get(flag, runs)) != runs:
-                raise ValueError(f"unsupported {flag} {raw.get(flag)!r} for GPT-2: {runs} only")
-        raw.update(hidden_size=raw["n_embd"], num_hidden_layers=raw["n_layer"], num_attention_heads=raw["n_head"],
-                   intermediate_size=raw.get("n_inner") or 4 * raw["n_embd"],
-                   max_position_embeddings=raw["n_positions"], hidden_act=raw["activation_function"],
-                   layer_norm_eps=raw["layer_norm_epsilon"])
-    elif arch == "OPTForCausalLM":
-        if not raw.get("do_layer_norm_before", True) or raw.get("_remove_final_layer_norm"):
-            raise ValueError("unsupported OPT layer norms after each branch (do_layer_norm_before false: opt-350m): "
-                             "before only")
-        if raw.get("word_embed_proj_dim", raw["hidden_size"]) != raw["hidden_size"]:
-            raise ValueError(f"unsupported OPT word_embed_proj_dim {raw['word_embed_proj_dim']} (projected "
-                             f"embeddings: opt-350m): the hidden size {raw['hidden_size']} only")
-        if not raw.get("layer_norm_elementwise_affine", True):
-            raise ValueError("unsupported OPT layer_norm_elementwise_affine false: norms with weights only")
-        raw.update(intermediate_size=raw["ffn_dim"], hidden_act=raw["activation_function"], layer_norm_eps=1e-5,
-                   attention_bias=raw.get("enable_bias", True))
-    elif arch in ("PhiForCausalLM", "StableLmForCausalLM") and raw.get("qk_layernorm"):
-        raise ValueError(f"unsupported qk_layernorm true for {arch}: without query/key norms only")
-    elif arch == "CohereForCausalLM" and raw.get("use_qk_norm"):
-        raise ValueError("unsupported use_qk_norm true for Cohere (Command R+): without query/key norms only")
-    raw["rms_norm_eps"] = raw.get("layer_norm_eps", raw.get("norm_epsilon", 1e-5))  # (the norms' eps, whatever the norm)
-    if arch in ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM"):
-        # a head of keys and values to each query head, of hidden / heads dims, whatever
-        # else the file holds
-        raw["num_key_value_heads"] = raw["num_attention_heads"]
-        raw.pop("head_dim", None)
-    if arch == "OPTForCausalLM":  # (its enable_bias says for both)
-        raw["mlp_bias"] = raw["attention_bias"]
-    elif arch == "Starcoder2ForCausalLM":
-        raw["attention_bias"] = raw["mlp_bias"] = raw.get("use_bias", True)
-    elif arch == "StableLmForCausalLM":  # q/k/v's bias alone (o_proj never: attention_out_bias)
-        raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("use_qkv_bias")), False
-    elif arch in COHERES:
-        raw["mlp_bias"] = False
-    elif arch == "Jais2ForCausalLM":  # (as its config says: both biased by default)
-        raw["attention_bias"], raw["mlp_bias"] = bool(raw.get("attention_bias", True)), bool(raw.get("mlp_bias", True))
-    else:  # (the MLPs of GPT-2, NeoX and Phi are always biased)
-        raw["attention_bias"] = raw.get("attention_bias", True) if arch == "GPTNeoXForCausalLM" else True
-        raw["mlp_bias"] = True
-    return raw
+OPT = Family(
+    name="OPT",
+    architectures=("OPTForCausalLM",),
+    served="`OPTForCausalLM` (opt-125m, vLLM's quickstart model, to opt-66b)",
+    adds=("GPT-2's layer with OPT's names; positions learned two rows on (OPT's offset); queries scaled by "
+          "1/sqrt(head_dim) as they leave their projection and the scores then unscaled (transformers' order of "
+          "roundings); ReLU; `enable_bias`; opt-350m's projected embeddings and norms after each branch refused by"
+          " name"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("opt",),
+    config_class="opt",
+    ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    checkpoint_prefixes=("model.",),
+    checkpoint_renames=((r"^decoder\.embed_tokens\.", "model.embed_tokens."),
+                        (r"^decoder\.embed_positions\.", "model.embed_positions."),
+                        (r"^decoder\.final_layer_norm\.", "model.norm."),
+                        (r"^decoder\.layers\.(\d+)\.self_attn_layer_norm\.", r"model.layers.\1.input_layernorm."),
+                        (r"^decoder\.layers\.(\d+)\.final_layer_norm\.",
+                         r"model.layers.\1.post_attention_layernorm."),
+                        (r"^decoder\.layers\.(\d+)\.self_attn\.out_proj\.", r"model.layers.\1.self_attn.o_proj."),
+                        (r"^decoder\.layers\.(\d+)\.fc1\.", r"model.layers.\1.mlp.up_proj."),
+                        (r"^decoder\.layers\.(\d+)\.fc2\.", r"model.layers.\1.mlp.down_proj."),
+                        (r"^decoder\.layers\.", "model.layers.")),
+)
 
 
-def layer_normed_fields(arch: str, raw: dict) -> dict:
-    if arch not in LAYER_NORMED:
-        return {}
-    biased = bool(raw.get("enable_bias", True)) if arch == "OPTForCausalLM" else arch not in COHERES
-    parallel = (arch in ("PhiForCausalLM", *COHERES)
-                or (arch in ("GPTNeoXForCausalLM", "StableLmForCausalLM")
-                    and raw.get("use_parallel_residual", arch == "GPTNeoXForCausalLM")))
-    fields = dict(layer_norm=True, norm_bias=biased, parallel_residual=parallel,
-                  shared_norm=parallel and arch != "GPTNeoXForCausalLM", lm_head_bias=arch == "PhiForCausalLM",
-                  scale_queries=arch == "OPTForCausalLM",
-                  # StableLM's and Cohere's sum: the residual and the attention first, then the MLP
-                  residual_first=parallel and arch in ("StableLmForCausalLM", *COHERES))
-    if arch in COHERES:
-        scale = float(raw.get("logit_scale", 1.0))
-        if scale == 0:
-            raise ValueError("logit_scale must not be 0")
-        fields["logits_scaling"] = 1.0 / scale
-    if arch in LEARNED_POSITIONS:
-        offset = LEARNED_POSITIONS[arch]
-        fields.update(position_embeddings=raw["max_position_embeddings"] + offset, position_offset=offset)
-    return fields
+GPT_NEOX = Family(
+    name="GPT-NeoX",
+    architectures=("GPTNeoXForCausalLM",),
+    served="`GPTNeoXForCausalLM` (Pythia, GPT-NeoX-20B)",
+    adds=("attention and MLP side by side off the same residual, each with its own norm (`use_parallel_residual`; "
+          "the sequential form too), summed into it at once; q/k/v fused and interleaved head by head in the "
+          "checkpoint (reordered at load to q, k, v); a partial rotary (`rotary_pct`, or transformers 5's "
+          "`rope_parameters`); exact GELU"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("gpt_neox",),
+    config_class="gpt_neox",
+    ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    tensor_fixups=("qkv_interleaved_by_head",),
+    checkpoint_prefixes=("gpt_neox.",),
+    checkpoint_renames=((r"^embed_in\.", "model.embed_tokens."),
+                        (r"^final_layer_norm\.", "model.norm."),
+                        (r"^embed_out\.", "lm_head."),
+                        (r"^layers\.(\d+)\.attention\.query_key_value\.", r"model.layers.\1.self_attn.qkv_proj."),
+                        (r"^layers\.(\d+)\.attention\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+                        (r"^layers\.(\d+)\.mlp\.dense_h_to_4h\.", r"model.layers.\1.mlp.up_proj."),
+                        (r"^layers\.(\d+)\.mlp\.dense_4h_to_h\.", r"model.layers.\1.mlp.down_proj."),
+                        (r"^layers\.", "model.layers.")),
+)
+
+
+PHI = Family(
+    name="Phi",
+    architectures=("PhiForCausalLM",),
+    served="`PhiForCausalLM` (phi-1, phi-1.5, phi-2)",
+    adds=("attention and MLP side by side off one norm; partial rotary; grouped queries where the config says; an "
+          "LM head with a bias (int8's too); `gelu_new`; query/key norms (`qk_layernorm`) refused by name"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("phi",),
+    config_class="phi",
+    ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    checkpoint_prefixes=(),
+    checkpoint_renames=((r"^model\.final_layernorm\.", "model.norm."),
+                        (r"^model\.layers\.(\d+)\.self_attn\.dense\.", r"model.layers.\1.self_attn.o_proj."),
+                        (r"^model\.layers\.(\d+)\.mlp\.fc1\.", r"model.layers.\1.mlp.up_proj."),
+                        (r"^model\.layers\.(\d+)\.mlp\.fc2\.", r"model.layers.\1.mlp.down_proj.")),
+)
+
+
+STARCODER2 = Family(
+    name="StarCoder2",
+    architectures=("Starcoder2ForCausalLM",),
+    served="`Starcoder2ForCausalLM` (starcoder2-3b, 7b, 15b)",
+    adds=("the LayerNorm decoders' layer with grouped queries and rotary; its ungated MLP named `c_fc`, `c_proj` "
+          "(biased, `use_bias`); `gelu_pytorch_tanh`; a window on every layer where `sliding_window` is set (as "
+          "Mistral's); tied"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("starcoder2",),
+    config_class="starcoder2",
+    ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
+    checkpoint_prefixes=(),
+    checkpoint_renames=((r"^model\.layers\.(\d+)\.mlp\.c_fc\.", r"model.layers.\1.mlp.up_proj."),
+                        (r"^model\.layers\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj.")),
+)
+
+
+STABLELM = Family(
+    name="StableLM",
+    architectures=("StableLmForCausalLM",),
+    served="`StableLmForCausalLM` (stablelm-2-1_6b, stablelm-3b-4e1t)",
+    adds=("Llama's gated MLP and grouped queries under biased LayerNorms; a quarter of each head rotating; q/k/v "
+          "biased where `use_qkv_bias` says (o_proj never); with `use_parallel_residual` attention and MLP side by"
+          " side off one norm, summed residual first (transformers' order of roundings); query/key norms "
+          "(`qk_layernorm`) refused by name"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("stablelm",),
+    config_class="stablelm",
+)
+
+
+JAIS_2 = Family(
+    name="Jais 2",
+    architectures=("Jais2ForCausalLM",),
+    served="`Jais2ForCausalLM` (Jais-2-8B)",
+    adds=("the LayerNorm decoders' layer as StarCoder2's (biased LayerNorms, biased projections, grouped queries, "
+          "rotary) with an ungated `relu2` MLP (`up_proj`, `down_proj`)"),
+    cpu="all dtypes and int8/int4 on the module path (the one-call layer's norms are RMSNorms)",
+    gpu="as Llama, the activation in PyTorch",
+    tests=("jais2",),
+    config_class="jais2",
+    ungated_acts=("relu2",),
+)
+
+
+COHERE = Family(
+    name="Cohere",
+    architectures=("CohereForCausalLM",),
+    served="`CohereForCausalLM` (Command R, Aya Expanse)",
+    adds=("LayerNorms without a bias; attention and MLP side by side off one norm, summed residual first; "
+          "interleaved rotary (reordered at load, as GLM's); logits times `logit_scale`; tied; query/key norms "
+          "(`use_qk_norm`, Command R+) refused by name"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("cohere",),
+    config_class="cohere",
+)
+
+
+COHERE_2 = Family(
+    name="Cohere 2",
+    architectures=("Cohere2ForCausalLM",),
+    served="`Cohere2ForCausalLM` (Command R7B, Command A)",
+    adds=("Cohere's layer; windowed layers and global ones by `layer_types` (three to one, from "
+          "`sliding_window_pattern` in older configs), only the windowed ones rotating (the global ones attend "
+          "without positions, NoPE; with no `sliding_window`, no layer rotates, as transformers runs it)"),
+    cpu="as GPT-2",
+    gpu="as GPT-2",
+    tests=("cohere2",),
+    config_class="cohere2",
+)
+
+
+FAMILIES = (GPT_2, OPT, GPT_NEOX, PHI, STARCODER2, STABLELM, JAIS_2, COHERE, COHERE_2)

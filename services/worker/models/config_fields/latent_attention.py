@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
-from services.worker.models.families.registry import LATENT_ATTENTION, QUERIES_SCALED_BY_POSITION
+from services.worker.models.families.registry import (
+    LATENT_ATTENTION,
+    QUERIES_SCALED_BY_POSITION,
+)
 
 
 def query_scale_fields(arch: str, beta: float | None, rope: dict) -> dict:

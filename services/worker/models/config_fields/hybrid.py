@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import math
 
-from services.worker.models.families.registry import LINEAR_ATTENTION, MAMBAS, OLMO_HYBRID, SHORT_CONVS
+from services.worker.models.families.registry import (
+    LINEAR_ATTENTION,
+    MAMBAS,
+    OLMO_HYBRID,
+    SHORT_CONVS,
+)
 
 
 def nemotron_h(raw: dict) -> dict:

@@ -1,0 +1,44 @@
+"""What llmbus knows of one model family, beside the one decoder that runs them all
+(models/decoder.py): the architectures it answers to, how transformers fills its config,
+its checkpoint's names and tensor fix-ups, the tests that hold it to transformers, and its
+row of docs/models/supported_models.md (generated from these records:
+scripts/models_doc.py). The decoder and the loader ask a family's record, never an
+architecture's name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # as the docs and the logs name it
+    architectures: tuple[str, ...]  # config.json's `architectures` this family serves
+    served: str  # docs: the architectures, their checkpoints and the wrappers served as this family
+    adds: str  # docs: what the family adds to the decoder
+    cpu: str  # docs: what runs where on a CPU (the torch backend)
+    gpu: str  # docs: the same on a GPU (the Triton backend)
+    # tests/tiny_models.py's names of the tiny random models that hold it to transformers
+    tests: tuple[str, ...]
+    # transformers' model_type whose config class fills what config.json leaves out (the
+    # family's defaults where they are not a Llama's), as transformers reads the folder
+    config_class: str | None = None
+    # the checkpoint's names for our modules: a weight's name takes the first that it holds, once
+    weight_names: Mapping[str, str] = field(default_factory=dict)
+    unread: tuple[str, ...] = ()  # checkpoint prefixes transformers leaves unread (MTP modules)
+    ungated_acts: tuple[str, ...] = ()  # an ungated MLP's activations (empty: a gated MLP)
+    # fix-ups on the checkpoint's tensor stream before names are read, by name
+    # (models/checkpoints/tensor_fixups.py)
+    tensor_fixups: tuple[str, ...] = ()
+    # a decoder saved under a prefix of its own, named in a layout of its own (the LayerNorm
+    # decoders'): the prefix taken off, then the first (pattern, replacement) that matches
+    checkpoint_prefixes: tuple[str, ...] = ()
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # experts stacked in the transformers class's own [experts, out, in] layout whatever the
+    # shapes (transformers converts none on load: Mistral 4's), not read by shape
+    stacked_experts_out_in: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.architectures or not self.tests:
+            raise ValueError(f"family {self.name!r} needs its architectures and a test row")
