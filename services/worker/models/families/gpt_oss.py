@@ -10,15 +10,15 @@ GPT_OSS = Family(
     architectures=("GptOssForCausalLM",),
     served="`GptOssForCausalLM` (gpt-oss-20b, gpt-oss-120b)",
     adds=("every layer sparse, top-k over a biased router (`mlp.router`) weighed by a softmax over the k chosen "
-          "logits; experts with biases, their gate a clamped SwiGLU (gate at most `swiglu_limit`, up within "
-          "±limit, `(up + 1) * gate * sigmoid(swiglu_alpha * gate)`, as transformers computes it), stacked in the "
-          "checkpoint with gate and up columns interleaved (reordered at load, models/checkpoints/gpt_oss_weights.py), as the "
-          "released MXFP4 blocks and scales (widened exactly to bfloat16 at load, then the model's dtype: the same"
-          " bits as transformers' dequantization) or widened as transformers saves them; attention sinks (a "
-          "learned logit per query head joining each softmax as one more column, dropped after it); windowed and "
-          "global layers alternating (`layer_types`); YaRN (`truncate: false` read). In bfloat16 its norms apply "
-          "the weight before the cast back (transformers' GptOssRMSNorm) where llmbus applies it after: a last-bit"
-          " difference"),
+          "logits; experts with biases, their gate a clamped SwiGLU (gate at most `swiglu_limit`, up within ±limit,"
+          " `(up + 1) * gate * sigmoid(swiglu_alpha * gate)`, as transformers computes it), stacked in the "
+          "checkpoint with gate and up columns interleaved (reordered at load, "
+          "models/checkpoints/gpt_oss_weights.py), as the released MXFP4 blocks and scales (widened exactly to "
+          "bfloat16 at load, then the model's dtype: the same bits as transformers' dequantization) or widened as "
+          "transformers saves them; attention sinks (a learned logit per query head joining each softmax as one "
+          "more column, dropped after it); windowed and global layers alternating (`layer_types`); YaRN (`truncate:"
+          " false` read). In bfloat16 its norms apply the weight before the cast back (transformers' GptOssRMSNorm)"
+          " where llmbus applies it after: a last-bit difference"),
     cpu=("all dtypes and int8/int4 on the module path, attention on the PyTorch path that takes sinks (the CPU "
          "kernels do not)"),
     gpu=("the paged-attention kernel with a sinks switch (folded into each row's final max and sum; with split-KV "

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from services.worker.models.families.family import Family
 
+# Hunyuan's query/key norms, router and shared MLP under names of their own
+_HUNYUAN_NAMES = {".query_layernorm.": ".q_norm.",
+                  ".key_layernorm.": ".k_norm.",
+                  ".mlp.gate.wg.": ".mlp.gate.",
+                  ".mlp.shared_mlp.": ".mlp.shared_expert."}
+
 HUNYUAN = Family(
     name="Hunyuan",
     architectures=("HunYuanDenseV1ForCausalLM",),
@@ -15,10 +21,7 @@ HUNYUAN = Family(
     gpu="as Llama, the rotary not fused with the cache write (the norms come between)",
     tests=("hunyuan",),
     config_class="hunyuan_v1_dense",
-    weight_names={".query_layernorm.": ".q_norm.",
-                  ".key_layernorm.": ".k_norm.",
-                  ".mlp.gate.wg.": ".mlp.gate.",
-                  ".mlp.shared_mlp.": ".mlp.shared_expert."},
+    weight_names=_HUNYUAN_NAMES,
 )
 
 
@@ -35,10 +38,7 @@ HUNYUAN_MOE = Family(
     gpu="as Mixtral",
     tests=("hunyuan_moe",),
     config_class="hunyuan_v1_moe",
-    weight_names={".query_layernorm.": ".q_norm.",
-                  ".key_layernorm.": ".k_norm.",
-                  ".mlp.gate.wg.": ".mlp.gate.",
-                  ".mlp.shared_mlp.": ".mlp.shared_expert."},
+    weight_names=_HUNYUAN_NAMES,
 )
 
 

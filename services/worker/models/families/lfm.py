@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from services.worker.models.families.family import Family
 
+# (its final norm is called embedding_norm; its short convolutions are `self_attn` here; its
+# MLPs' w1/w3/w2 read as Mixtral's experts' are)
+_LFM2_NAMES = {"model.embedding_norm.": "model.norm.",
+               ".operator_norm.": ".input_layernorm.",
+               ".ffn_norm.": ".post_attention_layernorm.",
+               ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
+               ".feed_forward.": ".mlp.",
+               ".self_attn.out_proj.": ".self_attn.o_proj.",
+               ".self_attn.q_layernorm.": ".self_attn.q_norm.",
+               ".self_attn.k_layernorm.": ".self_attn.k_norm.",
+               ".conv.": ".self_attn."}
+
 LFM2 = Family(
     name="LFM2",
     architectures=("Lfm2ForCausalLM",),
@@ -21,15 +33,7 @@ LFM2 = Family(
     gpu="as Qwen3.5",
     tests=("lfm2",),
     config_class="lfm2",
-    weight_names={"model.embedding_norm.": "model.norm.",
-                  ".operator_norm.": ".input_layernorm.",
-                  ".ffn_norm.": ".post_attention_layernorm.",
-                  ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
-                  ".feed_forward.": ".mlp.",
-                  ".self_attn.out_proj.": ".self_attn.o_proj.",
-                  ".self_attn.q_layernorm.": ".self_attn.q_norm.",
-                  ".self_attn.k_layernorm.": ".self_attn.k_norm.",
-                  ".conv.": ".self_attn."},
+    weight_names=_LFM2_NAMES,
 )
 
 
@@ -45,15 +49,7 @@ LFM2_MOE = Family(
     gpu="as LFM2, the experts as Mixtral's",
     tests=("lfm2_moe",),
     config_class="lfm2_moe",
-    weight_names={"model.embedding_norm.": "model.norm.",
-                  ".operator_norm.": ".input_layernorm.",
-                  ".ffn_norm.": ".post_attention_layernorm.",
-                  ".feed_forward.expert_bias": ".mlp.gate.e_score_correction_bias",
-                  ".feed_forward.": ".mlp.",
-                  ".self_attn.out_proj.": ".self_attn.o_proj.",
-                  ".self_attn.q_layernorm.": ".self_attn.q_norm.",
-                  ".self_attn.k_layernorm.": ".self_attn.k_norm.",
-                  ".conv.": ".self_attn."},
+    weight_names=_LFM2_NAMES,
 )
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from services.worker.models.families.family import Family
 
+# (a hybrid's token mixer is `self_attn` whatever it is; its gated norm weighs by w alone)
+_GATED_DELTA_NET_NAMES = {".linear_attn.norm.weight": ".self_attn.norm_weight", ".linear_attn.": ".self_attn."}
+
 QWEN2 = Family(
     name="Qwen2",
     architectures=("Qwen2ForCausalLM",),
@@ -64,7 +67,7 @@ QWEN3_5 = Family(
          "step: CUDA graphs take it; not yet run on a GPU)"),
     tests=("qwen3_5", "qwen3_5_vl"),
     config_class="qwen3_5_text",
-    weight_names={".linear_attn.norm.weight": ".self_attn.norm_weight", ".linear_attn.": ".self_attn."},
+    weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
     tensor_fixups=("gated_queries",),
 )
@@ -82,7 +85,7 @@ QWEN3_5_MOE = Family(
     gpu="as Qwen3.5, the experts as Mixtral's",
     tests=("qwen3_5_moe",),
     config_class="qwen3_5_moe_text",
-    weight_names={".linear_attn.norm.weight": ".self_attn.norm_weight", ".linear_attn.": ".self_attn."},
+    weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
     tensor_fixups=("gated_queries",),
 )
@@ -100,7 +103,7 @@ QWEN3_NEXT = Family(
     gpu="as Qwen3.5-MoE",
     tests=("qwen3_next",),
     config_class="qwen3_next",
-    weight_names={".linear_attn.norm.weight": ".self_attn.norm_weight", ".linear_attn.": ".self_attn."},
+    weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
     tensor_fixups=("gated_queries", "key_head_grouped"),
 )
