@@ -10,9 +10,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
 from services.worker.decode_graphs import capture_sizes
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -103,6 +107,7 @@ def test_padded_rows_write_only_the_pad_block(tiny_llama):
         assert not a[:, pad].any() and b[:, pad].any()
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_on_the_fused_decode_layer(tmp_path, dtype):
     """Head dim 64: decode steps take the CPU kernels' one-call-a-layer path, from the buffers."""

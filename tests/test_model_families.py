@@ -24,9 +24,13 @@ import pytest
 import torch
 from tiny_models import build_tiny_model, causal_lm_class, hf_greedy, random_prompts
 
+import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
 from services.worker.layers.moe import SparseMoE
 from services.worker.models.decoder_config import ModelConfig
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
 
 MAX_NEW = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -65,11 +69,16 @@ def test_every_family_has_its_test_rows():
     assert {t for f in RECORDS for t in f.tests} >= set(FAMILIES)
 
 
+# Seeds other than 2 where 2 puts a near-tie on a greedy path (Qwen3's: two logits 5e-7
+# apart, which transformers' own cached and uncached forwards pick differently)
+SEEDS = {"qwen3": 3}
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tmp_path_factory):
     from services.worker.models.families.registry import FAMILY_OF
 
-    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=2)
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=SEEDS.get(request.param, 2))
     arch = json.loads((folder / "config.json").read_text())["architectures"][0]
     assert request.param in FAMILY_OF[arch].tests  # (the row is the family's own)
     return folder, hf_greedy(folder, PROMPTS, MAX_NEW), request.param
@@ -380,7 +389,8 @@ def test_hunyuan_moe_router_keeps_float32_in_bfloat16(tmp_path):
     itself), while the experts take the model's dtype."""
     llm = LLM(str(build_tiny_model(tmp_path / "hunyuan_moe", "hunyuan_moe", seed=2)), dtype="bfloat16")
     moe = next(layer.mlp for layer in llm.runner.model.model.layers if isinstance(layer.mlp, SparseMoE))
-    assert (moe.gate.weight.dtype, moe.shared_expert.down_proj.dtype) == (torch.float32, torch.bfloat16)
+    down = moe.shared_expert.down_proj  # (a PackedLinear where the CPU kernels load, else an nn.Linear)
+    assert (moe.gate.weight.dtype, getattr(down, "dtype", None) or down.weight.dtype) == (torch.float32, torch.bfloat16)
 
 
 def test_deepseek_v3_with_one_query_projection_and_a_latent_head_of_64_matches_transformers(tmp_path):
@@ -408,6 +418,7 @@ def test_latent_attention_caches_one_latent_a_token_for_its_keys_and_values(tmp_
     assert cache[0].data_ptr() == cache[1].data_ptr() and cache.stride(0) == 0
 
 
+@needs_cpu_kernels
 def test_ministral3_one_call_decode_layer_steps_aside_past_the_pretrained_context(tmp_path):
     """The C decode layer knows nothing of Llama 4's temperature: it takes a step only while
     every position is within original_max_position_embeddings (16 here), where the scale is
@@ -453,6 +464,7 @@ def test_exaone_moe_leaves_its_multi_token_prediction_module_unread(tmp_path):
         LLM(str(folder))
 
 
+@needs_cpu_kernels
 def test_vaultgemma_on_the_one_call_decode_layer_matches_transformers(tmp_path):
     """Gemma 2's attention and norms without its output norms: a plain pre-norm layer the
     C decode layer takes (heads of 64), its caps and windows with it."""
@@ -753,6 +765,7 @@ def test_gemma3_multimodal_config_as_the_hub_ships_it_gets_transformers_defaults
             config.attention_scale) == (131072, True, 1, True, 256**-0.5)
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_s_head_dim_256_attends_on_the_cpu_kernels_and_matches(tmp_path, monkeypatch, arch):
     """Every Gemma has heads of 256 dims: the CPU kernels' decode attention takes them,
@@ -791,6 +804,7 @@ def test_gemma2_serves_past_its_window_and_reads_only_the_window(tmp_path, monke
     assert sorted(set(decodes)) == [2, 19], decodes
 
 
+@needs_cpu_kernels
 @pytest.mark.parametrize("arch, head_dim", [("qwen3", 64), ("gemma2", 256), ("gemma3", 256)])
 def test_qwen3_and_gemma_run_the_cpu_kernels_one_call_decode_layer_and_match(tmp_path, arch, head_dim):
     """Where the CPU kernels take their heads, Qwen3's query/key norms and Gemma's GeGLU,
@@ -807,6 +821,7 @@ def test_qwen3_and_gemma_run_the_cpu_kernels_one_call_decode_layer_and_match(tmp
     assert [ids[0] for ids in generate_ids(bf16, PROMPTS)] == [ids[0] for ids in reference]  # a near-tie may flip later on
 
 
+@needs_cpu_kernels
 def test_granite_runs_the_cpu_kernels_one_call_decode_layer_and_matches(tmp_path):
     """Its residual multiplier is folded into the weights at load, its embedding multiplier
     applied before the layers and its attention scale passed on: the C layer takes it."""
@@ -955,6 +970,7 @@ def test_phi3_longrope_crossing_under_other_scheduling(tmp_path, options):
     assert generate_ids(llm, PHI3_PROMPTS) == hf_greedy(folder, PHI3_PROMPTS, MAX_NEW)
 
 
+@needs_cpu_kernels
 def test_phi3_longrope_with_partial_rotary_runs_the_one_call_decode_layer_and_matches(tmp_path):
     """Phi-4-mini's kind of layer (longrope over a partial rotary) at a head size the CPU
     kernels take: the one-call decode layer rotates each head's leading dims by the long or

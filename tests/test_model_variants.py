@@ -5,8 +5,12 @@ import json
 
 import pytest
 
+import kernels.cpu as cpu_kernels
 from llmbus import LLM, SamplingParams
 from tiny_models import build_tiny_model, hf_greedy
+
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"CPU kernels: {cpu_kernels.unavailable_reason()}")
+
 
 PROMPTS = [[5, 9, 40, 77, 120, 3, 18], list(range(20, 120))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -52,6 +56,7 @@ def test_variant_matches_transformers(tmp_path, arch, overrides):
         assert config.layer_windows == ((0, 24) if arch == "qwen2" else (24, 24)) and config.max_model_len == 1024
 
 
+@needs_cpu_kernels
 def test_mistral_window_lifts_the_context_cap_and_the_fused_decode_takes_its_steps(tmp_path, monkeypatch):
     """Mistral's window is attention's, not a cap on the context; the CPU kernels' one-call
     decode layer takes every decode step, within the window and past it (its attention
