@@ -164,3 +164,21 @@ def test_a_report_overtaken_by_a_newer_one_counts_nothing_again_and_shards_keep_
     gauges = {k for k in samples(metrics) if k.startswith("llmbus:num_requests_running")}
     assert gauges == {'llmbus:num_requests_running{scheduler="a"}', 'llmbus:num_requests_running{scheduler="b2"}'}
     assert sorted(queries().values()) == [7.0, 30.0, 120.0]
+
+
+def test_observing_a_request_s_gaps_at_once_counts_as_observing_each():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from services.gateway.metrics import observe_all
+
+    registry = CollectorRegistry()
+    one, many = (Histogram(name, "gaps", buckets=(0.001, 0.01, 0.1, 1.0), registry=registry) for name in ("a", "b"))
+    gaps = [0.0005, 0.001, 0.002, 0.01, 0.5, 0.05, 2.0, 0.001, 7.0, 0.0]
+    for gap in gaps:
+        one.observe(gap)
+    observe_all(many, gaps)
+    samples = {m.name: {(s.name[1:], tuple(s.labels.items())): s.value for s in m.samples if s.name[1:] != "_created"}
+               for m in registry.collect()}
+    assert samples["a"].keys() == samples["b"].keys() and len(samples["a"]) == 7
+    for key, value in samples["a"].items():  # (the sum to its last bits: added in another order)
+        assert samples["b"][key] == (pytest.approx(value, rel=1e-12) if key[0] == "_sum" else value), key

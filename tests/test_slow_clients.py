@@ -53,10 +53,11 @@ async def stream(app, body: dict, send_takes_s: float) -> list[dict]:
         return {"type": "http.disconnect"}
 
     chunks: list[bytes] = []
+    status = []
 
     async def send(message):
         if message["type"] == "http.response.start":
-            assert message["status"] == 200
+            status.append(message["status"])
         elif message["type"] == "http.response.body" and message.get("body"):
             await asyncio.sleep(send_takes_s)
             chunks.append(message["body"])
@@ -69,6 +70,8 @@ async def stream(app, body: dict, send_takes_s: float) -> list[dict]:
     done.set()
     await startup.put({"type": "lifespan.shutdown"})
     await lifespan
+    if status != [200]:  # (an answer before the stream began: one JSON body)
+        return [{"status": status[0], **json.loads(b"".join(chunks))}]
     lines = [line for line in b"".join(chunks).decode().split("\n") if line]
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[len("data: "):]) for line in lines[:-1]]
@@ -102,3 +105,30 @@ def test_a_slow_client_gets_the_waiting_tokens_as_one_chunk_and_a_fast_one_a_chu
     # (a token that ends inside a character sends nothing until the character is whole)
     assert len(content[0]) >= num_tokens - SCRIPT.encode().count(b"\xc3") - 2
     assert len(content[1]) < len(content[0]) / 2
+
+
+class SilentEngine(FakeEngine):
+    """Takes every request and never answers."""
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+
+
+def test_an_engine_silent_past_the_idle_timeout_fails_the_stream_but_a_slow_client_never_does(tokenizer):
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "stream": True}
+
+    def run(engine_class, send_takes_s: float) -> list[dict]:
+        engine = engine_class(tokenizer)
+
+        async def factory(on_stats):
+            return engine
+
+        config = GatewayConfig("tiny", idle_timeout_s=0.3)
+        return asyncio.run(stream(create_app(factory, tokenizer, config), request, send_takes_s))
+
+    silent = run(SilentEngine, 0.0)
+    assert silent[0]["status"] == 503 and "produced nothing for 0 s" in silent[0]["error"]["message"]
+    # 28 tokens come in 56 ms; the client takes 0.15 s a write, 4 s in all: far past the
+    # idle timeout, with outputs waiting for it all along
+    slow = run(PacedEngine, 0.15)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in slow if e["choices"]) == SCRIPT

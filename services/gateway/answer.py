@@ -19,16 +19,16 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.gateway import response_bodies as r
 from services.gateway.context import ServingContext
+from services.gateway.engine_params import completion_prompts
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
-from services.gateway.protocol import ChatCompletionRequest
-from services.gateway.engine_params import completion_prompts
 from services.gateway.parsers.reasoning import new_parser
-from services.gateway.request_ids import request_names
 from services.gateway.parsers.tool import parse_whole
+from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.request_ids import request_names
+from services.gateway.sse import JSON, end_span, request_log, sse_event
 from services.gateway.tools import ToolChoice
 from shared.processing.output_processor import ChoiceDelta
-from services.gateway.sse import JSON, end_span, request_log, sse_event
 from shared.tracing import inject
 
 
@@ -267,6 +267,8 @@ class Answer:
     def _chunks(self, choices, usage=msgspec.UNSET, prompt_token_ids=msgspec.UNSET) -> bytes:
         """An event for each choice, as OpenAI's and vLLM's streams send them: a client
         that reads `choices[0]` of each chunk (many do, n > 1 or not) sees every choice."""
+        if len(choices) == 1:
+            return self._chunk(choices, usage, prompt_token_ids)
         return b"".join(self._chunk([choice], usage, prompt_token_ids if i == 0 else msgspec.UNSET)
                         for i, choice in enumerate(choices))
 
@@ -339,10 +341,15 @@ class Answer:
             elif any(self.echo) and not self.echo_logprobs:
                 yield self._chunks([r.CompletionChoice(i, self.echo[i], None, None) for i in range(n)],
                                    self._usage() if continuous else usage)
-            async for deltas in prepend(first, self.stream):
+            deltas = first
+            while True:  # (the first outputs, then the stream's: no generator between, a hop a token)
                 out = [c for c in map(self._delta_choice, deltas) if c is not None]
                 if out:  # (the usage so far counts the tokens of these deltas)
                     yield self._chunks(out, self._usage() if continuous else usage)
+                try:
+                    deltas = await anext(self.stream)
+                except StopAsyncIteration:
+                    break
             if include_usage:
                 yield self._chunk([], self._usage())
             status = 200
@@ -351,6 +358,7 @@ class Answer:
             yield sse_event(error_body(exc))
         finally:
             self._finished(status, failure)
+            await self.stream.aclose()  # a client that left must abort the engine request now
         yield b"data: [DONE]\n\n"
 
 

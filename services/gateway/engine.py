@@ -4,9 +4,9 @@ transport."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 
+from services.gateway.output_queue import OutputQueue
 from shared.messages import EngineCoreRequest, SchedulerInfo, TokenizeRequest
 
 
@@ -18,7 +18,7 @@ class Engine(Protocol):
 
     def scheduler_silent(self) -> bool: ...
 
-    def open(self, request_ids: list[str], queue: asyncio.Queue) -> None: ...
+    def open(self, request_ids: list[str], queue: OutputQueue) -> None: ...
 
     def close(self, request_ids: list[str]) -> None: ...
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from services.gateway.engine import Engine
 from services.gateway.errors import Unavailable, raise_for_engine_error
+from services.gateway.output_queue import OutputQueue
 from shared.lora_request import LoRARequest
-from shared.messages import EngineCoreOutput
 from shared.processing.output_processor import ChoiceDelta, ParentRequest
 from shared.sampling_params import SamplingParams
 
@@ -118,7 +118,7 @@ async def generate(
     """One ParentRequest per prompt (a completions batch has several), their choices
     numbered prompt by prompt. Not `incremental` (a response sent whole): each choice's
     text comes with its last delta."""
-    queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+    queue = OutputQueue()
     now = time.time()
     parents = [
         ParentRequest(
@@ -131,18 +131,32 @@ async def generate(
     of_child = {rid: parent for parent in parents for rid in parent.child_ids}
     client.open(list(of_child), queue)
     usage.begin(prompts, params)
+    # The idle timeout: one timer a request, which re-arms itself from the last output when
+    # it fires (a timer a token, wait_for's or asyncio.timeout's, costs every streamed token
+    # a heap push and pop among every other stream's timers).
+    loop = asyncio.get_running_loop()
+    last_output_at = loop.time()
+
+    def check_idle() -> None:
+        nonlocal watchdog
+        if not queue.empty():  # (outputs wait for a slow client: the engine is not idle)
+            watchdog = loop.call_later(idle_timeout_s, check_idle)
+        elif loop.time() - last_output_at >= idle_timeout_s:
+            queue.put_nowait(_IDLE)  # (into an empty queue: the first thing the reader takes)
+        else:
+            watchdog = loop.call_at(last_output_at + idle_timeout_s, check_idle)
+
+    watchdog = loop.call_at(last_output_at + idle_timeout_s, check_idle)
     try:
         for parent in parents:
             for request in parent.engine_requests:
                 await client.submit(request)
-        while not all(parent.finished for parent in parents):
-            if not queue.empty():  # no timer to arm when the output is already here
-                output = queue.get_nowait()
-            else:
-                try:
-                    output = await asyncio.wait_for(queue.get(), idle_timeout_s)
-                except asyncio.TimeoutError:
-                    raise Unavailable(f"the engine produced nothing for {idle_timeout_s:.0f} s") from None
+        only = parents[0] if len(parents) == 1 else None
+        while not (only.finished if only is not None else all(parent.finished for parent in parents)):
+            output = queue.get_nowait() if not queue.empty() else await queue.get()
+            if output is _IDLE:
+                raise Unavailable(f"the engine produced nothing for {idle_timeout_s:.0f} s")
+            last_output_at = loop.time()
             batch = [output]
             while not queue.empty():  # everything that arrived with it goes out in one write
                 batch.append(queue.get_nowait())
@@ -160,9 +174,13 @@ async def generate(
             if deltas:
                 yield _merge_by_choice(deltas)
     finally:
+        watchdog.cancel()
         # (the aborts first: each goes to the shard the ledger says, which closing forgets)
         client.abort_soon([rid for parent in parents for rid in parent.unfinished_ids()])
         client.close(list(of_child))
+
+
+_IDLE = object()  # (put in a request's queue by its idle timer)
 
 
 def _merge_by_choice(deltas: list[ChoiceDelta]) -> list[ChoiceDelta]:

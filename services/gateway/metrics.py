@@ -17,8 +17,11 @@ which has counted the most of them).
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 import time
+from collections import Counter as Counter_
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -125,10 +128,13 @@ class GatewayMetrics:
         self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
         self._rank_of: dict[str, int] = {}  # scheduler -> its shard
         self.stale_s = stale_s
-        for metric in (self.prompt_tokens, self.generation_tokens, *request_histograms):
-            metric.labels(model_name)
-        for reason in FINISHED_REASONS:
-            self.request_success.labels(model_name, reason)
+        # Each metric's one child under this model, looked up once: `labels()` costs more than
+        # the observation it precedes, and the inter-token gaps are observed for every token.
+        self._one = {metric: metric.labels(model_name) for metric in (self.prompt_tokens, self.generation_tokens,
+                                                                      *request_histograms)}
+        self._success = {reason: self.request_success.labels(model_name, reason) for reason in FINISHED_REASONS}
+        # scheduler -> its gauges' and counters' children, by field
+        self._children: dict[str, tuple[dict, dict]] = {}
 
     def observe_stats(self, stats: SchedulerStats) -> None:
         labels = (self._model, stats.scheduler_id or "unknown")
@@ -148,12 +154,14 @@ class GatewayMetrics:
             # concurrently, and its stats subject beside the outputs): a scheduler's counts
             # never go back (a restarted one has a new id), so it says nothing new.
             return
-        for field, gauge in self._gauges.items():
-            gauge.labels(*labels).set(getattr(stats, field))
+        gauges, counters = self._children.get(labels[1]) or self._children.setdefault(labels[1], (
+            {f: g.labels(*labels) for f, g in self._gauges.items()},
+            {f: c.labels(*labels) for f, c in self._counters.items()}))
+        for field, gauge in gauges.items():
+            gauge.set(getattr(stats, field))
         for key, value in now.items():
             if value > before.get(key, 0):
-                counter = self._counters[key].labels(*labels) if isinstance(key, str) else self._per_pos.labels(
-                    *labels, str(key[1]))
+                counter = counters[key] if isinstance(key, str) else self._per_pos.labels(*labels, str(key[1]))
                 counter.inc(value - before.get(key, 0))
         self._last_counts[labels[1]] = now
         self._iteration_tokens.by_scheduler[labels[1]] = (stats.iteration_tokens_by_bucket,
@@ -166,13 +174,12 @@ class GatewayMetrics:
             self.worker_step.labels(self._model, stats.worker_id).observe(stats.step_time_s)
 
     def tokens_generated(self, num_tokens: int) -> None:
-        self.generation_tokens.labels(self._model).inc(num_tokens)
+        self._one[self.generation_tokens].inc(num_tokens)
 
     def request_finished(self, usage: Usage) -> None:
         """A generation request that ran to its end: its prompt and each choice's end, and
         vLLM's request-level histograms, each choice observed as vLLM observes each of a
         parent's engine requests."""
-        m = self._model
         self.request_ended(usage.prompt_tokens, usage.finish_reasons)
         longest: dict[int, int] = {}  # parent (prompt) -> its choices' most tokens
         for index, choice in usage.choices.items():
@@ -181,46 +188,45 @@ class GatewayMetrics:
             parent = index // usage.n
             longest[parent] = max(longest.get(parent, 0), choice.num_tokens)
             if choice.first_token_at is not None:
-                self.ttft.labels(m).observe(choice.first_token_at - usage.started_at)
-            for gap in choice.itls:
-                self.itl.labels(m).observe(gap)
-            self.e2e.labels(m).observe(choice.finished_at - usage.started_at)
+                self._one[self.ttft].observe(choice.first_token_at - usage.started_at)
+            observe_all(self._one[self.itl], choice.itls)
+            self._one[self.e2e].observe(choice.finished_at - usage.started_at)
             if choice.queue_time_s is not None:
-                self.queue_time.labels(m).observe(choice.queue_time_s)
+                self._one[self.queue_time].observe(choice.queue_time_s)
             decode = choice.decode_time_s
-            self.decode_time.labels(m).observe(decode)
+            self._one[self.decode_time].observe(decode)
             if choice.prefill_time_s is not None:
-                self.prefill_time.labels(m).observe(choice.prefill_time_s)
-                self.inference_time.labels(m).observe(choice.prefill_time_s + decode)
-            self.tpot.labels(m).observe(decode / (choice.num_tokens - 1) if choice.num_tokens > 1 else 0.0)
-            self.request_prompt_tokens.labels(m).observe(choice.prompt_tokens)
-            self.request_generation_tokens.labels(m).observe(choice.num_tokens)
+                self._one[self.prefill_time].observe(choice.prefill_time_s)
+                self._one[self.inference_time].observe(choice.prefill_time_s + decode)
+            self._one[self.tpot].observe(decode / (choice.num_tokens - 1) if choice.num_tokens > 1 else 0.0)
+            self._one[self.request_prompt_tokens].observe(choice.prompt_tokens)
+            self._one[self.request_generation_tokens].observe(choice.num_tokens)
             if usage.max_tokens:
-                self.request_max_tokens.labels(m).observe(usage.max_tokens)
+                self._one[self.request_max_tokens].observe(usage.max_tokens)
         for most in longest.values():
-            self.request_n.labels(m).observe(usage.n)
-            self.request_max_generation_tokens.labels(m).observe(most)
+            self._one[self.request_n].observe(usage.n)
+            self._one[self.request_max_generation_tokens].observe(most)
 
     def request_served(self, prompt_lengths: list[int], finish_reasons: list[str], e2e: float,
                        queue_time: float | None) -> None:
         """A request answered whole rather than token by token (embeddings, a beam
         search): its prompts, its ends, its latency."""
-        m = self._model
         self.request_ended(sum(prompt_lengths), finish_reasons)
-        self.e2e.labels(m).observe(e2e)
+        self._one[self.e2e].observe(e2e)
         if queue_time is not None:
-            self.queue_time.labels(m).observe(queue_time)
+            self._one[self.queue_time].observe(queue_time)
         for length in prompt_lengths:
-            self.request_prompt_tokens.labels(m).observe(length)
+            self._one[self.request_prompt_tokens].observe(length)
 
     def request_ended(self, prompt_tokens: int, finish_reasons: list[str]) -> None:
         """Its prompt's tokens and each choice's end, by reason: every request that ran, a
         finished one's (`request_finished`) or one whose client left first ("abort" for its
         choices not done then, and no latency: it has none to observe)."""
         m = self._model
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self._one[self.prompt_tokens].inc(prompt_tokens)
         for reason in finish_reasons:
-            self.request_success.labels(m, reason).inc()
+            success = self._success.get(reason)
+            (success or self.request_success.labels(m, reason)).inc()
 
     def render(self) -> bytes:
         self._drop_stale(time.monotonic())
@@ -269,8 +275,23 @@ class GatewayMetrics:
             for gauge in self._gauges.values():
                 gauge.remove(self._model, scheduler)
             self._iteration_tokens.by_scheduler.pop(scheduler, None)
+            self._children.pop(scheduler, None)
             self._last_seen.pop(scheduler, None)
             self._rank_of.pop(scheduler, None)
+
+
+def observe_all(histogram, values: list[float]) -> None:
+    """`histogram.observe(v)` for each value, its buckets and sum bumped once each (a
+    request's inter-token gaps: one a token, observed when it ends). Reads the child's
+    bounds and values as prometheus-client 0.26 (pinned) lays them out: a bucket counts the
+    values above the bound before it, up to its own."""
+    if not values:
+        return
+    bounds = histogram._upper_bounds
+    counts = Counter_(bisect.bisect_left(bounds, v) for v in values)
+    for i, n in counts.items():
+        histogram._buckets[i].inc(n)
+    histogram._sum.inc(math.fsum(values))
 
 
 _families = msgspec.msgpack.Encoder()

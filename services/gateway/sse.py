@@ -22,9 +22,10 @@ _LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe
 
 def sse_event(data: bytes, event: str | None = None) -> bytes:
     """One server-sent event whose data is this JSON."""
-    for raw, escaped in _LINE_BREAKS:
-        if raw in data:  # (UTF-8: these bytes are that character and nothing else)
-            data = data.replace(raw, escaped)
+    if b"\xc2\x85" in data or b"\xe2\x80" in data:  # (most text holds none: one scan for both leads)
+        for raw, escaped in _LINE_BREAKS:
+            if raw in data:  # (UTF-8: these bytes are that character and nothing else)
+                data = data.replace(raw, escaped)
     return (f"event: {event}\n".encode() if event else b"") + b"data: " + data + b"\n\n"
 
 

@@ -90,6 +90,7 @@ class ParentRequest:
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
                                                     incremental, params.include_stop_str_in_output),
             )
+        self._unfinished = len(self._choices)  # (asked after every output: counted, not scanned)
 
     @property
     def child_ids(self) -> list[str]:
@@ -97,7 +98,7 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self._choices.values())
+        return self._unfinished == 0
 
     def unfinished_ids(self) -> list[str]:
         return [rid for rid, c in self._choices.items() if not c.finished]
@@ -116,6 +117,7 @@ class ParentRequest:
             finish_reason, stop_reason = FinishReason.STOP, stop_string
         if finish_reason is not None:
             choice.finished = True
+            self._unfinished -= 1
             detok.flush()
         # Positional, and the output's lists themselves (each output is read once, here):
         # this runs for every token of every request, and keywords cost it 3x.

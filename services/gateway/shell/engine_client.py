@@ -12,9 +12,11 @@ import time
 import uuid
 
 import msgspec
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.gateway.errors import BadRequest, Unavailable
+from services.gateway.output_queue import OutputQueue
 from services.gateway.shard_router import ShardRouter
 from services.gateway.shell.stream_ledger import StreamLedger
 from shared.bus import Subjects, encode
@@ -49,7 +51,7 @@ class EngineClient:
         self.group = group  # its sibling gateways' (peers.py)
         self._heartbeat = encode(GatewayHeartbeat(self.reply_subject, group))
         self.timeout_s = timeout_s
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        self._queues: dict[str, OutputQueue] = {}
         self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._tokenize_decoder = msgspec.msgpack.Decoder(TokenizeResponse)
         self._info_decoder = msgspec.msgpack.Decoder(SchedulerInfo)
@@ -267,7 +269,7 @@ class EngineClient:
             await sub.unsubscribe()
         return [infos[rank] for rank in sorted(infos)]
 
-    def open(self, request_ids: list[str], queue: asyncio.Queue) -> None:
+    def open(self, request_ids: list[str], queue: OutputQueue) -> None:
         for request_id in request_ids:
             self._queues[request_id] = queue
 
