@@ -225,3 +225,4 @@ def test_bench_control_plane_streams_through_shards_and_gateways_and_reports_cor
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["failed"] == 0 and report["output_tokens"] == 32 * 16
     assert report["us_per_output_token"]["gateway"] > 0 and report["us_per_output_token"]["scheduler"] > 0
+    assert 1 <= report["tokens_per_step"] <= 16  # (16 streams at most in a step of one shard)

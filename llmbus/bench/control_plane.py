@@ -142,8 +142,10 @@ def run(args) -> int:
         requests = [([rng.randrange(vocab) for _ in range(args.input_len)], args.output_len)
                     for _ in range(args.num_requests)]
         before = _cpu_seconds(procs)
+        steps_before = _steps(urls[0])
         summary = asyncio.run(_stream(urls, "bench", requests, args.concurrency))
         spent = {role: after - before[role] for role, after in _cpu_seconds(procs).items()}
+        steps_after = _steps(urls[0])
     finally:
         for members in procs.values():
             for proc in members:
@@ -171,10 +173,24 @@ def run(args) -> int:
         "output_tok_s": round(tokens / duration, 1),
         "cores": {role: round(spent[role] / duration, 3) for role in ROLES},
         "us_per_output_token": {role: round(spent[role] / tokens * 1e6, 2) for role in ROLES if tokens},
+        # (a scheduler's cost a token is mostly its cost a step over the step's tokens: with
+        # workers that answer at once, steps are as small as the client keeps them)
+        "tokens_per_step": round((steps_after[1] - steps_before[1]) / max(steps_after[0] - steps_before[0], 1), 1),
         "cpu": _cpu_name(),
     }
     print(json.dumps(report))
     return 0
+
+
+def _steps(url: str) -> tuple[float, float]:
+    """(steps, tokens) every shard has run so far, from the gateway's iteration-tokens
+    histogram (vLLM's `iteration_tokens_total`)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("llmbus:iteration_tokens_total_count"))
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("llmbus:iteration_tokens_total_sum"))
+    return count, total
 
 
 def _cpu_name() -> str:
