@@ -39,21 +39,22 @@ from services.worker.models.config_reader import (
     text_config,
 )
 from services.worker.models.families.registry import (
+    ATTENTION_GATED,
     BASE_MODELS,
-    COHERES,
     FILLED_BY_TRANSFORMERS,
     GATED_ACTS,
     GEMMAS,
-    GLMS,
     GRANITE_HYBRID,
     HUNYUANS,
     LATENT_ATTENTION,
     LAYER_NORMED,
-    LINEAR_ATTENTION,
-    OLMO_HYBRID,
+    O_PROJ_UNBIASED,
     POST_NORMED,
+    QK_NORMED,
     QK_NORMS_OVER_HEADS,
     ROPES_BY_LAYER_TYPE,
+    ROTARY_INTERLEAVED,
+    SANDWICH_NORMED,
     SHORT_CONVS,
     SUPPORTED_ARCHITECTURES,
     TEXT_MODELS_OF,
@@ -348,9 +349,7 @@ class ModelConfig:
             qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
                       or raw.get("attention_bias", False) or raw.get("use_bias", False)),
             o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
-                    arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "StableLmForCausalLM", *GLMS,
-                                 "Glm4MoeForCausalLM", "HeliumForCausalLM", "SolarOpenForCausalLM")
-                    and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
+                    arch not in O_PROJ_UNBIASED and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
             rope_scaling=rope,
@@ -359,11 +358,7 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", *POST_NORMED, "OlmoeForCausalLM",
-                             *LINEAR_ATTENTION, OLMO_HYBRID, *SHORT_CONVS,
-                             *HUNYUANS, "ApertusForCausalLM", "Dots1ForCausalLM", "MiniMaxM2ForCausalLM",
-                             "ExaoneMoeForCausalLM", "AfmoeForCausalLM")
-            or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
+            qk_norm=arch in QK_NORMED or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
             qk_norm_after_rope=arch in HUNYUANS,
             attention_sinks=arch == "GptOssForCausalLM",
             qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
@@ -374,14 +369,13 @@ class ModelConfig:
             hidden_act=hidden_act,
             **granite_fields(arch, raw),
             **gemma_fields(arch, raw),
-            **({"sandwich_norms": True} if arch in (*POST_NORMED, "Glm4ForCausalLM", "AfmoeForCausalLM", "Lfm3ForCausalLM")
-               else {}),
-            attention_gate=arch in ("AfmoeForCausalLM", *LINEAR_ATTENTION) or bool(
+            **({"sandwich_norms": True} if arch in SANDWICH_NORMED else {}),
+            attention_gate=arch in ATTENTION_GATED or bool(
                 arch == "Lfm3ForCausalLM" and raw.get("use_attention_gate", True)),
             attention_gate_per_head=arch == "Lfm3ForCausalLM",
             **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
                else {}),
-            rotary_interleaved=arch in (*GLMS, "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", *COHERES, "HeliumForCausalLM")
+            rotary_interleaved=arch in ROTARY_INTERLEAVED
             or (arch in LATENT_ATTENTION and bool(raw.get("rope_interleave", True))),
             **sliding_window_fields(arch, raw),
             nope_layers=nope_layers(arch, raw),

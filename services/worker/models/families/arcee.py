@@ -33,6 +33,8 @@ AFMOE = Family(
     cpu="as Mixtral (the one-call layer steps aside: it has no gate)",
     gpu="as Mixtral, the gate in PyTorch",
     tests=("afmoe",),
+    traits=("unclassified", "always_windowed_by_layer_type", "windowed", "qk_norm", "sandwich_norms",
+           "attention_gate"),
     config_class="afmoe",
     weight_names={".pre_mlp_layernorm.": ".pre_feedforward_layernorm.",
                   ".post_mlp_layernorm.": ".post_feedforward_layernorm.",

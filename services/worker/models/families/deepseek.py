@@ -14,6 +14,7 @@ SOLAR_OPEN = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("solar_open",),
+    traits=("deepseek_v3_experts", "unclassified", "o_proj_unbiased"),
     config_class="solar_open",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )
@@ -41,6 +42,7 @@ DEEPSEEK_V3 = Family(
          " (the one-call decode layer steps aside)"),
     gpu="the Triton attention over the latent head (one KV head, 576 wide), experts as Mixtral's",
     tests=("deepseek_v3",),
+    traits=("deepseek_v3_experts", "latent_attention", "unclassified"),
     config_class="deepseek_v3",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )
@@ -58,6 +60,7 @@ MISTRAL_4 = Family(
     cpu="as DeepSeek-V3",
     gpu="as DeepSeek-V3",
     tests=("mistral4",),
+    traits=("latent_attention", "queries_scaled_by_position", "unclassified"),
     config_class="mistral4",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
     stacked_experts_out_in=True,
@@ -72,6 +75,7 @@ YOUTU_LLM = Family(
     cpu="as DeepSeek-V3",
     gpu="as DeepSeek-V3",
     tests=("youtu",),
+    traits=("latent_attention", "unclassified"),
     config_class="youtu",
 )
 
@@ -90,6 +94,7 @@ DEEPSEEK_V2 = Family(
     cpu="as DeepSeek-V3",
     gpu="as DeepSeek-V3",
     tests=("deepseek_v2",),
+    traits=("latent_attention", "unclassified"),
     config_class="deepseek_v2",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )
@@ -105,6 +110,7 @@ DOTS_LLM1 = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("dots1",),
+    traits=("deepseek_v3_experts", "unclassified", "always_windowed_by_layer_type", "windowed", "qk_norm"),
     config_class="dots1",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )

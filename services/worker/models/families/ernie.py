@@ -15,6 +15,7 @@ ERNIE_4_5 = Family(
          "released checkpoints)"),
     gpu="as Llama",
     tests=("ernie4_5",),
+    traits=("rotary_interleaved",),
     config_class="ernie4_5",
 )
 
@@ -31,6 +32,7 @@ ERNIE_4_5_MOE = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("ernie4_5_moe",),
+    traits=("unclassified", "rotary_interleaved"),
     config_class="ernie4_5_moe",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert.", ".mlp.moe_statics.": ".mlp.gate."},
 )

@@ -17,6 +17,7 @@ EXAONE_4_0 = Family(
     cpu="all dtypes and int8/int4; the one-call decode layer included",
     gpu="as Llama",
     tests=("exaone4", "exaone4_5"),
+    traits=("exaone", "post_normed", "always_windowed_by_layer_type", "windowed", "qk_norm", "sandwich_norms"),
     config_class="exaone4",
 )
 
@@ -33,6 +34,7 @@ EXAONE_MOE = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("exaone_moe",),
+    traits=("exaone", "unclassified", "always_windowed_by_layer_type", "windowed", "qk_norm"),
     config_class="exaone_moe",
     weight_names={".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias",
                   ".mlp.shared_experts.": ".mlp.shared_expert."},

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.worker.models.families.traits import TRAITS
+
 
 @dataclass(frozen=True)
 class Family:
@@ -21,6 +23,9 @@ class Family:
     gpu: str  # docs: the same on a GPU (the Triton backend)
     # tests/tiny_models.py's names of the tiny random models that hold it to transformers
     tests: tuple[str, ...]
+    # what the decoder does differently for it, each a trait other families share (the
+    # registry's groups: TRAITS there says what each means)
+    traits: tuple[str, ...] = ()
     # transformers' model_type whose config class fills what config.json leaves out (the
     # family's defaults where they are not a Llama's), as transformers reads the folder
     config_class: str | None = None
@@ -38,7 +43,11 @@ class Family:
     # experts stacked in the transformers class's own [experts, out, in] layout whatever the
     # shapes (transformers converts none on load: Mistral 4's), not read by shape
     stacked_experts_out_in: bool = False
+    learned_positions_offset: int | None = None  # learned absolute positions: their row's offset
 
     def __post_init__(self) -> None:
         if not self.architectures or not self.tests:
             raise ValueError(f"family {self.name!r} needs its architectures and a test row")
+        unknown = set(self.traits) - set(TRAITS)
+        if unknown:
+            raise ValueError(f"family {self.name!r}: unknown traits {sorted(unknown)}")

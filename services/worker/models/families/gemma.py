@@ -18,6 +18,7 @@ GEMMA = Family(
          " PyTorch's), the one-call decode layer included"),
     gpu="as Llama, the GELU in PyTorch",
     tests=("gemma",),
+    traits=("gemma",),
 )
 
 
@@ -39,6 +40,7 @@ GEMMA_2 = Family(
     gpu=("the paged-attention kernel with two constexpr switches (cap, window; a windowed program starts at the "
          "first tile its queries see, split-KV splits the window); the GELU in PyTorch"),
     tests=("gemma2",),
+    traits=("gemma", "windowed"),
 )
 
 
@@ -52,6 +54,7 @@ VAULTGEMMA = Family(
     cpu="all dtypes and int8/int4; the one-call decode layer included",
     gpu="as Gemma 2",
     tests=("vaultgemma",),
+    traits=("gemma", "windowed"),
     config_class="vaultgemma",
     weight_names={".pre_feedforward_layernorm.": ".post_attention_layernorm."},
 )
@@ -72,6 +75,7 @@ GEMMA_3 = Family(
     cpu="as Gemma 2 (the one-call decode layer takes each layer's rotary table)",
     gpu="as Gemma 2",
     tests=("gemma3", "gemma3_multimodal"),
+    traits=("ropes_by_layer_type", "gemma", "windowed", "qk_norm"),
 )
 
 

@@ -17,6 +17,7 @@ GLM_4 = Family(
          "half-rotary head's; GLM-4-0414's norms as Gemma 2's)"),
     gpu="as Llama",
     tests=("glm",),
+    traits=("glm", "o_proj_unbiased", "rotary_interleaved"),
     config_class="glm",
 )
 
@@ -30,6 +31,7 @@ GLM_4_0414 = Family(
     cpu="as GLM-4 (its norms as Gemma 2's in the one-call decode layer)",
     gpu="as Llama",
     tests=("glm4",),
+    traits=("glm", "o_proj_unbiased", "sandwich_norms", "rotary_interleaved"),
     config_class="glm4",
     weight_names={".post_attention_layernorm.": ".pre_feedforward_layernorm.",
                   ".post_self_attn_layernorm.": ".post_attention_layernorm.",
@@ -52,6 +54,7 @@ GLM_4_5 = Family(
     cpu="as Mixtral",
     gpu="as Mixtral (the router's ops on the device: CUDA graphs take it)",
     tests=("glm4_moe",),
+    traits=("deepseek_v3_experts", "unclassified", "o_proj_unbiased"),
     config_class="glm4_moe",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )
@@ -67,6 +70,7 @@ GLM_4_7_FLASH = Family(
     cpu="as DeepSeek-V3",
     gpu="as DeepSeek-V3",
     tests=("glm4_moe_lite",),
+    traits=("deepseek_v3_experts", "latent_attention", "unclassified"),
     config_class="glm4_moe_lite",
     weight_names={".mlp.shared_experts.": ".mlp.shared_expert."},
 )

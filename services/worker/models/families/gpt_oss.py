@@ -27,6 +27,7 @@ GPT_OSS = Family(
          "harmony template, and answers are read by harmony's parsers (`openai_gptoss`, `openai`: reasoning, "
          "content and tool calls), which a gpt-oss checkpoint is served with by default"),
     tests=("gpt_oss",),
+    traits=("unclassified", "always_windowed_by_layer_type", "windowed"),
     config_class="gpt_oss",
     tensor_fixups=("gpt_oss_experts",),
 )

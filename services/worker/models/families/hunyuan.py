@@ -20,6 +20,7 @@ HUNYUAN = Family(
     cpu="all dtypes and int8/int4 on the module path (the one-call layer norms before rotary, so it steps aside)",
     gpu="as Llama, the rotary not fused with the cache write (the norms come between)",
     tests=("hunyuan",),
+    traits=("hunyuan", "qk_norm"),
     config_class="hunyuan_v1_dense",
     weight_names=_HUNYUAN_NAMES,
 )
@@ -37,6 +38,7 @@ HUNYUAN_MOE = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("hunyuan_moe",),
+    traits=("hunyuan", "unclassified", "qk_norm"),
     config_class="hunyuan_v1_moe",
     weight_names=_HUNYUAN_NAMES,
 )

@@ -20,6 +20,7 @@ GPT_2 = Family(
     cpu="all dtypes and int8/int4 on the module path (the one-call layer's norms are RMSNorms)",
     gpu="as Llama, the norms and activation in PyTorch",
     tests=("gpt2",),
+    traits=("layer_normed", "unclassified"),
     config_class="gpt2",
     ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     tensor_fixups=("conv1d_transposed",),
@@ -33,6 +34,7 @@ GPT_2 = Family(
                         (r"^h\.(\d+)\.attn\.c_proj\.", r"model.layers.\1.self_attn.o_proj."),
                         (r"^h\.(\d+)\.mlp\.c_fc\.", r"model.layers.\1.mlp.up_proj."),
                         (r"^h\.(\d+)\.mlp\.c_proj\.", r"model.layers.\1.mlp.down_proj.")),
+    learned_positions_offset=0,
 )
 
 
@@ -47,6 +49,7 @@ OPT = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("opt",),
+    traits=("layer_normed", "unclassified"),
     config_class="opt",
     ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     checkpoint_prefixes=("model.",),
@@ -60,6 +63,7 @@ OPT = Family(
                         (r"^decoder\.layers\.(\d+)\.fc1\.", r"model.layers.\1.mlp.up_proj."),
                         (r"^decoder\.layers\.(\d+)\.fc2\.", r"model.layers.\1.mlp.down_proj."),
                         (r"^decoder\.layers\.", "model.layers.")),
+    learned_positions_offset=2,
 )
 
 
@@ -74,6 +78,7 @@ GPT_NEOX = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("gpt_neox",),
+    traits=("layer_normed", "unclassified"),
     config_class="gpt_neox",
     ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     tensor_fixups=("qkv_interleaved_by_head",),
@@ -98,6 +103,7 @@ PHI = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("phi",),
+    traits=("layer_normed", "unclassified"),
     config_class="phi",
     ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     checkpoint_prefixes=(),
@@ -118,6 +124,7 @@ STARCODER2 = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("starcoder2",),
+    traits=("layer_normed", "unclassified", "every_layer_windowed", "windowed"),
     config_class="starcoder2",
     ungated_acts=("gelu", "gelu_new", "gelu_pytorch_tanh", "relu"),
     checkpoint_prefixes=(),
@@ -137,6 +144,7 @@ STABLELM = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("stablelm",),
+    traits=("layer_normed", "unclassified", "o_proj_unbiased"),
     config_class="stablelm",
 )
 
@@ -150,6 +158,7 @@ JAIS_2 = Family(
     cpu="all dtypes and int8/int4 on the module path (the one-call layer's norms are RMSNorms)",
     gpu="as Llama, the activation in PyTorch",
     tests=("jais2",),
+    traits=("layer_normed", "unclassified"),
     config_class="jais2",
     ungated_acts=("relu2",),
 )
@@ -165,6 +174,7 @@ COHERE = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("cohere",),
+    traits=("cohere", "layer_normed", "unclassified", "rotary_interleaved"),
     config_class="cohere",
 )
 
@@ -179,6 +189,8 @@ COHERE_2 = Family(
     cpu="as GPT-2",
     gpu="as GPT-2",
     tests=("cohere2",),
+    traits=("cohere", "layer_normed", "unclassified", "always_windowed_by_layer_type", "windowed",
+           "rotary_interleaved"),
     config_class="cohere2",
 )
 

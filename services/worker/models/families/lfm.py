@@ -32,6 +32,7 @@ LFM2 = Family(
          "one-call decode layer steps aside)"),
     gpu="as Qwen3.5",
     tests=("lfm2",),
+    traits=("short_conv", "unclassified", "qk_norm"),
     config_class="lfm2",
     weight_names=_LFM2_NAMES,
 )
@@ -48,6 +49,7 @@ LFM2_MOE = Family(
     cpu="as LFM2, the experts as Mixtral's",
     gpu="as LFM2, the experts as Mixtral's",
     tests=("lfm2_moe",),
+    traits=("short_conv", "unclassified", "qk_norm"),
     config_class="lfm2_moe",
     weight_names=_LFM2_NAMES,
 )
@@ -68,6 +70,7 @@ LFM3 = Family(
     cpu="as LFM2",
     gpu="as LFM2 (the window and the rope tables as Gemma 3's)",
     tests=("lfm3",),
+    traits=("short_conv", "unclassified", "ropes_by_layer_type", "windowed", "qk_norm", "sandwich_norms"),
     config_class="lfm3",
     weight_names={".self_attn.gate_proj.": ".self_attn.output_gate.",
                   "model.embedding_norm.": "model.norm.",

@@ -7,21 +7,32 @@ from services.worker.models.families.family import Family
 
 LLAMA = Family(
     name="Llama",
-    architectures=("LlamaForCausalLM", "MistralForCausalLM"),
-    served=("`LlamaForCausalLM`, `MistralForCausalLM`, and the language model of "
-            "`Mistral3ForConditionalGeneration` checkpoints (Mistral Small 3.1 and 3.2: its `text_config`, filled "
-            "in with transformers' defaults, its `language_model.*` weights; Pixtral's vision tower and the "
-            "projector left unread, a message with an image part a 400; tied as the outer config says, as "
-            "transformers ties it)"),
+    architectures=("LlamaForCausalLM",),
+    served="`LlamaForCausalLM` (Llama 2, 3, 3.1, 3.2, 3.3; SmolLM2; and every checkpoint saved as one)",
     adds=("rope default, linear, llama3, yarn (any family's config may name it: Qwen's long-context ones do; its "
           "attention factor from the growth, as given, or DeepSeek's mscale pair); attention bias, and `mlp_bias` "
-          "(the MLP's projections biased: modules, not the one-call layer); tied embeddings; Mistral's "
-          "`sliding_window` (below)"),
-    cpu=("all dtypes and int8/int4; decode steps in one C call a layer (head dim 64, 128 or 256; Mistral's window "
-         "included)"),
+          "(the MLP's projections biased: modules, not the one-call layer); tied embeddings; a `sliding_window` in "
+          "a Llama config (which transformers' Llama ignores) caps the context"),
+    cpu="all dtypes and int8/int4; decode steps in one C call a layer (head dim 64, 128 or 256)",
     gpu=("float32, bfloat16; CUDA graphs for decode (on an H200: greedy equal to transformers in every scheduling "
          "mode, W0 ~1.0 ms a token at SmolLM2's shape)"),
-    tests=("llama", "mistral"),
+    tests=("llama",),
+)
+
+
+MISTRAL = Family(
+    name="Mistral",
+    architectures=("MistralForCausalLM",),
+    served=("`MistralForCausalLM`, and the language model of `Mistral3ForConditionalGeneration` checkpoints "
+            "(Mistral Small 3.1 and 3.2: its `text_config`, filled in with transformers' defaults, its "
+            "`language_model.*` weights; Pixtral's vision tower and the projector left unread, a message with an "
+            "image part a 400; tied as the outer config says, as transformers ties it)"),
+    adds=("Llama's layer with a `sliding_window` on every layer where the config sets one (Mistral-7B-v0.1: 4096 "
+          "of 32768 positions): attention's window, not a cap on the context (below)"),
+    cpu="as Llama (the one-call decode layer takes the window)",
+    gpu="as Llama",
+    tests=("mistral", "mistral3_multimodal"),
+    traits=("every_layer_windowed", "windowed"),
 )
 
 
@@ -38,6 +49,7 @@ MINISTRAL_3 = Family(
     cpu="all dtypes and int8/int4",
     gpu="as Llama, the scale in PyTorch",
     tests=("ministral3", "ministral3_multimodal"),
+    traits=("queries_scaled_by_position", "unclassified", "every_layer_windowed", "windowed"),
     config_class="ministral3",
 )
 
@@ -66,6 +78,7 @@ HELIUM = Family(
     cpu="as Llama (the one-call layer included)",
     gpu="as Llama",
     tests=("helium",),
+    traits=("o_proj_unbiased", "rotary_interleaved"),
     config_class="helium",
 )
 
@@ -82,6 +95,7 @@ PHI_3 = Family(
          "too)"),
     gpu="as Llama",
     tests=("phi3",),
+    traits=("every_layer_windowed", "windowed"),
 )
 
 
@@ -98,6 +112,7 @@ SMOLLM3 = Family(
     cpu="as Llama, the one-call decode layer included",
     gpu="as Llama",
     tests=("smollm3",),
+    traits=("windowed_by_layer_type", "windowed"),
     config_class="smollm3",
 )
 
@@ -126,6 +141,7 @@ APERTUS = Family(
     cpu="as Arcee",
     gpu="as Arcee",
     tests=("apertus",),
+    traits=("qk_norm",),
     config_class="apertus",
     weight_names={".attention_layernorm.": ".input_layernorm.",
                   ".feedforward_layernorm.": ".post_attention_layernorm."},
@@ -147,7 +163,8 @@ MIXTRAL = Family(
          "steps are captured as CUDA graphs too (greedy equal to transformers on an H200, a Qwen3-MoE-shaped "
          "model)"),
     tests=("mixtral",),
+    traits=("every_layer_windowed", "windowed"),
 )
 
 
-FAMILIES = (LLAMA, MINISTRAL_3, INTERNLM3, HELIUM, PHI_3, SMOLLM3, SEED_OSS, APERTUS, MIXTRAL)
+FAMILIES = (LLAMA, MISTRAL, MINISTRAL_3, INTERNLM3, HELIUM, PHI_3, SMOLLM3, SEED_OSS, APERTUS, MIXTRAL)

@@ -17,6 +17,7 @@ MINIMAX_M2 = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("minimax_m2",),
+    traits=("unclassified", "qk_norm_over_heads", "qk_norm"),
     config_class="minimax_m2",
     weight_names={".mlp.e_score_correction_bias": ".mlp.gate.e_score_correction_bias"},
 )

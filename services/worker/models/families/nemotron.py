@@ -17,6 +17,7 @@ NEMOTRON_H = Family(
     cpu="as Granite 4.0-H (the MLP in PyTorch)",
     gpu="as Granite 4.0-H",
     tests=("nemotron_h",),
+    traits=("mamba", "unclassified"),
     config_class="nemotron_h",
     ungated_acts=("relu2",),
     tensor_fixups=("nemotron_h",),

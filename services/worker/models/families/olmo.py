@@ -19,6 +19,7 @@ OLMO_2 = Family(
          "add alone; query/key norms one row per token)"),
     gpu="as Llama",
     tests=("olmo2",),
+    traits=("olmo", "qk_norm_over_heads", "post_normed", "qk_norm", "sandwich_norms"),
     config_class="olmo2",
 )
 
@@ -33,6 +34,8 @@ OLMO_3 = Family(
     cpu="as OLMo 2",
     gpu="as Llama",
     tests=("olmo3",),
+    traits=("olmo", "qk_norm_over_heads", "post_normed", "ropes_by_layer_type", "always_windowed_by_layer_type",
+           "windowed", "qk_norm", "sandwich_norms"),
     config_class="olmo3",
 )
 
@@ -48,6 +51,7 @@ OLMOE = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("olmoe",),
+    traits=("qk_norm_over_heads", "qk_norm"),
     config_class="olmoe",
 )
 
@@ -62,6 +66,7 @@ FLEXOLMO = Family(
     cpu="as OLMoE",
     gpu="as OLMoE",
     tests=("flex_olmo",),
+    traits=("qk_norm_over_heads", "post_normed", "qk_norm", "sandwich_norms"),
     config_class="flex_olmo",
 )
 
@@ -82,6 +87,7 @@ OLMO_HYBRID = Family(
          "hybrids)"),
     gpu="as Qwen3.5",
     tests=("olmo_hybrid",),
+    traits=("unclassified", "qk_norm_over_heads", "qk_norm"),
     config_class="olmo_hybrid",
     weight_names={".attention_layer_norm.": ".input_layernorm.",
                   ".feedforward_layer_norm.": ".post_attention_layernorm.",

@@ -21,6 +21,7 @@ QWEN2 = Family(
     cpu="as Llama",
     gpu="as Llama",
     tests=("qwen2", "qwen2_5_vl"),
+    traits=("qwen", "windowed_by_layer_type", "windowed", "o_proj_unbiased"),
 )
 
 
@@ -36,6 +37,7 @@ QWEN3 = Family(
          "before rotary)"),
     gpu="as Llama",
     tests=("qwen3", "qwen3_vl"),
+    traits=("qwen", "windowed_by_layer_type", "windowed", "qk_norm"),
 )
 
 
@@ -66,6 +68,7 @@ QWEN3_5 = Family(
     gpu=("the full-attention layers on the Triton kernel, the linear ones in PyTorch (index ops only in a decode "
          "step: CUDA graphs take it; not yet run on a GPU)"),
     tests=("qwen3_5", "qwen3_5_vl"),
+    traits=("linear_attention", "unclassified", "qk_norm", "attention_gate"),
     config_class="qwen3_5_text",
     weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
@@ -84,6 +87,7 @@ QWEN3_5_MOE = Family(
     cpu="as Qwen3.5, the experts as Mixtral's",
     gpu="as Qwen3.5, the experts as Mixtral's",
     tests=("qwen3_5_moe",),
+    traits=("linear_attention", "unclassified", "qk_norm", "attention_gate"),
     config_class="qwen3_5_moe_text",
     weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
@@ -102,6 +106,7 @@ QWEN3_NEXT = Family(
     cpu="as Qwen3.5-MoE",
     gpu="as Qwen3.5-MoE",
     tests=("qwen3_next",),
+    traits=("linear_attention", "unclassified", "qk_norm", "attention_gate"),
     config_class="qwen3_next",
     weight_names=_GATED_DELTA_NET_NAMES,
     unread=("mtp.",),
@@ -121,6 +126,7 @@ QWEN3_MOE = Family(
     cpu="as Mixtral",
     gpu="as Mixtral",
     tests=("qwen3_moe", "qwen3_vl_moe"),
+    traits=("qwen", "windowed_by_layer_type", "windowed", "qk_norm"),
 )
 
 
@@ -135,6 +141,7 @@ QWEN2_MOE = Family(
     cpu="as Mixtral, the shared expert on the dense layers' kernels",
     gpu="as Mixtral, the shared expert beside the grouped GEMMs",
     tests=("qwen2_moe",),
+    traits=("qwen", "windowed_by_layer_type", "windowed", "o_proj_unbiased"),
 )
 
 

@@ -25,6 +25,7 @@ from services.worker.models.families import (
     qwen,
 )
 from services.worker.models.families.family import Family
+from services.worker.models.families.traits import TRAITS
 
 FAMILIES: tuple[Family, ...] = (*llama.FAMILIES, *qwen.FAMILIES, *gemma.FAMILIES, *olmo.FAMILIES, *glm.FAMILIES,
                                 *exaone.FAMILIES, *ernie.FAMILIES, *hunyuan.FAMILIES, *arcee.FAMILIES,
@@ -44,134 +45,47 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILY_OF)
 FILLED_BY_TRANSFORMERS = {arch: f.config_class for arch, f in FAMILY_OF.items() if f.config_class}
 
 
-COHERES = ("CohereForCausalLM", "Cohere2ForCausalLM")
+def with_trait(trait: str) -> tuple[str, ...]:
+    """The architectures whose family names the trait (traits.py)."""
+    if trait not in TRAITS:
+        raise KeyError(trait)
+    return tuple(arch for arch, family in FAMILY_OF.items() if trait in family.traits)
 
 
-# Hybrids: linear-attention layers (layers/gated_delta_net.py) between full-attention ones
-LINEAR_ATTENTION = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
-
-
+COHERES = with_trait("cohere")
+LINEAR_ATTENTION = with_trait("linear_attention")
 OLMO_HYBRID = "OlmoHybridForCausalLM"  # (its Gated DeltaNet read apart: layers/gated_delta_net.py)
-
-
-# Hybrids whose other layers are gated short convolutions (layers/short_conv.py)
-SHORT_CONVS = ("Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Lfm3ForCausalLM")
-
-
-# Hybrids whose other layers are Mamba2's selective state spaces (layers/mamba2.py)
+SHORT_CONVS = with_trait("short_conv")
 GRANITE_HYBRID = "GraniteMoeHybridForCausalLM"
-
-
-MAMBAS = (GRANITE_HYBRID, "BambaForCausalLM", "NemotronHForCausalLM")
-
-
-# DeepSeek-V3's experts (its grouped sigmoid router, ungated shared experts) under other attention
-DEEPSEEK_V3_MOES = ("Glm4MoeForCausalLM", "Dots1ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
-                    "SolarOpenForCausalLM")
-
-
-# Multi-head latent attention (layers/latent_attention.py) in place of the usual heads
-LATENT_ATTENTION = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
-                    "YoutuForCausalLM")
-
-
-# Llama 4's temperature by position on the queries (rope's llama_4_scaling_beta)
-QUERIES_SCALED_BY_POSITION = ("Ministral3ForCausalLM", "Mistral4ForCausalLM")
-
-
-HUNYUANS = ("HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM")
-
-
-EXAONES = ("Exaone4ForCausalLM", "ExaoneMoeForCausalLM")
-
-
-LAYER_NORMED = ("OPTForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "PhiForCausalLM", "Starcoder2ForCausalLM",
-                "StableLmForCausalLM", *COHERES, "Jais2ForCausalLM")
-
-
-# Families whose *ForSequenceClassification is refused: their classifiers' heads and
-# pooling are not held to transformers here
-UNCLASSIFIED = (*LAYER_NORMED, "GptOssForCausalLM", *DEEPSEEK_V3_MOES, *LATENT_ATTENTION, *QUERIES_SCALED_BY_POSITION,
-                "ExaoneMoeForCausalLM", "AfmoeForCausalLM", "HunYuanMoEV1ForCausalLM", "Ernie4_5_MoeForCausalLM",
-                "MiniMaxM2ForCausalLM", *LINEAR_ATTENTION, OLMO_HYBRID, *SHORT_CONVS, *MAMBAS)
+MAMBAS = with_trait("mamba")
+DEEPSEEK_V3_MOES = with_trait("deepseek_v3_experts")
+LATENT_ATTENTION = with_trait("latent_attention")
+QUERIES_SCALED_BY_POSITION = with_trait("queries_scaled_by_position")
+HUNYUANS = with_trait("hunyuan")
+EXAONES = with_trait("exaone")
+LAYER_NORMED = with_trait("layer_normed")
+UNCLASSIFIED = with_trait("unclassified")
+GLMS = with_trait("glm")
+OLMOS = with_trait("olmo")
+QK_NORMED = with_trait("qk_norm")
+QK_NORMS_OVER_HEADS = with_trait("qk_norm_over_heads")
+POST_NORMED = with_trait("post_normed")
+SANDWICH_NORMED = with_trait("sandwich_norms")
+O_PROJ_UNBIASED = with_trait("o_proj_unbiased")
+ATTENTION_GATED = with_trait("attention_gate")
+ROTARY_INTERLEAVED = with_trait("rotary_interleaved")
+ROPES_BY_LAYER_TYPE = with_trait("ropes_by_layer_type")
+GEMMAS = with_trait("gemma")
+EVERY_LAYER_WINDOWED = with_trait("every_layer_windowed")
+QWENS = with_trait("qwen")
+BY_LAYER_TYPE = with_trait("windowed_by_layer_type")
+ALWAYS_BY_LAYER_TYPE = with_trait("always_windowed_by_layer_type")
+WINDOWED = with_trait("windowed")
 
 
 # Learned absolute positions in place of rotary: the offset of a position's row in the table
-LEARNED_POSITIONS = {"OPTForCausalLM": 2, "GPT2LMHeadModel": 0}
-
-
-GLMS = ("GlmForCausalLM", "Glm4ForCausalLM")
-
-
-OLMOS = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
-
-
-# Query/key norms over all of a token's heads at once (OLMo 2's), wherever its norms are
-QK_NORMS_OVER_HEADS = (*OLMOS, "OlmoeForCausalLM", "MiniMaxM2ForCausalLM", "FlexOlmoForCausalLM", "OlmoHybridForCausalLM")
-
-
-# No norm before attention and the MLP, one on each's output instead
-POST_NORMED = (*OLMOS, "Exaone4ForCausalLM", "FlexOlmoForCausalLM")
-
-
-# Rotary setups by layer type (rope_parameters' full_attention and sliding_attention)
-ROPES_BY_LAYER_TYPE = ("Gemma3ForCausalLM", "Olmo3ForCausalLM", "Lfm3ForCausalLM")
-
-
-GEMMAS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM")
-
-
-# Sliding windows as transformers applies them (layer_windows): on every layer, where the
-# config has one (Mistral-7B-v0.1: 4096; Phi-3-mini-4k: 2047), Qwen's where it says, Gemma's
-# by layer type. A Llama config's window (which transformers' Llama ignores) caps the context.
-EVERY_LAYER_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Starcoder2ForCausalLM",
-                        "Ministral3ForCausalLM")
-
-
-QWENS = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-
-
-# Windowed where `use_sliding_window` says, on the layers `layer_types` names (transformers'
-# default for these: Qwen's from max_window_layers on, SmolLM3's on its NoPE layers).
-BY_LAYER_TYPE = (*QWENS, "SmolLM3ForCausalLM")
-
-
-# Windowed where `layer_types` says, always (no use_sliding_window switch)
-ALWAYS_BY_LAYER_TYPE = ("Olmo3ForCausalLM", *EXAONES, "GptOssForCausalLM", "Cohere2ForCausalLM", "AfmoeForCausalLM",
-                        "Dots1ForCausalLM")
-
-
-WINDOWED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "VaultGemmaForCausalLM", *ALWAYS_BY_LAYER_TYPE, *EVERY_LAYER_WINDOWED, *BY_LAYER_TYPE,
-            "Lfm3ForCausalLM")
-
-
-# Families whose config.json may leave out what their transformers config class defaults
-# differently from a Llama's (SmolLM3: tied embeddings, a rotary base of 2e6, NoPE every
-# fourth layer): read through that class, as transformers reads them.
-FILLED_BY_TRANSFORMERS = {"SmolLM3ForCausalLM": "smollm3", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                          "GlmForCausalLM": "glm", "Glm4ForCausalLM": "glm4", "Ernie4_5ForCausalLM": "ernie4_5",
-                          "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-                          "Exaone4ForCausalLM": "exaone4", "SeedOssForCausalLM": "seed_oss",
-                          "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
-                          "ArceeForCausalLM": "arcee",
-                          "ApertusForCausalLM": "apertus", "OPTForCausalLM": "opt", "GPT2LMHeadModel": "gpt2",
-                          "GPTNeoXForCausalLM": "gpt_neox", "PhiForCausalLM": "phi", "GptOssForCausalLM": "gpt_oss",
-                          "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
-                          "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2", "OlmoeForCausalLM": "olmoe",
-                          "Glm4MoeForCausalLM": "glm4_moe", "Dots1ForCausalLM": "dots1",
-                          "MiniMaxM2ForCausalLM": "minimax_m2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                          "DeepseekV2ForCausalLM": "deepseek_v2", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-                          "Ministral3ForCausalLM": "ministral3", "Mistral4ForCausalLM": "mistral4",
-                          "YoutuForCausalLM": "youtu", "InternLM3ForCausalLM": "internlm3",
-                          "HeliumForCausalLM": "helium", "FlexOlmoForCausalLM": "flex_olmo",
-                          "SolarOpenForCausalLM": "solar_open", "ExaoneMoeForCausalLM": "exaone_moe",
-                          "Jais2ForCausalLM": "jais2", "VaultGemmaForCausalLM": "vaultgemma",
-                          "AfmoeForCausalLM": "afmoe", "Qwen3_5ForCausalLM": "qwen3_5_text",
-                          "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text", "Qwen3NextForCausalLM": "qwen3_next",
-                          "Lfm2ForCausalLM": "lfm2", "Lfm2MoeForCausalLM": "lfm2_moe", "Lfm3ForCausalLM": "lfm3",
-                          "OlmoHybridForCausalLM": "olmo_hybrid",
-                          "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
-                          "NemotronHForCausalLM": "nemotron_h"}
+LEARNED_POSITIONS = {arch: f.learned_positions_offset for arch, f in FAMILY_OF.items()
+                     if f.learned_positions_offset is not None}
 
 
 # The decoders alone, as embedding models ship them (e5-mistral: MistralModel): weights
