@@ -42,6 +42,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=128, help="tokens each request streams")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="each shard's")
+    parser.add_argument("--step-time-ms", type=float, default=0.0,
+                        help="each worker answers a step this long after it arrives (a device's step time: steps "
+                             "then fill as a real worker's do, and the scheduler's cost a token is that of full steps)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -127,7 +130,8 @@ def run(args) -> int:
         for i in range(num_workers):
             procs["worker"].append(_start([sys.executable, "-m", "services.worker.shell.instant_worker",
                                            "--nats-url", nats.url, "--served-model-name", "bench",
-                                           "--data-parallel-rank", str(i % shards), "--vocab-size", str(vocab)], env,
+                                           "--data-parallel-rank", str(i % shards), "--vocab-size", str(vocab),
+                                           "--step-time-ms", str(args.step_time_ms)], env,
                                           logs / f"worker-{i}.log"))
         for i in range(gateways):
             port = free_port()
@@ -168,14 +172,16 @@ def run(args) -> int:
     duration = summary["duration_s"]
     report = {
         "data_parallel_size": shards, "api_server_count": gateways, "workers": num_workers,
-        "num_requests": args.num_requests, "concurrency": args.concurrency, "output_tokens": tokens,
+        "num_requests": args.num_requests, "concurrency": args.concurrency, "step_time_ms": args.step_time_ms,
+        "output_tokens": tokens,
         "failed": summary["failed"], "errors": summary["errors"], "duration_s": round(duration, 2),
         "output_tok_s": round(tokens / duration, 1),
         "cores": {role: round(spent[role] / duration, 3) for role in ROLES},
         "us_per_output_token": {role: round(spent[role] / tokens * 1e6, 2) for role in ROLES if tokens},
         # (a scheduler's cost a token is mostly its cost a step over the step's tokens: with
-        # workers that answer at once, steps are as small as the client keeps them)
-        "tokens_per_step": round((steps_after[1] - steps_before[1]) / max(steps_after[0] - steps_before[0], 1), 1),
+        # workers that answer at once, steps are as small as the client keeps them). Prompt
+        # and output tokens, as vLLM's iteration_tokens_total counts them.
+        "scheduled_tokens_per_step": round((steps_after[1] - steps_before[1]) / max(steps_after[0] - steps_before[0], 1), 1),
         "cpu": _cpu_name(),
     }
     print(json.dumps(report))

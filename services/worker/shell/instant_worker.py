@@ -1,6 +1,7 @@
 """`llmbus bench control-plane`'s worker: InstantRunner (services/worker/instant_runner.py)
 on the bus, joined to a scheduler shard as a real worker joins (announced, heartbeating),
-answering each step as it arrives. Not a serving worker: it has no model."""
+answering each step as it arrives, or `step_time_s` after (a device's step time, so steps
+fill as a real worker's do). Not a serving worker: it has no model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from shared.messages import SchedulerOutput, WorkerInfo
 
 async def serve(nats_url: str, model_name: str, data_parallel_rank: int = 0, num_kv_blocks: int = 65536,
                 block_size: int = 16, max_model_len: int = 4096, vocab_size: int = 384,
-                eos_token_id: int | None = None) -> None:
+                eos_token_id: int | None = None, step_time_s: float = 0.0) -> None:
     worker_id = "instant-" + uuid.uuid4().hex[:8]
     runner = InstantRunner(vocab_size, eos_token_id)
     info = WorkerInfo(worker_id, model_name, num_kv_blocks, block_size, max_model_len, vocab_size, eos_token_id,
@@ -25,8 +26,11 @@ async def serve(nats_url: str, model_name: str, data_parallel_rank: int = 0, num
     nc = await connect(nats_url, f"worker-{worker_id}")
     decoder = msgspec.msgpack.Decoder(SchedulerOutput)
 
-    async def on_step(msg) -> None:
-        await msg.respond(encode(runner.execute(decoder.decode(msg.data))))
+    async def on_step(msg) -> None:  # (a subscription's messages are handled one at a time)
+        output = runner.execute(decoder.decode(msg.data))
+        if step_time_s:
+            await asyncio.sleep(step_time_s)
+        await msg.respond(encode(output))
 
     async def announce(_msg=None) -> None:
         await nc.publish(subjects.announce, encode(info))
@@ -54,6 +58,7 @@ if __name__ == "__main__":
     parser.add_argument("--data-parallel-rank", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=384)
     parser.add_argument("--eos-token-id", type=int, default=None)
+    parser.add_argument("--step-time-ms", type=float, default=0.0)
     args = parser.parse_args()
     asyncio.run(serve(args.nats_url, args.served_model_name, args.data_parallel_rank, vocab_size=args.vocab_size,
-                      eos_token_id=args.eos_token_id))
+                      eos_token_id=args.eos_token_id, step_time_s=args.step_time_ms / 1000))
