@@ -191,12 +191,12 @@ def run(args) -> int:
 def _steps(url: str) -> tuple[float, float]:
     """(steps, tokens) every shard has run so far, from the gateway's iteration-tokens
     histogram (vLLM's `iteration_tokens_total`)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    count = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("llmbus:iteration_tokens_total_count"))
-    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("llmbus:iteration_tokens_total_sum"))
-    return count, total
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [sample for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text)
+               if family.name == "llmbus:iteration_tokens_total" for sample in family.samples]
+    return (sum(s.value for s in samples if s.name.endswith("_count")),
+            sum(s.value for s in samples if s.name.endswith("_sum")))
 
 
 def _cpu_name() -> str:

@@ -143,8 +143,9 @@ class GatewayMetrics:
             # shard's one before, whose figures are gone with it.
             self._drop([s for s, rank in self._rank_of.items() if rank == stats.data_parallel_rank])
             self._rank_of[labels[1]] = stats.data_parallel_rank
-            for counter in self._counters.values():
-                counter.labels(*labels)  # at 0 from the first sight of this scheduler
+            # Its children, looked up once (its counters at 0 from the first sight of it)
+            self._children[labels[1]] = ({f: g.labels(*labels) for f, g in self._gauges.items()},
+                                         {f: c.labels(*labels) for f, c in self._counters.items()})
         self._last_seen[labels[1]] = time.monotonic()
         now = {field: getattr(stats, field) for field in self._counters}
         now.update({(_PER_POS, pos): n for pos, n in enumerate(getattr(stats, _PER_POS))})
@@ -154,9 +155,7 @@ class GatewayMetrics:
             # concurrently, and its stats subject beside the outputs): a scheduler's counts
             # never go back (a restarted one has a new id), so it says nothing new.
             return
-        gauges, counters = self._children.get(labels[1]) or self._children.setdefault(labels[1], (
-            {f: g.labels(*labels) for f, g in self._gauges.items()},
-            {f: c.labels(*labels) for f, c in self._counters.items()}))
+        gauges, counters = self._children[labels[1]]
         for field, gauge in gauges.items():
             gauge.set(getattr(stats, field))
         for key, value in now.items():
