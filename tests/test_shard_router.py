@@ -95,3 +95,17 @@ def test_workers_without_a_rank_spread_over_shards_by_their_ids():
     before = {k: rendezvous(k, [0, 1, 2]) for k in keys}
     after = {k: rendezvous(k, [0, 1]) for k in keys}
     assert all(after[k] == before[k] for k in keys if before[k] != 2)
+
+
+def test_a_report_older_than_the_requests_still_on_their_way_does_not_hide_them():
+    """A shard's report resets what this gateway sent it since, but may predate requests
+    still on their way there: the gateway's own open requests on each shard are a floor."""
+    r = router()
+    held = {0: 0, 1: 0}
+    for i in range(40):
+        rank = r.route(prompt(i), None, now=0.1, held=held)
+        held[rank] += 1
+        if i % 5 == 4:  # shard 0's reports miss the last few it was sent; shard 1's are current
+            r.reported(0, max(held[0] - 3, 0))
+            r.reported(1, held[1])
+    assert held == {0: 20, 1: 20}

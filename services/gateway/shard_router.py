@@ -15,6 +15,7 @@ object: the engine client feeds it and asks it.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shared.messages import SchedulerHeartbeat
@@ -31,9 +32,13 @@ class Shard:
     heard_at: float
     sent_since: int = 0  # routed here by this gateway since that report
 
+    held: int = 0  # this gateway's requests open on it (set at each route)
+
     @property
     def load(self) -> int:
-        return self.num_requests + self.sent_since
+        # A report resets sent_since, yet may predate requests still on their way to the
+        # shard: this gateway's own open requests there are a floor it always knows.
+        return max(self.num_requests + self.sent_since, self.held)
 
 
 class ShardRouter:
@@ -86,10 +91,14 @@ class ShardRouter:
             del self.shards[rank]
         return gone
 
-    def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float) -> int:
+    def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float,
+              held: Mapping[int, int] | None = None) -> int:
         """The shard for a request: a live one with workers (else any live one, which holds
-        it until a worker joins; none heard yet: shard 0)."""
+        it until a worker joins; none heard yet: shard 0). `held`: this gateway's open
+        requests by shard (its stream ledger's)."""
         live = self.live(now)
+        for shard in live:
+            shard.held = (held or {}).get(shard.rank, 0)
         candidates = [s for s in live if s.num_workers > 0] or live
         if not candidates:
             return 0

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import Counter
 
 import msgspec
 from nats.errors import NoRespondersError
@@ -151,7 +152,8 @@ class EngineClient:
 
     def _route(self, request: EngineCoreRequest) -> int:
         lora = request.lora_request.lora_name if request.lora_request is not None else None
-        return self.router.route(request.prompt_token_ids, lora, time.monotonic())
+        held = Counter(self.ledger.shard.values())  # (this gateway's open requests, by shard)
+        return self.router.route(request.prompt_token_ids, lora, time.monotonic(), held)
 
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
