@@ -20,7 +20,6 @@ from services.worker.models.config_fields.hybrid import (
     lfm2,
     linear_attention_fields,
     mamba_fields,
-    nemotron_h,
     short_conv_fields,
 )
 from services.worker.models.config_fields.latent_attention import (
@@ -32,6 +31,7 @@ from services.worker.models.config_fields.layer_normed import (
     layer_normed_fields,
 )
 from services.worker.models.config_fields.moe import moe_fields
+from services.worker.models.config_fields.rewrites import CONFIG_REWRITES
 from services.worker.models.config_reader import (
     filled,
     nope_layers,
@@ -41,10 +41,10 @@ from services.worker.models.config_reader import (
 from services.worker.models.families.registry import (
     ATTENTION_GATED,
     BASE_MODELS,
+    FAMILY_OF,
     FILLED_BY_TRANSFORMERS,
     GATED_ACTS,
     GEMMAS,
-    GRANITE_HYBRID,
     HUNYUANS,
     LATENT_ATTENTION,
     LAYER_NORMED,
@@ -301,17 +301,12 @@ class ModelConfig:
             raw = filled(raw, FILLED_BY_TRANSFORMERS[arch])
         if arch in LAYER_NORMED:
             raw = layer_normed(arch, raw)
-        if arch == "Qwen3_5MoeForCausalLM":  # (every layer sparse: its config names no dense MLP's size)
-            raw = {**raw, "intermediate_size": raw.get("intermediate_size") or raw["moe_intermediate_size"]}
         if arch in SHORT_CONVS:
             raw = lfm2(raw)
-        if arch == GRANITE_HYBRID and not raw.get("num_local_experts"):  # (dense: its shared MLP is the MLP)
-            raw = {**raw, "intermediate_size": raw["shared_intermediate_size"]}
-        if arch == "NemotronHForCausalLM":
-            raw = nemotron_h(raw)
+        family = FAMILY_OF[arch]
+        for rewrite in family.config_rewrites:
+            raw = CONFIG_REWRITES[rewrite](raw)
         local_rope_theta = None
-        if arch == "Gemma3ForCausalLM" and raw.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention (an embedding Gemma 3) is not supported: a causal decoder only")
         if arch in ROPES_BY_LAYER_TYPE:
             raw, local_rope_theta = ropes_by_layer_type(raw)
         # Gemma 2's config names it hidden_activation (Gemma's carries both, hidden_act first)
@@ -332,7 +327,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):  # several EOS ids: the first is the one we stop on
             eos = eos[0] if eos else None
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -346,10 +341,8 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             # transformers' default where config.json leaves it out: Gemma's config ties
             tie_word_embeddings=raw.get("tie_word_embeddings", arch in GEMMAS),
-            qkv_bias=(arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM" and raw.get("qkv_bias", True))
-                      or raw.get("attention_bias", False) or raw.get("use_bias", False)),
-            o_bias=(raw.get("attention_out_bias", False) if arch == "SeedOssForCausalLM" else
-                    arch not in O_PROJ_UNBIASED and (raw.get("attention_bias", False) or raw.get("use_bias", False))),
+            qkv_bias=bool(raw.get("attention_bias", False) or raw.get("use_bias", False)),
+            o_bias=arch not in O_PROJ_UNBIASED and bool(raw.get("attention_bias", False) or raw.get("use_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False) or raw.get("use_bias", False)),
             gated_mlp=arch not in UNGATED,
             rope_scaling=rope,
@@ -358,9 +351,8 @@ class ModelConfig:
             sliding_window=(raw.get("sliding_window") if raw.get("use_sliding_window", True)
                             and arch not in WINDOWED else None),
             local_rope_theta=local_rope_theta,
-            qk_norm=arch in QK_NORMED or (arch == "Glm4MoeForCausalLM" and bool(raw.get("use_qk_norm"))),
+            qk_norm=arch in QK_NORMED,
             qk_norm_after_rope=arch in HUNYUANS,
-            attention_sinks=arch == "GptOssForCausalLM",
             qk_norm_over_heads=arch in QK_NORMS_OVER_HEADS,
             pre_norms=arch not in POST_NORMED,
             rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
@@ -370,11 +362,7 @@ class ModelConfig:
             **granite_fields(arch, raw),
             **gemma_fields(arch, raw),
             **({"sandwich_norms": True} if arch in SANDWICH_NORMED else {}),
-            attention_gate=arch in ATTENTION_GATED or bool(
-                arch == "Lfm3ForCausalLM" and raw.get("use_attention_gate", True)),
-            attention_gate_per_head=arch == "Lfm3ForCausalLM",
-            **({"embedding_multiplier": raw["hidden_size"] ** 0.5} if arch == "AfmoeForCausalLM" and raw.get("mup_enabled")
-               else {}),
+            attention_gate=arch in ATTENTION_GATED,
             rotary_interleaved=arch in ROTARY_INTERLEAVED
             or (arch in LATENT_ATTENTION and bool(raw.get("rope_interleave", True))),
             **sliding_window_fields(arch, raw),
@@ -389,6 +377,9 @@ class ModelConfig:
             **short_conv_fields(arch, raw),
             **mamba_fields(arch, raw),
         )
+        if family.fields is not None:
+            fields.update(family.fields(raw))
+        return cls(**fields)
 
 
 

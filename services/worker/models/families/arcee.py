@@ -22,6 +22,8 @@ ARCEE = Family(
 AFMOE = Family(
     name="AFMoE",
     architectures=("AfmoeForCausalLM",),
+    # (muP: the embeddings times sqrt(hidden_size))
+    fields=lambda raw: {"embedding_multiplier": raw["hidden_size"] ** 0.5} if raw.get("mup_enabled") else {},
     served="`AfmoeForCausalLM` (Arcee's Trinity Mini, Nano, Large)",
     adds=("Qwen3's per-head query/key norms; the heads' output gated by a sigmoid of the attention's own input "
           "(`self_attn.gate_proj`, before o_proj); windowed layers by `layer_types` (from "

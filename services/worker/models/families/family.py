@@ -7,7 +7,7 @@ architecture's name."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.worker.models.families.traits import TRAITS
@@ -44,6 +44,11 @@ class Family:
     # shapes (transformers converts none on load: Mistral 4's), not read by shape
     stacked_experts_out_in: bool = False
     learned_positions_offset: int | None = None  # learned absolute positions: their row's offset
+    # where its config.json departs from the common reading (models/decoder_config.py): rewrites
+    # of the raw config before it, by name (models/config_fields/rewrites.py), and the decoder
+    # fields the family sets itself, a function of the raw config, over the common reading's
+    config_rewrites: tuple[str, ...] = ()
+    fields: Callable[[Mapping], dict] | None = None
 
     def __post_init__(self) -> None:
         if not self.architectures or not self.tests:

@@ -63,6 +63,7 @@ VAULTGEMMA = Family(
 GEMMA_3 = Family(
     name="Gemma 3",
     architectures=("Gemma3ForCausalLM",),
+    config_rewrites=("causal_only",),
     served=("`Gemma3ForCausalLM` (gemma-3-1b), and the language model of `Gemma3ForConditionalGeneration` "
             "checkpoints (gemma-3-4b/12b/27b-it: its `text_config`, filled in with transformers' defaults as "
             "transformers reads it, and its `language_model.*` weights; the vision tower and projector are left "

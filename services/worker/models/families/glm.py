@@ -42,6 +42,7 @@ GLM_4_0414 = Family(
 GLM_4_5 = Family(
     name="GLM-4.5",
     architectures=("Glm4MoeForCausalLM",),
+    fields=lambda raw: {"qk_norm": bool(raw.get("use_qk_norm"))},
     served="`Glm4MoeForCausalLM` (GLM-4.5, GLM-4.5-Air, GLM-4.6)",
     adds=("GLM's q/k/v biases (o_proj none) with half of each head rotating, by halves (NeoX's, not GLM-4's "
           "interleaved pairs); per-head query/key norms where `use_qk_norm` says; dense layers before "

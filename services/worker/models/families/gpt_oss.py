@@ -8,6 +8,7 @@ from services.worker.models.families.family import Family
 GPT_OSS = Family(
     name="gpt-oss",
     architectures=("GptOssForCausalLM",),
+    fields=lambda raw: {"attention_sinks": True},
     served="`GptOssForCausalLM` (gpt-oss-20b, gpt-oss-120b)",
     adds=("every layer sparse, top-k over a biased router (`mlp.router`) weighed by a softmax over the k chosen "
           "logits; experts with biases, their gate a clamped SwiGLU (gate at most `swiglu_limit`, up within ±limit,"

@@ -36,6 +36,7 @@ GRANITEMOE = Family(
 GRANITE_4_0_H = Family(
     name="Granite 4.0-H",
     architectures=("GraniteMoeHybridForCausalLM",),
+    config_rewrites=("shared_mlp_when_dense",),
     served="`GraniteMoeHybridForCausalLM` (granite-4.0-h-micro, -h-tiny, -h-small)",
     adds=("a hybrid: where `layer_types` says mamba, Mamba2's selective state space (layers/mamba2.py) in place of"
           " attention - one product makes the gate z, x, B, C and a time step a head; x, B and C through a causal "

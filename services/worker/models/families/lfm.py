@@ -58,6 +58,7 @@ LFM2_MOE = Family(
 LFM3 = Family(
     name="LFM3",
     architectures=("Lfm3ForCausalLM",),
+    fields=lambda raw: {"attention_gate": bool(raw.get("use_attention_gate", True)), "attention_gate_per_head": True},
     served="`Lfm3ForCausalLM` (LFM3-1.7B)",
     adds=("LFM2's short convolutions (7 wide by default) where `layer_types` says conv, and two kinds of attention"
           " beside them: `sliding_attention` layers (a window of `sliding_window`, the default rope of their own "

@@ -120,6 +120,7 @@ SMOLLM3 = Family(
 SEED_OSS = Family(
     name="Seed-OSS",
     architectures=("SeedOssForCausalLM",),
+    fields=lambda raw: {"o_bias": bool(raw.get("attention_out_bias", False))},
     served="`SeedOssForCausalLM` (Seed-OSS-36B)",
     adds=("a Llama with q/k/v biases (`attention_bias`, on by default), o_proj's apart (`attention_out_bias`) and "
           "the MLP's (`mlp_bias`); config defaults from transformers' class"),

@@ -8,6 +8,7 @@ from services.worker.models.families.family import Family
 NEMOTRON_H = Family(
     name="Nemotron-H",
     architectures=("NemotronHForCausalLM",),
+    config_rewrites=("nemotron_h",),
     served="`NemotronHForCausalLM` (Nemotron-H-8B/47B/56B, NVIDIA-Nemotron-Nano-9B-v2, -12B-v2)",
     adds=("blocks of one branch each, as `hybrid_override_pattern` (or `layers_block_type`) lays them out: Mamba2 "
           "(M, as Granite 4.0-H's), attention without positions (*), or an ungated relu2 MLP (-), each behind its "

@@ -12,6 +12,7 @@ _GATED_DELTA_NET_NAMES = {".linear_attn.norm.weight": ".self_attn.norm_weight", 
 QWEN2 = Family(
     name="Qwen2",
     architectures=("Qwen2ForCausalLM",),
+    fields=lambda raw: {"qkv_bias": True},
     served=("`Qwen2ForCausalLM`, and the language model of `Qwen2VLForConditionalGeneration` and "
             "`Qwen2_5_VLForConditionalGeneration` checkpoints (Qwen2-VL, Qwen2.5-VL: the config read through "
             "transformers' class, so the first releases' top-level keys serve as a `text_config` does; the "
@@ -79,6 +80,7 @@ QWEN3_5 = Family(
 QWEN3_5_MOE = Family(
     name="Qwen3.5-MoE",
     architectures=("Qwen3_5MoeForCausalLM",),
+    config_rewrites=("sparse_every_layer",),
     served=("`Qwen3_5MoeForCausalLM`, and the language model of `Qwen3_5MoeForConditionalGeneration` "
             "(Qwen3.5-35B-A3B to 397B-A17B, as released: vision tower and `mtp.*` unread)"),
     adds=("Qwen3.5's hybrid layers with Qwen2-MoE's sparse MLP in every layer: top `num_experts_per_tok` of "
@@ -133,6 +135,7 @@ QWEN3_MOE = Family(
 QWEN2_MOE = Family(
     name="Qwen2-MoE",
     architectures=("Qwen2MoeForCausalLM",),
+    fields=lambda raw: {"qkv_bias": bool(raw.get("qkv_bias", True) or raw.get("attention_bias"))},
     served="`Qwen2MoeForCausalLM` (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B)",
     adds=("Qwen2's attention (q/k/v biases); Qwen3-MoE's sparse layers, and in each a shared expert every token "
           "takes (`shared_expert`, a dense MLP of `shared_expert_intermediate_size`), its output weighed by "
