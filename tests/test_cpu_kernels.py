@@ -147,7 +147,7 @@ def test_a_built_library_is_reused_and_a_changed_source_rebuilds(monkeypatch, tm
     monkeypatch.setenv("LLMBUS_HOME", str(tmp_path))
     # The library this session built, in a home of its own: found by its name, not rebuilt
     # (a compile takes a core ~17 s; the changed sources below cost one).
-    built = Path(cpu_kernels._library()[0]._name)
+    built = Path(cpu_kernels.library.load()[0]._name)
     (tmp_path / "kernels").mkdir()
     shutil.copy2(built, tmp_path / "kernels" / built.name)
     before = (tmp_path / "kernels" / built.name).stat().st_mtime_ns
