@@ -89,8 +89,15 @@ class CacheConfig:
     # The scheduler's flag, which the worker needs too: a hybrid model's worker keeps
     # snapshots of its recurrent state for the prefix cache only where it is on.
     enable_prefix_caching: bool = True
+    # vLLM's --kv-offloading-size (GiB on the command line): a host-memory KV tier of this
+    # many bytes shared by the workers of a host (services/worker/kv_tier.py); None: none.
+    kv_offloading_size: int | None = None
+    # Its file (services/worker/kv_tier.py: tier_path); None: a tier of the process alone
+    kv_offloading_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size is not None and self.kv_offloading_size < 1:
+            raise ValueError("kv_offloading_size must be positive")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

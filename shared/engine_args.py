@@ -97,6 +97,12 @@ class EngineArgs:
     kv_cache_dtype: str = arg("auto", "worker", "auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a "
                               "value, twice the tokens per GB (docs/performance/history.md for how often greedy "
                               "output moves)", choices=KV_CACHE_DTYPES)
+    kv_offloading_size: float | None = arg(
+        None, "worker", "vLLM's: GiB of host memory for a KV tier the workers of a host share (a shared-memory file):"
+        " blocks a worker computed are copied there, and a prompt whose prefix the tier holds loads it instead of "
+        "computing it again, on any worker of the host (needs prefix caching)", type=float)
+    kv_offloading_backend: str = arg("native", "worker", "vLLM's: native, llmbus's own host tier (lmcache is not "
+                                     "supported)", choices=["native"])
     attention_backend: str | None = arg(None, "worker", "default: triton on a GPU, torch on CPU",
                                         choices=["torch", "triton"])
     threads: int | None = arg(None, "worker", "torch threads for the model (default: torch's, one per core)",
@@ -163,6 +169,9 @@ class EngineArgs:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         KVEventsConfig.parse(self.kv_events_config)  # (a key or publisher it does not know: a ValueError)
+        if self.kv_offloading_size is not None and not self.enable_prefix_caching:
+            raise ValueError("--kv-offloading-size needs prefix caching: the tier is found by the prefix cache's "
+                             "block hashes (drop --no-enable-prefix-caching)")
 
     # ---- the configs each half of the engine is built with -------------------------------
 
@@ -170,7 +179,8 @@ class EngineArgs:
         return CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_offloading_size=_gigabytes(self.kv_offloading_size))
 
     def lora_config(self) -> LoRAConfig | None:
         """None without enable_lora; limits that cannot hold are a ValueError saying why."""

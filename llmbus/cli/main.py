@@ -53,6 +53,8 @@ BENCHES = [
     ("failover", "time from a worker's SIGKILL to its streams' next token", "llmbus.bench.failover", False),
     ("agreement", "greedy agreement of a lower precision with float32", "llmbus.bench.agreement", False),
     ("speculative", "the same workloads with and without speculative decoding", "llmbus.bench.speculative", True),
+    ("kv-offloading", "TTFT of a prefix recomputed, loaded from the host KV tier, and pooled",
+     "llmbus.bench.kv_offloading", True),
     ("moe", "a Qwen3-MoE-shaped model: sparse experts vs every expert densely vs transformers", "llmbus.bench.moe", True),
     ("control-plane", "gateways, tokenizer, scheduler shards and NATS with instant workers: tok/s and cores a token",
      "llmbus.bench.control_plane", False),

@@ -33,6 +33,7 @@ from llmbus.deploy.nats_tls import make_tls_files
 from llmbus.deploy.processes import child_setup
 from llmbus.deploy.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
 from shared.bus import Subjects
+from shared.kv_tier_files import remove_tier_files
 
 
 # The variables of the --nats-* credential flags (llmbus/cli/services.py add_bus_auth_args).
@@ -138,6 +139,7 @@ def run_serve(args, service_env: dict[str, str]) -> int:
     """`service_env`: the deployment's flags as LLMBUS_* variables, which every service's
     flags default to (each takes the ones it has)."""
     nats: list[NatsServer] = []
+    nats_url = args.nats_url
     supervisor = Supervisor()
     run_dir = Path(tempfile.mkdtemp(prefix="llmbus-serve-"))  # 0700: the deployment's secrets
     stop_requested = False
@@ -226,3 +228,5 @@ def run_serve(args, service_env: dict[str, str]) -> int:
         for node in nats:
             node.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+        if getattr(args, "kv_offloading_size", None) and nats_url:  # the host KV tier's files, this host's
+            remove_tier_files(nats_url, Subjects(args.served_model_name[0]).prefix, args.data_parallel_size)

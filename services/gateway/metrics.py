@@ -56,6 +56,9 @@ _GAUGES = {
 _COUNTERS = {
     "prefix_cache_queries": ("llmbus:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     "prefix_cache_hits": ("llmbus:prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    "external_prefix_cache_queries": ("llmbus:external_prefix_cache_queries",
+                                      "Prompt tokens looked up in the host's KV tier (--kv-offloading-size)"),
+    "external_prefix_cache_hits": ("llmbus:external_prefix_cache_hits", "Prompt tokens loaded from the host's KV tier"),
     "num_preemptions": ("llmbus:num_preemptions", "Preemptions"),
     "spec_decode_num_drafts": ("llmbus:spec_decode_num_drafts", "Steps in which a request had drafts"),
     "spec_decode_num_draft_tokens": ("llmbus:spec_decode_num_draft_tokens", "Draft tokens proposed"),

@@ -30,6 +30,7 @@ from services.worker.device_tokens import read_device_tokens
 from services.worker.launched_step import LaunchedStep, reads_device_tokens_only
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora.manager import LoRAManager, adapter_or_why
+from services.worker.kv_tier import host_kv_tier
 from services.worker.kv_cache import allocate_kv_caches, size_kv_cache
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.models.quantization import choose_quantization
@@ -104,6 +105,8 @@ class ModelRunner:
             self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
                                                                self.dtype))
+        self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
+                                    self.model_config.architecture)
         self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
         # a step's launches cost little beside its products (and the fused decode layer
@@ -169,7 +172,8 @@ class ModelRunner:
             incarnation=incarnation, long_rope_threshold=self.model_config.long_rope_threshold,
             generates=self.model.generates, max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
-            recurrent_snapshot_rows=self.snapshot_rows,
+            recurrent_snapshot_rows=self.snapshot_rows, kv_tier=self.kv_tier.name if self.kv_tier else "",
+            kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0,
         )
 
     def drop_requests(self, req_ids) -> None:
@@ -243,6 +247,8 @@ class ModelRunner:
             self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
                                 last_token + 1)
 
+        if scheduler_output.kv_loads:  # blocks of a prefix from the host's tier, before the forward reads them
+            self.kv_tier.load(scheduler_output.kv_loads)
         t_forward = time.time_ns()
         graphs = self.decode_graphs
         on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs)
@@ -254,6 +260,8 @@ class ModelRunner:
             if patch is not None:
                 patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
+            self.kv_tier.store(scheduler_output.kv_stores)
         if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits
             self._copy_states(scheduler_output.state_saves, to_snapshot=True)
         t_sample = time.time_ns()

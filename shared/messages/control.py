@@ -61,6 +61,10 @@ class WorkerInfo(msgspec.Struct, **WIRE):
     recurrent_rows: int = 0
     recurrent_snapshot_rows: int = 0
     data_parallel_rank: int = 0  # the scheduler shard it joins (--data-parallel-rank)
+    # Its host's KV tier (--kv-offloading-size): the tier's name, the same for every worker
+    # mapping it (host and file), and its slots of one block each; "": none.
+    kv_tier: str = ""
+    kv_tier_slots: int = 0
 
 
 class GatewayHeartbeat(msgspec.Struct, **WIRE):

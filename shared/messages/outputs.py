@@ -62,6 +62,10 @@ class SchedulerStats(msgspec.Struct, **WIRE):
     iteration_tokens_by_bucket: list[int] = []
     iteration_tokens_sum: int = 0
     data_parallel_rank: int = 0  # the scheduler shard's (--data-parallel-rank)
+    # The host KV tier's (--kv-offloading-size), vLLM's names: cumulative prompt tokens looked
+    # up where a tier is, and found in the tier (beside the pool's, which prefix_cache_* count)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":

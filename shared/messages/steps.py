@@ -89,6 +89,11 @@ class SchedulerOutput(msgspec.Struct, **WIRE):
     # step's forward), and request id -> the slot its state goes to after the forward.
     state_restores: dict[str, int] = {}
     state_saves: dict[str, int] = {}
+    # The host's KV tier (--kv-offloading-size; services/scheduler/core/kv_tier_index.py):
+    # block id -> the tier slot copied into it before this step's forward, and block id ->
+    # the slot it is copied to after the forward.
+    kv_loads: dict[int, int] = {}
+    kv_stores: dict[int, int] = {}
 
 
 class Logprob(msgspec.Struct):

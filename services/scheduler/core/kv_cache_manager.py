@@ -6,6 +6,7 @@ The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`
 from __future__ import annotations
 
 from services.scheduler.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from services.scheduler.core.kv_tier_index import KVTierIndex
 from services.scheduler.core.request import Request
 from shared.lora_request import LoRARequest
 
@@ -50,6 +51,17 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
+        # The host's KV tier (--kv-offloading-size; kv_tier_index.py), shared with the other
+        # cores of its workers, None without one; and this step's orders for it: block id ->
+        # slot to load before its forward, and to store after it (with the request that
+        # writes the block), then the same by step until each lands.
+        self.tier: KVTierIndex | None = None
+        self._loads: dict[int, int] = {}
+        self._stores: dict[int, int] = {}
+        self._store_writers: dict[int, str] = {}  # slot -> request id
+        self._tier_orders: dict[int, tuple[list[int], dict[int, str]]] = {}
+        self.external_prefix_cache_queries = 0  # vLLM's (its KV connector's): tokens looked up in the tier
+        self.external_prefix_cache_hits = 0  # and found there
 
     @property
     def usage(self) -> float:
@@ -73,10 +85,8 @@ class KVCacheManager:
         It stops one token short of the whole request: the last token is always computed,
         because its logits are what the next token is sampled from.
         """
-        if not self.enable_caching:
+        if not self._may_hit(request):
             return []
-        if request.sampling_params.prompt_logprobs is not None and not request.num_output_tokens:
-            return []  # its prompt's logprobs come from computing every prompt token (as vLLM)
         self.update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
@@ -86,6 +96,17 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def _may_hit(self, request: Request) -> bool:
+        # (a prompt's logprobs come from computing every prompt token, as vLLM's)
+        return self.enable_caching and (request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0)
+
+    def tier_hits(self, request: Request, num_pool_hits: int) -> list[int]:
+        """The tier's slots of the request's blocks after its pool hits (a prefix run, one
+        token short of the whole request as get_computed_blocks'), to load in its step."""
+        if self.tier is None or not self._may_hit(request):
+            return []
+        return self.tier.find(request.block_hashes, num_pool_hits, (request.num_tokens - 1) // self.block_size)
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
                                  cache_salt: str | None = None) -> int:
@@ -99,23 +120,29 @@ class KVCacheManager:
                 return i
         return max(0, (len(token_ids) - 1) // bs)
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+    def record_prefix_lookup(self, num_queried: int, num_hit: int, num_loaded: int = 0) -> None:
+        """`num_hit` tokens found of `num_queried`, `num_loaded` of them from the tier."""
         self.prefix_cache_queries += num_queried
         self.prefix_cache_hits += num_hit
+        if self.tier is not None:
+            self.external_prefix_cache_queries += num_queried
+            self.external_prefix_cache_hits += num_loaded
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        loads: list[int] = (),
     ) -> list[KVCacheBlock] | None:
-        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (and
+        `loads`: tier slots of the blocks after its cached ones, loaded into new blocks).
 
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         hold them, in which case nothing has changed.
         """
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is not None and not new_computed_blocks:
+        if req_blocks is not None and not new_computed_blocks and not loads:
             # A running request (most calls: a decode's one token): often no new block, and
             # no block newly full; this path costs a few attribute reads a request a step.
             num_after = request.num_computed_tokens + num_new_tokens
@@ -126,7 +153,7 @@ class KVCacheManager:
                 return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # A prefix hit on a block with no other user takes it off the free queue too.
@@ -139,6 +166,9 @@ class KVCacheManager:
         req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
+        if loads:
+            self.tier.pin(loads)
+            self._loads.update((block.block_id, slot) for block, slot in zip(new_blocks, loads))
         if self.enable_caching:
             # Register blocks that will be full once this step is computed. Another request
             # may hit them in this same step: the worker writes every token's K/V of a layer
@@ -162,7 +192,40 @@ class KVCacheManager:
             else:  # (what a KV event says of the block: its parent, its tokens, its adapter)
                 pool.cache_full_block(req_blocks[i], hashes[i], hashes[i - 1] if i else None,
                                       request.all_token_ids[i * bs:(i + 1) * bs], lora)
+            if self.tier is not None and req_blocks[i].block_hash == hashes[i]:  # (the pool's copy: this one)
+                self._store(request, req_blocks[i])
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _store(self, request: Request, block: KVCacheBlock) -> None:
+        if block.block_id in self._loads:
+            return  # (the tier's own)
+        slot = self.tier.reserve(block.block_hash)
+        if slot is not None:
+            self._stores[block.block_id] = slot
+            self._store_writers[slot] = request.request_id
+
+    def take_tier_orders(self, step_id: int) -> tuple[dict[int, int], dict[int, int]]:
+        """This step's (loads, stores), kept until the step lands."""
+        if not self._loads and not self._stores:
+            return {}, {}
+        loads, stores = self._loads, self._stores
+        self._tier_orders[step_id] = (list(loads.values()), self._store_writers)
+        self._loads, self._stores, self._store_writers = {}, {}, {}
+        return loads, stores
+
+    def tier_orders_landed(self, step_id: int, written: set[str] | None) -> None:
+        """Step `step_id` came back: its loads are done; its stores of blocks written by the
+        requests in `written` (None: none, the step failed) become findable, the rest free."""
+        orders = self._tier_orders.pop(step_id, None)
+        if orders is not None:
+            self.tier.unpin(orders[0])
+            for slot, req_id in orders[1].items():
+                self.tier.landed(slot, written is not None and req_id in written)
+
+    def drop_tier_orders(self) -> None:
+        """Its worker is gone: no step in flight will land."""
+        for step_id in list(self._tier_orders):
+            self.tier_orders_landed(step_id, None)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

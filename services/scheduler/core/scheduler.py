@@ -17,11 +17,12 @@ from collections import defaultdict
 
 from services.scheduler.core.admission import admit
 from services.scheduler.core.kv_cache_manager import KVCacheManager
+from services.scheduler.core.kv_tier_index import KVTierIndex, tier_of
 from services.scheduler.core.request import Request, RequestStatus
 from services.scheduler.core.request_queues import RequestQueues
 from services.scheduler.core.speculation import Speculation
 from services.scheduler.core.state_snapshots import StateSnapshots
-from services.scheduler.core.step_output import IterationTokens, adapter_names, pack, requests_for_worker
+from services.scheduler.core.step_output import IterationTokens, pack, requests_for_worker, scheduler_stats
 from services.scheduler.core.stop import check_stop
 from shared.config import SchedulerConfig
 from shared.lora_request import LoRARequest
@@ -67,12 +68,17 @@ class Scheduler(RequestQueues):
         self.iteration_tokens = IterationTokens()
 
     @classmethod
-    def for_worker(cls, config: SchedulerConfig, info: WorkerInfo) -> Scheduler:
+    def for_worker(cls, config: SchedulerConfig, info: WorkerInfo, tiers: dict[str, KVTierIndex] | None = None,
+                   ) -> Scheduler:
         """The core that schedules for the worker `info` announces: its blocks, vocabulary and
-        state rows, the context no longer than its own."""
+        state rows, the context no longer than its own, its host's KV tier (`tiers`: the
+        indexes of the tiers other cores' workers map, by name)."""
         config = dataclasses.replace(config, max_model_len=min(config.max_model_len, info.max_model_len))
-        return cls(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
+        core = cls(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
                    info.generates, info.max_loras, info.recurrent_rows, info.recurrent_snapshot_rows)
+        if config.enable_prefix_caching:
+            core.kv_cache_manager.tier = tier_of(info.worker_id, info.kv_tier, info.kv_tier_slots, tiers)
+        return core
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -173,7 +179,9 @@ class Scheduler(RequestQueues):
             if self.snapshots is not None:  # a hybrid's hit ends where a snapshot of its state does
                 num_blocks, restore = self.snapshots.longest_hit(request.block_hashes, len(computed_blocks))
                 computed_blocks = computed_blocks[:num_blocks]
-            num_hit = len(computed_blocks) * self.kv_cache_manager.block_size
+            # (the host's KV tier after the pool: not for a hybrid, whose state it does not hold)
+            loads = self.kv_cache_manager.tier_hits(request, len(computed_blocks)) if self.snapshots is None else []
+            num_hit = (len(computed_blocks) + len(loads)) * self.kv_cache_manager.block_size
             if self.snapshots is not None and self.snapshots.on_its_way(request, num_hit, kv_hit,
                                                                         self.kv_cache_manager.block_size):
                 # A step in flight saves the state after more of its cached blocks (a
@@ -193,11 +201,12 @@ class Scheduler(RequestQueues):
                 snapshot_points = self.snapshots.points_for(request, num_hit, kv_hit, self.kv_cache_manager.block_size)
             if snapshot_points:
                 num_new = min(num_new, snapshot_points[0] - num_hit)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, loads)
             if blocks is None:
                 break
             self.waiting.popleft()
-            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit)
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit,
+                                                       len(loads) * self.kv_cache_manager.block_size)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             if request.queue_time_s is None:
@@ -223,6 +232,7 @@ class Scheduler(RequestQueues):
         output = self._make_output(scheduled, num_scheduled, new_blocks)
         output.num_draft_slots = num_draft_slots
         output.state_restores, output.state_saves = restores, saves
+        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
         for request in scheduled:
             # Counted as computed now, when the step is decided, not when it lands (draft
             # slots too: what is rejected is given back when it lands).
@@ -276,6 +286,9 @@ class Scheduler(RequestQueues):
             computed = set(runner_output.req_ids) if runner_output.error is None else set()
             for req_id, slot in scheduler_output.state_saves.items():
                 self.snapshots.landed(slot, req_id in computed and req_id not in runner_output.request_errors)
+        if scheduler_output.kv_loads or scheduler_output.kv_stores:  # the host's KV tier's: what the worker copied
+            self.kv_cache_manager.tier_orders_landed(scheduler_output.step_id, None if runner_output.error else (
+                set(runner_output.req_ids) - runner_output.request_errors.keys()))
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:
                 request = self.requests.get(req_id)
@@ -377,22 +390,4 @@ class Scheduler(RequestQueues):
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_generation_tokens=self.num_generation_tokens,
-            spec_decode_num_drafts=self.speculation.num_drafts,
-            spec_decode_num_draft_tokens=self.speculation.num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.speculation.num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.speculation.accepted_per_pos),
-            max_lora=self.max_loras,
-            running_lora_adapters=adapter_names(self.running),
-            waiting_lora_adapters=adapter_names(self.waiting),
-            iteration_tokens_by_bucket=list(self.iteration_tokens.by_bucket),
-            iteration_tokens_sum=self.iteration_tokens.total,
-        )
+        return scheduler_stats(self)

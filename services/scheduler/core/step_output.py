@@ -71,3 +71,28 @@ def pack(outputs: dict[str, list[EngineCoreOutput]], stats: Callable[[], Schedul
 
 def adapter_names(requests) -> list[str]:
     return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+
+def scheduler_stats(scheduler) -> SchedulerStats:
+    """A scheduler core's figures now (Scheduler.make_stats)."""
+    kv, speculation = scheduler.kv_cache_manager, scheduler.speculation
+    return SchedulerStats(
+        num_running_reqs=len(scheduler.running),
+        num_waiting_reqs=len(scheduler.waiting),
+        kv_cache_usage=kv.usage,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        external_prefix_cache_queries=kv.external_prefix_cache_queries,
+        external_prefix_cache_hits=kv.external_prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_generation_tokens=scheduler.num_generation_tokens,
+        spec_decode_num_drafts=speculation.num_drafts,
+        spec_decode_num_draft_tokens=speculation.num_draft_tokens,
+        spec_decode_num_accepted_tokens=speculation.num_accepted_tokens,
+        spec_decode_num_accepted_tokens_per_pos=list(speculation.accepted_per_pos),
+        max_lora=scheduler.max_loras,
+        running_lora_adapters=adapter_names(scheduler.running),
+        waiting_lora_adapters=adapter_names(scheduler.waiting),
+        iteration_tokens_by_bucket=list(scheduler.iteration_tokens.by_bucket),
+        iteration_tokens_sum=scheduler.iteration_tokens.total,
+    )

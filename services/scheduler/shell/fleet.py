@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.core.request import Request
+from services.scheduler.core.kv_tier_index import KVTierIndex
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.shell.wakefulness import Wakefulness
 from shared.config import SchedulerConfig
@@ -64,6 +65,8 @@ class Fleet:
         # would take the drop for a new scheduler and count everything again.
         self.retired_counts = SchedulerStats()
         self.affinity = PrefixAffinity()  # where recent prompts' blocks were sent
+        # The index of each host KV tier its workers map (--kv-offloading-size), by the tier's name
+        self.kv_tiers: dict[str, KVTierIndex] = {}
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -81,7 +84,7 @@ class Fleet:
         if handle is not None:
             handle.last_seen = now
             return []
-        core = Scheduler.for_worker(self.config, info)
+        core = Scheduler.for_worker(self.config, info, self.kv_tiers)
         if self.kv_events:
             core.kv_cache_manager.block_pool.events = []
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
@@ -98,6 +101,8 @@ class Fleet:
         if handle is None:
             return []
         moved = handle.core.take_unfinished()
+        if handle.core.kv_cache_manager.tier is not None:
+            handle.core.kv_cache_manager.drop_tier_orders()
         self.retired_counts.add_counts(handle.core.make_stats())
         log.warning("worker %s removed (%s); moving %d request(s); %d worker(s) left",
                     worker_id, reason, len(moved), len(self.workers))

@@ -21,6 +21,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import WorkerConfig
+from shared.kv_tier_files import tier_path
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
@@ -43,6 +44,9 @@ async def serve(
     worker_id = worker_id or uuid.uuid4().hex[:8]
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
+    if worker_config.cache_config.kv_offloading_size is not None:  # the host's tier: this shard's file
+        worker_config.cache_config.kv_offloading_path = tier_path(nats_url, Subjects(model_name).prefix,
+                                                                  data_parallel_rank)
     executor = InProcessExecutor(
         lambda: ModelRunner(model_path, worker_config),
         threads,

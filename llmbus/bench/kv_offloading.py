@@ -1,0 +1,57 @@
+"""`llmbus bench kv-offloading`: what the host KV tier (--kv-offloading-size) saves a prompt
+whose prefix was computed before. For each of --repeat fresh prefixes, in one process: the
+prompt computed cold (its blocks stored to the tier), then asked again with the prefix
+cache's pool cleared (`reset_prefix_cache`: the blocks come from the tier), then again with
+them in the pool. Each is one token's generation, so its time is the prompt's TTFT. Prints
+the medians, the tier's speed-up over recomputing, and whether the three gave one token
+(the exit status says so)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefix-len", type=int, default=1024, help="prompt tokens (random ids)")
+    parser.add_argument("--repeat", type=int, default=3, help="prefixes, each timed cold, from the tier, pooled")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from llmbus import LLM, SamplingParams
+    from llmbus.cli.args import engine_kwargs
+    from llmbus.model_fetch import DEFAULT_MODEL
+
+    kwargs = engine_kwargs(args)
+    if kwargs.get("kv_offloading_size") is None:
+        kwargs["kv_offloading_size"] = 1.0
+    llm = LLM(args.model, **kwargs)
+    vocab = llm.tokenizer.hf.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times: dict[str, list[float]] = {"cold": [], "tier": [], "pool": []}
+    same = True
+    rng = np.random.default_rng(args.seed)
+    for _ in range(args.repeat):
+        prompt = {"prompt_token_ids": rng.integers(0, vocab, args.prefix_len).tolist()}
+        tokens = []
+        for case in ("cold", "tier", "pool"):
+            if case == "tier" and not llm.reset_prefix_cache():
+                raise RuntimeError("the prefix cache could not be cleared (a request holds blocks)")
+            start = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            times[case].append(time.perf_counter() - start)
+            tokens.append(out.outputs[0].token_ids)
+        same = same and tokens[0] == tokens[1] == tokens[2]
+    stats = llm.stats()
+    ms = {case: round(statistics.median(t) * 1e3, 2) for case, t in times.items()}
+    print(json.dumps({
+        "model": args.model or DEFAULT_MODEL, "dtype": kwargs.get("dtype"), "prefix_len": args.prefix_len, "repeat": args.repeat,
+        "ttft_ms": ms, "tier_speedup_over_recompute": round(ms["cold"] / ms["tier"], 2),
+        "pool_speedup_over_recompute": round(ms["cold"] / ms["pool"], 2),
+        "external_prefix_cache_hits": stats.external_prefix_cache_hits, "same_tokens": same,
+    }, indent=1))
+    return 0 if same else 1

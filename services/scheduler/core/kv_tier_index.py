@@ -1,0 +1,111 @@
+"""Which slot of a host's KV tier holds which block (--kv-offloading-size): the scheduler's
+index of the shared-memory file every worker of that host maps (services/worker/kv_tier.py).
+
+The scheduler already names every block by its chained hash, so the tier needs no index of
+its own on the workers: a step tells its worker which blocks to copy into which slots after
+its forward (`kv_stores`: blocks that became full in it) and which slots to copy into which
+of its blocks before it (`kv_loads`: a prefix the pool lost, or another worker computed).
+Every worker core of a host shares one index, so worker B loads what worker A stored.
+
+What makes a hit safe (the bug class of the peers' offloading: KV used before it was
+written, or after its slot was reused):
+- a slot becomes findable only when the step that stored it has landed without an error for
+  the request that wrote the block;
+- a slot a load is in flight from is pinned until that step lands: never reused before;
+- a slot being stored is neither findable nor reusable until its step lands;
+- the rest are reused least recently used first.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+
+from services.scheduler.core.block_pool import BlockHash
+
+log = logging.getLogger("llmbus.scheduler")
+
+
+class KVTierIndex:
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a KV tier needs a slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # landed, least recently used first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._storing: dict[int, BlockHash] = {}  # slot -> the block its store (not landed) holds
+        self._stored_hashes: set[BlockHash] = set()  # the same, by hash
+        self._pins: Counter[int] = Counter()  # slot -> loads in flight from it
+
+    def __len__(self) -> int:
+        """Blocks findable now."""
+        return len(self._slot_of)
+
+    @property
+    def num_busy_slots(self) -> int:
+        """Slots a step in flight stores to or loads from."""
+        return len(self._storing) + len(self._pins)
+
+    def find(self, block_hashes: list[BlockHash], start: int, stop: int) -> list[int]:
+        """The slots of block_hashes[start:stop] that the tier holds, as one run from `start`
+        (a prefix: the first block missing ends it). Each found block becomes the most
+        recently used."""
+        slots = []
+        for block_hash in block_hashes[start:stop]:
+            slot = self._slot_of.get(block_hash)
+            if slot is None:
+                break
+            self._slot_of.move_to_end(block_hash)
+            slots.append(slot)
+        return slots
+
+    def pin(self, slots: list[int]) -> None:
+        """Loads from these slots are in a step now."""
+        self._pins.update(slots)
+
+    def unpin(self, slots: list[int]) -> None:
+        self._pins.subtract(slots)
+        for slot in slots:
+            if self._pins[slot] <= 0:
+                del self._pins[slot]
+
+    def reserve(self, block_hash: BlockHash) -> int | None:
+        """A slot to store this block in, or None: the tier holds it or is storing it
+        already, or every slot is busy with a step in flight."""
+        if block_hash in self._slot_of or block_hash in self._stored_hashes:
+            return None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next(((h, s) for h, s in self._slot_of.items() if s not in self._pins), None)
+            if victim is None:
+                return None
+            del self._slot_of[victim[0]]
+            slot = victim[1]
+        self._storing[slot] = block_hash
+        self._stored_hashes.add(block_hash)
+        return slot
+
+    def landed(self, slot: int, ok: bool) -> None:
+        """The step storing to `slot` came back: its block is findable (`ok`), or the slot
+        is free again (the step failed: what it wrote is not trusted)."""
+        block_hash = self._storing.pop(slot)
+        self._stored_hashes.discard(block_hash)
+        if ok:
+            self._slot_of[block_hash] = slot
+        else:
+            self._free.append(slot)
+
+
+def tier_of(worker_id: str, name: str, num_slots: int, tiers: dict[str, KVTierIndex] | None) -> KVTierIndex | None:
+    """The index of the tier `name` a worker maps (empty: none), shared through `tiers` with
+    the other workers that map it."""
+    if not name:
+        return None
+    tiers = {} if tiers is None else tiers
+    tier = tiers.setdefault(name, KVTierIndex(num_slots))
+    if tier.num_slots != num_slots:  # (the file checks its layout: this index is of another)
+        log.warning("worker %s maps the KV tier %s with %d slots, not %d: without it", worker_id, name, num_slots,
+                    tier.num_slots)
+        return None
+    return tier

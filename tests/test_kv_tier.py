@@ -1,0 +1,115 @@
+"""The host KV tier (--kv-offloading-size): the scheduler's index of it, the worker's copies
+in and out of it, and the offline engine with it: a prefix the pool evicted comes back from
+the tier, counted under vLLM's external_prefix_cache_* names, with the output of a run
+without the tier, greedy and seeded, for a Llama, a MoE, latent attention and a sliding
+window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.core.kv_tier_index import KVTierIndex, tier_of
+from services.worker.kv_tier import HostKVTier
+from tiny_models import build_tiny_model, random_prompts
+
+H = [bytes([i]) * 16 for i in range(8)]  # block hashes
+
+
+def test_a_stored_block_is_found_only_once_its_step_landed_well():
+    tier = KVTierIndex(4)
+    slot = tier.reserve(H[0])
+    assert slot is not None
+    assert tier.find(H, 0, 4) == []  # in flight: not findable
+    assert tier.reserve(H[0]) is None  # nor stored twice
+    tier.landed(slot, ok=True)
+    assert tier.find(H, 0, 4) == [slot]
+    assert tier.reserve(H[0]) is None  # held already
+    failed = tier.reserve(H[1])
+    tier.landed(failed, ok=False)  # the step failed: what it wrote is not trusted
+    assert tier.find(H, 1, 4) == [] and len(tier) == 1
+
+
+def test_hits_are_a_prefix_run_and_slots_are_reused_least_recently_used_never_while_pinned():
+    tier = KVTierIndex(3)
+    for h in H[:3]:
+        tier.landed(tier.reserve(h), ok=True)
+    assert tier.find(H, 0, 8) == [0, 1, 2]
+    assert tier.find([H[0], H[5], H[2]], 0, 3) == [0]  # the first missing block ends the run
+    tier.find(H, 1, 2)  # H[1] the most recently used now; H[2], then H[0], the least
+    tier.pin([2])  # a load from H[2]'s slot is in a step
+    slot = tier.reserve(H[3])
+    assert slot == 0 and tier.find(H, 0, 1) == []  # H[0] went; H[2], pinned, stayed
+    tier.landed(slot, ok=True)
+    tier.pin([1])
+    assert tier.reserve(H[4]) == 0  # H[3]'s slot, the one neither pinned nor in flight
+    assert tier.reserve(H[5]) is None  # every slot pinned or in flight
+    assert tier.num_busy_slots == 3
+    tier.unpin([1, 2])
+    tier.landed(0, ok=False)
+    assert tier.num_busy_slots == 0 and tier.find(H, 1, 3) == [1, 2]
+
+
+def test_workers_of_one_tier_share_its_index():
+    tiers: dict[str, KVTierIndex] = {}
+    a = tier_of("a", "host:/dev/shm/x", 10, tiers)
+    assert tier_of("b", "host:/dev/shm/x", 10, tiers) is a
+    assert tier_of("c", "host:/dev/shm/x", 12, tiers) is None  # another layout: not this index
+    assert tier_of("d", "", 0, tiers) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_blocks_go_through_a_shared_file_bit_for_bit(tmp_path, dtype):
+    def caches(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(2, 9, 4, 2, 8, generator=g).to(dtype), None,
+                torch.randn(1, 9, 4, 1, 16, generator=g).to(dtype)]  # (a latent cache: one tensor for K and V)
+
+    path = str(tmp_path / "tier")
+    writer, reader = caches(0), caches(1)
+    a, b = HostKVTier(writer, 1 << 20, path), HostKVTier(reader, 1 << 20, path)  # two workers of a host
+    assert a.num_slots == b.num_slots and a.name == b.name
+    a.store({3: 5, 7: 0})
+    b.load({1: 5, 2: 0})
+    for w, r in zip(writer, reader):
+        if w is not None:
+            assert torch.equal(r[:, 1].view(torch.uint8), w[:, 3].view(torch.uint8))
+            assert torch.equal(r[:, 2].view(torch.uint8), w[:, 7].view(torch.uint8))
+    with pytest.raises(ValueError, match="another layout"):
+        HostKVTier(caches(0)[:1], 1 << 20, path)
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tier_models")
+    return {name: build_tiny_model(root / name, name) for name in ("llama", "qwen3_moe", "deepseek_v3", "gemma2")}
+
+
+def run(folder, tier: bool, params) -> tuple[list[list[int]], object]:
+    from llmbus import LLM
+
+    # A pool of 40 blocks of 16: the 512-token prefix (32 blocks) is evicted by the three
+    # prompts after it, then asked again.
+    llm = LLM(str(folder), num_kv_blocks=40, block_size=16, max_model_len=1024,
+              **({"kv_offloading_size": 0.02} if tier else {}))
+    prefix = random_prompts([512], seed=1)[0]
+    prompts = [prefix + [5, 6], *random_prompts([300, 300, 300], seed=2), prefix + [7, 8]]
+    outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+               for p in prompts]
+    return outputs, llm.stats()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "gemma2"])
+def test_an_evicted_prefix_comes_back_from_the_tier_with_the_same_output(family_models, family):
+    from llmbus import SamplingParams
+
+    folder = family_models[family]
+    for params in (SamplingParams(max_tokens=8, temperature=0),
+                   SamplingParams(max_tokens=8, temperature=1.0, seed=7)):
+        plain, plain_stats = run(folder, False, params)
+        tiered, stats = run(folder, True, params)
+        assert tiered == plain
+        assert plain_stats.prefix_cache_hits == 0  # (the pool alone lost the prefix)
+        assert stats.external_prefix_cache_hits == 32 * 16  # the whole prefix, from the tier
+        assert stats.prefix_cache_hits == stats.external_prefix_cache_hits
+        assert stats.external_prefix_cache_queries == sum(514 if i in (0, 4) else 300 for i in range(5))
