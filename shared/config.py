@@ -269,3 +269,4 @@ class WorkerConfig:
     seed: int | None = None  # vLLM's --seed: unseeded requests' draws repeat from run to run
     tokenizer: str | None = None  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
     max_num_seqs: int = 128  # a hybrid model's recurrent state is allocated for this many requests
+    kv_role: str = "kv_both"  # vLLM's kv_transfer_config role: kv_producer (prefill), kv_consumer (decode)

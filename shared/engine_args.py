@@ -45,6 +45,23 @@ def _speculative(text: str) -> SpeculativeConfig:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def kv_role(config: str | dict | None) -> str:
+    """vLLM's kv_transfer_config's role (kv_both without one); another key is a ValueError
+    naming it: llmbus moves KV through its own host tier, no connector of vLLM's."""
+    value = json.loads(config) if isinstance(config, str) else (config or {})
+    unknown = sorted(set(value) - {"kv_role"})
+    if unknown:
+        raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not supported (llmbus takes kv_role; its KV "
+                         "moves through the host tier, --kv-offloading-size)")
+    role = value.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise ValueError(f"kv_transfer_config: kv_role {role!r} is not one of {', '.join(KV_ROLES)}")
+    return role
+
+
 def _gigabytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * (1 << 30))
 
@@ -103,6 +120,11 @@ class EngineArgs:
         "computing it again, on any worker of the host (needs prefix caching)", type=float)
     kv_offloading_backend: str = arg("native", "worker", "vLLM's: native, llmbus's own host tier (lmcache is not "
                                      "supported)", choices=["native"])
+    kv_transfer_config: str | dict | None = arg(
+        None, "worker", 'vLLM\'s: \'{"kv_role": "kv_producer"}\' (a prefill worker: it computes prompts and '
+        'hands them over), "kv_consumer" (a decode worker: it takes them over, their KV loaded from the host\'s '
+        'tier) or "kv_both" (the default: both); `llmbus serve --prefill-workers P --decode-workers D` sets it',
+        type=json_object)
     attention_backend: str | None = arg(None, "worker", "default: triton on a GPU, torch on CPU",
                                         choices=["torch", "triton"])
     threads: int | None = arg(None, "worker", "torch threads for the model (default: torch's, one per core)",
@@ -169,6 +191,7 @@ class EngineArgs:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         KVEventsConfig.parse(self.kv_events_config)  # (a key or publisher it does not know: a ValueError)
+        kv_role(self.kv_transfer_config)  # (a key or role it does not know: a ValueError)
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("--kv-offloading-size needs prefix caching: the tier is found by the prefix cache's "
                              "block hashes (drop --no-enable-prefix-caching)")
@@ -195,7 +218,8 @@ class EngineArgs:
             # Decode rows are requests, and drafts with speculation: vLLM's 2x max_num_seqs, to 512.
             max_cudagraph_capture_size=self.max_cudagraph_capture_size or min(2 * self.max_num_seqs, 512),
             load_format=self.load_format, lora_config=self.lora_config(), seed=self.seed,
-            tokenizer=tokenizer or self.tokenizer, max_num_seqs=self.max_num_seqs)
+            tokenizer=tokenizer or self.tokenizer, max_num_seqs=self.max_num_seqs,
+            kv_role=kv_role(self.kv_transfer_config))
 
     def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
         """`model_max_len`: the model's, when known here; served, each worker caps it later."""

@@ -113,3 +113,36 @@ def test_an_evicted_prefix_comes_back_from_the_tier_with_the_same_output(family_
         assert stats.external_prefix_cache_hits == 32 * 16  # the whole prefix, from the tier
         assert stats.prefix_cache_hits == stats.external_prefix_cache_hits
         assert stats.external_prefix_cache_queries == sum(514 if i in (0, 4) else 300 for i in range(5))
+
+
+def test_a_prefilled_request_is_handed_to_a_decode_worker_with_every_computed_token_loaded():
+    """The scheduler's side of disaggregation, with exact steps: the prefill worker stores the
+    prompt's full blocks and its partial last block; once its first token lands the request
+    moves to the decode worker, whose first step loads them all and computes one token."""
+    from services.scheduler.shell.fleet import Fleet
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest, ModelRunnerOutput, WorkerInfo
+    from shared.sampling_params import SamplingParams
+
+    def info(worker_id: str, role: str) -> WorkerInfo:
+        return WorkerInfo(worker_id, "tiny", 64, 4, max_model_len=1024, vocab_size=100, kv_tier="host:/tier",
+                          kv_tier_slots=32, kv_role=role)
+
+    fleet = Fleet(SchedulerConfig(max_model_len=512))
+    fleet.heard_from(info("p", "kv_producer"), now=0.0)
+    fleet.heard_from(info("d", "kv_consumer"), now=0.0)
+    fleet.submit(EngineCoreRequest("a", list(range(1, 11)), SamplingParams(max_tokens=4), reply_subject="out"), 0.0)
+    producer, consumer = fleet.workers["p"], fleet.workers["d"]
+    assert fleet.owner["a"] is producer
+    step = producer.core.schedule()
+    assert step.num_scheduled_tokens == {"a": 10} and len(step.kv_stores) == 3  # 2 full blocks and the tail
+    assert producer.core.schedule().num_scheduled_tokens == {}  # it decodes elsewhere: no step of its own
+    producer.core.update_from_output(step, ModelRunnerOutput(step.step_id, ["a"], [[42]], [[]]))
+    assert fleet.hand_off(producer) == [consumer] and fleet.owner["a"] is consumer
+    assert producer.core.schedule().finished_req_ids == ["a"]  # its worker drops it
+    first = consumer.core.schedule()
+    assert first.num_scheduled_tokens == {"a": 1}  # the first token only: no prompt token again
+    assert sorted(first.kv_loads.values()) == sorted(step.kv_stores.values())
+    new = first.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 10 and list(first.kv_loads) == new.block_ids[:3]
+    assert consumer.core.make_stats().external_prefix_cache_hits == 10

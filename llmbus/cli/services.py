@@ -169,7 +169,8 @@ def https(args: argparse.Namespace) -> dict:
 
 # Flags of `serve` itself, not of any service it starts.
 _SERVE_ONLY = {"command", "func", "verbose", "nats_url", "nats_cluster", "nats_tls", "nats_monitor", "tokenizers",
-               "workers", "startup_timeout", "model_tag", "config", "api_server_count"}
+               "workers", "startup_timeout", "model_tag", "config", "api_server_count", "prefill_workers",
+               "decode_workers"}
 
 
 def cmd_serve(args) -> int:
@@ -184,6 +185,15 @@ def cmd_serve(args) -> int:
         raise SystemExit("llmbus serve: --api-server-count must be at least 1")
     if args.data_parallel_size < 1:
         raise SystemExit("llmbus serve: --data-parallel-size must be at least 1")
+    if args.prefill_workers or args.decode_workers:  # disaggregated: the two roles on this host
+        if not (args.prefill_workers > 0 and args.decode_workers > 0) or args.kv_transfer_config:
+            raise SystemExit("llmbus serve: --prefill-workers P --decode-workers D take P, D >= 1 (and set each "
+                             "worker's --kv-transfer-config themselves)")
+        if args.data_parallel_size > 1:
+            raise SystemExit("llmbus serve: --prefill-workers/--decode-workers take --data-parallel-size 1")
+        args.workers = args.prefill_workers + args.decode_workers
+        if args.kv_offloading_size is None:  # (their KV moves through the host tier)
+            args.kv_offloading_size = 1.0
     # vLLM's data parallelism is a model replica a shard: each shard gets a worker at least
     args.workers = max(args.workers, args.data_parallel_size)
     if args.api_server_count > 1 and runtime_lora_updating(warn=False):
@@ -269,6 +279,12 @@ def add_service_commands(sub) -> None:
                    help="serve NATS's monitoring endpoint on 127.0.0.1 (connections, subscriptions; no login)")
     p.add_argument("--tokenizers", type=int, default=env("--tokenizers", 1), help="tokenizer replicas")
     p.add_argument("--workers", type=int, default=env("--workers", 1), help="worker replicas")
+    p.add_argument("--prefill-workers", type=int, default=env("--prefill-workers", 0),
+                   help="disaggregated serving: this many prefill workers (kv_producer) and --decode-workers "
+                        "decode workers (kv_consumer) in place of --workers; prompts are prefilled on the first, "
+                        "their first token streamed from there, and decoded on the second, their KV moved "
+                        "through the host tier (--kv-offloading-size, 1 GiB unless given)")
+    p.add_argument("--decode-workers", type=int, default=env("--decode-workers", 0), help="see --prefill-workers")
     p.add_argument("--api-server-count", "-asc", type=int, default=env("--api-server-count", 1),
                    help="vLLM's: gateways serving the one port (one process tops out near 20k streamed tokens "
                         "a second); /metrics at any is all of theirs")

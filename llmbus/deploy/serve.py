@@ -198,9 +198,13 @@ def run_serve(args, service_env: dict[str, str]) -> int:
                 extra_env={"LLMBUS_DATA_PARALLEL_RANK": str(rank)})
         for i in range(args.tokenizers):
             add(f"tokenizer-{i + 1}", "tokenizer", identities["tokenizer"])
-        for i in range(args.workers):
+        # (disaggregated: the prefill workers first, then the decode workers, by vLLM's kv_role)
+        roles = (["kv_producer"] * args.prefill_workers + ["kv_consumer"] * args.decode_workers
+                 if getattr(args, "prefill_workers", 0) else [None] * args.workers)
+        for i, role in enumerate(roles):
+            role_env = {"LLMBUS_KV_TRANSFER_CONFIG": json.dumps({"kv_role": role})} if role else {}
             add(f"worker-{i + 1}", "worker", identities[f"worker-{i + 1}"],
-                extra_env={"LLMBUS_DATA_PARALLEL_RANK": str(i % shards)})
+                extra_env={"LLMBUS_DATA_PARALLEL_RANK": str(i % shards), **role_env})
         # vLLM's --api-server-count: that many gateways serve the one port (the kernel hands
         # each connection to one), siblings that answer /metrics for all of them.
         group = {"LLMBUS_API_SERVER_GROUP": secrets.token_hex(4)} if args.api_server_count > 1 else {}

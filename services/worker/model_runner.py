@@ -107,6 +107,9 @@ class ModelRunner:
                                                                self.dtype))
         self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
                                     self.model_config.architecture)
+        if config.kv_role != "kv_both" and self.kv_tier is None:
+            raise ValueError(f"a {config.kv_role} worker hands requests over through the host KV tier: "
+                             "--kv-offloading-size (and a model without recurrent state)")
         self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
         # a step's launches cost little beside its products (and the fused decode layer
@@ -173,7 +176,7 @@ class ModelRunner:
             generates=self.model.generates, max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
             recurrent_snapshot_rows=self.snapshot_rows, kv_tier=self.kv_tier.name if self.kv_tier else "",
-            kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0,
+            kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0, kv_role=self.config.kv_role,
         )
 
     def drop_requests(self, req_ids) -> None:

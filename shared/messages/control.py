@@ -65,6 +65,8 @@ class WorkerInfo(msgspec.Struct, **WIRE):
     # mapping it (host and file), and its slots of one block each; "": none.
     kv_tier: str = ""
     kv_tier_slots: int = 0
+    # Prefill/decode disaggregation (vLLM's kv_role): kv_producer, kv_consumer or kv_both
+    kv_role: str = "kv_both"
 
 
 class GatewayHeartbeat(msgspec.Struct, **WIRE):

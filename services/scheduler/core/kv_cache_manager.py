@@ -101,12 +101,37 @@ class KVCacheManager:
         # (a prompt's logprobs come from computing every prompt token, as vLLM's)
         return self.enable_caching and (request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0)
 
-    def tier_hits(self, request: Request, num_pool_hits: int) -> list[int]:
+    def tier_hits(self, request: Request, num_pool_hits: int) -> tuple[list[int], int]:
         """The tier's slots of the request's blocks after its pool hits (a prefix run, one
-        token short of the whole request as get_computed_blocks'), to load in its step."""
+        token short of the whole request as get_computed_blocks'), to load in its step, and
+        the tokens they hold: with a handed-over request's partial last block (`kv_tail`)
+        where every full block before it was found."""
         if self.tier is None or not self._may_hit(request):
-            return []
-        return self.tier.find(request.block_hashes, num_pool_hits, (request.num_tokens - 1) // self.block_size)
+            return [], 0
+        num_full = (request.num_tokens - 1) // self.block_size
+        slots = self.tier.find(request.block_hashes, num_pool_hits, num_full)
+        tokens = len(slots) * self.block_size
+        if request.kv_tail is not None and num_pool_hits + len(slots) == num_full:
+            tail = self.tier.find([request.kv_tail], 0, 1)
+            if tail:
+                slots.append(tail[0])
+                tokens += (request.num_tokens - 1) % self.block_size
+        return slots, tokens
+
+    def store_tail(self, request: Request, num_tokens: int) -> None:
+        """A request to be decoded elsewhere: the partial block its first `num_tokens`
+        tokens end in goes to the tier with the step that computes them (its full blocks
+        go as every full block does)."""
+        request.kv_tail = None
+        if self.tier is None or not num_tokens % self.block_size:
+            return
+        key = b"tail:" + request.request_id.encode()
+        slot = self.tier.reserve(key)
+        if slot is not None:
+            block = self.req_to_blocks[request.request_id][num_tokens // self.block_size]
+            self._stores[block.block_id] = slot
+            self._store_writers[slot] = request.request_id
+            request.kv_tail = key
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
                                  cache_salt: str | None = None) -> int:
@@ -134,9 +159,11 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         loads: list[int] = (),
+        num_loaded: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
-        `loads`: tier slots of the blocks after its cached ones, loaded into new blocks).
+        `loads`: tier slots of the blocks after its cached ones, loaded into new blocks,
+        `num_loaded` tokens).
 
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         hold them, in which case nothing has changed.
@@ -153,7 +180,7 @@ class KVCacheManager:
                 return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + (len(new_computed_blocks) + len(loads)) * self.block_size
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_loaded
         num_required = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_required - len(req_blocks) - len(new_computed_blocks))
         # A prefix hit on a block with no other user takes it off the free queue too.
@@ -167,6 +194,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         if loads:
+            request.kv_tail = None  # (loaded now, if it was found)
             self.tier.pin(loads)
             self._loads.update((block.block_id, slot) for block, slot in zip(new_blocks, loads))
         if self.enable_caching:

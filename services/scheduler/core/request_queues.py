@@ -22,6 +22,8 @@ class RequestQueues:
         self.running: list[Request] = []
         # Requests the worker still holds but must drop at the next step.
         self._finished_for_worker: set[str] = set()
+        # Requests prefilled here to be decoded on another worker (disaggregation), once landed
+        self.handoffs: list[Request] = []
         self.num_preemptions = 0
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -52,6 +54,21 @@ class RequestQueues:
         self.running.clear()
         self.waiting.clear()
         self.requests.clear()
+        return taken
+
+    def take_handoffs(self) -> list[Request]:
+        """The requests prefilled here for another worker to decode, given up: their blocks
+        freed (their prefix stays cached), their worker told to drop them."""
+        taken = [r for r in self.handoffs if r.status == RequestStatus.RUNNING and r.request_id in self.requests]
+        self.handoffs = []
+        for request in taken:
+            self.running.remove(request)
+            self.kv_cache_manager.free(request)
+            if request.in_worker:
+                self._finished_for_worker.add(request.request_id)
+                request.in_worker = False
+            del self.requests[request.request_id]
+            request.decode_elsewhere = False
         return taken
 
     def adopt(self, requests: list[Request]) -> None:

@@ -115,9 +115,10 @@ class Scheduler(RequestQueues):
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._will_finish(request) or (request.awaiting_grammar and request.num_output_placeholders):
+            if self._will_finish(request) or (request.awaiting_grammar and request.num_output_placeholders) or (
+                    request.decode_elsewhere and request.num_computed_tokens >= request.num_prompt_tokens):
                 # Its last token is in flight (a further step would be discarded), or its
-                # first token there may come back unsampled.
+                # first token there may come back unsampled, or it decodes on another worker.
                 index += 1
                 continue
             num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
@@ -180,8 +181,9 @@ class Scheduler(RequestQueues):
                 num_blocks, restore = self.snapshots.longest_hit(request.block_hashes, len(computed_blocks))
                 computed_blocks = computed_blocks[:num_blocks]
             # (the host's KV tier after the pool: not for a hybrid, whose state it does not hold)
-            loads = self.kv_cache_manager.tier_hits(request, len(computed_blocks)) if self.snapshots is None else []
-            num_hit = (len(computed_blocks) + len(loads)) * self.kv_cache_manager.block_size
+            loads, num_loaded = (self.kv_cache_manager.tier_hits(request, len(computed_blocks))
+                                 if self.snapshots is None else ([], 0))
+            num_hit = len(computed_blocks) * self.kv_cache_manager.block_size + num_loaded
             if self.snapshots is not None and self.snapshots.on_its_way(request, num_hit, kv_hit,
                                                                         self.kv_cache_manager.block_size):
                 # A step in flight saves the state after more of its cached blocks (a
@@ -201,12 +203,11 @@ class Scheduler(RequestQueues):
                 snapshot_points = self.snapshots.points_for(request, num_hit, kv_hit, self.kv_cache_manager.block_size)
             if snapshot_points:
                 num_new = min(num_new, snapshot_points[0] - num_hit)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, loads)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, loads, num_loaded)
             if blocks is None:
                 break
             self.waiting.popleft()
-            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit,
-                                                       len(loads) * self.kv_cache_manager.block_size)
+            self.kv_cache_manager.record_prefix_lookup(request.num_tokens, num_hit, num_loaded)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             if request.queue_time_s is None:
@@ -232,14 +233,16 @@ class Scheduler(RequestQueues):
         output = self._make_output(scheduled, num_scheduled, new_blocks)
         output.num_draft_slots = num_draft_slots
         output.state_restores, output.state_saves = restores, saves
-        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
         for request in scheduled:
             # Counted as computed now, when the step is decided, not when it lands (draft
             # slots too: what is rejected is given back when it lands).
             request.num_computed_tokens += num_scheduled[request.request_id]
+            if request.decode_elsewhere and request.num_computed_tokens == request.num_prompt_tokens:
+                self.kv_cache_manager.store_tail(request, request.num_computed_tokens)  # (its prefill's last step)
             slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
             if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
+        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
         return output
 
     def may_build_ahead(self) -> bool:
@@ -376,6 +379,8 @@ class Scheduler(RequestQueues):
                 if (long_rope and not request.long_rope and request.status == RequestStatus.RUNNING
                         and self.kv_cache_manager.runs_long(request)):
                     self._restart_long(request)  # it just grew past the threshold
+                if request.decode_elsewhere:
+                    self.handoffs.append(request)  # prefilled here: decoded elsewhere (Fleet.hand_off)
                 if request.holds_output:
                     if request.held_output is None:
                         output.new_logprobs = list(output.new_logprobs)  # (its own: it grows)

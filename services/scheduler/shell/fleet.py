@@ -186,6 +186,14 @@ class Fleet:
         # it is computed), unless that worker is much busier than the least loaded; else
         # the least loaded (shared/prefix_affinity.py).
         able = [h for h in self.workers.values() if lora is None or h.info.max_loras > 0] or list(self.workers.values())
+        # Disaggregated (vLLM's kv_role): a new prompt to a prefill worker, handed to a decode
+        # worker once prefilled (hand_off); one that resumes with tokens to a decode worker.
+        # A role with no worker left: the other role's workers do both.
+        producers = [h for h in able if h.info.kv_role == "kv_producer"]
+        consumers = [h for h in able if h.info.kv_role != "kv_producer"]
+        fresh = not item.output_token_ids
+        disaggregate = fresh and bool(producers) and any(h.info.kv_role == "kv_consumer" for h in consumers)
+        able = producers if disaggregate else (consumers or able)
         block_size = able[0].info.block_size
         chain = block_chain(tokens, (lora.lora_int_id if lora else None, item.cache_salt), block_size)
         cached = {h: h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt) for h in able}
@@ -201,7 +209,23 @@ class Fleet:
         except ValueError as exc:
             return [_error(item, str(exc), FinishReason.REJECTED)]
         self.owner[item.request_id] = handle
+        if disaggregate:
+            handle.core.requests[item.request_id].decode_elsewhere = True
         return []
+
+    def hand_off(self, handle: WorkerHandle) -> list[WorkerHandle]:
+        """The requests a prefill worker has prefilled, to the least loaded decode workers
+        (their KV from the host tier); the handles that took some."""
+        taken = []
+        for request in handle.core.take_handoffs():
+            lora = request.lora_request
+            consumers = [h for h in self.workers.values() if h.info.kv_role != "kv_producer"
+                         and (lora is None or h.info.max_loras > 0)] or [handle]  # (none left: it decodes here)
+            target = min(consumers, key=lambda h: h.core.load())
+            target.core.adopt([request])
+            self.owner[request.request_id] = target
+            taken.append(target)
+        return taken
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -254,6 +254,11 @@ class SchedulerService:
             if subject:
                 await self.nc.publish(subject, encode(outputs))
         await self._publish_stats(only_if_changed=True, stats=fleet_stats)
+        if handle.core.handoffs:  # prefilled here, decoded elsewhere (disaggregation)
+            for target in self.fleet.hand_off(handle):
+                engine = self.engines.get(target.worker_id)
+                if engine is not None:
+                    engine.wake()
         if self.kv_events is not None:
             await self.kv_events.flush()
 
