@@ -69,12 +69,14 @@ def test_blocks_go_through_a_shared_file_bit_for_bit(tmp_path, dtype):
     writer, reader = caches(0), caches(1)
     a, b = HostKVTier(writer, 1 << 20, path), HostKVTier(reader, 1 << 20, path)  # two workers of a host
     assert a.num_slots == b.num_slots and a.name == b.name
-    a.store({3: 5, 7: 0})
-    b.load({1: 5, 2: 0})
+    a.store({3: 5, 7: 0})  # scattered: copied by index
+    assert b.load({1: 5, 2: 0}) == []
+    a.store({0: 1, 1: 2, 2: 3, 3: 4})  # a run: copied as one
+    assert b.load({5: 1, 6: 2, 7: 3, 8: 4}) == []
     for w, r in zip(writer, reader):
         if w is not None:
-            assert torch.equal(r[:, 1].view(torch.uint8), w[:, 3].view(torch.uint8))
-            assert torch.equal(r[:, 2].view(torch.uint8), w[:, 7].view(torch.uint8))
+            for written, read in ((3, 1), (7, 2), (0, 5), (1, 6), (2, 7), (3, 8)):
+                assert torch.equal(r[:, read].view(torch.uint8), w[:, written].view(torch.uint8))
     with pytest.raises(ValueError, match="another layout"):
         HostKVTier(caches(0)[:1], 1 << 20, path)
 
@@ -146,3 +148,38 @@ def test_a_prefilled_request_is_handed_to_a_decode_worker_with_every_computed_to
     new = first.scheduled_new_reqs[0]
     assert new.num_computed_tokens == 10 and list(first.kv_loads) == new.block_ids[:3]
     assert consumer.core.make_stats().external_prefix_cache_hits == 10
+
+
+def test_a_block_corrupted_in_the_tier_is_never_used(family_models, caplog):
+    """A test flips one byte of every block the tier holds: each fails its checksum where it is
+    loaded, and the requests that read it (two sharing the prefix, admitted in one step) are
+    computed again, with the output of a run without the tier."""
+    from llmbus import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prefix = random_prompts([512], seed=1)[0]
+    asked = [{"prompt_token_ids": prefix + tail} for tail in ([7, 8], [9, 10])]
+    plain = LLM(str(family_models["llama"]), num_kv_blocks=80, block_size=16, max_model_len=1024)
+    expected = [o.outputs[0].token_ids for o in plain.generate(asked, params, use_tqdm=False)]
+    llm = LLM(str(family_models["llama"]), num_kv_blocks=80, block_size=16, max_model_len=1024,
+              kv_offloading_size=0.02)
+    llm.generate([{"prompt_token_ids": prefix + [5, 6]}], params, use_tqdm=False)  # stored to the tier
+    assert llm.reset_prefix_cache()  # (the pool forgets it: the tier alone holds it)
+    tier, index = llm.runner.kv_tier, llm.scheduler.kv_cache_manager.tier
+    stored = len(index)
+    assert stored >= 32
+    tier.data[:, 100] ^= 1  # one byte of every slot
+    with caplog.at_level("WARNING"):
+        assert [o.outputs[0].token_ids for o in llm.generate(asked, params, use_tqdm=False)] == expected
+    assert "32 block(s) failed their checksum; 2 request(s) computed again" in caplog.text
+    assert llm.scheduler.kv_cache_manager.block_pool.num_free_blocks == 80
+    # The bad slots are found no more; the blocks computed again went to the tier in their
+    # place, and load cleanly now
+    assert llm.reset_prefix_cache()
+    hits = llm.stats().external_prefix_cache_hits
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert [o.outputs[0].token_ids for o in llm.generate(asked[:1], params, use_tqdm=False)] == expected[:1]
+    assert llm.stats().external_prefix_cache_hits - hits == 512
+    assert "checksum" not in caplog.text
+    assert len(index) == stored

@@ -4,7 +4,8 @@ prompt computed cold (its blocks stored to the tier), then asked again with the 
 cache's pool cleared (`reset_prefix_cache`: the blocks come from the tier), then again with
 them in the pool. Each is one token's generation, so its time is the prompt's TTFT. Prints
 the medians, the tier's speed-up over recomputing, and whether the three gave one token
-(the exit status says so)."""
+(the exit status says so); then the prompt's KV alone moved to shared memory and back
+(`kv_move_ms`: what a hand-over between two workers of a host costs)."""
 
 from __future__ import annotations
 
@@ -47,11 +48,34 @@ def run(args: argparse.Namespace) -> int:
             tokens.append(out.outputs[0].token_ids)
         same = same and tokens[0] == tokens[1] == tokens[2]
     stats = llm.stats()
+    # A prompt's KV moved through shared memory alone: its blocks to a tier of their own
+    # and back into the same blocks (so the pool's bytes stay what they were), checksums
+    # made and checked
+    from services.worker.kv_tier import HostKVTier
+
+    num_blocks = args.prefix_len // llm.runner.block_size
+    scratch = HostKVTier(llm.runner.kv_caches, num_blocks * (1 << 24), None)
+    orders = {block: block for block in range(num_blocks)}
+    moves: dict[str, list[float]] = {"store": [], "load": []}
+
+    def timed(copy) -> tuple[float, object]:  # (on the runner's thread, as a worker copies: its OpenMP team's)
+        start = time.perf_counter()
+        result = copy(orders)
+        return time.perf_counter() - start, result
+
+    for _ in range(args.repeat):
+        elapsed, _ = llm.executor.call(timed, scratch.store)
+        moves["store"].append(elapsed)
+        elapsed, bad = llm.executor.call(timed, scratch.load)
+        moves["load"].append(elapsed)
+        same = same and not bad
     ms = {case: round(statistics.median(t) * 1e3, 2) for case, t in times.items()}
     print(json.dumps({
         "model": args.model or DEFAULT_MODEL, "dtype": kwargs.get("dtype"), "prefix_len": args.prefix_len, "repeat": args.repeat,
         "ttft_ms": ms, "tier_speedup_over_recompute": round(ms["cold"] / ms["tier"], 2),
         "pool_speedup_over_recompute": round(ms["cold"] / ms["pool"], 2),
+        "kv_move_ms": {side: round(statistics.median(t) * 1e3, 2) for side, t in moves.items()},
+        "kv_move_mb": round(num_blocks * scratch.slot_bytes / 1e6, 1),
         "external_prefix_cache_hits": stats.external_prefix_cache_hits, "same_tokens": same,
     }, indent=1))
     return 0 if same else 1

@@ -5,6 +5,11 @@ the index (services/scheduler/core/kv_tier_index.py) and orders the copies in ea
 loads into the worker's blocks before the forward, stores out of them after it. Copies are
 of bytes, so a block loaded is bit-identical to the block stored.
 
+Each slot's checksum (the int64 sum of its bytes, wrapping) is written with it and checked
+when it is loaded: a block that is not what was stored - a bug in the ordering of copies, or
+memory gone bad - is reported (`load` returns its block) and never used; the scheduler
+computes the requests that read it again.
+
 The file's first bytes name the layout (slot bytes, slots); a worker whose layout differs
 from the file's (another model or cache dtype on the same name) serves without the tier
 rather than read blocks it would misread. A file is never shrunk or cleared while workers
@@ -22,8 +27,42 @@ import torch
 
 log = logging.getLogger("llmbus.worker")
 
-_HEADER = 4096  # the layout, then the slots (page aligned)
-_MAGIC = b"llmbus-kv-tier-1"
+_MAGIC = b"llmbus-kv-tier-3"
+_PAGE = 4096
+
+
+def _runs(orders: dict[int, int]) -> list[tuple[int, int, int]] | None:
+    """(first block, first slot, length) of each run where both go up by one, or None where
+    runs are too many to pay a copy each (a block's layers are a copy each already)."""
+    runs: list[list[int]] = []
+    for block, slot in sorted(orders.items()):
+        if runs and block == runs[-1][0] + runs[-1][2] and slot == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([block, slot, 1])
+    return [tuple(r) for r in runs] if len(runs) * 4 <= len(orders) else None
+
+
+def _dims_order(cache: torch.Tensor) -> list[int]:
+    """A [K|V, blocks, ...] cache's dims but the blocks', outermost in memory first."""
+    return sorted((d for d in range(cache.dim()) if d != 1), key=lambda d: -cache.stride(d))
+
+
+def _block_major(cache: torch.Tensor) -> torch.Tensor:
+    """[blocks, ...] with the other dims in the order they lie in memory (a view)."""
+    return cache.permute(1, *_dims_order(cache))
+
+
+def _as_words(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bits as the widest integers its rows divide into."""
+    row_bytes = cache.shape[-1] * cache.element_size()
+    dtype = next(d for d in (torch.int64, torch.int32, torch.int16, torch.uint8) if row_bytes % d.itemsize == 0)
+    return cache.view(torch.uint8).view(dtype)
+
+
+def _header_bytes(num_slots: int) -> int:
+    """The layout (64 bytes), the slots' checksums, to a page boundary; then the slots."""
+    return -(-(64 + 8 * num_slots) // _PAGE) * _PAGE
 
 
 class HostKVTier:
@@ -31,9 +70,18 @@ class HostKVTier:
         """`caches`: the worker's (an attention layer's [K|V, num_blocks, ...] tensor; the
         others' entries, state or None, have no blocks); `path` None: a tier of this process
         alone (the offline LLM's)."""
-        # (a latent cache's keys are its values, one memory expanded to [2, ...]: copied once)
-        self.layers = [c[:1] if c.shape[0] > 1 and c.stride(0) == 0 else c for c in caches if isinstance(c, torch.Tensor)]
-        self.layer_bytes = [c[:, 0].numel() * c.element_size() for c in self.layers]
+        # Each attention layer's cache, block first, its other dims in the order they lie in
+        # memory (the torch backend keeps heads outside positions), so a slot holds a block's
+        # bytes as the cache does and a copy moves whole runs; as raw words (copies are of
+        # bits, whatever the dtype: fp8 has no index_copy_ of its own, and 8-byte words copy
+        # ~4x faster than bytes). A latent cache's keys are its values, one memory expanded
+        # to [2, ...]: copied once.
+        self.layers = [_block_major(_as_words(c[:1] if c.shape[0] > 1 and c.stride(0) == 0 else c))
+                       for c in caches if isinstance(c, torch.Tensor)]
+        self.layer_bytes = [c[0].numel() * c.element_size() for c in self.layers]
+        # (the order of the first layer's dims, in the file's layout: a worker whose cache
+        # lies otherwise - another attention backend - reads it as another layout)
+        self.order = _dims_order(_as_words(next(c for c in caches if isinstance(c, torch.Tensor))))
         self.slot_bytes = sum(self.layer_bytes)
         self.num_slots = size_bytes // self.slot_bytes
         if self.num_slots < 1:
@@ -41,22 +89,25 @@ class HostKVTier:
                              f"({self.slot_bytes / (1 << 20):.1f} MiB a block)")
         self.path = path
         if path is None:
-            data = torch.empty(self.num_slots * self.slot_bytes, dtype=torch.uint8)
+            whole = torch.zeros(_header_bytes(self.num_slots) + self.num_slots * self.slot_bytes, dtype=torch.uint8)
             self.name = f"{socket.gethostname()}:pid{os.getpid()}"
         else:
-            data = self._map(path)
+            whole = self._map(path)
             self.name = f"{socket.gethostname()}:{path}"
-        data = data.view(self.num_slots, self.slot_bytes)
+        header = _header_bytes(self.num_slots)
+        self.checksums = whole[64:64 + 8 * self.num_slots].view(torch.int64)
+        self.data = data = whole[header:].view(self.num_slots, self.slot_bytes)
+        self._words = self.slot_bytes % 8 == 0  # (summed as int64 words, else as bytes)
         # Each layer's part of every slot, shaped as that layer's block is
         self.views, offset = [], 0
         for cache, nbytes in zip(self.layers, self.layer_bytes):
-            block_shape = (cache.shape[0], *cache.shape[2:])
-            self.views.append(data[:, offset:offset + nbytes].view(cache.dtype).unflatten(1, block_shape))
+            self.views.append(data[:, offset:offset + nbytes].view(cache.dtype).unflatten(1, cache.shape[1:]))
             offset += nbytes
 
     def _map(self, path: str) -> torch.Tensor:
-        size = _HEADER + self.num_slots * self.slot_bytes
-        header = _MAGIC + np.array([self.slot_bytes, self.num_slots], dtype=np.int64).tobytes()
+        size = _header_bytes(self.num_slots) + self.num_slots * self.slot_bytes
+        header = _MAGIC + np.array([self.slot_bytes, self.num_slots, *self.order], dtype=np.int64).tobytes()
+        assert len(header) <= 64, "the layout overruns the checksums"  # (a cache of more than 5 dims)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             existing = os.pread(fd, len(header), 0)
@@ -74,24 +125,42 @@ class HostKVTier:
             os.pwrite(fd, header, 0)
         finally:
             os.close(fd)
-        mapped = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-        return mapped[_HEADER:]
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
-    def load(self, orders: dict[int, int]) -> None:
-        """Slot -> block copies (`orders`: block id -> slot), before a forward reads them."""
+    def _checksum(self, slot: int) -> int:
+        row = self.data[slot]
+        return int((row.view(torch.int64) if self._words else row.to(torch.int64)).sum())
+
+    def load(self, orders: dict[int, int]) -> list[int]:
+        """Slot -> block copies (`orders`: block id -> slot), before a forward reads them;
+        the blocks whose slot failed its checksum (not to be used)."""
         if not orders:
-            return
+            return []
+        bad = [block for block, slot in orders.items() if self._checksum(slot) != int(self.checksums[slot])]
         blocks, slots = self._indices(orders)
+        runs = _runs(orders)
         for cache, view in zip(self.layers, self.views):
-            cache[:, blocks.to(cache.device)] = view[slots].transpose(0, 1).to(cache.device)
+            if runs is not None:  # one copy a run of consecutive blocks into consecutive slots
+                for block, slot, n in runs:
+                    cache[block:block + n].copy_(view[slot:slot + n])
+            else:  # (index_select then index_copy_: a third faster than indexing both sides)
+                cache.index_copy_(0, blocks.to(cache.device), view.index_select(0, slots).to(cache.device))
+        return bad
 
     def store(self, orders: dict[int, int]) -> None:
         """Block -> slot copies (`orders`: block id -> slot), after the forward wrote them."""
         if not orders:
             return
         blocks, slots = self._indices(orders)
+        runs = _runs(orders)
         for cache, view in zip(self.layers, self.views):
-            view[slots] = cache[:, blocks.to(cache.device)].transpose(0, 1).cpu()
+            if runs is not None:
+                for block, slot, n in runs:
+                    view[slot:slot + n].copy_(cache[block:block + n])
+            else:
+                view.index_copy_(0, slots, cache.index_select(0, blocks.to(cache.device)).cpu())
+        for slot in orders.values():
+            self.checksums[slot] = self._checksum(slot)
 
     @staticmethod
     def _indices(orders: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,3 +180,19 @@ def host_kv_tier(caches: list, cache_config, recurrent: bool, architecture: str)
     except ValueError as exc:
         log.warning("serving without the host KV tier: %s", exc)
         return None
+
+
+def load_for_step(tier: HostKVTier, so, drop) -> tuple[list[int], list[str]]:
+    """A step's loads from the tier (so.kv_loads), before anything reads them: the blocks
+    that failed their checksum, and the step's new requests that read one of them, each
+    dropped from the step (`drop(request id)`): the scheduler computes them again."""
+    bad = tier.load(so.kv_loads)
+    if not bad:
+        return [], []
+    bad_set = set(bad)
+    failed = [new.req_id for new in so.scheduled_new_reqs if bad_set.intersection(new.block_ids)]
+    for req_id in failed:
+        drop(req_id)
+    log.warning("host KV tier: %d block(s) failed their checksum; %d request(s) computed again", len(bad),
+                len(failed))
+    return bad, failed

@@ -30,7 +30,7 @@ from services.worker.device_tokens import read_device_tokens
 from services.worker.launched_step import LaunchedStep, reads_device_tokens_only
 from services.worker.loader import load_model, parse_dtype, resolve_dtype
 from services.worker.lora.manager import LoRAManager, adapter_or_why
-from services.worker.kv_tier import host_kv_tier
+from services.worker.kv_tier import host_kv_tier, load_for_step
 from services.worker.kv_cache import allocate_kv_caches, size_kv_cache
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.models.quantization import choose_quantization
@@ -216,11 +216,16 @@ class ModelRunner:
         self._update_states(scheduler_output)
         num_scheduled = scheduler_output.num_scheduled_tokens
         arrival_errors, self._arrival_errors = self._arrival_errors, {}
+        # (blocks of prefixes from the host's KV tier, before anything reads them)
+        bad_blocks, load_failures = load_for_step(self.kv_tier, scheduler_output, lambda rid: (
+            self.drop_requests([rid]), num_scheduled.pop(rid), scheduler_output.num_draft_slots.pop(rid, None))) \
+            if scheduler_output.kv_loads else ((), ())
         if scheduler_output.state_restores:  # a hybrid's prefix hits: their state, before the forward
             self._copy_states(scheduler_output.state_restores, to_snapshot=False)
         if not num_scheduled:
-            return LaunchedStep.done(ModelRunnerOutput(step_id=scheduler_output.step_id, req_ids=[],
-                                                       sampled_token_ids=[], request_errors=arrival_errors))
+            return LaunchedStep.done(ModelRunnerOutput(
+                step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[], request_errors=arrival_errors,
+                kv_bad_blocks=list(bad_blocks), kv_load_failures=list(load_failures)))
         if self._launched and not reads_device_tokens_only(self.requests, scheduler_output):
             self.finish_launched()
         # Speculation: drafts for the requests given slots; each computes its scheduled
@@ -250,8 +255,6 @@ class ModelRunner:
             self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
                                 last_token + 1)
 
-        if scheduler_output.kv_loads:  # blocks of a prefix from the host's tier, before the forward reads them
-            self.kv_tier.load(scheduler_output.kv_loads)
         t_forward = time.time_ns()
         graphs = self.decode_graphs
         on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs)
@@ -273,7 +276,7 @@ class ModelRunner:
         output = ModelRunnerOutput(
             step_id=scheduler_output.step_id, req_ids=order, sampled_token_ids=sampled, logprobs=logprobs,
             num_draft_tokens=[len(drafts.get(rid, ())) for rid in order] if drafts else [],
-            request_errors=arrival_errors,
+            request_errors=arrival_errors, kv_bad_blocks=list(bad_blocks), kv_load_failures=list(load_failures),
         )
         launched = LaunchedStep.done(output)
         mask_ns = 0  # the grammars' share of sampling (the step log reports it)

@@ -141,3 +141,7 @@ class ModelRunnerOutput(msgspec.Struct, **WIRE):
     prompt_logprobs: dict[str, list[Logprobs]] = {}
     # Embedding requests (SamplingParams.embed), in the step of their token: the vector.
     pooled: dict[str, list[float]] = {}
+    # The host KV tier's: blocks loaded before this step whose slot failed its checksum (not
+    # used), and the new requests that read them, dropped from the step (computed again).
+    kv_bad_blocks: list[int] = []
+    kv_load_failures: list[str] = []

@@ -250,6 +250,16 @@ class KVCacheManager:
             for slot, req_id in orders[1].items():
                 self.tier.landed(slot, written is not None and req_id in written)
 
+    def bad_loads(self, step_kv_loads: dict[int, int], bad_blocks: list[int]) -> list[str]:
+        """Blocks a step loaded that failed their checksum: their slots discarded, the blocks
+        forgotten by the pool; the ids of the requests holding them (those that read them), to
+        compute again."""
+        bad = set(bad_blocks)
+        for block_id in bad:
+            self.tier.discard(step_kv_loads[block_id])
+            self.block_pool.uncache(self.block_pool.blocks[block_id])
+        return [rid for rid, blocks in self.req_to_blocks.items() if any(b.block_id in bad for b in blocks)]
+
     def drop_tier_orders(self) -> None:
         """Its worker is gone: no step in flight will land."""
         for step_id in list(self._tier_orders):

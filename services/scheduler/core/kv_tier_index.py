@@ -36,6 +36,7 @@ class KVTierIndex:
         self._storing: dict[int, BlockHash] = {}  # slot -> the block its store (not landed) holds
         self._stored_hashes: set[BlockHash] = set()  # the same, by hash
         self._pins: Counter[int] = Counter()  # slot -> loads in flight from it
+        self._discarded: set[int] = set()  # slots to free once no load is in flight from them
 
     def __len__(self) -> int:
         """Blocks findable now."""
@@ -68,6 +69,21 @@ class KVTierIndex:
         for slot in slots:
             if self._pins[slot] <= 0:
                 del self._pins[slot]
+                if slot in self._discarded:
+                    self._discarded.discard(slot)
+                    self._free.append(slot)
+
+    def discard(self, slot: int) -> None:
+        """A slot whose block failed its checksum where it was loaded: never found again, and
+        free once no load is in flight from it."""
+        victim = next((h for h, s in self._slot_of.items() if s == slot), None)
+        if victim is None:
+            return  # (discarded already, or reused)
+        del self._slot_of[victim]
+        if slot in self._pins:
+            self._discarded.add(slot)
+        else:
+            self._free.append(slot)
 
     def reserve(self, block_hash: BlockHash) -> int | None:
         """A slot to store this block in, or None: the tier holds it or is storing it

@@ -10,7 +10,7 @@ from collections import deque
 from services.scheduler.core.kv_cache_manager import KVCacheManager
 from services.scheduler.core.request import Request, RequestStatus
 from shared.config import SchedulerConfig
-from shared.messages import FinishReason
+from shared.messages import FinishReason, ModelRunnerOutput, SchedulerOutput
 
 
 class RequestQueues:
@@ -114,6 +114,33 @@ class RequestQueues:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False
         del self.requests[request.request_id]
+
+    def land_tier_copies(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """A step with the host KV tier's copies landed (kv_tier_index.py): its stores of blocks
+        whose writer got through are found from now on; blocks it loaded wrong are not used."""
+        kv = self.kv_cache_manager
+        kv.tier_orders_landed(scheduler_output.step_id, None if runner_output.error else (
+            set(runner_output.req_ids) - runner_output.request_errors.keys()))
+        if runner_output.kv_bad_blocks:
+            dropped = set(runner_output.kv_load_failures)
+            for req_id in kv.bad_loads(scheduler_output.kv_loads, runner_output.kv_bad_blocks):
+                self.reload(self.requests[req_id], req_id in dropped)
+
+    def reload(self, request: Request, dropped: bool) -> None:
+        """Blocks it read were loaded wrong (a checksum failed): computed again from its start,
+        its blocks forgotten. `dropped`: its worker dropped it from the step that loaded them;
+        else the tokens of its steps in flight (which read them) are thrown away as they land."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if dropped:
+            request.in_worker = False
+            request.num_output_placeholders = 0
+        else:
+            request.num_discarded_tokens += request.num_output_placeholders
+        self.kv_cache_manager.free(request, forget_cached=True)
+        self._restart(request)
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: give back all blocks and start over from the front of the queue."""

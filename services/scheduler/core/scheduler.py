@@ -290,8 +290,7 @@ class Scheduler(RequestQueues):
             for req_id, slot in scheduler_output.state_saves.items():
                 self.snapshots.landed(slot, req_id in computed and req_id not in runner_output.request_errors)
         if scheduler_output.kv_loads or scheduler_output.kv_stores:  # the host's KV tier's: what the worker copied
-            self.kv_cache_manager.tier_orders_landed(scheduler_output.step_id, None if runner_output.error else (
-                set(runner_output.req_ids) - runner_output.request_errors.keys()))
+            self.land_tier_copies(scheduler_output, runner_output)
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:
                 request = self.requests.get(req_id)
