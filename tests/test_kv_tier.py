@@ -140,7 +140,7 @@ def test_a_prefilled_request_is_handed_to_a_decode_worker_with_every_computed_to
     assert step.num_scheduled_tokens == {"a": 10} and len(step.kv_stores) == 3  # 2 full blocks and the tail
     assert producer.core.schedule().num_scheduled_tokens == {}  # it decodes elsewhere: no step of its own
     producer.core.update_from_output(step, ModelRunnerOutput(step.step_id, ["a"], [[42]], [[]]))
-    assert fleet.hand_off(producer) == [consumer] and fleet.owner["a"] is consumer
+    assert fleet.hand_off(producer) == ([consumer], []) and fleet.owner["a"] is consumer
     assert producer.core.schedule().finished_req_ids == ["a"]  # its worker drops it
     first = consumer.core.schedule()
     assert first.num_scheduled_tokens == {"a": 1}  # the first token only: no prompt token again

@@ -108,8 +108,10 @@ class ModelRunner:
         self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
                                     self.model_config.architecture)
         if config.kv_role != "kv_both" and self.kv_tier is None:
-            raise ValueError(f"a {config.kv_role} worker hands requests over through the host KV tier: "
-                             "--kv-offloading-size (and a model without recurrent state)")
+            raise ValueError(f"a {config.kv_role} worker hands requests over through the host KV tier, which "
+                             + (f"does not hold {self.model_config.architecture}'s recurrent state: disaggregated "
+                                "serving is not supported for it" if self.recurrent_rows else
+                                "--kv-offloading-size gives (none, or a tier file of another layout)"))
         self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
         # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
         # a step's launches cost little beside its products (and the fused decode layer
@@ -223,6 +225,8 @@ class ModelRunner:
         if scheduler_output.state_restores:  # a hybrid's prefix hits: their state, before the forward
             self._copy_states(scheduler_output.state_restores, to_snapshot=False)
         if not num_scheduled:
+            if scheduler_output.kv_stores:  # (a worker leaving: the last blocks of the requests it hands over)
+                self.kv_tier.store(scheduler_output.kv_stores)
             return LaunchedStep.done(ModelRunnerOutput(
                 step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[], request_errors=arrival_errors,
                 kv_bad_blocks=list(bad_blocks), kv_load_failures=list(load_failures)))

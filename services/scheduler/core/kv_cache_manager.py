@@ -119,11 +119,15 @@ class KVCacheManager:
         return slots, tokens
 
     def store_tail(self, request: Request, num_tokens: int) -> None:
-        """A request to be decoded elsewhere: the partial block its first `num_tokens`
-        tokens end in goes to the tier with the step that computes them (its full blocks
-        go as every full block does)."""
+        """A request to go on elsewhere: the partial block its first `num_tokens` tokens end
+        in goes to the tier with the step this is (that computes them, or none), with any of
+        its full blocks not stored yet."""
         request.kv_tail = None
-        if self.tier is None or not num_tokens % self.block_size:
+        if self.tier is None:
+            return
+        if self.enable_caching:  # (full blocks a step in flight filled are registered, and stored, only now)
+            self._cache_full_blocks(request, self.req_to_blocks[request.request_id], num_tokens)
+        if not num_tokens % self.block_size:
             return
         key = b"tail:" + request.request_id.encode()
         slot = self.tier.reserve(key)

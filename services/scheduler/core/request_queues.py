@@ -22,8 +22,11 @@ class RequestQueues:
         self.running: list[Request] = []
         # Requests the worker still holds but must drop at the next step.
         self._finished_for_worker: set[str] = set()
-        # Requests prefilled here to be decoded on another worker (disaggregation), once landed
+        # Requests prefilled here to be decoded on another worker (disaggregation), or running
+        # here while its worker leaves, once their blocks are stored: for the fleet to move
         self.handoffs: list[Request] = []
+        self.handing_over = False  # its worker leaves: hand_over_step is all it schedules
+        self._hand_over_at: dict[int, list[Request]] = {}  # step id -> requests it stores the last block of
         self.num_preemptions = 0
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
@@ -55,6 +58,42 @@ class RequestQueues:
         self.waiting.clear()
         self.requests.clear()
         return taken
+
+    def start_hand_over(self) -> list[Request]:
+        """Its worker leaves, the host tier on: its waiting requests, given up now (nothing of
+        theirs is computed here); its running ones are handed over by hand_over_step."""
+        self.handing_over = True
+        waiting = list(self.waiting)
+        self.waiting.clear()
+        for request in waiting:
+            self.kv_cache_manager.free(request)
+            if request.in_worker:
+                self._finished_for_worker.add(request.request_id)
+                request.in_worker = False
+            del self.requests[request.request_id]
+        return waiting
+
+    def hand_over_step(self) -> SchedulerOutput:
+        """While its worker leaves: a step that computes nothing, stores the last, partial block
+        of each running request whose steps have all landed (its full ones are stored as they
+        fill) and has the worker drop it; each is handed over when the step lands."""
+        ready = [r for r in self.running if not r.num_output_placeholders and r.in_worker]
+        for request in ready:
+            self.kv_cache_manager.store_tail(request, request.num_computed_tokens)
+            self._finished_for_worker.add(request.request_id)
+            request.in_worker = False
+        output = self._make_output([], {}, {})
+        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
+        if ready:
+            self._hand_over_at[output.step_id] = ready
+        return output
+
+    def land_hand_over(self, step_id: int, failed: bool) -> None:
+        ready = self._hand_over_at.pop(step_id, ())
+        for request in ready:
+            if failed:
+                request.kv_tail = None  # (not stored: computed again where it goes)
+        self.handoffs.extend(ready)
 
     def take_handoffs(self) -> list[Request]:
         """The requests prefilled here for another worker to decode, given up: their blocks
@@ -120,7 +159,10 @@ class RequestQueues:
         whose writer got through are found from now on; blocks it loaded wrong are not used."""
         kv = self.kv_cache_manager
         kv.tier_orders_landed(scheduler_output.step_id, None if runner_output.error else (
-            set(runner_output.req_ids) - runner_output.request_errors.keys()))
+            set(runner_output.req_ids) - runner_output.request_errors.keys()
+            | {r.request_id for r in self._hand_over_at.get(scheduler_output.step_id, ())}))
+        if self._hand_over_at:
+            self.land_hand_over(scheduler_output.step_id, runner_output.error is not None)
         if runner_output.kv_bad_blocks:
             dropped = set(runner_output.kv_load_failures)
             for req_id in kv.bad_loads(scheduler_output.kv_loads, runner_output.kv_bad_blocks):

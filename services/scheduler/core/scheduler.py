@@ -98,6 +98,8 @@ class Scheduler(RequestQueues):
     # ---- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.handing_over:  # its worker leaves: only the stores that hand its requests over
+            return self.hand_over_step()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
@@ -289,7 +291,7 @@ class Scheduler(RequestQueues):
             computed = set(runner_output.req_ids) if runner_output.error is None else set()
             for req_id, slot in scheduler_output.state_saves.items():
                 self.snapshots.landed(slot, req_id in computed and req_id not in runner_output.request_errors)
-        if scheduler_output.kv_loads or scheduler_output.kv_stores:  # the host's KV tier's: what the worker copied
+        if scheduler_output.kv_loads or scheduler_output.kv_stores or self._hand_over_at:  # the host KV tier's
             self.land_tier_copies(scheduler_output, runner_output)
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:

@@ -34,6 +34,9 @@ class WorkerHandle:
     info: WorkerInfo
     core: Scheduler
     last_seen: float
+    # Leaving with its requests' KV: no new request; its running ones handed over (hand_off)
+    # once their blocks are in the host tier, then it is removed.
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -74,7 +77,11 @@ class Fleet:
         """An announcement or heartbeat. Returns outputs for requests it had to reject."""
         handle = self.workers.get(info.worker_id)
         if info.draining:
-            return self.remove(info.worker_id, "draining") if handle is not None else []
+            if handle is None or handle.draining:
+                return []
+            if handle.core.kv_cache_manager.tier is None or not handle.core.running:
+                return self.remove(info.worker_id, "draining")
+            return self._drain_keeping_kv(handle)
         if handle is not None and info.incarnation != handle.info.incarnation:
             # It reconnected to NATS: a step or its answer may have been lost in the gap, so
             # it starts afresh (its requests recompute) rather than wait out a step deadline.
@@ -93,6 +100,20 @@ class Fleet:
         rejected = []
         for item, since in waiting:
             rejected += self._place(item, since)
+        return rejected
+
+    def _drain_keeping_kv(self, handle: WorkerHandle) -> list[Rejection]:
+        """A worker leaving with a host tier: its waiting requests go now (nothing computed);
+        its running ones once its next step has stored their last blocks (hand_off), so
+        the workers that take them load their KV instead of computing it again."""
+        handle.draining = True
+        waiting = handle.core.start_hand_over()
+        log.warning("worker %s draining: handing %d running request(s) over with their KV, moving %d waiting",
+                    handle.worker_id, len(handle.core.running), len(waiting))
+        rejected = []
+        for request in waiting:
+            self.owner.pop(request.request_id, None)
+            rejected += self._place(request, handle.last_seen)
         return rejected
 
     def remove(self, worker_id: str, reason: str) -> list[Rejection]:
@@ -185,7 +206,11 @@ class Fleet:
         # is cached or was just sent (a burst sharing a prefix lands together before any of
         # it is computed), unless that worker is much busier than the least loaded; else
         # the least loaded (shared/prefix_affinity.py).
-        able = [h for h in self.workers.values() if lora is None or h.info.max_loras > 0] or list(self.workers.values())
+        open_ = [h for h in self.workers.values() if not h.draining]
+        if not open_:
+            self.unplaced.append((item, since))
+            return []
+        able = [h for h in open_ if lora is None or h.info.max_loras > 0] or open_
         # Disaggregated (vLLM's kv_role): a new prompt to a prefill worker, handed to a decode
         # worker once prefilled (hand_off); one that resumes with tokens to a decode worker.
         # A role with no worker left: the other role's workers do both.
@@ -213,19 +238,28 @@ class Fleet:
             handle.core.requests[item.request_id].decode_elsewhere = True
         return []
 
-    def hand_off(self, handle: WorkerHandle) -> list[WorkerHandle]:
-        """The requests a prefill worker has prefilled, to the least loaded decode workers
-        (their KV from the host tier); the handles that took some."""
-        taken = []
+    def hand_off(self, handle: WorkerHandle) -> tuple[list[WorkerHandle], list[Rejection]]:
+        """The requests a worker hands over - prefilled on a prefill worker, or running on a
+        draining one - to the least loaded decode workers (their KV from the host tier):
+        the handles that took some, and rejections. A drained worker left empty goes."""
+        taken, rejected = [], []
         for request in handle.core.take_handoffs():
             lora = request.lora_request
-            consumers = [h for h in self.workers.values() if h.info.kv_role != "kv_producer"
-                         and (lora is None or h.info.max_loras > 0)] or [handle]  # (none left: it decodes here)
+            others = [h for h in self.workers.values() if not h.draining and h is not handle
+                      and (lora is None or h.info.max_loras > 0)]
+            consumers = ([h for h in others if h.info.kv_role != "kv_producer"] or others
+                         or ([] if handle.draining else [handle]))  # (none left: it decodes where it is)
+            if not consumers:
+                self.owner.pop(request.request_id, None)
+                rejected += self._place(request, handle.last_seen)  # (waits for a worker)
+                continue
             target = min(consumers, key=lambda h: h.core.load())
             target.core.adopt([request])
             self.owner[request.request_id] = target
             taken.append(target)
-        return taken
+        if handle.draining and not handle.core.has_unfinished_requests():
+            rejected += self.remove(handle.worker_id, "drained, its requests handed over with their KV")
+        return taken, rejected
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

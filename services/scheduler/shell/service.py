@@ -254,11 +254,13 @@ class SchedulerService:
             if subject:
                 await self.nc.publish(subject, encode(outputs))
         await self._publish_stats(only_if_changed=True, stats=fleet_stats)
-        if handle.core.handoffs:  # prefilled here, decoded elsewhere (disaggregation)
-            for target in self.fleet.hand_off(handle):
+        if handle.core.handoffs:  # prefilled here, decoded elsewhere (disaggregation), or drained
+            targets, rejected = self.fleet.hand_off(handle)
+            for target in targets:
                 engine = self.engines.get(target.worker_id)
                 if engine is not None:
                     engine.wake()
+            await self._publish_rejections(rejected)
         if self.kv_events is not None:
             await self.kv_events.flush()
 
