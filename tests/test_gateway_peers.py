@@ -148,6 +148,6 @@ def test_siblings_metrics_merge_as_one_ports():
     assert value('llmbus:request_success_total{finished_reason="stop",model_name="tiny"}') == 1
     assert value('llmbus:request_success_total{finished_reason="length",model_name="tiny"}') == 1
     assert value('llmbus:inter_token_latency_seconds_count{model_name="tiny"}') == 3
-    assert value('llmbus:prefix_cache_queries_total{model_name="tiny",scheduler="s1"}') == 150
-    assert value('llmbus:num_requests_running{model_name="tiny",scheduler="s1"}') == 2
+    assert value('llmbus:prefix_cache_queries_total{engine="0",model_name="tiny",scheduler="s1"}') == 150
+    assert value('llmbus:num_requests_running{engine="0",model_name="tiny",scheduler="s1"}') == 2
     assert older.merged([]) == older.render()

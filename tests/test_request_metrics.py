@@ -130,14 +130,14 @@ def test_iteration_tokens_are_the_scheduler_s_steps_by_their_tokens():
     metrics = GatewayMetrics("tiny")
     metrics.observe_stats(fleet)
     got = samples(metrics)
-    series = 'llmbus:iteration_tokens_total_bucket{le="%s",scheduler="s1"}'
+    series = 'llmbus:iteration_tokens_total_bucket{engine="0",le="%s",scheduler="s1"}'
     assert got[series % "1.0"] == 2  # the two 1-token steps
     assert got[series % "8.0"] == 4
     assert got[series % "32.0"] == 4
     assert got[series % "64.0"] == 6
     assert got[series % "+Inf"] == 6
-    assert got['llmbus:iteration_tokens_total_count{scheduler="s1"}'] == 6
-    assert got['llmbus:iteration_tokens_total_sum{scheduler="s1"}'] == 86
+    assert got['llmbus:iteration_tokens_total_count{engine="0",scheduler="s1"}'] == 6
+    assert got['llmbus:iteration_tokens_total_sum{engine="0",scheduler="s1"}'] == 86
 
 
 def test_a_report_overtaken_by_a_newer_one_counts_nothing_again_and_shards_keep_their_own():
@@ -162,7 +162,8 @@ def test_a_report_overtaken_by_a_newer_one_counts_nothing_again_and_shards_keep_
     metrics.observe_stats(SchedulerStats(prefix_cache_queries=7, scheduler_id="b2", data_parallel_rank=1))
     # b's shard has a new scheduler: b's gauges go (its counts stay counted), a's stay
     gauges = {k for k in samples(metrics) if k.startswith("llmbus:num_requests_running")}
-    assert gauges == {'llmbus:num_requests_running{scheduler="a"}', 'llmbus:num_requests_running{scheduler="b2"}'}
+    assert gauges == {'llmbus:num_requests_running{engine="0",scheduler="a"}',
+                      'llmbus:num_requests_running{engine="1",scheduler="b2"}'}
     assert sorted(queries().values()) == [7.0, 30.0, 120.0]
 
 

@@ -74,7 +74,9 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")
 class GatewayMetrics:
     def __init__(self, model_name: str, stale_s: float = 5.0) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name", "scheduler"]
+        # vLLM's engine label, a scheduler shard's rank (--data-parallel-rank), and the
+        # scheduler process serving it now (a restarted one is another series)
+        labels = ["model_name", "engine", "scheduler"]
         r = self.registry
         self._model = model_name
         self._gauges = {f: Gauge(name, doc, labels, registry=r) for f, (name, doc) in _GAUGES.items()}
@@ -140,33 +142,34 @@ class GatewayMetrics:
         self._children: dict[str, tuple[dict, dict]] = {}
 
     def observe_stats(self, stats: SchedulerStats) -> None:
-        labels = (self._model, stats.scheduler_id or "unknown")
-        if labels[1] not in self._last_seen:
+        scheduler = stats.scheduler_id or "unknown"
+        labels = (self._model, str(stats.data_parallel_rank), scheduler)
+        if scheduler not in self._last_seen:
             # One scheduler serves a shard (--data-parallel-rank): a new one replaced the
             # shard's one before, whose figures are gone with it.
             self._drop([s for s, rank in self._rank_of.items() if rank == stats.data_parallel_rank])
-            self._rank_of[labels[1]] = stats.data_parallel_rank
+            self._rank_of[scheduler] = stats.data_parallel_rank
             # Its children, looked up once (its counters at 0 from the first sight of it)
-            self._children[labels[1]] = ({f: g.labels(*labels) for f, g in self._gauges.items()},
+            self._children[scheduler] = ({f: g.labels(*labels) for f, g in self._gauges.items()},
                                          {f: c.labels(*labels) for f, c in self._counters.items()})
-        self._last_seen[labels[1]] = time.monotonic()
+        self._last_seen[scheduler] = time.monotonic()
         now = {field: getattr(stats, field) for field in self._counters}
         now.update({(_PER_POS, pos): n for pos, n in enumerate(getattr(stats, _PER_POS))})
-        before = self._last_counts.get(labels[1], {})
+        before = self._last_counts.get(scheduler, {})
         if any(now[f] < before.get(f, 0) for f in now):
             # An older report overtaken by a newer one (a scheduler's engine cores publish
             # concurrently, and its stats subject beside the outputs): a scheduler's counts
             # never go back (a restarted one has a new id), so it says nothing new.
             return
-        gauges, counters = self._children[labels[1]]
+        gauges, counters = self._children[scheduler]
         for field, gauge in gauges.items():
             gauge.set(getattr(stats, field))
         for key, value in now.items():
             if value > before.get(key, 0):
                 counter = counters[key] if isinstance(key, str) else self._per_pos.labels(*labels, str(key[1]))
                 counter.inc(value - before.get(key, 0))
-        self._last_counts[labels[1]] = now
-        self._iteration_tokens.by_scheduler[labels[1]] = (stats.iteration_tokens_by_bucket,
+        self._last_counts[scheduler] = now
+        self._iteration_tokens.by_scheduler[scheduler] = (labels[1], stats.iteration_tokens_by_bucket,
                                                           stats.iteration_tokens_sum)
         if stats.max_lora:
             self.lora_info.clear()
@@ -275,7 +278,7 @@ class GatewayMetrics:
             self.lora_info.clear()  # (the one sample is the deployment's scheduler's)
         for scheduler in schedulers:
             for gauge in self._gauges.values():
-                gauge.remove(self._model, scheduler)
+                gauge.remove(self._model, str(self._rank_of.get(scheduler, 0)), scheduler)
             self._iteration_tokens.by_scheduler.pop(scheduler, None)
             self._children.pop(scheduler, None)
             self._last_seen.pop(scheduler, None)
@@ -323,16 +326,16 @@ class _IterationTokens:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.by_scheduler: dict[str, tuple[list[int], int]] = {}  # -> (steps by bucket, tokens)
+        self.by_scheduler: dict[str, tuple[str, list[int], int]] = {}  # -> (engine, steps by bucket, tokens)
 
     def collect(self):
         family = HistogramMetricFamily("llmbus:iteration_tokens_total", "Tokens per engine step",
-                                       labels=["model_name", "scheduler"])
-        for scheduler, (by_bucket, tokens) in self.by_scheduler.items():
+                                       labels=["model_name", "engine", "scheduler"])
+        for scheduler, (engine, by_bucket, tokens) in self.by_scheduler.items():
             counts = list(by_bucket) + [0] * (len(ITERATION_TOKENS_BUCKETS) + 1 - len(by_bucket))
             cumulative = list(itertools.accumulate(counts))
             buckets = [(str(float(b)), c) for b, c in zip(ITERATION_TOKENS_BUCKETS, cumulative)]
-            family.add_metric([self.model_name, scheduler], buckets + [("+Inf", cumulative[-1])], tokens)
+            family.add_metric([self.model_name, engine, scheduler], buckets + [("+Inf", cumulative[-1])], tokens)
         yield family
 
 
