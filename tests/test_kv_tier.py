@@ -183,3 +183,54 @@ def test_a_block_corrupted_in_the_tier_is_never_used(family_models, caplog):
     assert llm.stats().external_prefix_cache_hits - hits == 512
     assert "checksum" not in caplog.text
     assert len(index) == stored
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "gemma2"])
+def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp_path):
+    """Prefill and decode on two model runners of one host (the fleet and the runners in
+    process, stepped in turn): greedy and seeded outputs equal the offline engine's, and no
+    step of the decode worker computes a prompt token."""
+    from llmbus import LLM, SamplingParams
+    from services.scheduler.shell.fleet import Fleet
+    from services.worker.model_runner import ModelRunner
+    from shared.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from shared.messages import EngineCoreRequest
+
+    folder = family_models[family]
+    prompts = random_prompts([37, 80, 16, 130], seed=4)
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)]
+    plain = LLM(str(folder), num_kv_blocks=64, block_size=16, max_model_len=1024)
+    expected = {f"{i}-{j}": out.outputs[0].token_ids for j, p in enumerate(params)
+                for i, out in enumerate(plain.generate([{"prompt_token_ids": t} for t in prompts], p,
+                                                       use_tqdm=False))}
+    runners = {}
+    for worker_id, role in (("p", "kv_producer"), ("d", "kv_consumer")):
+        cache = CacheConfig(num_kv_blocks=64, block_size=16, kv_offloading_size=1 << 24,
+                            kv_offloading_path=str(tmp_path / "tier"))
+        runners[worker_id] = ModelRunner(folder, WorkerConfig(cache, max_model_len=1024, kv_role=role))
+    fleet = Fleet(SchedulerConfig(max_model_len=1024))
+    for worker_id, runner in runners.items():
+        fleet.heard_from(runner.describe(worker_id, "tiny"), now=0.0)
+    for j, p in enumerate(params):
+        for i, tokens in enumerate(prompts):
+            fleet.submit(EngineCoreRequest(f"{i}-{j}", tokens, p, eos_token_id=None, reply_subject="out"), 0.0)
+    got: dict[str, list[int]] = {rid: [] for rid in expected}
+    decode_steps = 0
+    for _ in range(200):
+        for worker_id, runner in runners.items():
+            handle = fleet.workers[worker_id]
+            if not handle.core.has_work():
+                continue
+            step = handle.core.schedule()
+            if worker_id == "d" and step.num_scheduled_tokens:
+                decode_steps += 1
+                assert set(step.num_scheduled_tokens.values()) == {1}  # decodes only
+            for outputs in handle.core.update_from_output(step, runner.execute_model(step)).values():
+                for output in outputs.outputs:
+                    got[output.request_id] += output.new_token_ids
+            fleet.hand_off(handle)
+        if not any(h.core.has_work() for h in fleet.workers.values()):
+            break
+    assert got == expected
+    assert decode_steps >= 5
