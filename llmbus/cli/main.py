@@ -55,6 +55,8 @@ BENCHES = [
     ("speculative", "the same workloads with and without speculative decoding", "llmbus.bench.speculative", True),
     ("kv-offloading", "TTFT of a prefix recomputed, loaded from the host KV tier, and pooled",
      "llmbus.bench.kv_offloading", True),
+    ("disaggregation", "long prompts' TTFT and decoding streams' ITL, --workers 2 against 1 prefill + 1 decode",
+     "llmbus.bench.disaggregation", False),
     ("moe", "a Qwen3-MoE-shaped model: sparse experts vs every expert densely vs transformers", "llmbus.bench.moe", True),
     ("control-plane", "gateways, tokenizer, scheduler shards and NATS with instant workers: tok/s and cores a token",
      "llmbus.bench.control_plane", False),
