@@ -104,3 +104,34 @@ def completion_texts(base_url: str, prompts: list[str], **request) -> list[str]:
     with openai.OpenAI(base_url=base_url + "/v1", api_key="none", timeout=120) as client, \
             concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda p: client.completions.create(prompt=p, **request).choices[0].text, prompts))
+
+
+async def stream_texts(base_url: str, prompts: list[str], max_tokens: int, on_started=None,
+                       started_before_call: int | None = None) -> list[str]:
+    """Each prompt's greedy completion, streamed at once with the openai client; `on_started()`
+    once `started_before_call` streams (default: all) have their first token."""
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    started, threshold = 0, started_before_call or len(prompts)
+
+    async def one(prompt: str) -> str:
+        nonlocal started
+        text, first = "", True
+        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
+                                                 max_tokens=max_tokens, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if first:
+                first, started = False, started + 1
+                if started == threshold and on_started is not None:
+                    on_started()
+        return text
+
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from deployment import llmbus_serve
+from deployment import llmbus_serve, stream_texts
 from llmbus.deploy.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,28 +44,7 @@ def offline_texts(tiny_llama) -> list[str]:
 
 
 async def stream_all(base_url: str, on_all_started=None) -> list[str]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    started = 0
-
-    async def one(prompt: str) -> str:
-        nonlocal started
-        text, first = "", True
-        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
-                                                 max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            if first:
-                first, started = False, started + 1
-                if started == NUM_STREAMS and on_all_started is not None:
-                    on_all_started()
-        return text
-
-    try:
-        return await asyncio.gather(*(one(p) for p in PROMPTS))
-    finally:
-        await client.close()
+    return await stream_texts(base_url, PROMPTS, MAX_TOKENS, on_all_started)
 
 
 def prompt_tokens_by_scheduler(url: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from deployment import llmbus_serve
+from deployment import llmbus_serve, stream_texts
 from llmbus.deploy.serve import live_children
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -26,28 +26,7 @@ MAX_TOKENS = 24
 
 
 async def stream_all(base_url: str, prompts: list[str], on_first_token=None) -> list[str]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0, timeout=120)
-    started = 0
-
-    async def one(prompt: str) -> str:
-        nonlocal started
-        text, first = "", True
-        stream = await client.completions.create(model="tiny", prompt=prompt, temperature=0, stream=True,
-                                                 max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            if first:
-                first, started = False, started + 1
-                if started == 1 and on_first_token is not None:
-                    on_first_token()
-        return text
-
-    try:
-        return await asyncio.gather(*(one(p) for p in prompts))
-    finally:
-        await client.close()
+    return await stream_texts(base_url, prompts, MAX_TOKENS, on_first_token, started_before_call=1)
 
 
 def offline_texts(model, prompts: list[str]) -> list[str]:

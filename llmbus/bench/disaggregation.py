@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import numpy as np
 
 from llmbus.bench.streaming_client import one_request
 from llmbus.deploy.serve import free_port
+from llmbus.deploy.supervisor import stop_all
 from llmbus.model_fetch import resolve_model
 
 MODES = {"aggregated": ["--workers", "2"], "disaggregated": ["--prefill-workers", "1", "--decode-workers", "1"]}
@@ -87,11 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 time.sleep(0.5)
             report[mode] = asyncio.run(_traffic(url, args, vocab))
         finally:
-            serve.send_signal(signal.SIGTERM)
-            try:
-                serve.wait(60)
-            except subprocess.TimeoutExpired:
-                serve.kill()
+            stop_all([serve], 60)
     agg, dis = report["aggregated"], report["disaggregated"]
     print(json.dumps({
         "model": args.model or "smollm2", "dtype": args.dtype, "streams": args.streams,

@@ -28,6 +28,7 @@ from llmbus.bench.streaming_client import sse_data
 from llmbus.model_fetch import resolve_model
 from llmbus.deploy.nats_server import node_with_client
 from llmbus.deploy.serve import free_port, live_children
+from llmbus.deploy.supervisor import stop_all
 
 KINDS = ("worker", "tokenizer", "scheduler", "nats")
 
@@ -143,8 +144,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows))
         return 0 if all(r["failed"] == 0 and r["altered"] == 0 for r in rows) else 1
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop_all([serve], 60)
