@@ -234,3 +234,37 @@ def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp
             break
     assert got == expected
     assert decode_steps >= 5
+
+
+def test_a_draining_worker_hands_a_request_over_mid_prefill_with_just_what_it_computed():
+    """A worker leaves while a prompt is half prefilled (chunked): the hand-over stores the
+    blocks of the tokens computed so far, the last one partial, and the worker that takes it
+    loads exactly those and computes the rest of the prompt."""
+    from services.scheduler.shell.fleet import Fleet
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest, ModelRunnerOutput, WorkerInfo
+    from shared.sampling_params import SamplingParams
+
+    def info(worker_id: str, draining: bool = False) -> WorkerInfo:
+        return WorkerInfo(worker_id, "tiny", 64, 4, max_model_len=1024, vocab_size=100, kv_tier="host:/tier",
+                          kv_tier_slots=32, draining=draining)
+
+    fleet = Fleet(SchedulerConfig(max_model_len=512, max_num_batched_tokens=10, long_prefill_token_threshold=10))
+    fleet.heard_from(info("a"), now=0.0)
+    fleet.submit(EngineCoreRequest("r", list(range(1, 41)), SamplingParams(max_tokens=4), reply_subject="out"), 0.0)
+    fleet.heard_from(info("b"), now=0.0)
+    a = fleet.workers["a"]
+    chunk = a.core.schedule()
+    assert chunk.num_scheduled_tokens == {"r": 10}  # 2 full blocks of 4 and half of the third
+    a.core.update_from_output(chunk, ModelRunnerOutput(chunk.step_id, ["r"], [[]], [[]]))
+    assert fleet.heard_from(info("a", draining=True), now=1.0) == []
+    over = a.core.schedule()
+    assert over.num_scheduled_tokens == {} and over.finished_req_ids == ["r"] and len(over.kv_stores) == 1  # the tail
+    a.core.update_from_output(over, ModelRunnerOutput(over.step_id, [], [], []))
+    targets, rejected = fleet.hand_off(a)
+    b = fleet.workers["b"]
+    assert targets == [b] and rejected == [] and "a" not in fleet.workers  # drained: gone
+    step = b.core.schedule()
+    new = step.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 10 and step.num_scheduled_tokens == {"r": 10}  # the prompt goes on from 10
+    assert len(step.kv_loads) == 3 and list(step.kv_loads) == new.block_ids[:3]

@@ -111,11 +111,12 @@ class KVCacheManager:
         num_full = (request.num_tokens - 1) // self.block_size
         slots = self.tier.find(request.block_hashes, num_pool_hits, num_full)
         tokens = len(slots) * self.block_size
-        if request.kv_tail is not None and num_pool_hits + len(slots) == num_full:
-            tail = self.tier.find([request.kv_tail], 0, 1)
+        if request.kv_tail is not None:  # (where the blocks found end just where the tail begins)
+            key, end = request.kv_tail
+            tail = self.tier.find([key], 0, 1) if num_pool_hits + len(slots) == end // self.block_size else []
             if tail:
                 slots.append(tail[0])
-                tokens += (request.num_tokens - 1) % self.block_size
+                tokens += end % self.block_size
         return slots, tokens
 
     def store_tail(self, request: Request, num_tokens: int) -> None:
@@ -135,7 +136,7 @@ class KVCacheManager:
             block = self.req_to_blocks[request.request_id][num_tokens // self.block_size]
             self._stores[block.block_id] = slot
             self._store_writers[slot] = request.request_id
-            request.kv_tail = key
+            request.kv_tail = key, num_tokens
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
                                  cache_salt: str | None = None) -> int:

@@ -63,10 +63,12 @@ class Request:
     snapshot_points: list[int] = field(default_factory=list)
     lora_request: LoRARequest | None = None  # its adapter; None: the base model
     # Prefill/decode disaggregation: prefilled on a kv_producer worker, then handed to a
-    # kv_consumer to decode (services/scheduler/core/handoff.py); its prompt's last, partial
-    # block travels through the host KV tier under the key `kv_tail` (None: none to load).
+    # kv_consumer to decode (Fleet.hand_off, services/scheduler/shell/fleet.py). A request
+    # handed over (that way, or off a draining worker) has the partial block its computed
+    # tokens end in stored in the host KV tier: `kv_tail` is (its key there, the tokens up
+    # to its end); None: none to load.
     decode_elsewhere: bool = False
-    kv_tail: BlockHash | None = None
+    kv_tail: tuple[BlockHash, int] | None = None
     cache_salt: str | None = None  # its prefix-cache hits are the same salt's only (vLLM's)
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once
