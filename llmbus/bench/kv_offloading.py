@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     from services.worker.kv_tier import HostKVTier
 
     num_blocks = args.prefix_len // llm.runner.block_size
-    scratch = HostKVTier(llm.runner.kv_caches, num_blocks * (1 << 24), None)
+    # (made and used on the runner's thread, as a worker's tier is: once a second thread has
+    # an OpenMP team of its own beside the runner's, these copies ran 2.5x slower here)
+    scratch = llm.executor.call(HostKVTier, llm.runner.kv_caches, num_blocks * (1 << 24), None)
     orders = {block: block for block in range(num_blocks)}
     moves: dict[str, list[float]] = {"store": [], "load": []}
 
