@@ -68,19 +68,21 @@ def _wait_healthy(url: str, workers: int, procs: list[subprocess.Popen], timeout
     raise SystemExit(f"llmbus bench control-plane: not healthy with {workers} workers in {timeout_s:.0f} s")
 
 
-def _cpu_seconds(procs: dict[str, list[subprocess.Popen]]) -> dict[str, float]:
+def _cpu_seconds(procs: dict[str, list[subprocess.Popen]]) -> dict[str, tuple[float, float]]:
+    """Each role's (user + system, system) seconds of a core so far."""
     import psutil
 
     seconds = {}
     for role, members in procs.items():
-        total = 0.0
+        total = system = 0.0
         for proc in members:
             try:
                 times = psutil.Process(proc.pid).cpu_times()
                 total += times.user + times.system
+                system += times.system
             except psutil.Error:
                 pass
-        seconds[role] = total
+        seconds[role] = (total, system)
     return seconds
 
 
@@ -148,7 +150,8 @@ def run(args) -> int:
         before = _cpu_seconds(procs)
         steps_before = _steps(urls[0])
         summary = asyncio.run(_stream(urls, "bench", requests, args.concurrency))
-        spent = {role: after - before[role] for role, after in _cpu_seconds(procs).items()}
+        spent = {role: (after[0] - before[role][0], after[1] - before[role][1])
+                 for role, after in _cpu_seconds(procs).items()}
         steps_after = _steps(urls[0])
     finally:
         for members in procs.values():
@@ -176,8 +179,10 @@ def run(args) -> int:
         "output_tokens": tokens,
         "failed": summary["failed"], "errors": summary["errors"], "duration_s": round(duration, 2),
         "output_tok_s": round(tokens / duration, 1),
-        "cores": {role: round(spent[role] / duration, 3) for role in ROLES},
-        "us_per_output_token": {role: round(spent[role] / tokens * 1e6, 2) for role in ROLES if tokens},
+        "cores": {role: round(spent[role][0] / duration, 3) for role in ROLES},
+        "us_per_output_token": {role: round(spent[role][0] / tokens * 1e6, 2) for role in ROLES if tokens},
+        # (the kernel's part of it: socket reads and writes, the event loop's waits)
+        "system_us_per_output_token": {role: round(spent[role][1] / tokens * 1e6, 2) for role in ROLES if tokens},
         # (a scheduler's cost a token is mostly its cost a step over the step's tokens: with
         # workers that answer at once, steps are as small as the client keeps them). Prompt
         # and output tokens, as vLLM's iteration_tokens_total counts them.
