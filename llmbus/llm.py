@@ -30,7 +30,7 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.core.scheduler import Scheduler
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
-from services.worker.model_runner import ModelRunner
+from services.worker.parallel.ranks import build_runner
 from shared.hf.classification import classifier_of
 from shared.engine_args import EngineArgs
 from shared.kv_events import KVEventsConfig
@@ -67,7 +67,7 @@ class LLM(GenerateBasedAPIs):
         self.classifier = classifier_of(path)  # a *ForSequenceClassification's labels
         # An unsupported model fails in the runner's constructor, before any weight loads.
         worker_config = args.worker_config(tokenizer_path)
-        self.executor = InProcessExecutor(lambda: ModelRunner(path, worker_config), args.threads)
+        self.executor = InProcessExecutor(lambda: build_runner(path, worker_config, args.threads), args.threads)
         self.runner = self.executor.runner
         self.tokenizer = Tokenizer(tokenizer_path or path)
         self.scheduler = Scheduler.for_worker(args.scheduler_config(self.runner.max_model_len),

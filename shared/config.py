@@ -270,3 +270,4 @@ class WorkerConfig:
     tokenizer: str | None = None  # vLLM's --tokenizer: where grammars read the vocabulary (default: the model)
     max_num_seqs: int = 128  # a hybrid model's recurrent state is allocated for this many requests
     kv_role: str = "kv_both"  # vLLM's kv_transfer_config role: kv_producer (prefill), kv_consumer (decode)
+    tensor_parallel_size: int = 1  # the worker's ranks, each a slice of every layer (services/worker/parallel)

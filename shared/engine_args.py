@@ -66,7 +66,7 @@ def _gigabytes(gb: float | None) -> int | None:
     return None if gb is None else int(gb * (1 << 30))
 
 
-_PARALLEL_HELP = "vLLM's; 1 only: a worker runs on one device (--workers and --data-parallel-size add replicas)"
+_PARALLEL_HELP = "vLLM's; 1 only: a worker's ranks split its layers (--tensor-parallel-size), not its depth"
 
 
 @dataclass
@@ -129,7 +129,9 @@ class EngineArgs:
                                         choices=["torch", "triton"])
     threads: int | None = arg(None, "worker", "torch threads for the model (default: torch's, one per core)",
                               type=int)
-    tensor_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-tp")
+    tensor_parallel_size: int = arg(1, "worker", "vLLM's: the worker's ranks (processes in one torch.distributed "
+                                    "group: NCCL on GPUs, gloo on CPU), each holding a slice of every layer and "
+                                    "of the KV cache", type=int, short="-tp")
     pipeline_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-pp")
     swap_space: float | None = arg(None, "worker", "vLLM's; accepted as typed: a preempted request is recomputed, "
                                    "as in vLLM's V1 engine, so no CPU swap space is kept", type=float)
@@ -180,8 +182,9 @@ class EngineArgs:
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'', type=_speculative)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            one_device_size(name, getattr(self, name))
+        one_device_size("pipeline_parallel_size", self.pipeline_parallel_size)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, got {self.data_parallel_size}")
         if self.data_parallel_rank is not None and not 0 <= self.data_parallel_rank < self.data_parallel_size:
@@ -219,7 +222,7 @@ class EngineArgs:
             max_cudagraph_capture_size=self.max_cudagraph_capture_size or min(2 * self.max_num_seqs, 512),
             load_format=self.load_format, lora_config=self.lora_config(), seed=self.seed,
             tokenizer=tokenizer or self.tokenizer, max_num_seqs=self.max_num_seqs,
-            kv_role=kv_role(self.kv_transfer_config))
+            kv_role=kv_role(self.kv_transfer_config), tensor_parallel_size=self.tensor_parallel_size)
 
     def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
         """`model_max_len`: the model's, when known here; served, each worker caps it later."""

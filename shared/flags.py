@@ -52,10 +52,10 @@ def json_object(text: str) -> str:
 
 
 def one_device_size(name: str, size: int) -> int:
-    """--tensor-parallel-size and its kin: vLLM's, where only 1 holds here."""
+    """--pipeline-parallel-size: vLLM's, where only 1 holds here."""
     if size != 1:
         raise ValueError(
-            f"{name}={size}: a worker runs its model on one device (no tensor or pipeline parallelism); serve "
+            f"{name}={size}: no pipeline parallelism (a model wider than a device: --tensor-parallel-size N); serve "
             f"more requests with more replicas (--workers N, --data-parallel-size N, or `llmbus worker` elsewhere)")
     return size
 

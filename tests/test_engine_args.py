@@ -75,8 +75,11 @@ def test_the_configs_of_both_halves_come_from_one_set_of_args():
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(TypeError, match="max_num_seq"):
         EngineArgs(max_num_seq=4)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        EngineArgs(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        EngineArgs(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineArgs(tensor_parallel_size=0)
+    assert EngineArgs(tensor_parallel_size=2).worker_config().tensor_parallel_size == 2
     with pytest.raises(ValueError, match="tokenizer_mode"):
         EngineArgs(tokenizer_mode="slow")
     with pytest.raises(ValueError, match="max_cpu_loras"):

@@ -165,7 +165,7 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
     assert (config.force_include_usage, config.return_tokens_as_token_ids, config.server_load_tracking,
             config.root_path) == (True, True, True, "/api")
     assert build_parser().parse_args(["worker"]).max_model_len == 32000  # (a service reads serve's sizes back)
-    for refused in (["--tokenizer-mode", "slow"], ["-tp", "2"], ["--max-model-len", "1.5"],
+    for refused in (["--tokenizer-mode", "slow"], ["-pp", "2"], ["--max-model-len", "1.5"],
                     ["--chat-template-content-format", "openai"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *refused])
@@ -173,9 +173,10 @@ def test_vllm_command_lines_run_as_typed(monkeypatch, capsys):
         build_parser().parse_args(["serve", "--allowed-origins", "https://ui.example"])  # not a JSON list
     assert build_parser().parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching is True
     with pytest.raises(SystemExit) as refused:
-        build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
+        build_parser().parse_args(["serve", "--pipeline-parallel-size", "2"])
     assert refused.value.code == 2
-    assert "one device" in capsys.readouterr().err
+    assert "no pipeline parallelism" in capsys.readouterr().err
+    assert build_parser().parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # vLLM's variable, where ours is not set
     assert build_parser().parse_args(["gateway"]).api_key == ["from-vllm"]
     monkeypatch.setenv("LLMBUS_API_KEY", "ours")

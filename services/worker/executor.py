@@ -111,4 +111,7 @@ class InProcessExecutor:
         return launch_step(self.runner, step)
 
     def close(self) -> None:
+        close = getattr(self.runner, "close", None)  # (a tensor-parallel runner's ranks stop with it)
+        if close is not None:
+            self.call(close)
         self._thread.shutdown(wait=True)

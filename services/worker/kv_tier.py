@@ -167,19 +167,25 @@ class HostKVTier:
         return torch.tensor(list(orders), dtype=torch.long), torch.tensor(list(orders.values()), dtype=torch.long)
 
 
-def host_kv_tier(caches: list, cache_config, recurrent: bool, architecture: str) -> HostKVTier | None:
+def host_kv_tier(caches: list, cache_config, recurrent: bool, architecture: str,
+                 kv_role: str = "kv_both") -> HostKVTier | None:
     """A worker's host KV tier (--kv-offloading-size), or None: not asked for, a hybrid model
-    (`recurrent`: its state is no block's), or a tier file of another layout (said in the log)."""
-    if cache_config.kv_offloading_size is None:
-        return None
-    if recurrent:
+    (`recurrent`: its state is no block's), or a tier file of another layout (said in the log).
+    A prefill or decode worker (`kv_role`) hands requests over through it: none is an error."""
+    tier = None
+    if cache_config.kv_offloading_size is not None and recurrent:
         log.warning("--kv-offloading-size: off for %s, whose recurrent state the tier does not hold", architecture)
-        return None
-    try:
-        return HostKVTier(caches, cache_config.kv_offloading_size, cache_config.kv_offloading_path)
-    except ValueError as exc:
-        log.warning("serving without the host KV tier: %s", exc)
-        return None
+    elif cache_config.kv_offloading_size is not None:
+        try:
+            tier = HostKVTier(caches, cache_config.kv_offloading_size, cache_config.kv_offloading_path)
+        except ValueError as exc:
+            log.warning("serving without the host KV tier: %s", exc)
+    if kv_role != "kv_both" and tier is None:
+        raise ValueError(f"a {kv_role} worker hands requests over through the host KV tier, which "
+                         + (f"does not hold {architecture}'s recurrent state: disaggregated serving is not "
+                            "supported for it" if recurrent else
+                            "--kv-offloading-size gives (none, or a tier file of another layout)"))
+    return tier
 
 
 def load_for_step(tier: HostKVTier, so, drop) -> tuple[list[int], list[str]]:

@@ -25,6 +25,7 @@ from services.worker.models.decoder import LlamaForCausalLM
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.models.fused_decode import FusedDecode
 from services.worker.models.weight_names import MULTIMODAL_PARTS
+from services.worker.parallel.sharding import Shards, slice_vocabulary, split_sums
 from shared.config import DTYPE_ALIASES, DTYPE_CHOICES
 from shared.hf.model_folder import checkpoint_dtype
 
@@ -122,9 +123,12 @@ def load_model(
     quantization: str | None = None,
     device: torch.device | str = "cpu",
     load_format: str = "auto",
+    tensor_parallel=None,
 ) -> LlamaForCausalLM:
     """`load_format` "auto" reads the folder's safetensors; "dummy" (vLLM's name) gives
-    random weights of the config's shape, for timing a shape no checkpoint is at hand for."""
+    random weights of the config's shape, for timing a shape no checkpoint is at hand for.
+    `tensor_parallel`: (this rank's group, the whole model's config) where `config` is one
+    rank's slice (parallel/sharding.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}: {', '.join(LOAD_FORMATS)}")
     folder = Path(folder)
@@ -136,12 +140,18 @@ def load_model(
     else:
         with torch.device("cpu"):
             model = LlamaForCausalLM(config, backend, max_position)
+        if tensor_parallel is not None:
+            group, full = tensor_parallel
+            model.shards = Shards(full, group.rank, group.world_size)
+            slice_vocabulary(model, model.shards, group)
         weights = iter_weights(folder)
         if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
             weights = fp8_widened(weights, config.fp8_weight_block)
         if config.quantized_weights is not None:  # (AWQ's, GPTQ's, compressed-tensors': widened as read, in float32)
             weights = quantized_widened(weights, config.quantized_weights)
         model.load_weights(weights)
+    if tensor_parallel is not None:
+        split_sums(model, tensor_parallel[0])  # (before packing: the packed copies take the zeroed biases)
     if quantization is not None:
         # From the checkpoint's own precision, every matmul weight of the decoder layers.
         # The LM head (a fifth of SmolLM2's weights) in int8 either way, whose per-channel
@@ -175,7 +185,8 @@ def load_model(
             # whole on every step.
             model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
         move_to_huge_pages(model)
-    model.fused_decode = FusedDecode.build(model)
+    # (the one-call C decode layer runs a whole layer: no sum between its products)
+    model.fused_decode = FusedDecode.build(model) if tensor_parallel is None else None
     return model.eval().requires_grad_(False)
 
 

@@ -34,6 +34,8 @@ from services.worker.kv_tier import host_kv_tier, load_for_step
 from services.worker.kv_cache import allocate_kv_caches, size_kv_cache
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.models.quantization import choose_quantization
+from services.worker.parallel.group import current_group
+from services.worker.parallel.sharding import local_config
 from services.worker.pooling import EMBED_PLACEHOLDER, pool
 from services.worker import recurrent_state
 from services.worker.step_log import StepLog
@@ -60,7 +62,9 @@ class ModelRunner:
         self.config = config = dataclasses.replace(config or WorkerConfig(), **fields)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = resolve_dtype(config.dtype, model_path, self.device)  # ("auto": the checkpoint's)
-        self.model_config = ModelConfig.from_folder(model_path)
+        self.tp = current_group()  # a tensor-parallel rank's group (parallel/), or None
+        full_config = ModelConfig.from_folder(model_path)
+        self.model_config = full_config if self.tp is None else local_config(full_config, self.tp.world_size)
         quantization = choose_quantization(config.quantization, self.model_config.quantized_weights, dtype,
                                            self.device, model_path)
         self.quantization = quantization
@@ -73,7 +77,7 @@ class ModelRunner:
         self.block_size = self.cache_config.block_size
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
-                                self.device, config.load_format)
+                                self.device, config.load_format, self.tp and (self.tp, full_config))
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
@@ -93,6 +97,8 @@ class ModelRunner:
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
             lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
+        if self.tp is not None:  # (every rank holds the same block ids: as many as the least of them)
+            self.num_blocks = self.tp.min(self.num_blocks)
         lora_config = config.lora_config
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): request
@@ -106,18 +112,12 @@ class ModelRunner:
             self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
                                                                self.dtype))
         self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
-                                    self.model_config.architecture)
-        if config.kv_role != "kv_both" and self.kv_tier is None:
-            raise ValueError(f"a {config.kv_role} worker hands requests over through the host KV tier, which "
-                             + (f"does not hold {self.model_config.architecture}'s recurrent state: disaggregated "
-                                "serving is not supported for it" if self.recurrent_rows else
-                                "--kv-offloading-size gives (none, or a tier file of another layout)"))
+                                    self.model_config.architecture, config.kv_role)
         self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
-        # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where
-        # a step's launches cost little beside its products (and the fused decode layer
-        # already makes one call a layer).
+        # CUDA graphs for decode steps on a GPU unless --enforce-eager; eager on CPU, where a
+        # step's launches cost little beside its products (and the fused decode layer's).
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:  # (TP: to measure)
             self.set_decode_graphs("capture")
         self.requests: dict[str, RequestState] = {}
         # (+1: a step's blocks may reach one past max_model_len's, for the token it samples.)
@@ -290,8 +290,9 @@ class ModelRunner:
         argmax_only = not drafts and all(map(_ARGMAX_ONLY, states))
         constrained = [] if argmax_only else [i for i in sample_rows if states[i].matcher is not None]
         if any(isinstance(states[i].matcher, Future) for i in constrained):
-            sample_rows, pending, failed = split_ready(states, sample_rows, grammar.wait_s(states, sample_rows,
-                                                                                           self.recurrent_rows > 0))
+            # (a tensor-parallel rank waits for every compile: the ranks must sample the same rows)
+            sample_rows, pending, failed = split_ready(states, sample_rows, None if self.tp else grammar.wait_s(
+                states, sample_rows, self.recurrent_rows > 0))
             output.resample_req_ids = [order[i] for i in pending]
             output.request_errors.update({order[i]: why for i, why in failed.items()})
             self.drop_requests([order[i] for i in failed])

@@ -179,6 +179,10 @@ class LlamaForCausalLM(nn.Module):
         self.generates = True
         # Which tokens of a step take which LoRA adapter, where the worker serves adapters.
         self.lora: LoRAMapping | None = None
+        # A tensor-parallel rank's cutter of checkpoint tensors and its rows of the
+        # vocabulary (parallel/sharding.py), set by the loader; None: the whole model.
+        self.shards = None
+        self.vocab_slices = None
         # A sequence classifier (config.num_labels): a score head, whose logits the worker
         # pools at the prompt's last token as it pools embeddings; it generates nothing.
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
@@ -231,10 +235,10 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [num_rows, hidden_size] -> [num_rows, vocab_size] float32
         if not self.generates:
             raise RuntimeError("this model has no LM head: it computes no logits")
-        if self.lm_head is None:  # tied
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
-        else:
-            logits = self.lm_head(hidden).float()
+        logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        if self.vocab_slices is not None:  # a tensor-parallel rank's rows of the vocabulary: every rank's, in order
+            logits = self.vocab_slices.gather(logits)
+        logits = logits.float()
         if self.config.final_logit_softcapping is not None:  # Gemma 2 (in float32; transformers: the model's dtype)
             cap = self.config.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -254,7 +258,8 @@ class LlamaForCausalLM(nn.Module):
             weights = ((n, t) for n, t in weights if not n.startswith(family.unread))
         weights = renamed_tensors(family, weights)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's layouts)
         for fixup in family.tensor_fixups:  # (stacked experts, fused products, a layout of its own)
-            weights = TENSOR_FIXUPS[fixup](weights, self.config)
+            # (on the checkpoint's whole tensors: a tensor-parallel rank's config counts its heads only)
+            weights = TENSOR_FIXUPS[fixup](weights, self.config if self.shards is None else self.shards.full)
         names = family.weight_names
         for name, tensor in weights:
             for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
@@ -284,9 +289,11 @@ class LlamaForCausalLM(nn.Module):
                     target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
                     if target not in params:
                         raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
-                    if stacked in TRANSPOSED_FIRST and not family.stacked_experts_out_in and rows.T.shape == params[target].shape:
+                    shape = params[target].shape if self.shards is None else self.shards.whole_shape(
+                        target, params[target].shape)
+                    if stacked in TRANSPOSED_FIRST and not family.stacked_experts_out_in and rows.T.shape == shape:
                         rows = rows.T
-                    _copy(params[target].data, rows, name)
+                    _copy(params[target].data, rows if self.shards is None else self.shards.cut(target, rows), name)
                     loaded.add(target)
                 continue
             for part, (fused, shard) in PACKED_WEIGHTS.items():
@@ -303,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
                     param = params[target]
                     if self.config.rotary_interleaved and part in ("q_proj", "k_proj"):
                         tensor = interleaved_as_halves(tensor, self.config.head_dim, self.config.rotary_dim)
+                    if self.shards is not None:
+                        tensor = self.shards.cut(name, tensor)
                     _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
                     loaded.add(f"{target}#{shard}")
                     break
@@ -312,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
                 if self.config.rotary_interleaved and ".qkv_proj." in name:
                     raise ValueError(f"checkpoint has {name!r} fused: interleaved rotary (GLM's) is reordered "
                                      "from q_proj and k_proj apart")
+                if self.shards is not None:
+                    tensor = self.shards.cut(name, tensor)
                 _copy(params[name].data, tensor, name)
                 loaded.add(name)
         if self.lm_head is not None and "lm_head.weight" not in loaded:

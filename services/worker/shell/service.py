@@ -17,7 +17,7 @@ import time
 import uuid
 
 from services.worker.executor import InProcessExecutor
-from services.worker.model_runner import ModelRunner
+from services.worker.parallel.ranks import build_runner
 from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import WorkerConfig
@@ -47,10 +47,7 @@ async def serve(
     if worker_config.cache_config.kv_offloading_size is not None:  # the host's tier: this shard's file
         worker_config.cache_config.kv_offloading_path = tier_path(nats_url, Subjects(model_name).prefix,
                                                                   data_parallel_rank)
-    executor = InProcessExecutor(
-        lambda: ModelRunner(model_path, worker_config),
-        threads,
-    )
+    executor = InProcessExecutor(lambda: build_runner(model_path, worker_config, threads), threads)
     runner = executor.runner
     # A server's first constrained request should not build the grammar compiler, and no
     # step should run beside its building (it holds the GIL): built before the worker joins.

@@ -1,0 +1,187 @@
+"""A rank's slice of the decoder (Megatron's layout, as vLLM shards it): q/k/v by heads
+(a KV head on several ranks where there are fewer than ranks), o_proj's input by the same
+heads, gate/up by their rows and down_proj's input by the same rows. o_proj and down_proj
+then hold partial sums that one all-reduce a product adds. Norms, the embedding and the
+LM head are whole on every rank, so every rank computes the same logits and samples the
+same tokens (its sampler seeded alike).
+
+The model is built from the rank's config (`local_config`: its heads and MLP rows), and
+each checkpoint tensor is cut as it is read (`Shards.cut`), so no rank holds another's
+slice of a layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.layers.moe import SparseMoE
+from services.worker.models.decoder_config import ModelConfig
+
+# Decoders whose layers are sharded as above; the rest are refused by what they have.
+_UNSHARDED = (
+    ("kv_lora_rank", "latent attention"),
+    ("recurrent_layers", "recurrent (hybrid) layers"),
+    ("attention_sinks", "attention sinks"),
+    ("attention_gate", "gated attention outputs"),
+    ("qk_norm_over_heads", "query/key norms over all heads"),
+    ("quantized_weights", "quantized weights"),
+    ("fp8_weight_block", "FP8 block-scaled weights"),
+)
+
+
+def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
+    """The config of one rank's slice; a ValueError naming what cannot be sharded."""
+    arch = config.architecture
+    for field, what in _UNSHARDED:
+        if getattr(config, field):
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {what} are not sharded yet "
+                             "(dense decoders with attention and an MLP are)")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % world_size:
+        raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {heads} attention heads do not split "
+                         f"over {world_size} ranks")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {kv_heads} KV heads neither split over "
+                         f"{world_size} ranks nor repeat evenly across them")
+    # (a sparse MLP: each rank a slice of every expert, as of a dense one, the router whole)
+    sizes = {"intermediate_size": "MLP", "moe_intermediate_size": "experts' MLPs",
+             "shared_expert_intermediate_size": "shared expert's MLP"}
+    for field, what in sizes.items():
+        if getattr(config, field) % world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {what} of {getattr(config, field)} "
+                             f"does not split over {world_size} ranks")
+    return dataclasses.replace(config, num_attention_heads=heads // world_size,
+                               num_key_value_heads=max(1, kv_heads // world_size),
+                               **{field: getattr(config, field) // world_size for field in sizes})
+
+
+class Shards:
+    """Cuts checkpoint tensors, by name, to rank `rank` of `world_size`."""
+
+    def __init__(self, full: ModelConfig, rank: int, world_size: int) -> None:
+        self.full, self.rank, self.world_size = full, rank, world_size
+
+    def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the whole of one every rank holds)."""
+        if ".q_proj." in name or ".gate_proj." in name or ".up_proj." in name:
+            return self._rows(tensor)
+        if ".k_proj." in name or ".v_proj." in name:
+            return self._kv_rows(tensor)
+        if ".o_proj." in name or ".down_proj." in name:
+            # (their bias is whole: added once, by rank 0, after the sum: `split_sums`)
+            return tensor.chunk(self.world_size, dim=1)[self.rank].contiguous() if tensor.dim() == 2 else tensor
+        if name.startswith(("model.embed_tokens.", "lm_head.")):
+            return self._vocab_rows(tensor)
+        if ".qkv_proj." in name:  # a checkpoint that fuses them (Phi-3): apart, cut, together again
+            hd, full = self.full.head_dim, self.full
+            q, k, v = tensor.split((full.num_attention_heads * hd, full.num_key_value_heads * hd,
+                                    full.num_key_value_heads * hd))
+            return torch.cat((self._rows(q), self._kv_rows(k), self._kv_rows(v)))
+        if ".gate_up_proj." in name:
+            if not self.full.gated_mlp:
+                return self._rows(tensor)
+            gate, up = tensor.chunk(2)
+            return torch.cat((self._rows(gate), self._rows(up)))
+        return tensor
+
+    def whole_shape(self, name: str, shape: torch.Size) -> tuple[int, ...]:
+        """The checkpoint's shape of an expert's product this rank holds `shape` of."""
+        if ".down_proj." in name:
+            return shape[0], shape[1] * self.world_size
+        return shape[0] * self.world_size, shape[1]
+
+    def vocab_rows(self) -> tuple[int, int, int]:
+        """(this rank's first row, its rows, every rank's rows): the vocabulary in equal
+        slices, the last one's tail zero rows (never looked up, cut from the logits)."""
+        per = -(-self.full.vocab_size // self.world_size)
+        first = self.rank * per
+        return first, max(0, min(per, self.full.vocab_size - first)), per
+
+    def _vocab_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        first, rows, per = self.vocab_rows()
+        out = tensor.new_zeros((per, *tensor.shape[1:]))
+        out[:rows] = tensor[first:first + rows]
+        return out
+
+    def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.chunk(self.world_size)[self.rank].contiguous()
+
+    def _kv_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        kv_heads = self.full.num_key_value_heads
+        if kv_heads >= self.world_size:
+            return self._rows(tensor)
+        # Fewer KV heads than ranks: each rank keeps the head its query heads read.
+        head = self.rank * kv_heads // self.world_size
+        hd = self.full.head_dim
+        return tensor[head * hd:(head + 1) * hd].contiguous()
+
+
+class RowParallel(nn.Module):
+    """A product over this rank's slice of its input: the ranks' partial sums added."""
+
+    def __init__(self, inner: nn.Module, group) -> None:
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x))
+
+
+@torch.no_grad()
+def split_sums(model: nn.Module, group) -> None:
+    """After loading: o_proj and down_proj sum over the ranks, their bias added once; a
+    sparse MLP's output summed once (its experts' and shared expert's partial sums, each
+    weighed by the whole router's weights, add up in any order)."""
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoE):
+            layer.mlp = RowParallel(layer.mlp, group)
+        for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            if owner is None or isinstance(owner, RowParallel):
+                continue
+            inner = getattr(owner, name)
+            if inner.bias is not None and group.rank:
+                inner.bias.zero_()
+            setattr(owner, name, RowParallel(inner, group))
+
+
+class VocabSlices(nn.Module):
+    """The embedding by rows of the vocabulary (vLLM's VocabParallelEmbedding): each rank
+    looks up the tokens in its rows (zero for the others'), and one all-reduce gives every
+    rank every token's row; the LM head's logits, each rank's slice, put side by side."""
+
+    def __init__(self, hidden_size: int, shards: Shards, group) -> None:
+        super().__init__()
+        self.first, self.rows, per = shards.vocab_rows()
+        self.vocab_size, self.group = shards.full.vocab_size, group
+        self.weight = nn.Parameter(torch.empty(per, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(logits) for _ in range(self.group.world_size)]
+        self.group.all_gather(parts, logits.contiguous())
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+
+def slice_vocabulary(model: nn.Module, shards: Shards, group) -> None:
+    """Before loading: the embedding and an untied LM head made this rank's rows."""
+    hidden = model.config.hidden_size
+    model.model.embed_tokens = model.vocab_slices = VocabSlices(hidden, shards, group)
+    if model.lm_head is not None:
+        model.lm_head = nn.Linear(hidden, model.vocab_slices.weight.shape[0], bias=model.lm_head.bias is not None)

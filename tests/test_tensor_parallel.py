@@ -1,0 +1,165 @@
+"""--tensor-parallel-size N: a worker of N ranks (processes in one gloo group here; NCCL on
+GPUs), each holding a slice of every layer and of the KV cache. Held to the oracle: greedy
+output equals transformers' token for token, family by family, with two ranks; seeded
+sampling equals one rank's; served, a rank's death takes the worker down as one and the
+streams end as an undisturbed run's."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmbus import LLM, SamplingParams
+from services.worker.models.decoder_config import ModelConfig
+from services.worker.parallel.sharding import Shards, local_config
+from tiny_models import build_tiny_model, hf_greedy, random_prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = random_prompts([3, 17, 40, 65], vocab_size=380, seed=7)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def folder(arch: str, **overrides) -> Path:
+        key = arch + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+        if key not in made:
+            made[key] = build_tiny_model(tmp_path_factory.mktemp(key), arch, **overrides)
+        return made[key]
+
+    return folder
+
+
+def _config(**fields) -> ModelConfig:
+    base = dict(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=16, intermediate_size=12,
+                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                rope_theta=1e4, max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False)
+    return ModelConfig(**{**base, **fields})
+
+
+def test_the_ranks_slices_put_together_are_the_checkpoint_s_tensors():
+    config = _config()
+    q, k, o, gate_up = torch.randn(16, 16), torch.randn(8, 16), torch.randn(16, 16), torch.randn(24, 16)
+    cuts = [Shards(config, rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat([c.cut("model.layers.0.self_attn.q_proj.weight", q) for c in cuts]), q)
+    assert torch.equal(torch.cat([c.cut("model.layers.0.self_attn.k_proj.weight", k) for c in cuts]), k)
+    assert torch.equal(torch.cat([c.cut("model.layers.0.self_attn.o_proj.weight", o) for c in cuts], 1), o)
+    bias = torch.randn(16)  # (o_proj's bias is whole on every rank: rank 0 alone adds it)
+    assert all(torch.equal(c.cut("model.layers.0.self_attn.o_proj.bias", bias), bias) for c in cuts)
+    # A fused checkpoint tensor (Phi-3's): each part cut apart, gate rows with their up rows
+    halves = [c.cut("model.layers.0.mlp.gate_up_proj.weight", gate_up) for c in cuts]
+    assert torch.equal(torch.cat([h[:6] for h in halves]), gate_up[:12])
+    assert torch.equal(torch.cat([h[6:] for h in halves]), gate_up[12:])
+    fused = torch.randn(32, 16)  # q 16 rows, k 8, v 8
+    parts = [c.cut("model.layers.0.self_attn.qkv_proj.weight", fused) for c in cuts]
+    assert torch.equal(parts[1][:8], fused[8:16]) and torch.equal(parts[1][8:12], fused[20:24])
+    # One KV head for four ranks: each rank keeps the head its queries read
+    one_kv = _config(num_key_value_heads=1)
+    k1 = torch.randn(4, 16)
+    assert all(torch.equal(Shards(one_kv, r, 4).cut("layers.0.self_attn.v_proj.weight", k1), k1) for r in range(4))
+    # The vocabulary in equal slices (64 rows over 3 ranks: 22, 22, 20 and two zero rows)
+    embedding = torch.randn(64, 16)
+    rows = [Shards(config, r, 3).cut("model.embed_tokens.weight", embedding) for r in range(3)]
+    assert [len(r) for r in rows] == [22] * 3 and not rows[2][20:].any()
+    assert torch.equal(torch.cat(rows)[:64], embedding)
+
+
+def test_what_cannot_be_sharded_is_refused_by_name(folders):
+    local = local_config(_config(), 2)
+    assert (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size) == (2, 1, 6)
+    assert local_config(_config(num_key_value_heads=1), 4).num_key_value_heads == 1
+    with pytest.raises(ValueError, match="3 attention heads"):
+        local_config(_config(num_attention_heads=3, num_key_value_heads=1), 2)
+    with pytest.raises(ValueError, match="MLP of 10"):
+        local_config(_config(intermediate_size=10, num_attention_heads=4), 4)
+    with pytest.raises(ValueError, match="experts' MLPs of 6"):
+        local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=4, moe_intermediate_size=6), 4)
+    # Offline, before any rank starts: latent attention, and a flag not sharded yet
+    with pytest.raises(ValueError, match="latent attention"):
+        LLM(str(folders("deepseek_v3")), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--quantization"):
+        LLM(str(folders("llama")), tensor_parallel_size=2, quantization="int8")
+
+
+# Each a different cut: GQA (4 query heads, 2 KV), one KV head on both ranks, q/k/v
+# biases, per-head query/key norms, a checkpoint with q/k/v and gate/up fused and an untied
+# LM head over a vocabulary that does not split evenly (383 rows: 192 and 191), windows
+# and soft caps with sandwich norms, and a parallel residual with biased products (o_proj's
+# and down_proj's bias added once, after the sum); sparse MLPs, each rank a slice of every
+# expert (Mixtral's names, Qwen2-MoE's gated shared expert, GraniteMoE's stacked experts).
+FAMILIES = [("llama", {}), ("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}),
+            ("phi3", {"vocab_size": 383}), ("gemma2", {}), ("gpt_neox", {}), ("mixtral", {}), ("qwen2_moe", {}),
+            ("granite_moe", {})]
+
+
+@pytest.mark.parametrize("arch,overrides", FAMILIES,
+                         ids=[a + "".join(f"-{k}{v}" for k, v in o.items()) for a, o in FAMILIES])
+def test_two_ranks_give_transformers_greedy_output(folders, arch, overrides):
+    folder = folders(arch, **overrides)
+    llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    assert got == hf_greedy(folder, PROMPTS, 16)
+    llm.executor.close()
+
+
+def test_two_ranks_sample_what_one_rank_samples(folders):
+    """Seeded draws, and a grammar's (each rank compiles its own: they sample together)."""
+    from llmbus import StructuredOutputsParams
+
+    folder = folders("llama")
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True, seed=s) for s in range(3)]
+    params.append(SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[a-z]{2}")))
+    runs = []
+    for size in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=size, max_model_len=256, num_kv_blocks=64)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].text) for o in outputs])
+        llm.executor.close()
+    assert runs[0] == runs[1]
+    assert len({tuple(t) for t, _ in runs[0]}) == 4
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", runs[1][3][1])
+
+
+@pytest.mark.slow
+def test_served_a_rank_s_death_takes_its_worker_down_and_no_stream_is_lost(folders, tmp_path):
+    """`llmbus serve --tensor-parallel-size 2`: streams equal offline; the second rank
+    SIGKILLed mid-stream, the worker goes down with it, the supervisor starts the group
+    again and every stream ends with the undisturbed run's text."""
+    from deployment import llmbus_serve, stream_texts
+    from llmbus.deploy.serve import live_children
+
+    folder = folders("llama")
+    prompts = [f"stream {i}: " + "the river runs past the mill " * (2 + i % 3) for i in range(8)]
+    llm = LLM(str(folder), max_model_len=512, num_kv_blocks=128)
+    expected = [o.outputs[0].text for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))]
+    proc, url = llmbus_serve(["--model", str(folder), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                              "--max-model-len", "512", "--num-kv-blocks", "128"], tmp_path / "serve.log")
+    try:
+        assert asyncio.run(stream_texts(url, prompts, 40)) == expected
+        worker = live_children(proc.pid, "worker")[0]
+        rank1 = [c for c in worker.children() if "services.worker.parallel.ranks" in " ".join(c.cmdline())]
+        assert len(rank1) == 1
+        killed = []
+
+        def kill_rank1() -> None:
+            rank1[0].kill()
+            killed.append(time.monotonic())
+
+        assert asyncio.run(stream_texts(url, prompts, 40, on_started=kill_rank1)) == expected
+        assert killed
+        assert [w.pid for w in live_children(proc.pid, "worker")] != [worker.pid]  # (rank 0 went with it)
+        assert "tensor-parallel rank 1 exited" in (tmp_path / "serve.log").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(60)
