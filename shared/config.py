@@ -42,6 +42,10 @@ class SchedulerConfig:
     # vLLM's: the most logprobs (and prompt_logprobs) a request may ask for; -1: the whole
     # vocabulary. Each asked for is a column of a [rows, vocab] top-k and of the copy back.
     max_logprobs: int = 20
+    # Dynamo's conditional disaggregation: a new prompt with at most this many tokens left
+    # to compute on a decode worker (its prefix cache counted) is prefilled there, not
+    # handed over; 0: every new prompt goes to a prefill worker.
+    max_local_prefill_length: int = 0
 
     def __post_init__(self) -> None:
         if self.max_logprobs < -1:

@@ -167,6 +167,10 @@ class EngineArgs:
                                  "admission and preemption", choices=SCHEDULING_POLICIES)
     max_logprobs: int = arg(20, "scheduler", "vLLM's: the most logprobs a request may ask for (-1: the whole "
                             "vocabulary)", type=int)
+    max_local_prefill_length: int = arg(
+        0, "scheduler", "Dynamo's, with --prefill-workers: a new prompt with at most this many tokens left to "
+        "compute on a decode worker (its prefix cache counted) is prefilled there (0: every one on a prefill "
+        "worker)", type=int)
     async_scheduling: bool = arg(True, "scheduler", "wait for each step's answer before building the next "
                                  "(default: keep two in flight)", on="two steps in flight")
     kv_events_config: str | dict | None = arg(
@@ -234,6 +238,7 @@ class EngineArgs:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
             scheduling_policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
+            max_local_prefill_length=self.max_local_prefill_length,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
 

@@ -268,3 +268,32 @@ def test_a_draining_worker_hands_a_request_over_mid_prefill_with_just_what_it_co
     new = step.scheduled_new_reqs[0]
     assert new.num_computed_tokens == 10 and step.num_scheduled_tokens == {"r": 10}  # the prompt goes on from 10
     assert len(step.kv_loads) == 3 and list(step.kv_loads) == new.block_ids[:3]
+
+
+def test_a_prompt_with_little_left_to_compute_is_prefilled_where_it_decodes():
+    """Dynamo's conditional disaggregation (--max-local-prefill-length): a new prompt with at
+    most that many tokens left to compute on a decode worker, its prefix cache counted, is
+    prefilled there; the rest go to the prefill worker."""
+    from services.scheduler.shell.fleet import Fleet
+    from shared.config import SchedulerConfig
+    from shared.messages import EngineCoreRequest, ModelRunnerOutput, WorkerInfo
+    from shared.sampling_params import SamplingParams
+
+    fleet = Fleet(SchedulerConfig(max_model_len=512, max_local_prefill_length=8))
+    for worker_id, role in (("p", "kv_producer"), ("d", "kv_consumer")):
+        fleet.heard_from(WorkerInfo(worker_id, "tiny", 64, 4, max_model_len=1024, vocab_size=100,
+                                    kv_tier="host:/tier", kv_tier_slots=32, kv_role=role), now=0.0)
+    producer, consumer = fleet.workers["p"], fleet.workers["d"]
+
+    def submit(request_id: str, prompt: list[int]):
+        fleet.submit(EngineCoreRequest(request_id, prompt, SamplingParams(max_tokens=2), reply_subject="out"), 0.0)
+        return fleet.owner[request_id]
+
+    assert submit("short", list(range(1, 9))) is consumer  # 8 tokens: computed where it decodes
+    assert not consumer.core.requests["short"].decode_elsewhere
+    step = consumer.core.schedule()
+    consumer.core.update_from_output(step, ModelRunnerOutput(step.step_id, ["short"], [[42]], [[]]))
+    # 14 tokens, the first 8 cached on the decode worker: 6 left there
+    assert submit("cached", [*range(1, 9), *range(50, 56)]) is consumer
+    assert submit("long", list(range(60, 74))) is producer  # 14, none cached
+    assert producer.core.requests["long"].decode_elsewhere

@@ -218,6 +218,11 @@ class Fleet:
         consumers = [h for h in able if h.info.kv_role != "kv_producer"]
         fresh = not item.output_token_ids
         disaggregate = fresh and bool(producers) and any(h.info.kv_role == "kv_consumer" for h in consumers)
+        if disaggregate and self.config.max_local_prefill_length:
+            # (Dynamo's conditional disaggregation: little left to compute where it would decode)
+            left = min(len(tokens) - h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt)
+                       * h.info.block_size for h in consumers)
+            disaggregate = left > self.config.max_local_prefill_length
         able = producers if disaggregate else (consumers or able)
         block_size = able[0].info.block_size
         chain = block_chain(tokens, (lora.lora_int_id if lora else None, item.cache_salt), block_size)
