@@ -82,9 +82,9 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
         local_config(_config(intermediate_size=10, num_attention_heads=4), 4)
     with pytest.raises(ValueError, match="experts' MLPs of 6"):
         local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=4, moe_intermediate_size=6), 4)
-    # Offline, before any rank starts: latent attention, and a flag not sharded yet
-    with pytest.raises(ValueError, match="latent attention"):
-        LLM(str(folders("deepseek_v3")), tensor_parallel_size=2)
+    # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
+    with pytest.raises(ValueError, match="recurrent"):
+        LLM(str(folders("lfm2")), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="--quantization"):
         LLM(str(folders("llama")), tensor_parallel_size=2, quantization="int8")
 
@@ -94,10 +94,12 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
 # LM head over a vocabulary that does not split evenly (383 rows: 192 and 191), windows
 # and soft caps with sandwich norms, and a parallel residual with biased products (o_proj's
 # and down_proj's bias added once, after the sum); sparse MLPs, each rank a slice of every
-# expert (Mixtral's names, Qwen2-MoE's gated shared expert, GraniteMoE's stacked experts).
+# expert (Mixtral's names, Qwen2-MoE's gated shared expert, GraniteMoE's stacked experts);
+# latent attention (DeepSeek-V3: each rank its heads' query and kv_b_proj rows, the latent
+# and its cache on every rank).
 FAMILIES = [("llama", {}), ("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}),
             ("phi3", {"vocab_size": 383}), ("gemma2", {}), ("gpt_neox", {}), ("mixtral", {}), ("qwen2_moe", {}),
-            ("granite_moe", {})]
+            ("granite_moe", {}), ("deepseek_v3", {})]
 
 
 @pytest.mark.parametrize("arch,overrides", FAMILIES,

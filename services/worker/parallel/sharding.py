@@ -22,7 +22,6 @@ from services.worker.models.decoder_config import ModelConfig
 
 # Decoders whose layers are sharded as above; the rest are refused by what they have.
 _UNSHARDED = (
-    ("kv_lora_rank", "latent attention"),
     ("recurrent_layers", "recurrent (hybrid) layers"),
     ("attention_sinks", "attention sinks"),
     ("attention_gate", "gated attention outputs"),
@@ -66,7 +65,9 @@ class Shards:
 
     def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (the whole of one every rank holds)."""
-        if ".q_proj." in name or ".gate_proj." in name or ".up_proj." in name:
+        if any(part in name for part in (".q_proj.", ".gate_proj.", ".up_proj.", ".q_b_proj.", ".kv_b_proj.")):
+            # (latent attention's heads: their query rows and their rows of kv_b_proj; the
+            # latent itself, kv_a_proj's, is every rank's, and so is its cache)
             return self._rows(tensor)
         if ".k_proj." in name or ".v_proj." in name:
             return self._kv_rows(tensor)
