@@ -89,17 +89,19 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
         LLM(str(folders("llama")), tensor_parallel_size=2, quantization="int8")
 
 
-# Each a different cut: GQA (4 query heads, 2 KV), one KV head on both ranks, q/k/v
-# biases, per-head query/key norms, a checkpoint with q/k/v and gate/up fused and an untied
+# Each a different cut: one KV head on both ranks, q/k/v biases, GQA (4 query heads, 2 KV)
+# with per-head query/key norms, a checkpoint with q/k/v and gate/up fused and an untied
 # LM head over a vocabulary that does not split evenly (383 rows: 192 and 191), windows
 # and soft caps with sandwich norms, and a parallel residual with biased products (o_proj's
 # and down_proj's bias added once, after the sum); sparse MLPs, each rank a slice of every
 # expert (Mixtral's names, Qwen2-MoE's gated shared expert, GraniteMoE's stacked experts);
 # latent attention (DeepSeek-V3: each rank its heads' query and kv_b_proj rows, the latent
-# and its cache on every rank).
-FAMILIES = [("llama", {}), ("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}),
-            ("phi3", {"vocab_size": 383}), ("gemma2", {}), ("gpt_neox", {}), ("mixtral", {}), ("qwen2_moe", {}),
-            ("granite_moe", {}), ("deepseek_v3", {})]
+# and its cache on every rank); gpt-oss's sinks a head and its experts' biases; Qwen3-Next's
+# Gated DeltaNet (by key head, its value heads, state and convolution channels with it)
+# beside gated full attention.
+FAMILIES = [("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}), ("phi3", {"vocab_size": 383}),
+            ("gemma2", {}), ("gpt_neox", {}), ("mixtral", {}), ("qwen2_moe", {}), ("granite_moe", {}),
+            ("deepseek_v3", {}), ("gpt_oss", {}), ("qwen3_next", {})]
 
 
 @pytest.mark.parametrize("arch,overrides", FAMILIES,

@@ -22,9 +22,6 @@ from services.worker.models.decoder_config import ModelConfig
 
 # Decoders whose layers are sharded as above; the rest are refused by what they have.
 _UNSHARDED = (
-    ("recurrent_layers", "recurrent (hybrid) layers"),
-    ("attention_sinks", "attention sinks"),
-    ("attention_gate", "gated attention outputs"),
     ("qk_norm_over_heads", "query/key norms over all heads"),
     ("quantized_weights", "quantized weights"),
     ("fp8_weight_block", "FP8 block-scaled weights"),
@@ -38,6 +35,16 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
         if getattr(config, field):
             raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {what} are not sharded yet "
                              "(dense decoders with attention and an MLP are)")
+    if config.recurrent_layers and config.recurrent_mixer != "gated_delta_net":
+        raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s recurrent ({config.recurrent_mixer}) "
+                         "layers are not sharded yet (Gated DeltaNet's are)")
+    linear = {}
+    if config.recurrent_layers:  # (Qwen3.5's, Qwen3-Next's linear attention: by key head, its value heads with it)
+        for field in ("linear_num_key_heads", "linear_num_value_heads"):
+            if getattr(config, field) % world_size:
+                raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {getattr(config, field)} linear "
+                                 f"attention heads ({field}) do not split over {world_size} ranks")
+            linear[field] = getattr(config, field) // world_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {heads} attention heads do not split "
@@ -54,7 +61,7 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
                              f"does not split over {world_size} ranks")
     return dataclasses.replace(config, num_attention_heads=heads // world_size,
                                num_key_value_heads=max(1, kv_heads // world_size),
-                               **{field: getattr(config, field) // world_size for field in sizes})
+                               **{field: getattr(config, field) // world_size for field in sizes}, **linear)
 
 
 class Shards:
@@ -65,13 +72,23 @@ class Shards:
 
     def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (the whole of one every rank holds)."""
-        if any(part in name for part in (".q_proj.", ".gate_proj.", ".up_proj.", ".q_b_proj.", ".kv_b_proj.")):
+        if any(part in name for part in (".q_proj.", ".gate_proj.", ".up_proj.", ".q_b_proj.", ".kv_b_proj.",
+                                         ".output_gate.")) or name.endswith(".self_attn.sinks"):
             # (latent attention's heads: their query rows and their rows of kv_b_proj; the
-            # latent itself, kv_a_proj's, is every rank's, and so is its cache)
+            # latent itself, kv_a_proj's, is every rank's, and so is its cache. A gate and a
+            # sink a head, or a gate an output element: the rank's heads')
             return self._rows(tensor)
         if ".k_proj." in name or ".v_proj." in name:
             return self._kv_rows(tensor)
-        if ".o_proj." in name or ".down_proj." in name:
+        if ".in_proj_qkv." in name or ".conv1d." in name:  # (a Gated DeltaNet's: its heads' q, k and v channels)
+            full = self.full
+            key_size = full.linear_num_key_heads * full.linear_key_head_dim
+            q, k, v = tensor.split((key_size, key_size, full.linear_num_value_heads * full.linear_value_head_dim))
+            return torch.cat((self._rows(q), self._rows(k), self._rows(v)))
+        if any(part in name for part in (".in_proj_z.", ".in_proj_b.", ".in_proj_a.")) or \
+                name.endswith((".dt_bias", ".A_log")):
+            return self._rows(tensor)
+        if ".o_proj." in name or ".down_proj." in name or ".out_proj." in name:
             # (their bias is whole: added once, by rank 0, after the sum: `split_sums`)
             return tensor.chunk(self.world_size, dim=1)[self.rank].contiguous() if tensor.dim() == 2 else tensor
         if name.startswith(("model.embed_tokens.", "lm_head.")):
@@ -147,8 +164,13 @@ def split_sums(model: nn.Module, group) -> None:
     weighed by the whole router's weights, add up in any order)."""
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
+            if group.rank:  # (gpt-oss's experts' output biases: added once, after the sum)
+                for expert in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert])):
+                    if expert.down_proj.bias is not None:
+                        expert.down_proj.bias.zero_()
             layer.mlp = RowParallel(layer.mlp, group)
-        for owner, name in ((layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+        mixer = "out_proj" if hasattr(layer.self_attn, "out_proj") else "o_proj"  # (a Gated DeltaNet's: out_proj)
+        for owner, name in ((layer.self_attn, mixer), (layer.mlp, "down_proj")):
             if owner is None or isinstance(owner, RowParallel):
                 continue
             inner = getattr(owner, name)
