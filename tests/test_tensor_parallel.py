@@ -89,6 +89,18 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
         LLM(str(folders("llama")), tensor_parallel_size=2, quantization="int8")
 
 
+def test_a_rank_that_cannot_meet_its_group_says_which():
+    import socket
+
+    from services.worker.parallel.group import TensorParallelGroup
+
+    with socket.socket() as probe:  # (a port no store listens on)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(RuntimeError, match=rf"rank 1 of 2 could not reach rank 0's store at 127.0.0.1:{port}"):
+        TensorParallelGroup.meet(1, 2, torch.device("cpu"), port, meet_timeout_s=1)
+
+
 # Each a different cut: one KV head on both ranks, q/k/v biases, GQA (4 query heads, 2 KV)
 # with per-head query/key norms, a checkpoint with q/k/v and gate/up fused and an untied
 # LM head over a vocabulary that does not split evenly (383 rows: 192 and 191), windows

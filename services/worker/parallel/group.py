@@ -41,8 +41,9 @@ class TensorParallelGroup:
             store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                                   timeout=timedelta(seconds=meet_timeout_s))
         except Exception as exc:  # (torch's own: DistStoreError, RuntimeError)
+            why = str(exc).split("[", 1)[0].strip() or type(exc).__name__  # (torch appends its C++ log: cut)
             raise RuntimeError(f"tensor-parallel rank {rank} of {world_size} could not reach rank 0's store at "
-                               f"127.0.0.1:{port} in {meet_timeout_s:.0f} s: {exc}") from exc
+                               f"127.0.0.1:{port} in {meet_timeout_s:.0f} s: {why}") from None
         return cls(rank, world_size, device, store)
 
     def make_current(self) -> TensorParallelGroup:
