@@ -48,15 +48,23 @@ def _speculative(text: str) -> SpeculativeConfig:
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
-def kv_role(config: str | dict | None) -> str:
-    """vLLM's kv_transfer_config's role (kv_both without one); another key is a ValueError
-    naming it: llmbus moves KV through its own host tier, no connector of vLLM's."""
+def kv_transfer(config: str | dict | None) -> dict:
+    """vLLM's kv_transfer_config: kv_role (kv_both without one), and kv_ip, kv_port where the
+    worker serves its host tier to other hosts; another key is a ValueError naming it: llmbus
+    moves KV through its own host tier, no connector of vLLM's."""
     value = json.loads(config) if isinstance(config, str) else (config or {})
-    unknown = sorted(set(value) - {"kv_role"})
+    unknown = sorted(set(value) - {"kv_role", "kv_ip", "kv_port"})
     if unknown:
-        raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not supported (llmbus takes kv_role; its KV "
-                         "moves through the host tier, --kv-offloading-size)")
-    role = value.get("kv_role", "kv_both")
+        raise ValueError(f"kv_transfer_config: {', '.join(unknown)} not supported (llmbus takes kv_role, kv_ip and "
+                         "kv_port; its KV moves through the host tier, --kv-offloading-size)")
+    if not isinstance(value.get("kv_ip", ""), str) or not isinstance(value.get("kv_port", 0), int):
+        raise ValueError("kv_transfer_config: kv_ip is an address (a string), kv_port a number")
+    return value
+
+
+def kv_role(config: str | dict | None) -> str:
+    """vLLM's kv_transfer_config's role (kv_both without one)."""
+    role = kv_transfer(config).get("kv_role", "kv_both")
     if role not in KV_ROLES:
         raise ValueError(f"kv_transfer_config: kv_role {role!r} is not one of {', '.join(KV_ROLES)}")
     return role
@@ -123,8 +131,9 @@ class EngineArgs:
     kv_transfer_config: str | dict | None = arg(
         None, "worker", 'vLLM\'s: \'{"kv_role": "kv_producer"}\' (a prefill worker: it computes prompts and '
         'hands them over), "kv_consumer" (a decode worker: it takes them over, their KV loaded from the host\'s '
-        'tier) or "kv_both" (the default: both); `llmbus serve --prefill-workers P --decode-workers D` sets it',
-        type=json_object)
+        'tier) or "kv_both" (the default: both); `llmbus serve --prefill-workers P --decode-workers D` sets it. '
+        '"kv_ip", "kv_port": where it serves its host tier to other hosts\' workers (default: every interface, '
+        'a free port)', type=json_object)
     attention_backend: str | None = arg(None, "worker", "default: triton on a GPU, torch on CPU",
                                         choices=["torch", "triton"])
     threads: int | None = arg(None, "worker", "torch threads for the model (default: torch's, one per core)",
@@ -226,7 +235,9 @@ class EngineArgs:
             max_cudagraph_capture_size=self.max_cudagraph_capture_size or min(2 * self.max_num_seqs, 512),
             load_format=self.load_format, lora_config=self.lora_config(), seed=self.seed,
             tokenizer=tokenizer or self.tokenizer, max_num_seqs=self.max_num_seqs,
-            kv_role=kv_role(self.kv_transfer_config), tensor_parallel_size=self.tensor_parallel_size)
+            kv_role=kv_role(self.kv_transfer_config), tensor_parallel_size=self.tensor_parallel_size,
+            kv_ip=kv_transfer(self.kv_transfer_config).get("kv_ip", ""),
+            kv_port=kv_transfer(self.kv_transfer_config).get("kv_port", 0))
 
     def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
         """`model_max_len`: the model's, when known here; served, each worker caps it later."""

@@ -81,6 +81,40 @@ def test_blocks_go_through_a_shared_file_bit_for_bit(tmp_path, dtype):
         HostKVTier(caches(0)[:1], 1 << 20, path)
 
 
+def test_blocks_cross_hosts_over_tcp_bit_for_bit_with_a_one_time_token(tmp_path):
+    """Two hosts' tiers (two files): blocks stored in one, loaded into another worker's
+    cache through the first's server (services/worker/kv_transfer.py), the same bytes; a
+    byte flipped in a slot is that block refused; a token used twice, or not signed for
+    these slots, sends nothing, and every block of the load is refused."""
+    from shared.kv_transfer_tokens import sign
+    from shared.messages import RemoteKVLoad
+
+    g = torch.Generator().manual_seed(0)
+    writer = [torch.randn(2, 9, 4, 2, 8, generator=g), torch.randn(2, 9, 4, 2, 8, generator=g)]
+    reader = [torch.zeros(2, 9, 4, 2, 8), torch.zeros(2, 9, 4, 2, 8)]
+    a, b = HostKVTier(writer, 1 << 20, str(tmp_path / "a")), HostKVTier(reader, 1 << 20, str(tmp_path / "b"))
+    a.store({0: 4, 1: 5, 2: 6, 5: 9})
+    secret = b"k"
+    address = a.serve(secret, "127.0.0.1")
+    try:
+        def load(orders, slots=None, token=None):
+            signed, expires = sign(secret, address, slots or list(orders.values()))
+            return b.load_remote(RemoteKVLoad(address, token or signed, expires, orders))
+
+        assert load({3: 4, 4: 5, 7: 9}) == []
+        for w, r in zip(writer, reader):
+            for written, read in ((0, 3), (1, 4), (5, 7)):
+                assert torch.equal(r[:, read], w[:, written])
+        a.data[6, 100] ^= 0xFF  # (memory gone bad on the serving host)
+        assert load({1: 6, 2: 4}) == [1]
+        assert load({1: 4}, slots=[5]) == [1]  # a token for other slots
+        token, _ = sign(secret, address, [4])
+        assert load({1: 4}, token=token) == []
+        assert load({1: 4}, token=token) == [1]  # (used once already)
+    finally:
+        a.server.close()
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tier_models")
@@ -185,11 +219,14 @@ def test_a_block_corrupted_in_the_tier_is_never_used(family_models, caplog):
     assert len(index) == stored
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "gemma2"])
-def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp_path):
-    """Prefill and decode on two model runners of one host (the fleet and the runners in
-    process, stepped in turn): greedy and seeded outputs equal the offline engine's, and no
-    step of the decode worker computes a prompt token."""
+@pytest.mark.parametrize("family,hosts", [("llama", 1), ("qwen3_moe", 1), ("deepseek_v3", 1), ("gemma2", 1),
+                                          ("llama", 2), ("deepseek_v3", 2)])
+def test_disaggregated_steps_give_one_worker_s_output(family_models, family, hosts, tmp_path):
+    """Prefill and decode on two model runners (the fleet and the runners in process,
+    stepped in turn), of one host (one tier file) or of two (a tier each: the decode worker
+    loads the prompt's blocks from the prefill worker's tier over TCP, with a token the
+    scheduler signed): greedy and seeded outputs equal the offline engine's, and no step of
+    the decode worker computes a prompt token."""
     from llmbus import LLM, SamplingParams
     from services.scheduler.shell.fleet import Fleet
     from services.worker.model_runner import ModelRunner
@@ -204,14 +241,18 @@ def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp
     expected = {f"{i}-{j}": out.outputs[0].token_ids for j, p in enumerate(params)
                 for i, out in enumerate(plain.generate([{"prompt_token_ids": t} for t in prompts], p,
                                                        use_tqdm=False))}
-    runners = {}
+    runners, secret = {}, b"the deployment's"
     for worker_id, role in (("p", "kv_producer"), ("d", "kv_consumer")):
         cache = CacheConfig(num_kv_blocks=64, block_size=16, kv_offloading_size=1 << 24,
-                            kv_offloading_path=str(tmp_path / "tier"))
+                            kv_offloading_path=str(tmp_path / ("tier" if hosts == 1 else f"tier-{worker_id}")))
         runners[worker_id] = ModelRunner(folder, WorkerConfig(cache, max_model_len=1024, kv_role=role))
-    fleet = Fleet(SchedulerConfig(max_model_len=1024))
+    fleet = Fleet(SchedulerConfig(max_model_len=1024), transfer_secret=secret if hosts == 2 else None)
     for worker_id, runner in runners.items():
-        fleet.heard_from(runner.describe(worker_id, "tiny"), now=0.0)
+        info = runner.describe(worker_id, "tiny")
+        if hosts == 2:
+            info.kv_tier_address = runner.kv_tier.serve(secret, "127.0.0.1")
+        fleet.heard_from(info, now=0.0)
+    remote_loads = 0
     for j, p in enumerate(params):
         for i, tokens in enumerate(prompts):
             fleet.submit(EngineCoreRequest(f"{i}-{j}", tokens, p, eos_token_id=None, reply_subject="out"), 0.0)
@@ -226,6 +267,8 @@ def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp
             if worker_id == "d" and step.num_scheduled_tokens:
                 decode_steps += 1
                 assert set(step.num_scheduled_tokens.values()) == {1}  # decodes only
+                remote_loads += sum(len(load.orders) for load in step.kv_remote_loads)
+                assert not (hosts == 2 and step.kv_loads)  # (its own tier holds none of them)
             for outputs in handle.core.update_from_output(step, runner.execute_model(step)).values():
                 for output in outputs.outputs:
                     got[output.request_id] += output.new_token_ids
@@ -234,6 +277,10 @@ def test_disaggregated_steps_give_one_worker_s_output(family_models, family, tmp
             break
     assert got == expected
     assert decode_steps >= 5
+    assert (remote_loads > 0) == (hosts == 2)
+    for runner in runners.values():
+        if runner.kv_tier.server is not None:
+            runner.kv_tier.server.close()
 
 
 def test_a_draining_worker_hands_a_request_over_mid_prefill_with_just_what_it_computed():

@@ -58,7 +58,16 @@ def run(args: argparse.Namespace) -> int:
     # an OpenMP team of its own beside the runner's, these copies ran 2.5x slower here)
     scratch = llm.executor.call(HostKVTier, llm.runner.kv_caches, num_blocks * (1 << 24), None)
     orders = {block: block for block in range(num_blocks)}
-    moves: dict[str, list[float]] = {"store": [], "load": []}
+    moves: dict[str, list[float]] = {"store": [], "load": [], "tcp_load": []}
+    # The same load from another host's tier: its slots over TCP (loopback here), with a
+    # one-time token, as a decode worker on another host loads a prompt prefilled elsewhere
+    from shared.kv_transfer_tokens import sign
+    from shared.messages import RemoteKVLoad
+
+    address = llm.executor.call(scratch.serve, b"bench", "127.0.0.1")
+
+    def over_tcp(orders):
+        return scratch.load_remote(RemoteKVLoad(address, *sign(b"bench", address, list(orders.values())), orders))
 
     def timed(copy) -> tuple[float, object]:  # (on the runner's thread, as a worker copies: its OpenMP team's)
         start = time.perf_counter()
@@ -71,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         elapsed, bad = llm.executor.call(timed, scratch.load)
         moves["load"].append(elapsed)
         same = same and not bad
+        elapsed, bad = llm.executor.call(timed, over_tcp)
+        moves["tcp_load"].append(elapsed)
+        same = same and not bad
+    scratch.server.close()
     ms = {case: round(statistics.median(t) * 1e3, 2) for case, t in times.items()}
     print(json.dumps({
         "model": args.model or DEFAULT_MODEL, "dtype": kwargs.get("dtype"), "prefix_len": args.prefix_len, "repeat": args.repeat,

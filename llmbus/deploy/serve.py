@@ -34,6 +34,7 @@ from llmbus.deploy.processes import child_setup
 from llmbus.deploy.supervisor import CrashLoop, Supervisor, stop_all  # noqa: F401 - stop_all for the tests' harness
 from shared.bus import Subjects
 from shared.kv_tier_files import remove_tier_files
+from shared.kv_transfer_tokens import SECRET_ENV as KV_SECRET_ENV
 
 
 # The variables of the --nats-* credential flags (llmbus/cli/services.py add_bus_auth_args).
@@ -176,6 +177,8 @@ def run_serve(args, service_env: dict[str, str]) -> int:
                 supervisor.adopt(node.name if len(nats) > 1 else "nats", node.spawn, node.proc, time.monotonic())
             nats_url = ",".join(node.url for node in nats)
         env = dict(os.environ, **service_env)
+        # (the deployment's key for KV transfers between hosts: shared/kv_transfer_tokens.py)
+        env.setdefault(KV_SECRET_ENV, secrets.token_hex(16))
         common = ["--nats-url", nats_url]
         if args.verbose:  # `llmbus -v serve`: every service logs at INFO too (cli.main reads it)
             env["LLMBUS_VERBOSE"] = "1"

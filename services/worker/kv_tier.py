@@ -25,6 +25,8 @@ import socket
 import numpy as np
 import torch
 
+from services.worker.kv_transfer import TierServer, fetch_slots
+
 log = logging.getLogger("llmbus.worker")
 
 _MAGIC = b"llmbus-kv-tier-3"
@@ -96,13 +98,24 @@ class HostKVTier:
             self.name = f"{socket.gethostname()}:{path}"
         header = _header_bytes(self.num_slots)
         self.checksums = whole[64:64 + 8 * self.num_slots].view(torch.int64)
-        self.data = data = whole[header:].view(self.num_slots, self.slot_bytes)
+        self.data = whole[header:].view(self.num_slots, self.slot_bytes)
         self._words = self.slot_bytes % 8 == 0  # (summed as int64 words, else as bytes)
-        # Each layer's part of every slot, shaped as that layer's block is
-        self.views, offset = [], 0
+        self.views = self._layer_views(self.data)
+        self.server: TierServer | None = None  # (serve(): its slots to other hosts' workers)
+
+    def _layer_views(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's part of every slot of `data` ([slots, slot_bytes]), shaped as that
+        layer's block is."""
+        views, offset = [], 0
         for cache, nbytes in zip(self.layers, self.layer_bytes):
-            self.views.append(data[:, offset:offset + nbytes].view(cache.dtype).unflatten(1, cache.shape[1:]))
+            views.append(data[:, offset:offset + nbytes].view(cache.dtype).unflatten(1, cache.shape[1:]))
             offset += nbytes
+        return views
+
+    def serve(self, secret: bytes, host: str = "0.0.0.0", advertise: str | None = None, port: int = 0) -> str:
+        """Serve this tier's slots to other hosts (kv_transfer.py); its address."""
+        self.server = TierServer(self.data.numpy(), self.checksums.numpy(), secret, host, port, advertise)
+        return self.server.address
 
     def _map(self, path: str) -> torch.Tensor:
         size = _header_bytes(self.num_slots) + self.num_slots * self.slot_bytes
@@ -127,8 +140,8 @@ class HostKVTier:
             os.close(fd)
         return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
-    def _checksum(self, slot: int) -> int:
-        row = self.data[slot]
+    def _checksum(self, slot: int, data: torch.Tensor | None = None) -> int:
+        row = (self.data if data is None else data)[slot]
         return int((row.view(torch.int64) if self._words else row.to(torch.int64)).sum())
 
     def load(self, orders: dict[int, int]) -> list[int]:
@@ -137,15 +150,34 @@ class HostKVTier:
         if not orders:
             return []
         bad = [block for block, slot in orders.items() if self._checksum(slot) != int(self.checksums[slot])]
+        self._copy_in(orders, self.views)
+        return bad
+
+    def load_remote(self, load) -> list[int]:
+        """Another host's slots (a RemoteKVLoad: its server, token and block -> slot orders)
+        into these blocks, checked as local ones are; the blocks not to use: those that
+        failed their checksum, or every one where the transfer did not complete."""
+        staging = torch.empty(len(load.orders), self.slot_bytes, dtype=torch.uint8)
+        try:
+            sums = fetch_slots(load.address, load.token, load.expires, list(load.orders.values()), staging.numpy())
+        except OSError as exc:
+            log.warning("KV transfer from %s failed (%s): %d block(s) computed again", load.address, exc,
+                        len(load.orders))
+            return list(load.orders)
+        bad = [block for i, block in enumerate(load.orders) if self._checksum(i, staging) != int(sums[i])]
+        self._copy_in({block: i for i, block in enumerate(load.orders)}, self._layer_views(staging))
+        return bad
+
+    def _copy_in(self, orders: dict[int, int], views: list[torch.Tensor]) -> None:
+        """Block id -> row of `views` (each layer's part of the source's rows) copies."""
         blocks, slots = self._indices(orders)
         runs = _runs(orders)
-        for cache, view in zip(self.layers, self.views):
+        for cache, view in zip(self.layers, views):
             if runs is not None:  # one copy a run of consecutive blocks into consecutive slots
                 for block, slot, n in runs:
                     cache[block:block + n].copy_(view[slot:slot + n])
             else:  # (index_select then index_copy_: a third faster than indexing both sides)
                 cache.index_copy_(0, blocks.to(cache.device), view.index_select(0, slots).to(cache.device))
-        return bad
 
     def store(self, orders: dict[int, int]) -> None:
         """Block -> slot copies (`orders`: block id -> slot), after the forward wrote them."""
@@ -193,6 +225,8 @@ def load_for_step(tier: HostKVTier, so, drop) -> tuple[list[int], list[str]]:
     that failed their checksum, and the step's new requests that read one of them, each
     dropped from the step (`drop(request id)`): the scheduler computes them again."""
     bad = tier.load(so.kv_loads)
+    for remote in so.kv_remote_loads:
+        bad += tier.load_remote(remote)
     if not bad:
         return [], []
     bad_set = set(bad)

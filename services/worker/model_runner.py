@@ -221,7 +221,7 @@ class ModelRunner:
         # (blocks of prefixes from the host's KV tier, before anything reads them)
         bad_blocks, load_failures = load_for_step(self.kv_tier, scheduler_output, lambda rid: (
             self.drop_requests([rid]), num_scheduled.pop(rid), scheduler_output.num_draft_slots.pop(rid, None))) \
-            if scheduler_output.kv_loads else ((), ())
+            if scheduler_output.kv_loads or scheduler_output.kv_remote_loads else ((), ())
         if scheduler_output.state_restores:  # a hybrid's prefix hits: their state, before the forward
             self._copy_states(scheduler_output.state_restores, to_snapshot=False)
         if not num_scheduled:

@@ -40,5 +40,6 @@ from shared.messages.steps import (  # noqa: F401
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    RemoteKVLoad,
     SchedulerOutput,
 )

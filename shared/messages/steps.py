@@ -72,6 +72,17 @@ class CachedRequestData(msgspec.Struct, **WIRE):
     num_computed_tokens: list[int] = []
 
 
+class RemoteKVLoad(msgspec.Struct, **WIRE):
+    """Blocks another host's tier holds, to load over TCP before a step's forward
+    (services/worker/kv_transfer.py): the server, the scheduler's one-time token for these
+    slots and its expiry, and block id -> slot there."""
+
+    address: str
+    token: str
+    expires: float
+    orders: dict[int, int]
+
+
 class SchedulerOutput(msgspec.Struct, **WIRE):
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
@@ -94,6 +105,7 @@ class SchedulerOutput(msgspec.Struct, **WIRE):
     # the slot it is copied to after the forward.
     kv_loads: dict[int, int] = {}
     kv_stores: dict[int, int] = {}
+    kv_remote_loads: list[RemoteKVLoad] = []  # (another host's tier's blocks: loaded with kv_loads)
 
 
 class Logprob(msgspec.Struct):

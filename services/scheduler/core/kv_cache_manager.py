@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from services.scheduler.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
 from services.scheduler.core.kv_tier_index import KVTierIndex
+from shared.kv_transfer_tokens import sign
+from shared.messages import RemoteKVLoad, SchedulerOutput
 from services.scheduler.core.request import Request
 from shared.lora_request import LoRARequest
 
@@ -60,6 +62,15 @@ class KVCacheManager:
         self._stores: dict[int, int] = {}
         self._store_writers: dict[int, str] = {}  # slot -> request id
         self._tier_orders: dict[int, tuple[list[int], dict[int, str]]] = {}
+        # Other hosts' tiers (kv_transfer.py: their slots loaded over TCP into this worker's
+        # tier's layout), where the fleet gives them: a callable listing (index, server
+        # address), and the deployment's secret each transfer's token is signed with; this
+        # step's remote loads by server (block id -> slot there), then the same by step.
+        self.remote_tiers = None
+        self.transfer_secret: bytes | None = None
+        self._remote: dict[str, dict[int, int]] = {}
+        self._remote_indexes: dict[str, KVTierIndex] = {}
+        self._remote_orders: dict[int, dict[str, list[int]]] = {}
         self.external_prefix_cache_queries = 0  # vLLM's (its KV connector's): tokens looked up in the tier
         self.external_prefix_cache_hits = 0  # and found there
 
@@ -101,19 +112,30 @@ class KVCacheManager:
         # (a prompt's logprobs come from computing every prompt token, as vLLM's)
         return self.enable_caching and (request.sampling_params.prompt_logprobs is None or request.num_output_tokens > 0)
 
-    def tier_hits(self, request: Request, num_pool_hits: int) -> tuple[list[int], int]:
+    def tier_hits(self, request: Request, num_pool_hits: int) -> tuple[list[int], int, str | None]:
         """The tier's slots of the request's blocks after its pool hits (a prefix run, one
-        token short of the whole request as get_computed_blocks'), to load in its step, and
-        the tokens they hold: with a handed-over request's partial last block (`kv_tail`)
-        where every full block before it was found."""
+        token short of the whole request as get_computed_blocks'), to load in its step, the
+        tokens they hold (with a handed-over request's partial last block, `kv_tail`, where
+        every full block before it was found), and where from: None for this host's tier,
+        else the server of another host's that holds more of them."""
         if self.tier is None or not self._may_hit(request):
-            return [], 0
+            return [], 0, None
+        best = (*self._hits_in(self.tier, request, num_pool_hits), None)
+        if self.remote_tiers is not None and self.transfer_secret is not None:
+            for index, address in self.remote_tiers():
+                slots, tokens = self._hits_in(index, request, num_pool_hits)
+                if tokens > best[1]:
+                    best = slots, tokens, address
+                    self._remote_indexes[address] = index
+        return best
+
+    def _hits_in(self, tier: KVTierIndex, request: Request, num_pool_hits: int) -> tuple[list[int], int]:
         num_full = (request.num_tokens - 1) // self.block_size
-        slots = self.tier.find(request.block_hashes, num_pool_hits, num_full)
+        slots = tier.find(request.block_hashes, num_pool_hits, num_full)
         tokens = len(slots) * self.block_size
         if request.kv_tail is not None:  # (where the blocks found end just where the tail begins)
             key, end = request.kv_tail
-            tail = self.tier.find([key], 0, 1) if num_pool_hits + len(slots) == end // self.block_size else []
+            tail = tier.find([key], 0, 1) if num_pool_hits + len(slots) == end // self.block_size else []
             if tail:
                 slots.append(tail[0])
                 tokens += end % self.block_size
@@ -165,10 +187,11 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         loads: list[int] = (),
         num_loaded: int = 0,
+        source: str | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (and
         `loads`: tier slots of the blocks after its cached ones, loaded into new blocks,
-        `num_loaded` tokens).
+        `num_loaded` tokens; from another host's tier where `source` names its server).
 
         Returns the newly allocated blocks (possibly none), or None when the pool cannot
         hold them, in which case nothing has changed.
@@ -200,8 +223,9 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         if loads:
             request.kv_tail = None  # (loaded now, if it was found)
-            self.tier.pin(loads)
-            self._loads.update((block.block_id, slot) for block, slot in zip(new_blocks, loads))
+            (self.tier if source is None else self._remote_indexes[source]).pin(loads)
+            orders = self._loads if source is None else self._remote.setdefault(source, {})
+            orders.update((block.block_id, slot) for block, slot in zip(new_blocks, loads))
         if self.enable_caching:
             # Register blocks that will be full once this step is computed. Another request
             # may hit them in this same step: the worker writes every token's K/V of a layer
@@ -237,31 +261,44 @@ class KVCacheManager:
             self._stores[block.block_id] = slot
             self._store_writers[slot] = request.request_id
 
-    def take_tier_orders(self, step_id: int) -> tuple[dict[int, int], dict[int, int]]:
-        """This step's (loads, stores), kept until the step lands."""
+    def take_tier_orders(self, step_id: int) -> tuple[dict[int, int], dict[int, int], list[RemoteKVLoad]]:
+        """This step's (loads, stores, loads from other hosts' tiers, each with its token),
+        kept until the step lands."""
+        remote = []
+        if self._remote:
+            self._remote_orders[step_id] = {address: list(slots.values()) for address, slots in self._remote.items()}
+            remote = [RemoteKVLoad(address, *sign(self.transfer_secret, address, list(orders.values())), orders)
+                      for address, orders in self._remote.items()]
+            self._remote = {}
         if not self._loads and not self._stores:
-            return {}, {}
+            return {}, {}, remote
         loads, stores = self._loads, self._stores
         self._tier_orders[step_id] = (list(loads.values()), self._store_writers)
         self._loads, self._stores, self._store_writers = {}, {}, {}
-        return loads, stores
+        return loads, stores, remote
 
     def tier_orders_landed(self, step_id: int, written: set[str] | None) -> None:
         """Step `step_id` came back: its loads are done; its stores of blocks written by the
         requests in `written` (None: none, the step failed) become findable, the rest free."""
+        for address, slots in self._remote_orders.pop(step_id, {}).items():
+            self._remote_indexes[address].unpin(slots)
         orders = self._tier_orders.pop(step_id, None)
         if orders is not None:
             self.tier.unpin(orders[0])
             for slot, req_id in orders[1].items():
                 self.tier.landed(slot, written is not None and req_id in written)
 
-    def bad_loads(self, step_kv_loads: dict[int, int], bad_blocks: list[int]) -> list[str]:
-        """Blocks a step loaded that failed their checksum: their slots discarded, the blocks
-        forgotten by the pool; the ids of the requests holding them (those that read them), to
-        compute again."""
+    def bad_loads(self, step: SchedulerOutput, bad_blocks: list[int]) -> list[str]:
+        """Blocks a step loaded that failed their checksum (or, from another host, did not
+        arrive): their slots discarded, the blocks forgotten by the pool; the ids of the
+        requests holding them (those that read them), to compute again."""
         bad = set(bad_blocks)
+        source = {block: (self.tier, slot) for block, slot in step.kv_loads.items()}
+        for load in step.kv_remote_loads:
+            source.update((block, (self._remote_indexes[load.address], slot)) for block, slot in load.orders.items())
         for block_id in bad:
-            self.tier.discard(step_kv_loads[block_id])
+            tier, slot = source[block_id]
+            tier.discard(slot)
             self.block_pool.uncache(self.block_pool.blocks[block_id])
         return [rid for rid, blocks in self.req_to_blocks.items() if any(b.block_id in bad for b in blocks)]
 

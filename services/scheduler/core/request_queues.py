@@ -83,7 +83,8 @@ class RequestQueues:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False
         output = self._make_output([], {}, {})
-        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
+        output.kv_loads, output.kv_stores, output.kv_remote_loads = self.kv_cache_manager.take_tier_orders(
+            output.step_id)
         if ready:
             self._hand_over_at[output.step_id] = ready
         return output
@@ -165,7 +166,7 @@ class RequestQueues:
             self.land_hand_over(scheduler_output.step_id, runner_output.error is not None)
         if runner_output.kv_bad_blocks:
             dropped = set(runner_output.kv_load_failures)
-            for req_id in kv.bad_loads(scheduler_output.kv_loads, runner_output.kv_bad_blocks):
+            for req_id in kv.bad_loads(scheduler_output, runner_output.kv_bad_blocks):
                 self.reload(self.requests[req_id], req_id in dropped)
 
     def reload(self, request: Request, dropped: bool) -> None:

@@ -183,8 +183,8 @@ class Scheduler(RequestQueues):
                 num_blocks, restore = self.snapshots.longest_hit(request.block_hashes, len(computed_blocks))
                 computed_blocks = computed_blocks[:num_blocks]
             # (the host's KV tier after the pool: not for a hybrid, whose state it does not hold)
-            loads, num_loaded = (self.kv_cache_manager.tier_hits(request, len(computed_blocks))
-                                 if self.snapshots is None else ([], 0))
+            loads, num_loaded, source = (self.kv_cache_manager.tier_hits(request, len(computed_blocks))
+                                         if self.snapshots is None else ([], 0, None))
             num_hit = len(computed_blocks) * self.kv_cache_manager.block_size + num_loaded
             if self.snapshots is not None and self.snapshots.on_its_way(request, num_hit, kv_hit,
                                                                         self.kv_cache_manager.block_size):
@@ -205,7 +205,7 @@ class Scheduler(RequestQueues):
                 snapshot_points = self.snapshots.points_for(request, num_hit, kv_hit, self.kv_cache_manager.block_size)
             if snapshot_points:
                 num_new = min(num_new, snapshot_points[0] - num_hit)
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, loads, num_loaded)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks, loads, num_loaded, source)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -236,15 +236,15 @@ class Scheduler(RequestQueues):
         output.num_draft_slots = num_draft_slots
         output.state_restores, output.state_saves = restores, saves
         for request in scheduled:
-            # Counted as computed now, when the step is decided, not when it lands (draft
-            # slots too: what is rejected is given back when it lands).
+            # Counted as computed once the step is decided, drafts too (the rejected given back as it lands)
             request.num_computed_tokens += num_scheduled[request.request_id]
             if request.decode_elsewhere and request.num_computed_tokens == request.num_prompt_tokens:
                 self.kv_cache_manager.store_tail(request, request.num_computed_tokens)  # (its prefill's last step)
             slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
             if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
-        output.kv_loads, output.kv_stores = self.kv_cache_manager.take_tier_orders(output.step_id)
+        orders = self.kv_cache_manager.take_tier_orders(output.step_id)
+        output.kv_loads, output.kv_stores, output.kv_remote_loads = orders
         return output
 
     def may_build_ahead(self) -> bool:
@@ -291,7 +291,8 @@ class Scheduler(RequestQueues):
             computed = set(runner_output.req_ids) if runner_output.error is None else set()
             for req_id, slot in scheduler_output.state_saves.items():
                 self.snapshots.landed(slot, req_id in computed and req_id not in runner_output.request_errors)
-        if scheduler_output.kv_loads or scheduler_output.kv_stores or self._hand_over_at:  # the host KV tier's
+        so = scheduler_output
+        if so.kv_loads or so.kv_stores or so.kv_remote_loads or self._hand_over_at:  # the KV tiers
             self.land_tier_copies(scheduler_output, runner_output)
         if runner_output.error is not None:
             for req_id in scheduler_output.num_scheduled_tokens:

@@ -51,6 +51,7 @@ class Fleet:
         no_worker_timeout_s: float = 30.0,
         max_waiting_requests: int = 0,  # 0 = unbounded
         kv_events: bool = False,
+        transfer_secret: bytes | None = None,
     ) -> None:
         # Each new core's pool records KV events from its first block (--kv-events-config):
         # a block cached before recording began would be missing from every consumer's view.
@@ -70,6 +71,8 @@ class Fleet:
         self.affinity = PrefixAffinity()  # where recent prompts' blocks were sent
         # The index of each host KV tier its workers map (--kv-offloading-size), by the tier's name
         self.kv_tiers: dict[str, KVTierIndex] = {}
+        # Signs each load from another host's tier (shared/kv_transfer_tokens.py); None: none
+        self.transfer_secret = transfer_secret
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -92,6 +95,9 @@ class Fleet:
             handle.last_seen = now
             return []
         core = Scheduler.for_worker(self.config, info, self.kv_tiers)
+        if self.transfer_secret is not None:  # (other hosts' tiers, loaded over TCP)
+            core.kv_cache_manager.transfer_secret = self.transfer_secret
+            core.kv_cache_manager.remote_tiers = lambda: self._served_tiers(info.kv_tier)
         if self.kv_events:
             core.kv_cache_manager.block_pool.events = []
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
@@ -242,6 +248,12 @@ class Fleet:
         if disaggregate:
             handle.core.requests[item.request_id].decode_elsewhere = True
         return []
+
+    def _served_tiers(self, own: str) -> list[tuple[KVTierIndex, str]]:
+        """(index, server address) of each tier but `own` that a live worker serves."""
+        served = {h.info.kv_tier: h.info.kv_tier_address for h in self.workers.values()
+                  if h.info.kv_tier_address and h.info.kv_tier != own and h.info.kv_tier in self.kv_tiers}
+        return [(self.kv_tiers[name], address) for name, address in served.items()]
 
     def hand_off(self, handle: WorkerHandle) -> tuple[list[WorkerHandle], list[Rejection]]:
         """The requests a worker hands over - prefilled on a prefill worker, or running on a

@@ -25,6 +25,7 @@ from services.scheduler.shell.kv_event_publisher import KVEventPublisher
 from services.scheduler.shell.nats_executor import NatsExecutor
 from services.scheduler.step_tracer import StepTracer
 from services.scheduler.shell.wakefulness import Wakefulness
+from shared.kv_transfer_tokens import secret_from_env
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import SchedulerConfig
 from shared.messages import (
@@ -65,7 +66,7 @@ class SchedulerService:
         self.subjects = subjects
         self.step_timeout_s = step_timeout_s
         self.fleet = Fleet(config, heartbeat_timeout_s, no_worker_timeout_s,
-                           max_waiting_requests, kv_events)
+                           max_waiting_requests, kv_events, transfer_secret=secret_from_env())
         self.gateways = Gateways(gateway_timeout_s)
         self.kv_events = (KVEventPublisher(nc, subjects, data_parallel_rank, self.fleet.workers)
                           if kv_events else None)

@@ -22,6 +22,7 @@ from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import WorkerConfig
 from shared.kv_tier_files import tier_path
+from shared.kv_transfer_tokens import secret_from_env
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
@@ -60,6 +61,10 @@ async def serve(
     # serve` and compose restart it) is a new incarnation to the scheduler, however soon it is back.
     info = runner.describe(worker_id, model_name, incarnation=secrets.randbits(48))
     info.data_parallel_rank = data_parallel_rank
+    secret = secret_from_env()
+    if runner.kv_tier is not None and secret is not None:  # its host tier's slots, to other hosts' workers
+        info.kv_tier_address = await executor.run(runner.kv_tier.serve, secret, worker_config.kv_ip or "0.0.0.0",
+                                                   worker_config.kv_ip or None, worker_config.kv_port)
     steps = ServedSteps(executor, tracer)
 
     async def on_reconnect() -> None:
