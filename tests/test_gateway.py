@@ -238,6 +238,19 @@ def test_a_field_llmbus_does_not_implement_is_a_400_naming_it(tokenizer, field):
     assert len(engine.submitted) == 1
 
 
+def test_best_of_is_taken_where_it_equals_n_as_vllm_takes_it(tokenizer):
+    """SGLang's bench client sends best_of 1; more choices drawn than returned is a 400."""
+    client, engine = gateway(tokenizer)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with client:
+        one = client.post("/v1/completions", json={**body, "best_of": 1})
+        two = client.post("/v1/completions", json={**body, "best_of": 2, "n": 2})
+        more = client.post("/v1/completions", json={**body, "best_of": 3, "n": 2})
+    assert one.status_code == 200 and two.status_code == 200 and len(two.json()["choices"]) == 2
+    assert more.status_code == 400 and more.json()["error"]["param"] == "best_of"
+    assert len(engine.submitted) == 1 + 2
+
+
 def test_chat_takes_text_as_its_only_modality(tokenizer):
     client, engine = gateway(tokenizer)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -287,7 +300,9 @@ def test_each_way_to_ask_for_structured_output_reaches_the_engine(tokenizer, ext
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"structured_outputs": {"nope": 1}}, "structured_outputs"),
+    ({"structured_outputs": {"nope": 1}}, "structured_outputs.nope"),
+    # (a key vLLM has and llmbus does not implement, beside one it does: never silently dropped)
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}}, "structured_outputs.disable_any_whitespace"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
 ])
 def test_a_malformed_constraint_is_a_400_naming_its_field(tokenizer, extra, param):

@@ -204,6 +204,9 @@ def test_metrics_move_as_they_should(traced):
     steps, step_tokens = delta("llmbus:iteration_tokens_total_count"), delta("llmbus:iteration_tokens_total_sum")
     assert 0 < steps <= step_tokens and step_tokens >= 20 - 5
     assert 'scheduler="' in after
+    # vLLM's HTTP series (prometheus-fastapi-instrumentator's), which its dashboards' panels read
+    assert delta("http_requests_total", handler="/v1/completions", method="POST", status="2xx") == 4
+    assert delta("http_request_duration_seconds_count", handler="/v1/completions", method="POST") == 4
 
 
 def test_a_client_that_leaves_counts_its_unfinished_choices_as_aborted(traced):

@@ -323,6 +323,10 @@ def test_api_server_count_serves_one_port_with_sibling_gateways(tiny_llama, tmp_
             return scrapes
 
         assert finished() == [17.0] * 4  # 1 + 8 + 8, whichever gateway was scraped
+        with httpx.Client() as fresh:  # (vLLM's HTTP series, summed over the siblings as the rest)
+            text = fresh.get(f"{url}/metrics", timeout=30).text
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('http_requests_total{handler="/v1/completions"')) == 8
         gateways[0].kill()
         gateways[0].wait(10)
         for _ in range(4):

@@ -419,6 +419,8 @@ def test_auto_answers_with_tool_calls_streamed_and_whole_alike(tokenizer, parser
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     streamed_calls: dict[int, list[str]] = {}
     for d in deltas:
+        indexes = [c["index"] for c in d["delta"].get("tool_calls", [])]
+        assert len(indexes) == len(set(indexes))  # one entry a call a chunk (a client may read the first alone)
         for c in d["delta"].get("tool_calls", []):
             if "id" in c:
                 assert c["type"] == "function" and c["index"] not in streamed_calls

@@ -24,6 +24,7 @@ from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, statu
 from services.gateway.generation import Usage, generate
 from services.gateway.parsers.reasoning import new_parser
 from services.gateway.parsers.tool import parse_whole
+from services.gateway.parsers.tool.base import one_per_call
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.request_ids import request_names
 from services.gateway.sse import JSON, end_span, request_log, sse_event
@@ -294,7 +295,7 @@ class Answer:
         parsed = parser.feed(content)
         if d.finish_reason is not None:
             parsed.add(parser.finish())
-        return reasoning, parsed.content, parsed.tool_calls
+        return reasoning, parsed.content, one_per_call(parsed.tool_calls)
 
     def _delta_choice(self, d: ChoiceDelta):
         """The chunk's entry for one choice; None when it has nothing to send yet (bytes of

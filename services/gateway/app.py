@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from opentelemetry import trace
+from prometheus_fastapi_instrumentator import Instrumentator
 
 from shared.version import llmbus_version
 from services.gateway.api_keys import ApiKeys
@@ -64,6 +65,10 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None, jo
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
     app = FastAPI(title="llmbus", lifespan=lifespan, **docs)
+    # vLLM's HTTP series (the library and the handlers left out are vLLM's), on this
+    # gateway's registry: /metrics sums them over sibling gateways as the other request series
+    Instrumentator(excluded_handlers=["/metrics", "/health", "/load", "/ping", "/version", "/server_info"],
+                   registry=metrics.registry).instrument(app)
     app.add_middleware(Limits, config=config, keys=keys)
     # Outside the key check (added last, it runs first): a browser's preflight carries no key.
     app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),

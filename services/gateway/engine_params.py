@@ -104,6 +104,10 @@ def to_sampling_params(
         raise BadRequest("stream_options needs stream: true", "stream_options")
     if request.n > 16:
         raise BadRequest(f"n must be at most 16, got {request.n}", "n")
+    best_of = getattr(request, "best_of", None)
+    if best_of is not None and best_of != request.n:
+        raise BadRequest(f"best_of must equal n ({request.n}), got {best_of}: drawing more choices than are "
+                         "returned is not supported", "best_of")
     fields: dict[str, Any] = dict(
         n=request.n,
         max_tokens=max_tokens,
@@ -149,6 +153,10 @@ def structured_outputs_of(request) -> tuple[StructuredOutputsParams | None, str 
             raise BadRequest(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}",
                              "response_format")
     if request.structured_outputs is not None:
+        unknown = sorted(set(request.structured_outputs) - set(StructuredOutputsParams.__struct_fields__))
+        if unknown:  # (vLLM's other keys - structural_tag, whitespace options - are not implemented)
+            raise BadRequest(f"structured_outputs.{unknown[0]} is not supported by llmbus (it takes json, "
+                             "json_object, regex, choice, grammar)", f"structured_outputs.{unknown[0]}")
         given["structured_outputs"] = request.structured_outputs
     for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                        ("guided_grammar", "grammar")):

@@ -47,6 +47,11 @@ _N_BUCKETS = (1, 2, 5, 10, 20)
 _STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+# vLLM's HTTP series (prometheus-fastapi-instrumentator's, app.py adds them): request-level
+HTTP_FAMILIES = frozenset({"http_requests", "http_request_size_bytes", "http_response_size_bytes",
+                           "http_request_duration_highr_seconds", "http_request_duration_seconds"})
+
+
 # SchedulerStats field -> (metric, help): gauges as they are, cumulative counts as deltas.
 _GAUGES = {
     "num_running_reqs": ("llmbus:num_requests_running", "Requests running on the engine"),
@@ -128,7 +133,7 @@ class GatewayMetrics:
                               self.request_max_generation_tokens)
         # What this gateway saw of its own requests: summed over siblings
         self.request_level = frozenset(m._name for m in (self.prompt_tokens, self.generation_tokens,
-                                                         self.request_success, *request_histograms))
+                                                         self.request_success, *request_histograms)) | HTTP_FAMILIES
         self._last_counts: dict[str, dict[str, int]] = {}  # scheduler -> its counts last seen
         self._last_seen: dict[str, float] = {}  # scheduler -> when its stats last came
         self._rank_of: dict[str, int] = {}  # scheduler -> its shard

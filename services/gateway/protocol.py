@@ -121,6 +121,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: str | list[Any]
     max_tokens: Int | None = 16
+    # OpenAI's legacy completions', as vLLM takes it: only where it equals n (the n choices are
+    # the best of n: nothing more is drawn), a 400 otherwise (SGLang's bench sends 1)
+    best_of: Int | None = None
     echo: bool = False
     logprobs: Int | None = None
     add_special_tokens: bool = True  # vLLM's: the tokenizer's own (BOS) around a text prompt

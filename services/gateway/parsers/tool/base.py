@@ -27,6 +27,23 @@ class ParsedDelta:
         return self
 
 
+def one_per_call(calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """A chunk's call deltas, one per call index in the order they began (OpenAI's and vLLM's
+    streams): a parser's several events for a call in one step (its name, then the first of
+    its arguments) merged, or a client that reads one entry per index loses the rest."""
+    if len(calls) < 2:
+        return calls
+    merged: dict[int, ToolCallDelta] = {}
+    for call in calls:
+        into = merged.get(call.index)
+        if into is None:
+            merged[call.index] = ToolCallDelta(call.index, call.id, call.name, call.arguments)
+        else:
+            into.id, into.name = into.id or call.id, into.name or call.name
+            into.arguments += call.arguments
+    return list(merged.values())
+
+
 @dataclass(slots=True)
 class ToolCall:
     id: str
