@@ -72,6 +72,10 @@ class GrammarBackend:
             return c.compile_regex(spec.regex)
         if spec.choice is not None:
             return c.compile_regex("|".join(_regex_literal(choice) for choice in spec.choice))
+        if is_lark(spec.grammar):  # (Outlines' CFGs, many vLLM users': vLLM converts them, xgrammar reads them)
+            import xgrammar as xgr
+
+            return c.compile_grammar(xgr.Grammar.from_lark(spec.grammar))
         return c.compile_grammar(spec.grammar)
 
     def check(self, spec: StructuredOutputsParams):
@@ -106,6 +110,14 @@ class GrammarBackend:
     def start_matcher(self, spec: StructuredOutputsParams, output_token_ids: list[int]) -> Future:
         """`matcher(...)` on the compile thread; one thread, so compiles queue in order."""
         return self._compile_thread().submit(self.matcher, spec, list(output_token_ids))
+
+
+def is_lark(grammar: str) -> bool:
+    """Lark's syntax, not xgrammar's EBNF: no rule defined with `::=` (EBNF's), one with
+    `:` or a `%` directive (vLLM tells them apart so too)."""
+    lines = [line.split("//", 1)[0].strip() for line in grammar.splitlines()]
+    return "::=" not in grammar and any(line.startswith("%") or re.match(r"[?!]?[\w.]+\s*:", line)
+                                        for line in lines)
 
 
 def _regex_literal(text: str) -> str:

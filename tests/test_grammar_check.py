@@ -27,6 +27,7 @@ def test_a_good_spec_passes_and_is_remembered(checker):
 
 @pytest.mark.parametrize(("spec", "why"), [(StructuredOutputsParams(regex="[0-9"), "Regex parsing error"),
                                            (StructuredOutputsParams(grammar="root ::= missing"), "EBNF parser error"),
+                                           (StructuredOutputsParams(grammar="start: missing"), "Lark error"),
                                            (StructuredOutputsParams(json={"type": "nonsense"}), "Unsupported type")])
 def test_a_bad_spec_says_why(checker, spec, why):
     """What xgrammar found, without its log line's time and C++ source position."""

@@ -27,6 +27,8 @@ SPECS = {
     "choice": StructuredOutputsParams(choice=["yes", "no", "maybe so"]),
     "json": StructuredOutputsParams(json=SCHEMA),
     "grammar": StructuredOutputsParams(grammar='root ::= "(" ("a" | "b")+ ")"'),
+    # (Lark's syntax, as Outlines' CFG type and many vLLM users send it: the same language)
+    "lark": StructuredOutputsParams(grammar='// Lark\n?start: "(" item+ ")"\nitem: "a" | "b"'),
 }
 # Text prompts: random token ids can end in half a UTF-8 character, which the detokenizer
 # then completes with the first output token (true to the tokens, but no longer the spec).
