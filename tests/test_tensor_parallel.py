@@ -106,13 +106,13 @@ def test_a_rank_that_cannot_meet_its_group_says_which():
 # LM head over a vocabulary that does not split evenly (383 rows: 192 and 191), windows
 # and soft caps with sandwich norms, and a parallel residual with biased products (o_proj's
 # and down_proj's bias added once, after the sum); sparse MLPs, each rank a slice of every
-# expert (Mixtral's names, Qwen2-MoE's gated shared expert, GraniteMoE's stacked experts);
+# expert (Qwen2-MoE's, with its gated shared expert; GraniteMoE's stacked experts);
 # latent attention (DeepSeek-V3: each rank its heads' query and kv_b_proj rows, the latent
 # and its cache on every rank); gpt-oss's sinks a head and its experts' biases; Qwen3-Next's
 # Gated DeltaNet (by key head, its value heads, state and convolution channels with it)
 # beside gated full attention.
 FAMILIES = [("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}), ("phi3", {"vocab_size": 383}),
-            ("gemma2", {}), ("gpt_neox", {}), ("mixtral", {}), ("qwen2_moe", {}), ("granite_moe", {}),
+            ("gemma2", {}), ("gpt_neox", {}), ("qwen2_moe", {}), ("granite_moe", {}),
             ("deepseek_v3", {}), ("gpt_oss", {}), ("qwen3_next", {})]
 
 

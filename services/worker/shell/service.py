@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -46,8 +47,9 @@ async def serve(
     tracer = setup_tracing("worker")
     # The runner lives on the executor's one thread, loading included (executor.py says why).
     if worker_config.cache_config.kv_offloading_size is not None:  # the host's tier: this shard's file
-        worker_config.cache_config.kv_offloading_path = tier_path(nats_url, Subjects(model_name).prefix,
-                                                                  data_parallel_rank)
+        # (LLMBUS_KV_TIER_PATH: another file, a tmpfs of the operator's, or a host of its own)
+        worker_config.cache_config.kv_offloading_path = os.environ.get("LLMBUS_KV_TIER_PATH") or tier_path(
+            nats_url, Subjects(model_name).prefix, data_parallel_rank)
     executor = InProcessExecutor(lambda: build_runner(model_path, worker_config, threads), threads)
     runner = executor.runner
     # A server's first constrained request should not build the grammar compiler, and no
