@@ -18,5 +18,8 @@ def tier_path(nats_url: str, subject_prefix: str, rank: int) -> str:
 
 
 def remove_tier_files(nats_url: str, subject_prefix: str, shards: int) -> None:
+    """Each shard's file, and its tensor-parallel ranks' (`<file>-tp<rank>`)."""
     for rank in range(shards):
-        Path(tier_path(nats_url, subject_prefix, rank)).unlink(missing_ok=True)
+        path = Path(tier_path(nats_url, subject_prefix, rank))
+        for file in (path, *path.parent.glob(path.name + "-tp*")):
+            file.unlink(missing_ok=True)

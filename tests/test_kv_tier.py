@@ -121,18 +121,32 @@ def family_models(tmp_path_factory):
     return {name: build_tiny_model(root / name, name) for name in ("llama", "qwen3_moe", "deepseek_v3", "gemma2")}
 
 
-def run(folder, tier: bool, params) -> tuple[list[list[int]], object]:
+def run(folder, tier: bool, params, tensor_parallel_size: int = 1) -> tuple[list[list[int]], object]:
     from llmbus import LLM
 
     # A pool of 40 blocks of 16: the 512-token prefix (32 blocks) is evicted by the three
     # prompts after it, then asked again.
     llm = LLM(str(folder), num_kv_blocks=40, block_size=16, max_model_len=1024,
-              **({"kv_offloading_size": 0.02} if tier else {}))
+              tensor_parallel_size=tensor_parallel_size, **({"kv_offloading_size": 0.02} if tier else {}))
     prefix = random_prompts([512], seed=1)[0]
     prompts = [prefix + [5, 6], *random_prompts([300, 300, 300], seed=2), prefix + [7, 8]]
     outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
                for p in prompts]
-    return outputs, llm.stats()
+    stats = llm.stats()
+    llm.executor.close()
+    return outputs, stats
+
+
+def test_a_tensor_parallel_worker_s_ranks_each_store_and_load_their_heads(family_models):
+    """Two ranks, each with a tier of its own heads under the scheduler's one index: the
+    evicted prefix comes back from the tiers with one rank's output without a tier."""
+    from llmbus import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0)
+    plain, _ = run(family_models["llama"], False, params)
+    tiered, stats = run(family_models["llama"], True, params, tensor_parallel_size=2)
+    assert tiered == plain
+    assert stats.external_prefix_cache_hits == 32 * 16
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3", "gemma2"])
@@ -344,3 +358,16 @@ def test_a_prompt_with_little_left_to_compute_is_prefilled_where_it_decodes():
     assert submit("cached", [*range(1, 9), *range(50, 56)]) is consumer
     assert submit("long", list(range(60, 74))) is producer  # 14, none cached
     assert producer.core.requests["long"].decode_elsewhere
+
+
+def test_a_deployment_s_tier_files_go_with_it_its_ranks_files_too():
+    from pathlib import Path
+
+    from shared.kv_tier_files import remove_tier_files, tier_path
+
+    base = Path(tier_path("nats://test-only:1", "llmbus.test", 0))
+    files = [base, Path(f"{base}-tp1"), Path(f"{base}-tp2")]
+    for file in files:
+        file.write_bytes(b"x")
+    remove_tier_files("nats://test-only:1", "llmbus.test", 1)
+    assert not any(file.exists() for file in files)

@@ -179,7 +179,7 @@ class ModelRunner:
             max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
             recurrent_snapshot_rows=self.snapshot_rows, kv_tier=self.kv_tier.name if self.kv_tier else "",
             kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0, kv_role=self.config.kv_role,
-        )
+            tensor_parallel_size=self.config.tensor_parallel_size)
 
     def drop_requests(self, req_ids) -> None:
         for req_id in req_ids:

@@ -66,6 +66,7 @@ class WorkerInfo(msgspec.Struct, **WIRE):
     kv_tier: str = ""
     kv_tier_slots: int = 0
     kv_tier_address: str = ""  # host:port where it serves its tier's slots to other hosts ("": it does not)
+    tensor_parallel_size: int = 1  # its ranks (each loads from its own tier file: no transfers from other hosts)
     # Prefill/decode disaggregation (vLLM's kv_role): kv_producer, kv_consumer or kv_both
     kv_role: str = "kv_both"
 

@@ -95,7 +95,7 @@ class Fleet:
             handle.last_seen = now
             return []
         core = Scheduler.for_worker(self.config, info, self.kv_tiers)
-        if self.transfer_secret is not None:  # (other hosts' tiers, loaded over TCP)
+        if self.transfer_secret is not None and info.tensor_parallel_size == 1:  # (other hosts' tiers, over TCP)
             core.kv_cache_manager.transfer_secret = self.transfer_secret
             core.kv_cache_manager.remote_tiers = lambda: self._served_tiers(info.kv_tier)
         if self.kv_events:

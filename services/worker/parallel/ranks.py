@@ -77,13 +77,19 @@ def build_runner(model_path: str, config: WorkerConfig, threads: int | None = No
 def _refuse_unsharded(config: WorkerConfig) -> None:
     size = config.tensor_parallel_size
     for value, what in ((config.quantization, "--quantization"), (config.lora_config, "--enable-lora"),
-                        (config.cache_config.kv_offloading_size, "--kv-offloading-size"),
                         (config.kv_role != "kv_both", "--kv-transfer-config")):
         if value:
             raise ValueError(f"--tensor-parallel-size {size} with {what} is not supported yet")
 
 
 def _rank_config(config: WorkerConfig, rank: int, cuda: bool) -> WorkerConfig:
+    """Rank `rank`'s: its device, and its own file of the host's KV tier (a slot of it holds
+    this rank's heads of a block; every rank gets the same orders, so one index serves all:
+    the tier is named by rank 0's file)."""
+    cache = config.cache_config
+    if rank and cache.kv_offloading_path:
+        config = dataclasses.replace(config, cache_config=dataclasses.replace(
+            cache, kv_offloading_path=f"{cache.kv_offloading_path}-tp{rank}"))
     return dataclasses.replace(config, device=f"cuda:{rank}") if cuda else config
 
 
