@@ -111,6 +111,10 @@ def test_blocks_cross_hosts_over_tcp_bit_for_bit_with_a_one_time_token(tmp_path)
         token, _ = sign(secret, address, [4])
         assert load({1: 4}, token=token) == []
         assert load({1: 4}, token=token) == [1]  # (used once already)
+        # A tier of another layout (another model's blocks) is sent nothing
+        other = HostKVTier([torch.zeros(2, 9, 4, 2, 4)], 1 << 20, str(tmp_path / "c"))
+        signed, expires = sign(secret, address, [4])
+        assert other.load_remote(RemoteKVLoad(address, signed, expires, {1: 4})) == [1]
     finally:
         a.server.close()
 

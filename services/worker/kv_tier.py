@@ -159,7 +159,8 @@ class HostKVTier:
         failed their checksum, or every one where the transfer did not complete."""
         staging = torch.empty(len(load.orders), self.slot_bytes, dtype=torch.uint8)
         try:
-            sums = fetch_slots(load.address, load.token, load.expires, list(load.orders.values()), staging.numpy())
+            sums = fetch_slots(load.address, load.token, load.expires, list(load.orders.values()), staging.numpy(),
+                               self.slot_bytes)
         except OSError as exc:
             log.warning("KV transfer from %s failed (%s): %d block(s) computed again", load.address, exc,
                         len(load.orders))
@@ -170,8 +171,8 @@ class HostKVTier:
 
     def _copy_in(self, orders: dict[int, int], views: list[torch.Tensor]) -> None:
         """Block id -> row of `views` (each layer's part of the source's rows) copies."""
-        blocks, slots = self._indices(orders)
         runs = _runs(orders)
+        blocks, slots = self._indices(orders) if runs is None else (None, None)  # (index copies only)
         for cache, view in zip(self.layers, views):
             if runs is not None:  # one copy a run of consecutive blocks into consecutive slots
                 for block, slot, n in runs:
@@ -183,8 +184,8 @@ class HostKVTier:
         """Block -> slot copies (`orders`: block id -> slot), after the forward wrote them."""
         if not orders:
             return
-        blocks, slots = self._indices(orders)
         runs = _runs(orders)
+        blocks, slots = self._indices(orders) if runs is None else (None, None)
         for cache, view in zip(self.layers, self.views):
             if runs is not None:
                 for block, slot, n in runs:

@@ -3,7 +3,8 @@ workers of other hosts, which copy them into their own blocks (issue: a prompt p
 one host, decoded on another; a request drained to another host).
 
 A transfer is one connection, opened by the loading worker when its step orders it:
-it sends [token, expiry, slots] (msgpack, length first); the server checks the token
+it sends [token, expiry, slots, its slot size] (msgpack, length first); the server checks
+the slot size is its own (a tier of another layout: nothing sent) and the token
 (shared/kv_transfer_tokens.py: signed by the scheduler, once only) and sends each slot's
 checksum and bytes as the tier holds them. The loader checks every slot's checksum as a
 local load does: a block that is not what was stored is never used. NATS carries the
@@ -62,9 +63,11 @@ class TierServer:
             (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
             if length > _MAX_REQUEST:
                 return
-            token, expires, slots = msgspec.msgpack.decode(_recv_exactly(sock, length))
+            token, expires, slots, slot_bytes = msgspec.msgpack.decode(_recv_exactly(sock, length))
             with self._lock:
                 refused = self._tokens.accept(token, expires, slots)
+            if refused is None and slot_bytes != self.data.shape[1]:
+                refused = f"slots of {slot_bytes} bytes asked of a tier of {self.data.shape[1]}"
             if refused is None and not all(0 <= s < len(self.data) for s in slots):
                 refused = "a slot out of range"
             if refused is not None:
@@ -106,16 +109,16 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def fetch_slots(address: str, token: str, expires: float, slots: list[int], into: np.ndarray,
+def fetch_slots(address: str, token: str, expires: float, slots: list[int], into: np.ndarray, slot_bytes: int,
                 timeout_s: float = 30.0) -> np.ndarray:
-    """Slots from the server at `address` into `into` ([len(slots), slot_bytes] uint8, its
-    rows in `slots`' order); their checksums as sent. Raises OSError (ConnectionError
-    among them) where the transfer did not complete."""
+    """Slots of `slot_bytes` from the server at `address` into `into` ([len(slots),
+    slot_bytes] uint8, its rows in `slots`' order); their checksums as sent. Raises OSError
+    (ConnectionError among them) where the transfer did not complete."""
     host, port = address.rsplit(":", 1)
     sums = np.empty(len(slots), dtype=np.int64)
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        request = msgspec.msgpack.encode([token, expires, slots])
+        request = msgspec.msgpack.encode([token, expires, slots, slot_bytes])
         sock.sendall(_LENGTH.pack(len(request)) + request)
         for i in range(len(slots)):
             _recv_into(sock, memoryview(sums[i:i + 1]).cast("B"))
