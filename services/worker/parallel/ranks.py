@@ -11,6 +11,7 @@ follower's collective fails when rank 0 is gone, and it exits."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import msgspec
@@ -117,9 +119,30 @@ class _Watcher:
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         if not self.stopping:
-            log.error("tensor-parallel rank %d exited (code %s): the worker goes down with it", rank, code)
-            logging.shutdown()
-            os._exit(1)
+            self._die(rank, code)
+
+    def _die(self, rank: int, code) -> None:
+        log.error("tensor-parallel rank %d exited (code %s): the worker goes down with it", rank, code)
+        logging.shutdown()
+        os._exit(1)
+
+    @contextlib.contextmanager
+    def guard(self, wait_s: float = 5.0):
+        """A step that fails because a rank died (its collective's peer is gone) takes the
+        worker down before it can answer: its requests move to another worker, as from any
+        worker's death, rather than end with the collective's error. Another failure is the
+        step's own."""
+        try:
+            yield
+        except BaseException:
+            deadline = time.monotonic() + wait_s
+            while not self.stopping and time.monotonic() < deadline:
+                dead = next(((rank, p.returncode) for rank, p in enumerate(self.followers, 1)
+                             if p.poll() is not None), None)
+                if dead is not None:
+                    self._die(*dead)
+                time.sleep(0.05)
+            raise
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self.stopping = True
@@ -141,8 +164,9 @@ class TensorParallelRunner:
         return getattr(self.runner, name)
 
     def launch(self, step: SchedulerOutput):
-        self.group.send_step(_ENCODER.encode(step))
-        return self.runner.launch(step)
+        with self._watcher.guard():
+            self.group.send_step(_ENCODER.encode(step))
+            return _Guarded(self.runner.launch(step), self._watcher)
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(step).finish()
@@ -153,6 +177,27 @@ class TensorParallelRunner:
         self.group.send_step(b"")
         self._watcher.stop()
         self.group.close()
+
+
+class _Guarded:
+    """A launched step whose landing (on a GPU, where a collective's failure shows) is
+    watched as its launch is."""
+
+    __slots__ = ("launched", "watcher")
+
+    def __init__(self, launched, watcher: _Watcher) -> None:
+        self.launched, self.watcher = launched, watcher
+
+    def __getattr__(self, name: str):
+        return getattr(self.launched, name)
+
+    def wait(self) -> None:
+        with self.watcher.guard():
+            self.launched.wait()
+
+    def finish(self) -> ModelRunnerOutput:
+        with self.watcher.guard():
+            return self.launched.finish()
 
 
 def follow(rank: int, size: int, port: int, model_path: str, config: WorkerConfig, threads: int) -> None:
