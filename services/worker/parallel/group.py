@@ -30,7 +30,6 @@ class TensorParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_IDLE_FOREVER)
         self.steps = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=_IDLE_FOREVER)
-        self._device = device
 
     @classmethod
     def meet(cls, rank: int, world_size: int, device: torch.device, port: int,
