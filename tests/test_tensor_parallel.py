@@ -85,8 +85,8 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
     # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
     with pytest.raises(ValueError, match="recurrent"):
         LLM(str(folders("lfm2")), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--quantization"):
-        LLM(str(folders("llama")), tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ValueError, match="--enable-lora"):
+        LLM(str(folders("llama")), tensor_parallel_size=2, enable_lora=True)
 
 
 def test_a_rank_that_cannot_meet_its_group_says_which():

@@ -163,7 +163,13 @@ def load_model(
         # On a GPU int4 runs on the Triton kernel (kernels/linear_int4.py) and the head stays
         # unquantized (int8 has no GPU kernel here).
         on_gpu = torch.device(device).type == "cuda"
-        quantize(model.model, quantization, dtype, "triton" if on_gpu else None)
+        try:
+            quantize(model.model, quantization, dtype, "triton" if on_gpu else None)
+        except ValueError as exc:
+            if tensor_parallel is None:
+                raise
+            raise ValueError(f"--tensor-parallel-size {tensor_parallel[0].world_size} with {quantization}: "
+                             f"a rank's slice of a product cannot be quantized: {exc}") from None
         if model.generates and not on_gpu:
             head = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
             bias = None if model.lm_head is None else model.lm_head.bias  # (Phi's)

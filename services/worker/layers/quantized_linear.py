@@ -39,7 +39,8 @@ class Int8Linear(nn.Module):
 
     KERNELS = ("llmbus", "torch")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel: str | None = None,
+                 input_split=None) -> None:
         super().__init__()
         weight = weight.detach().float()
         self.out_features, self.in_features = weight.shape
@@ -47,7 +48,7 @@ class Int8Linear(nn.Module):
         if kernel not in self.KERNELS:
             raise ValueError(f"unknown int8 kernel {kernel!r}: {', '.join(self.KERNELS)}")
         self.kernel = kernel
-        levels, scales = int8_grid(weight)
+        levels, scales = int8_grid(weight, input_split)
         if kernel == "llmbus":
             # The scales as PyTorch's kernel takes them (bfloat16), so both kernels multiply
             # by the same numbers.
@@ -89,18 +90,26 @@ class Int8Linear(nn.Module):
 INT4_GROUP_SIZE = cpu_kernels.INT4_GROUP_SIZE
 
 
-def int8_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_grid(weight: torch.Tensor, input_split=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(levels int8 [out, in], scales [out]) with weight ~= levels * scale per output: the
     largest weight of a channel on level 127. A channel already on an int8 grid (a W8A8
     checkpoint's, widened) keeps it exactly: min/max quantization spans -128..127, so its
-    largest weight may lie on level -128, and then a 128th of it is the step."""
-    absmax = weight.abs().amax(dim=1, keepdim=True)
+    largest weight may lie on level -128, and then a 128th of it is the step.
+
+    `input_split`: the tensor-parallel group `weight`'s inputs are split over (a row-parallel
+    product's slice): a channel's scale is then that of the whole channel, every rank's
+    slice taken together, so the ranks hold exactly one rank's levels, cut."""
+    def whole(per_channel: torch.Tensor) -> torch.Tensor:  # [out, 1]: the largest over every rank's slice
+        return per_channel if input_split is None else input_split.all_max(per_channel)
+
+    absmax = whole(weight.abs().amax(dim=1, keepdim=True))
     scales = (absmax / 127).clamp(min=1e-10)
     wider = (absmax / 128).clamp(min=1e-10)
 
     def on_grid(step: torch.Tensor) -> torch.Tensor:  # [out, 1]: every weight a whole number of steps
         levels = weight / step
-        return (levels == levels.round()).all(dim=1, keepdim=True) & (levels.amax(dim=1, keepdim=True) <= 127)
+        off = ~(levels == levels.round()).all(dim=1, keepdim=True) | (levels.amax(dim=1, keepdim=True) > 127)
+        return whole(off.float()) == 0
 
     scales = torch.where(on_grid(wider) & ~on_grid(scales), wider, scales)
     return torch.round(weight / scales).clamp(-128, 127).to(torch.int8), scales[:, 0]
@@ -217,9 +226,9 @@ QUANTIZATIONS = ("int8", "int4")
 
 
 def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                     kernel: str | None = None) -> nn.Module:
+                     kernel: str | None = None, input_split=None) -> nn.Module:
     if method == "int8":
-        return Int8Linear(weight, bias, kernel)  # bfloat16 activations, whatever `dtype` says
+        return Int8Linear(weight, bias, kernel, input_split)  # bfloat16 activations, whatever `dtype` says
     if method == "int4":
         return Int4Linear(weight, bias, dtype, kernel)
     raise ValueError(f"unknown quantization {method!r}: {', '.join(QUANTIZATIONS)}")
@@ -228,7 +237,10 @@ def quantized_linear(method: str, weight: torch.Tensor, bias: torch.Tensor | Non
 def quantize(model: nn.Module, method: str, dtype: torch.dtype, kernel: str | None = None) -> nn.Module:
     """Replace every nn.Linear under `model` with its quantized form (in place); with the
     Triton kernel (a GPU's), but the experts of a sparse MoE, which its grouped GEMMs read
-    stacked and unquantized (kernels/fused_moe.py)."""
+    stacked and unquantized (kernels/fused_moe.py). A tensor-parallel rank's row-parallel
+    products (`input_split`, set by parallel/sharding.py) take their whole channels' scales;
+    int4's groups of 32 inputs lie whole on one rank (the sizes are checked before loading)."""
     experts = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
     return replace_linears(model, lambda linear: None if kernel == "triton" and id(linear) in experts else
-                           quantized_linear(method, linear.weight, linear.bias, dtype, kernel))
+                           quantized_linear(method, linear.weight, linear.bias, dtype, kernel,
+                                            getattr(linear, "input_split", None)))

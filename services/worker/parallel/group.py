@@ -61,6 +61,12 @@ class TensorParallelGroup:
         """Every rank's `tensor` into `parts`, by rank."""
         dist.all_gather(parts, tensor)
 
+    def all_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The largest of every rank's values, element by element, in place (a quantized
+        row-parallel product's channel scales: over the whole channel, not a rank's slice)."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
     def min(self, value: int) -> int:
         """The least of every rank's `value` (KV blocks: every rank must hold the same ids)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -21,10 +21,11 @@ from services.worker.layers.moe import SparseMoE
 from services.worker.models.decoder_config import ModelConfig
 
 # Decoders whose layers are sharded as above; the rest are refused by what they have.
+# (Quantized checkpoints are widened as they are read, before a tensor is cut: AWQ's,
+# GPTQ's, FP8's, each rank its slice; 4-bit ones are quantized again to int4, each group
+# of 32 inputs whole on one rank.)
 _UNSHARDED = (
     ("qk_norm_over_heads", "query/key norms over all heads"),
-    ("quantized_weights", "quantized weights"),
-    ("fp8_weight_block", "FP8 block-scaled weights"),
 )
 
 
@@ -164,19 +165,25 @@ def split_sums(model: nn.Module, group) -> None:
     weighed by the whole router's weights, add up in any order)."""
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
-            if group.rank:  # (gpt-oss's experts' output biases: added once, after the sum)
-                for expert in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert])):
-                    if expert.down_proj.bias is not None:
-                        expert.down_proj.bias.zero_()
+            for expert in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert])):
+                _split_input(expert.down_proj, group)
             layer.mlp = RowParallel(layer.mlp, group)
         mixer = "out_proj" if hasattr(layer.self_attn, "out_proj") else "o_proj"  # (a Gated DeltaNet's: out_proj)
         for owner, name in ((layer.self_attn, mixer), (layer.mlp, "down_proj")):
             if owner is None or isinstance(owner, RowParallel):
                 continue
             inner = getattr(owner, name)
-            if inner.bias is not None and group.rank:
-                inner.bias.zero_()
+            _split_input(inner, group)
             setattr(owner, name, RowParallel(inner, group))
+
+
+def _split_input(linear: nn.Module, group) -> None:
+    """A product whose input this rank holds a slice of: its bias added once, by rank 0
+    (gpt-oss's experts' too: after the sum), and its inputs' group noted for quantization
+    (quantized_linear.int8_grid: a channel's scale is the whole channel's)."""
+    if linear.bias is not None and group.rank:
+        linear.bias.zero_()
+    linear.input_split = group
 
 
 class VocabSlices(nn.Module):
