@@ -85,8 +85,6 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
     # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
     with pytest.raises(ValueError, match="recurrent"):
         LLM(str(folders("lfm2")), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--enable-lora"):
-        LLM(str(folders("llama")), tensor_parallel_size=2, enable_lora=True)
 
 
 def test_a_rank_that_cannot_meet_its_group_says_which():
@@ -125,6 +123,34 @@ def test_two_ranks_give_transformers_greedy_output(folders, arch, overrides):
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     assert got == hf_greedy(folder, PROMPTS, 16)
     llm.executor.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_two_ranks_serve_lora_adapters_as_peft_computes_them(arch, tmp_path):
+    """Two adapters and the base model in one batch, each equal to PEFT's greedy output: B's
+    rows cut as the base weights' (Phi-3's adapters name its fused q/k/v and gate/up), and
+    o_proj's and down_proj's A by the rank's inputs, their shrunk activations summed."""
+    from llmbus import LoRARequest
+    from tiny_models import LORA_TARGETS_FUSED, build_lora_adapter, peft_greedy
+
+    base = build_tiny_model(tmp_path / "base", arch=arch, seed=4)
+    a1 = build_lora_adapter(base, tmp_path / "a1", seed=1,
+                            target_modules=LORA_TARGETS_FUSED if arch == "phi3" else None)
+    a2 = build_lora_adapter(base, tmp_path / "a2", seed=2, r=4, lora_alpha=8, use_rslora=True,
+                            target_modules=["qkv_proj"] if arch == "phi3" else ["k_proj", "up_proj", "o_proj"])
+    prompts = random_prompts([5, 17, 9], seed=3)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(str(base), tensor_parallel_size=2, max_model_len=256, enable_lora=True, max_loras=2)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            prompts * 3, greedy, lora_request=[LoRARequest("a1", 1, str(a1))] * 3 + [LoRARequest("a2", 2, str(a2))] * 3
+            + [None] * 3, use_tqdm=False)]
+    finally:
+        llm.executor.close()
+    want1, want2, want0 = peft_greedy(base, a1, prompts, 10), peft_greedy(base, a2, prompts, 10), \
+        hf_greedy(base, prompts, 10)
+    assert want1 != want0 and want2 != want0
+    assert got == want1 + want2 + want0
 
 
 def test_two_ranks_sample_what_one_rank_samples(folders):

@@ -64,9 +64,14 @@ class LoRAMapping:
 
 class LoRAStack:
     def __init__(self, mapping: LoRAMapping, slots: int, in_size: int, out_size: int, rank: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, input_split=None) -> None:
         self.mapping = mapping
         self.rank = rank
+        # A tensor-parallel rank's row-parallel product (o_proj, down_proj): its input, and A's
+        # columns, are this rank's slice, so the shrunk activations are partial sums, added
+        # over the ranks before B (small: rank columns a token) — the base product's own sum
+        # came before, so every rank then adds the whole of B's product.
+        self.input_split = input_split
         self.a = torch.zeros(slots, rank, in_size, dtype=dtype, device=device)
         self.b = torch.zeros(slots, rank, out_size, dtype=dtype, device=device)
 
@@ -75,11 +80,14 @@ class LoRAStack:
         mapping = self.mapping
         if mapping.whole_step is not None:
             slot = mapping.whole_step
-            return y.addmm_(x @ self.a[slot].T, self.b[slot])
+            return y.addmm_(self._summed(x @ self.a[slot].T), self.b[slot])
         n = mapping.num_slots
-        shrunk = x @ self.a[:n].reshape(n * self.rank, -1).T
+        shrunk = self._summed(x @ self.a[:n].reshape(n * self.rank, -1).T)
         shrunk.mul_(mapping.mask(self.rank, shrunk.dtype))
         return y.addmm_(shrunk, self.b[:n].reshape(n * self.rank, -1))
+
+    def _summed(self, shrunk: torch.Tensor) -> torch.Tensor:
+        return shrunk if self.input_split is None else self.input_split.all_reduce(shrunk)
 
 
 def adapted(linear, lora: LoRAStack | None, x: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,11 @@ class LoRAAdapter:
     pieces: dict[tuple[int, str], list[Piece]]  # (layer, fused module) -> pieces
 
     @classmethod
-    def load(cls, lora: LoRARequest, config: ModelConfig, max_rank: int) -> LoRAAdapter:
-        """Read and check the adapter; a ValueError says what is wrong with it."""
+    def load(cls, lora: LoRARequest, config: ModelConfig, max_rank: int, shards=None) -> LoRAAdapter:
+        """Read and check the adapter; a ValueError says what is wrong with it. `shards`: a
+        tensor-parallel rank's cut (parallel/sharding.py; `config` is then its slice's), which
+        the adapter is checked against the whole model's shapes and then cut to."""
+        whole = config if shards is None else shards.full
         name, folder = lora.lora_name, Path(lora.lora_path)
         options = read_adapter_config(name, folder)
         rank, alpha = check_options(name, options, max_rank)
@@ -81,22 +84,26 @@ class LoRAAdapter:
             if set(ab) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{''.join(ab)} alone")
             fused, shard = TARGETS[module]
-            if fused == "gate_up_proj" and not config.gated_mlp:
+            if fused == "gate_up_proj" and not whole.gated_mlp:
                 raise ValueError(f"LoRA adapter {name!r} adapts {module} of an MLP without a gate (Arcee's): "
                                  "llmbus adapts its attention and down_proj only")
-            in_size, starts, sizes = module_shape(config, layer, fused)
+            in_size, starts, sizes = module_shape(whole, layer, fused)
             a, b = ab["A"], ab["B"]
             start, size = (0, sum(sizes)) if shard is None else (starts[shard], sizes[shard])
             if a.shape != (rank, in_size) or b.shape != (size, rank):
                 raise ValueError(f"LoRA adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and "
                                  f"B {tuple(b.shape)}, the model needs A ({rank}, {in_size}) and B ({size}, {rank})")
-            if config.rotary_interleaved and fused == "qkv_proj" and shard != 2:
+            if whole.rotary_interleaved and fused == "qkv_proj" and shard != 2:
                 # (GLM's queries and keys come out of the base weights reordered: so do B's rows)
                 if shard is None:
                     raise ValueError(f"LoRA adapter {name!r}: a fused qkv_proj on a model with interleaved "
                                      "rotary (GLM's): adapt q_proj, k_proj and v_proj apart")
-                b = interleaved_as_halves(b, config.head_dim, config.rotary_dim)
-            scale = scaling * (config.residual_multiplier if fused in ("o_proj", "down_proj") else 1.0)
+                b = interleaved_as_halves(b, whole.head_dim, whole.rotary_dim)
+            if shards is not None:  # (this rank's: the rows its heads and MLP rows make, or its inputs)
+                a, b = shards.cut_lora(fused, shard, a, b)
+                _, starts, sizes = module_shape(config, layer, fused)
+                start, size = (0, sum(sizes)) if shard is None else (starts[shard], sizes[shard])
+            scale = scaling * (whole.residual_multiplier if fused in ("o_proj", "down_proj") else 1.0)
             pieces.setdefault((layer, fused), []).append(Piece(shard or 0, start, size, a, b * scale))
         if not pieces:
             raise ValueError(f"LoRA adapter {name!r} holds no weights")

@@ -51,7 +51,7 @@ class LoRAManager:
             for fused, owner in owners.items():
                 in_size, _, sizes = module_shape(model.config, index, fused)
                 stack = LoRAStack(self.mapping, config.max_loras, in_size, sum(sizes), rank * NUM_SHARDS[fused],
-                                  dtype, device)
+                                  dtype, device, getattr(getattr(owner, fused), "input_split", None))
                 self.stacks[index, fused] = stack
                 setattr(owner, fused.removesuffix("_proj") + "_lora", stack)
         self._read: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()  # on the host, most recent last
@@ -68,7 +68,7 @@ class LoRAManager:
         if adapter is not None:
             self._read.move_to_end(lora)
             return adapter
-        adapter = LoRAAdapter.load(lora, self.model.config, self.config.max_lora_rank)
+        adapter = LoRAAdapter.load(lora, self.model.config, self.config.max_lora_rank, self.model.shards)
         self._read[lora] = adapter
         while len(self._read) > self.config.max_cpu_loras:
             self._read.popitem(last=False)

@@ -77,11 +77,9 @@ def build_runner(model_path: str, config: WorkerConfig, threads: int | None = No
 
 
 def _refuse_unsharded(config: WorkerConfig) -> None:
-    size = config.tensor_parallel_size
-    for value, what in ((config.lora_config, "--enable-lora"),
-                        (config.kv_role != "kv_both", "--kv-transfer-config")):
-        if value:
-            raise ValueError(f"--tensor-parallel-size {size} with {what} is not supported yet")
+    if config.kv_role != "kv_both":
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} with --kv-transfer-config "
+                         "is not supported yet")
 
 
 def _rank_config(config: WorkerConfig, rank: int, cuda: bool) -> WorkerConfig:

@@ -106,6 +106,19 @@ class Shards:
             return torch.cat((self._rows(gate), self._rows(up)))
         return tensor
 
+    def cut_lora(self, fused: str, shard: int | None, a: torch.Tensor, b: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA adapter's A [r, in] and B [out rows, r] for one shard
+        of a fused module (lora/adapter.py; None: the whole module): B's rows as the base
+        weight's are cut, or, where the module's input is split (o_proj, down_proj), A's
+        columns (the shrunk activations are then summed over the ranks: layers/lora.py)."""
+        if fused in ("o_proj", "down_proj"):
+            return a.chunk(self.world_size, dim=1)[self.rank].contiguous(), b
+        name = {("qkv_proj", 0): ".q_proj.", ("qkv_proj", 1): ".k_proj.", ("qkv_proj", 2): ".v_proj.",
+                ("qkv_proj", None): ".qkv_proj.", ("gate_up_proj", 0): ".gate_proj.",
+                ("gate_up_proj", 1): ".up_proj.", ("gate_up_proj", None): ".gate_up_proj."}[fused, shard]
+        return a, self.cut(f"model.layers.0{name}lora_B", b)
+
     def whole_shape(self, name: str, shape: torch.Size) -> tuple[int, ...]:
         """The checkpoint's shape of an expert's product this rank holds `shape` of."""
         if ".down_proj." in name:
@@ -153,6 +166,11 @@ class RowParallel(nn.Module):
     @property
     def bias(self) -> torch.Tensor | None:
         return self.inner.bias
+
+    @property
+    def input_split(self):
+        """The group this product's inputs are split over (its LoRA's shrink sums over it)."""
+        return self.group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.all_reduce(self.inner(x))
