@@ -84,7 +84,7 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
         local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=4, moe_intermediate_size=6), 4)
     # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
     with pytest.raises(ValueError, match="recurrent"):
-        LLM(str(folders("lfm2")), tensor_parallel_size=2)
+        LLM(str(folders("bamba")), tensor_parallel_size=2)
 
 
 def test_a_rank_that_cannot_meet_its_group_says_which():
@@ -108,10 +108,12 @@ def test_a_rank_that_cannot_meet_its_group_says_which():
 # latent attention (DeepSeek-V3: each rank its heads' query and kv_b_proj rows, the latent
 # and its cache on every rank); gpt-oss's sinks a head and its experts' biases; Qwen3-Next's
 # Gated DeltaNet (by key head, its value heads, state and convolution channels with it)
-# beside gated full attention.
+# beside gated full attention; LFM2's short convolutions (by channel); OLMo 2's query and
+# key norms over every head (each rank's sum of squares added over the ranks).
 FAMILIES = [("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}), ("phi3", {"vocab_size": 383}),
             ("gemma2", {}), ("gpt_neox", {}), ("qwen2_moe", {}), ("granite_moe", {}),
-            ("deepseek_v3", {}), ("gpt_oss", {}), ("qwen3_next", {})]
+            ("deepseek_v3", {}), ("gpt_oss", {}), ("qwen3_next", {}), ("lfm2", {}),
+            ("olmo2", {"num_key_value_heads": 4})]
 
 
 @pytest.mark.parametrize("arch,overrides", FAMILIES,

@@ -22,14 +22,17 @@ class ShortConv(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, config.short_conv_bias
-        self.hidden_size, self.kernel = hidden, config.short_conv_kernel
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
-        self.conv = nn.Conv1d(hidden, hidden, self.kernel, groups=hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        # (each channel is on its own until the output product: a tensor-parallel rank holds
+        # a slice of them, and out_proj sums over the ranks)
+        channels = config.short_conv_channels or hidden
+        self.channels, self.kernel = channels, config.short_conv_kernel
+        self.in_proj = nn.Linear(hidden, 3 * channels, bias=bias)
+        self.conv = nn.Conv1d(channels, channels, self.kernel, groups=channels, bias=bias)
+        self.out_proj = nn.Linear(channels, hidden, bias=bias)
 
     def state_shapes(self, rows: int, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """(shape, dtype) of the convolution's state, `rows` requests."""
-        return (((rows, self.hidden_size, self.kernel - 1), dtype),)
+        return (((rows, self.channels, self.kernel - 1), dtype),)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, state: tuple[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:

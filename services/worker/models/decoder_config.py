@@ -243,6 +243,7 @@ class ModelConfig:
     post_normed_layers: tuple[int, ...] = ()
     short_conv_kernel: int = 0
     short_conv_bias: bool = False
+    short_conv_channels: int = 0  # (a tensor-parallel rank's share of them; 0: hidden_size, all)
     # Mamba2's: heads of head_dim over a state of state_size, B and C shared by groups of
     # heads, its convolution's width, biases, and the limits its time steps are clamped to
     mamba_num_heads: int = 0

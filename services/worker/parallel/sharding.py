@@ -24,22 +24,23 @@ from services.worker.models.decoder_config import ModelConfig
 # (Quantized checkpoints are widened as they are read, before a tensor is cut: AWQ's,
 # GPTQ's, FP8's, each rank its slice; 4-bit ones are quantized again to int4, each group
 # of 32 inputs whole on one rank.)
-_UNSHARDED = (
-    ("qk_norm_over_heads", "query/key norms over all heads"),
-)
 
 
 def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
     """The config of one rank's slice; a ValueError naming what cannot be sharded."""
     arch = config.architecture
-    for field, what in _UNSHARDED:
-        if getattr(config, field):
-            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {what} are not sharded yet "
-                             "(dense decoders with attention and an MLP are)")
-    if config.recurrent_layers and config.recurrent_mixer != "gated_delta_net":
+    if config.qk_norm_over_heads and config.num_key_value_heads % world_size:
+        raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s key norm is over all of its "
+                         f"{config.num_key_value_heads} KV heads, which do not split over {world_size} ranks")
+    if config.recurrent_layers and config.recurrent_mixer not in ("gated_delta_net", "short_conv"):
         raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s recurrent ({config.recurrent_mixer}) "
-                         "layers are not sharded yet (Gated DeltaNet's are)")
+                         "layers are not sharded yet (Gated DeltaNet's and short convolutions are)")
     linear = {}
+    if config.recurrent_mixer == "short_conv":  # (LFM2's: by channel)
+        if config.hidden_size % world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s short convolutions' "
+                             f"{config.hidden_size} channels do not split over {world_size} ranks")
+        linear["short_conv_channels"] = config.hidden_size // world_size
     if config.recurrent_layers:  # (Qwen3.5's, Qwen3-Next's linear attention: by key head, its value heads with it)
         for field in ("linear_num_key_heads", "linear_num_value_heads"):
             if getattr(config, field) % world_size:
@@ -86,12 +87,18 @@ class Shards:
             key_size = full.linear_num_key_heads * full.linear_key_head_dim
             q, k, v = tensor.split((key_size, key_size, full.linear_num_value_heads * full.linear_value_head_dim))
             return torch.cat((self._rows(q), self._rows(k), self._rows(v)))
+        if self.full.recurrent_mixer == "short_conv" and (".self_attn.in_proj." in name or ".self_attn.conv." in name):
+            # (LFM2's: its B, C and x gates' rows and the convolution's, the rank's channels)
+            return torch.cat([self._rows(part) for part in tensor.chunk(3)]) if ".in_proj." in name else \
+                self._rows(tensor)
         if any(part in name for part in (".in_proj_z.", ".in_proj_b.", ".in_proj_a.")) or \
                 name.endswith((".dt_bias", ".A_log")):
             return self._rows(tensor)
         if ".o_proj." in name or ".down_proj." in name or ".out_proj." in name:
             # (their bias is whole: added once, by rank 0, after the sum: `split_sums`)
             return tensor.chunk(self.world_size, dim=1)[self.rank].contiguous() if tensor.dim() == 2 else tensor
+        if self.full.qk_norm_over_heads and name.endswith((".q_norm.weight", ".k_norm.weight")):
+            return self._rows(tensor)  # (OLMo 2's: a weight for each of the rank's heads' channels)
         if name.startswith(("model.embed_tokens.", "lm_head.")):
             return self._vocab_rows(tensor)
         if ".qkv_proj." in name:  # a checkpoint that fuses them (Phi-3): apart, cut, together again
@@ -186,6 +193,10 @@ def split_sums(model: nn.Module, group) -> None:
             for expert in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert])):
                 _split_input(expert.down_proj, group)
             layer.mlp = RowParallel(layer.mlp, group)
+        if getattr(layer.self_attn, "qk_norm_over_heads", False):
+            attention = layer.self_attn
+            attention.q_norm, attention.k_norm = SplitRMSNorm(attention.q_norm, group), \
+                SplitRMSNorm(attention.k_norm, group)
         mixer = "out_proj" if hasattr(layer.self_attn, "out_proj") else "o_proj"  # (a Gated DeltaNet's: out_proj)
         for owner, name in ((layer.self_attn, mixer), (layer.mlp, "down_proj")):
             if owner is None or isinstance(owner, RowParallel):
@@ -202,6 +213,23 @@ def _split_input(linear: nn.Module, group) -> None:
     if linear.bias is not None and group.rank:
         linear.bias.zero_()
     linear.input_split = group
+
+
+class SplitRMSNorm(nn.Module):
+    """RMSNorm over a row split across the ranks (OLMo 2's query and key norms, over every
+    head): each rank's sum of squares added over the ranks, then each rank weighs its part,
+    in transformers' order (float32 statistics, the weight after the cast back)."""
+
+    def __init__(self, norm: nn.Module, group) -> None:
+        super().__init__()
+        self.weight, self.eps, self.group = norm.weight, norm.eps, group
+        self.size = norm.weight.shape[0] * group.world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        squares = self.group.all_reduce(wide.pow(2).sum(-1, keepdim=True))
+        normed = wide * torch.rsqrt(squares / self.size + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class VocabSlices(nn.Module):
