@@ -83,8 +83,9 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
     with pytest.raises(ValueError, match="experts' MLPs of 6"):
         local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=4, moe_intermediate_size=6), 4)
     # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
-    with pytest.raises(ValueError, match="recurrent"):
-        LLM(str(folders("bamba")), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="3 Mamba2 groups"):
+        local_config(dataclasses.replace(_config(), recurrent_layers=(0,), recurrent_mixer="mamba2",
+                                         mamba_num_heads=6, mamba_num_groups=3), 2)
 
 
 def test_a_rank_that_cannot_meet_its_group_says_which():
@@ -109,11 +110,13 @@ def test_a_rank_that_cannot_meet_its_group_says_which():
 # and its cache on every rank); gpt-oss's sinks a head and its experts' biases; Qwen3-Next's
 # Gated DeltaNet (by key head, its value heads, state and convolution channels with it)
 # beside gated full attention; LFM2's short convolutions (by channel); OLMo 2's query and
-# key norms over every head (each rank's sum of squares added over the ranks).
+# key norms over every head (each rank's sum of squares added over the ranks); Mamba2 by
+# head, its B and C every rank's (one group: Bamba's here, as Granite 4.0-H's; its output
+# norm's sum of squares added over the ranks) or by group (Nemotron-H's two).
 FAMILIES = [("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}), ("phi3", {"vocab_size": 383}),
             ("gemma2", {}), ("gpt_neox", {}), ("qwen2_moe", {}), ("granite_moe", {}),
             ("deepseek_v3", {}), ("gpt_oss", {}), ("qwen3_next", {}), ("lfm2", {}),
-            ("olmo2", {"num_key_value_heads": 4})]
+            ("olmo2", {"num_key_value_heads": 4}), ("bamba", {"mamba_n_groups": 1}), ("nemotron_h", {})]
 
 
 @pytest.mark.parametrize("arch,overrides", FAMILIES,

@@ -44,6 +44,9 @@ class Mamba2Mixer(nn.Module):
         # The gated output norm's weight (by w; named apart from the model's norms)
         self.norm_weight = nn.Parameter(torch.ones(self.inner_size))
         self.out_proj = nn.Linear(self.inner_size, config.hidden_size, bias=bias)
+        # A tensor-parallel rank's heads of a model with one group: the norm's group is every
+        # rank's heads, its sum of squares added over the ranks (parallel/sharding.py sets it)
+        self.norm_split = None
 
     def state_shapes(self, rows: int, dtype: torch.dtype) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
         """(shape, dtype) of the convolution's and of the scan's state, `rows` requests."""
@@ -72,5 +75,9 @@ class Mamba2Mixer(nn.Module):
         """times SiLU(gate), then RMS-normed over each group's channels and weighed by w (the
         gate before the norm: Mamba2's norm_before_gate false), in float32."""
         h = (out * F.silu(gate.float())).unflatten(-1, (self.num_groups, -1))
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        return self.norm_weight * h
+        if self.norm_split is None:
+            mean = h.pow(2).mean(-1, keepdim=True)
+        else:
+            squares = self.norm_split.all_reduce(h.pow(2).sum(-1, keepdim=True))
+            mean = squares / (h.shape[-1] * self.norm_split.world_size)
+        return self.norm_weight * (h * torch.rsqrt(mean + self.eps)).flatten(-2)

@@ -32,21 +32,7 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
     if config.qk_norm_over_heads and config.num_key_value_heads % world_size:
         raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s key norm is over all of its "
                          f"{config.num_key_value_heads} KV heads, which do not split over {world_size} ranks")
-    if config.recurrent_layers and config.recurrent_mixer not in ("gated_delta_net", "short_conv"):
-        raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s recurrent ({config.recurrent_mixer}) "
-                         "layers are not sharded yet (Gated DeltaNet's and short convolutions are)")
-    linear = {}
-    if config.recurrent_mixer == "short_conv":  # (LFM2's: by channel)
-        if config.hidden_size % world_size:
-            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s short convolutions' "
-                             f"{config.hidden_size} channels do not split over {world_size} ranks")
-        linear["short_conv_channels"] = config.hidden_size // world_size
-    if config.recurrent_layers:  # (Qwen3.5's, Qwen3-Next's linear attention: by key head, its value heads with it)
-        for field in ("linear_num_key_heads", "linear_num_value_heads"):
-            if getattr(config, field) % world_size:
-                raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {getattr(config, field)} linear "
-                                 f"attention heads ({field}) do not split over {world_size} ranks")
-            linear[field] = getattr(config, field) // world_size
+    linear = _recurrent_slice(config, world_size) if config.recurrent_layers else {}
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % world_size:
         raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {heads} attention heads do not split "
@@ -66,6 +52,28 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
                                **{field: getattr(config, field) // world_size for field in sizes}, **linear)
 
 
+def _recurrent_slice(config: ModelConfig, world_size: int) -> dict:
+    """A hybrid's recurrent mixer's fields for one rank: a Gated DeltaNet by key head (its
+    value heads with it), a short convolution by channel, Mamba2 by head (B and C by group
+    where the groups split, every rank's where there is one)."""
+    arch, mixer = config.architecture, config.recurrent_mixer
+    splits = {"gated_delta_net": ("linear_num_key_heads", "linear_num_value_heads"),
+              "short_conv": ("short_conv_channels",), "mamba2": ("mamba_num_heads",)}[mixer]
+    local = {}
+    for field in splits:
+        size = getattr(config, field) or config.hidden_size  # (short_conv_channels: 0 is every channel)
+        if size % world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {size} {mixer} heads or channels "
+                             f"({field}) do not split over {world_size} ranks")
+        local[field] = size // world_size
+    if mixer == "mamba2" and config.mamba_num_groups > 1:
+        if config.mamba_num_groups % world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {config.mamba_num_groups} Mamba2 "
+                             f"groups neither split over {world_size} ranks nor are one")
+        local["mamba_num_groups"] = config.mamba_num_groups // world_size
+    return local
+
+
 class Shards:
     """Cuts checkpoint tensors, by name, to rank `rank` of `world_size`."""
 
@@ -82,6 +90,9 @@ class Shards:
             return self._rows(tensor)
         if ".k_proj." in name or ".v_proj." in name:
             return self._kv_rows(tensor)
+        if self.full.recurrent_mixer == "mamba2" and (".self_attn.in_proj." in name or ".conv1d." in name
+                                                      or name.endswith((".self_attn.norm_weight", ".self_attn.D"))):
+            return self._mamba2(name, tensor)
         if ".in_proj_qkv." in name or ".conv1d." in name:  # (a Gated DeltaNet's: its heads' q, k and v channels)
             full = self.full
             key_size = full.linear_num_key_heads * full.linear_key_head_dim
@@ -145,6 +156,21 @@ class Shards:
         out[:rows] = tensor[first:first + rows]
         return out
 
+    def _mamba2(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Mamba2's in_proj rows (z, x, B, C, dt) and convolution channels (x, B, C): the
+        rank's heads' z, x and dt, its groups' B and C (the one group: whole); its heads'
+        skips and norm weights."""
+        full = self.full
+        inner, groups = full.mamba_num_heads * full.mamba_head_dim, full.mamba_num_groups * full.mamba_state_size
+        if not (".in_proj." in name or ".conv1d." in name):
+            return self._rows(tensor)
+        sections = (inner, inner, groups, groups, full.mamba_num_heads) if ".in_proj." in name else \
+            (inner, groups, groups)
+        parts = tensor.split(sections)
+        by_group = (2, 3) if ".in_proj." in name else (1, 2)
+        return torch.cat([part if i in by_group and full.mamba_num_groups == 1 else self._rows(part)
+                          for i, part in enumerate(parts)])
+
     def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.chunk(self.world_size)[self.rank].contiguous()
 
@@ -197,6 +223,8 @@ def split_sums(model: nn.Module, group) -> None:
             attention = layer.self_attn
             attention.q_norm, attention.k_norm = SplitRMSNorm(attention.q_norm, group), \
                 SplitRMSNorm(attention.k_norm, group)
+        if hasattr(layer.self_attn, "norm_split") and model.shards.full.mamba_num_groups == 1:
+            layer.self_attn.norm_split = group  # (Mamba2's one group: its output norm over every rank's heads)
         mixer = "out_proj" if hasattr(layer.self_attn, "out_proj") else "o_proj"  # (a Gated DeltaNet's: out_proj)
         for owner, name in ((layer.self_attn, mixer), (layer.mlp, "down_proj")):
             if owner is None or isinstance(owner, RowParallel):
