@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
+from services.worker.layers.kernel_choice import KernelChoices
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import (
     PackedLinear,
@@ -184,12 +185,15 @@ def load_model(
         if isinstance(module, SparseMoE) and module.fused:
             module.stack_experts()  # for the Triton grouped GEMMs
     if can_pack(dtype, torch.device(device)):
-        pack_linears(model)  # what quantization left unquantized (int4: the LM head)
+        choices = KernelChoices()
+        pack_linears(model, choices)  # what quantization left unquantized (int4: the LM head)
         if model.lm_head is None and model.generates:
             # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more in
             # bfloat16, 113 MB in float32): the embedding is read a row per token, the head
             # whole on every step.
-            model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+            head = model.model.embed_tokens.weight
+            model.lm_head = PackedLinear(head, None, rows_from=choices.rows_from(head))
+        choices.finish()
         move_to_huge_pages(model)
     # (the one-call C decode layer runs a whole layer: no sum between its products)
     model.fused_decode = FusedDecode.build(model) if tensor_parallel is None else None

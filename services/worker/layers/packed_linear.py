@@ -26,6 +26,7 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from kernels.cpu import huge_pages
 from services.worker.layers import replace_linears
+from services.worker.layers.kernel_choice import KernelChoices
 from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
 
 KERNELS = ("llmbus", "onednn")
@@ -61,7 +62,11 @@ class PackedLinear(nn.Module):
     """y = x @ W.T + b with W [out, in] bfloat16 or float32 (activations of the same dtype),
     packed for `kernel` (default: the best that loads for the dtype)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str | None = None,
+                 rows_from: int | None = None) -> None:
+        """`rows_from`: with llmbus's kernel, the row count from which oneDNN's product is
+        faster on this CPU (layers/kernel_choice.py): both packings are kept, and a product
+        of that many rows or more takes oneDNN's (1: oneDNN's alone)."""
         super().__init__()
         if weight.dtype not in DTYPES:
             raise ValueError(f"PackedLinear packs bfloat16 or float32 weights, got {weight.dtype}")
@@ -74,7 +79,13 @@ class PackedLinear(nn.Module):
             kernel = "onednn" if _onednn_packing_works(self.dtype) else None
         if kernel not in KERNELS:
             raise ValueError(f"no packed {self.dtype} product on this machine (kernel {kernel!r})")
-        self.kernel = kernel
+        if kernel != "llmbus" or rows_from is not None and not _onednn_packing_works(self.dtype):
+            rows_from = None
+        if rows_from == 1:
+            kernel, rows_from = "onednn", None
+        self.kernel, self.rows_from = kernel, rows_from
+        self.weight_onednn = None if rows_from is None else torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.bias_onednn = None if rows_from is None or bias is None else bias.detach().to(self.dtype)
         if kernel == "llmbus":
             self.register_buffer("weight_packed", cpu_kernels.pack_weight(weight))
             # The kernel adds the bias to its float32 sums, as oneDNN does, before rounding.
@@ -86,6 +97,8 @@ class PackedLinear(nn.Module):
             self.register_buffer("bias", None if bias is None else bias.detach().to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_from is not None and x.numel() >= self.rows_from * self.in_features:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight_onednn, self.bias_onednn, "none", [], "")
         if self.kernel == "llmbus":
             return cpu_kernels.linear(x, self.weight_packed, self.out_features, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
@@ -100,7 +113,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} packed for {self.kernel}"
+        kernels = self.kernel if self.rows_from is None else \
+            f"llmbus below {self.rows_from} rows, onednn from {self.rows_from}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {dtype} packed for {kernels}"
 
 
 def move_to_huge_pages(model: nn.Module) -> None:
@@ -113,8 +128,15 @@ def move_to_huge_pages(model: nn.Module) -> None:
         module.weight_packed = weight
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Replace every bfloat16 or float32 nn.Linear under `model` with its packed form (in place)."""
-    return replace_linears(
-        model, lambda linear: PackedLinear(linear.weight, linear.bias) if linear.weight.dtype in DTYPES else None
-    )
+def pack_linears(model: nn.Module, choices: KernelChoices | None = None) -> nn.Module:
+    """Replace every bfloat16 or float32 nn.Linear under `model` with its packed form (in
+    place), each shape on the products this CPU runs it fastest with (`choices`: measured or
+    remembered, layers/kernel_choice.py)."""
+    choices = choices or KernelChoices()
+
+    def packed(linear: nn.Linear) -> PackedLinear | None:
+        if linear.weight.dtype not in DTYPES:
+            return None
+        return PackedLinear(linear.weight, linear.bias, rows_from=choices.rows_from(linear.weight))
+
+    return replace_linears(model, packed)

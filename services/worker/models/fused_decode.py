@@ -35,6 +35,9 @@ class FusedDecode:
     def __init__(self, model, dtype: torch.dtype) -> None:
         self.model = model
         self.dtype = dtype
+        # (from this many rows some product is oneDNN's on this CPU: layers/kernel_choice.py)
+        self.max_rows = min((m.rows_from for m in model.modules() if getattr(m, "rows_from", None)),
+                            default=None)
         self._cache_key: tuple[int, ...] | None = None
         self._layers: list[cpu_kernels.LayerSpec] = []
 
@@ -84,7 +87,7 @@ class FusedDecode:
         limit = self.model.config.query_scale_original  # (Ministral 3's queries scale past it: the C layer's do not)
         return (
             metadata.num_decodes == metadata.num_reqs == input_ids.numel() == metadata.num_actual_tokens
-            and metadata.num_reqs > 0
+            and metadata.num_reqs > 0 and (self.max_rows is None or metadata.num_reqs < self.max_rows)
             and (not limit or metadata.max_seq_len <= limit)
             and cpu_kernels.kv_format(self.dtype, kv_caches[0].dtype) is not None and kv_caches[0].stride(-1) == 1
         )
