@@ -58,6 +58,58 @@ compiler_ok() {
         && command -v make >/dev/null 2>&1
 }
 
+# ---------------------------------------------------------------- build ----
+# build_server BUILD_DIR CMAKE_FLAGS...: configure and build llama-server there.
+build_server() {
+    local build="$1"; shift
+    log "configuring (cmake) in $build: $*"
+    cmake -S "$SRC" -B "$build" \
+        -DCMAKE_BUILD_TYPE=Release \
+        -DBUILD_SHARED_LIBS=OFF \
+        "$@" \
+        -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_TOOLS=ON \
+        -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_BUILD_APP=OFF \
+        -DLLAMA_BUILD_UI=OFF \
+        -DLLAMA_USE_PREBUILT_UI=OFF \
+        >"$WORK/cmake-configure.log" 2>&1 \
+        || { tail -n 40 "$WORK/cmake-configure.log"; log "ERROR: cmake configure failed"; exit 1; }
+    log "building target llama-server with -j$JOBS (takes 10+ minutes on 2 cores)"
+    local start=$SECONDS
+    cmake --build "$build" --config Release --target llama-server -j "$JOBS" \
+        >"$WORK/cmake-build.log" 2>&1 \
+        || { tail -n 60 "$WORK/cmake-build.log"; log "ERROR: build failed (full log: $WORK/cmake-build.log)"; exit 1; }
+    log "build finished in $(( SECONDS - start ))s"
+}
+
+# starts BINARY: whether it runs here (`--version` exits 0; an illegal
+# instruction is exit 132).
+starts() {
+    "$1" --version >/dev/null 2>&1
+}
+
+# explicit_flags: GGML's instruction-set switches for what this CPU's flags
+# name (CPU_FLAGS overrides /proc/cpuinfo, for checking this function), AMX
+# always off.
+explicit_flags() {
+    local flags="${CPU_FLAGS:-$(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2)}"
+    local out="-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    local pair
+    for pair in avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C bmi2:GGML_BMI2 \
+                avx512f:GGML_AVX512 avx512vbmi:GGML_AVX512_VBMI avx512_vnni:GGML_AVX512_VNNI \
+                avx512_bf16:GGML_AVX512_BF16 avx_vnni:GGML_AVX_VNNI; do
+        if [[ " $flags " == *" ${pair%%:*} "* ]]; then
+            out+=" -D${pair#*:}=ON"
+        else
+            out+=" -D${pair#*:}=OFF"
+        fi
+    done
+    echo "$out"
+}
+
 if [[ -x "$BIN" ]]; then
     log "skip build: $BIN already exists"
 else
@@ -102,31 +154,21 @@ else
     #    web UI from Hugging Face at build time: turn it OFF (and
     #    LLAMA_BUILD_UI OFF) so the server embeds an empty UI table.
     #  * BUILD_SHARED_LIBS=OFF -> one self-contained binary.
-    #  * GGML_NATIVE=ON tunes for this CPU: the binary is not portable.
+    #  * GGML_NATIVE=ON tunes for this CPU: the binary is not portable. On
+    #    some machines (an Intel Xeon with AMX, 2026-12-06) the native build
+    #    died with "Illegal instruction" where it was built: the binary is
+    #    checked to start, and otherwise built again with the instruction
+    #    sets /proc/cpuinfo names, explicitly, without AMX (explicit_flags).
     BUILD="$WORK/build"
-    log "configuring (cmake) in $BUILD"
-    cmake -S "$SRC" -B "$BUILD" \
-        -DCMAKE_BUILD_TYPE=Release \
-        -DBUILD_SHARED_LIBS=OFF \
-        -DGGML_NATIVE=ON \
-        -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TOOLS=ON \
-        -DLLAMA_BUILD_SERVER=ON \
-        -DLLAMA_BUILD_APP=OFF \
-        -DLLAMA_BUILD_UI=OFF \
-        -DLLAMA_USE_PREBUILT_UI=OFF \
-        >"$WORK/cmake-configure.log" 2>&1 \
-        || { tail -n 40 "$WORK/cmake-configure.log"; log "ERROR: cmake configure failed"; exit 1; }
-
-    # --------------------------------------------------------- build ----
-    log "building target llama-server with -j$JOBS (takes 10+ minutes on 2 cores)"
-    start=$SECONDS
-    cmake --build "$BUILD" --config Release --target llama-server -j "$JOBS" \
-        >"$WORK/cmake-build.log" 2>&1 \
-        || { tail -n 60 "$WORK/cmake-build.log"; log "ERROR: build failed (full log: $WORK/cmake-build.log)"; exit 1; }
-    log "build finished in $(( SECONDS - start ))s"
+    build_server "$BUILD" -DGGML_NATIVE=ON
+    if ! starts "$BUILD/bin/llama-server"; then
+        log "the native build does not start here; building again with explicit flags: $(explicit_flags)"
+        BUILD="$WORK/build-explicit"
+        # shellcheck disable=SC2046
+        build_server "$BUILD" -DGGML_NATIVE=OFF $(explicit_flags)
+        starts "$BUILD/bin/llama-server" \
+            || { log "ERROR: $BUILD/bin/llama-server does not start on this machine either"; exit 1; }
+    fi
 
     install -m 0755 "$BUILD/bin/llama-server" "$BIN"
     # static build: only system libs (libc, libstdc++, libgomp, ...) expected
