@@ -45,20 +45,20 @@ def test_a_shape_is_measured_once_a_machine_and_remembered(tmp_path, monkeypatch
 
     path = tmp_path / "choices.json"
     big, other, tiny = torch.zeros(1024, 512), torch.zeros(512, 1024), torch.zeros(64, 128)
-    choices = KernelChoices("auto", path, timer)
+    choices = KernelChoices(timer, "auto", path)
     assert [choices.rows_from(w) for w in (big, big, other, tiny)] == [64, 64, 64, None]
     assert calls == [(1024, 512), (512, 1024)]  # (each shape once; the tiny one never: its call times the call)
     choices.finish()
     stored = json.loads(path.read_text())
     assert len(stored) == 2 and all("1024x512" in k or "512x1024" in k for k in stored)
-    again = KernelChoices("auto", path, timer)
+    again = KernelChoices(timer, "auto", path)
     assert again.rows_from(big) == 64 and len(calls) == 2
     # another thread count is another measurement (the key holds it)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
-    assert KernelChoices("auto", path, timer).rows_from(big) == 64 and len(calls) == 3
+    assert KernelChoices(timer, "auto", path).rows_from(big) == 64 and len(calls) == 3
     # forced: llmbus's everywhere, or oneDNN's everywhere
-    assert KernelChoices("avx512", path, timer).rows_from(big) is None
-    assert KernelChoices("amx", path, timer).rows_from(big) == 1
+    assert KernelChoices(timer, "avx512", path).rows_from(big) is None
+    assert KernelChoices(timer, "amx", path).rows_from(big) == 1
 
 
 def test_a_forced_choice_the_cpu_lacks_is_a_clear_error(monkeypatch):

@@ -11,11 +11,11 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from services.worker.attention.backend import AttentionBackend
-from services.worker.layers.kernel_choice import KernelChoices
 from services.worker.layers.moe import SparseMoE
 from services.worker.layers.packed_linear import (
     PackedLinear,
     can_pack,
+    kernel_choices,
     move_to_huge_pages,
     pack_linears,
 )
@@ -185,7 +185,7 @@ def load_model(
         if isinstance(module, SparseMoE) and module.fused:
             module.stack_experts()  # for the Triton grouped GEMMs
     if can_pack(dtype, torch.device(device)):
-        choices = KernelChoices()
+        choices = kernel_choices()
         pack_linears(model, choices)  # what quantization left unquantized (int4: the LM head)
         if model.lm_head is None and model.generates:
             # A packed copy of the tied embedding as the LM head (SmolLM2: 57 MB more in

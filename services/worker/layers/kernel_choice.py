@@ -76,25 +76,23 @@ def decide(timings: Timings, margin: float = MARGIN) -> int | None:
     return counts[beaten - 1]
 
 
-def measure(weight: torch.Tensor, rows_counts: tuple[int, ...] = ROWS) -> Timings:
-    """Both packings of `weight` timed at each row count (best of REPEATS, alternated), up
-    to the count whose one call would pass CALL_CAP_S."""
-    from services.worker.layers.packed_linear import PackedLinear  # (it imports this module)
-
-    kernels = PackedLinear(weight, None, "llmbus"), PackedLinear(weight, None, "onednn")
+def measure(products: tuple[Callable[[torch.Tensor], torch.Tensor], ...], in_features: int, dtype: torch.dtype,
+            rows_counts: tuple[int, ...] = ROWS) -> Timings:
+    """Two products of one weight (llmbus's, oneDNN's) timed at each row count (best of
+    REPEATS, alternated), up to the count whose one call would pass CALL_CAP_S."""
     timings: Timings = {}
     last = None
     for rows in rows_counts:
         if last is not None and max(timings[last]) * rows / last > CALL_CAP_S:
             break
-        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+        x = torch.randn(rows, in_features, dtype=dtype)
         best = [float("inf"), float("inf")]
-        for kernel in kernels:
-            kernel(x)  # (warm: first-touch of the packed copy, oneDNN's primitive)
+        for product in products:
+            product(x)  # (warm: first-touch of the packed copy, oneDNN's primitive)
         for _ in range(REPEATS):
-            for i, kernel in enumerate(kernels):
+            for i, product in enumerate(products):
                 start = time.perf_counter()
-                kernel(x)
+                product(x)
                 best[i] = min(best[i], time.perf_counter() - start)
         timings[rows] = (best[0], best[1])
         last = rows
@@ -104,8 +102,9 @@ def measure(weight: torch.Tensor, rows_counts: tuple[int, ...] = ROWS) -> Timing
 class KernelChoices:
     """Each weight shape's row count for oneDNN's product (PackedLinear's `rows_from`)."""
 
-    def __init__(self, forced: str | None = None, path: Path | None = None,
-                 timer: Callable[[torch.Tensor], Timings] = measure) -> None:
+    def __init__(self, timer: Callable[[torch.Tensor], Timings], forced: str | None = None,
+                 path: Path | None = None) -> None:
+        """`timer`: a weight's two products timed (packed_linear.time_products)."""
         self.mode = forced or mode()
         self.path = path or cache_dir() / "choices.json"
         self.timer = timer

@@ -26,7 +26,7 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from kernels.cpu import huge_pages
 from services.worker.layers import replace_linears
-from services.worker.layers.kernel_choice import KernelChoices
+from services.worker.layers.kernel_choice import KernelChoices, Timings, measure
 from services.worker.layers.quantized_linear import Int4Linear, Int8Linear
 
 KERNELS = ("llmbus", "onednn")
@@ -128,11 +128,22 @@ def move_to_huge_pages(model: nn.Module) -> None:
         module.weight_packed = weight
 
 
+def time_products(weight: torch.Tensor) -> Timings:
+    """llmbus's product of `weight` against oneDNN's, by row count (layers/kernel_choice.py)."""
+    products = PackedLinear(weight, None, "llmbus"), PackedLinear(weight, None, "onednn")
+    return measure(products, weight.shape[1], weight.dtype)
+
+
+def kernel_choices() -> KernelChoices:
+    """This machine's choices, measured with this file's products."""
+    return KernelChoices(time_products)
+
+
 def pack_linears(model: nn.Module, choices: KernelChoices | None = None) -> nn.Module:
     """Replace every bfloat16 or float32 nn.Linear under `model` with its packed form (in
     place), each shape on the products this CPU runs it fastest with (`choices`: measured or
     remembered, layers/kernel_choice.py)."""
-    choices = choices or KernelChoices()
+    choices = choices or kernel_choices()
 
     def packed(linear: nn.Linear) -> PackedLinear | None:
         if linear.weight.dtype not in DTYPES:
