@@ -98,10 +98,19 @@ class CacheConfig:
     kv_offloading_size: int | None = None
     # Its file (services/worker/kv_tier.py: tier_path); None: a tier of the process alone
     kv_offloading_path: str | None = None
+    # A disk tier behind it (--kv-offloading-disk-path, --kv-offloading-disk-size): bytes,
+    # and the folder its file goes in; None: none.
+    kv_offloading_disk_size: int | None = None
+    kv_offloading_disk_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_offloading_size is not None and self.kv_offloading_size < 1:
             raise ValueError("kv_offloading_size must be positive")
+        if (self.kv_offloading_disk_size is None) != (self.kv_offloading_disk_path is None):
+            raise ValueError("a disk KV tier takes both kv_offloading_disk_path and kv_offloading_disk_size")
+        if self.kv_offloading_disk_size is not None and (self.kv_offloading_disk_size < 1
+                                                         or self.kv_offloading_size is None):
+            raise ValueError("kv_offloading_disk_size must be positive, behind a host tier (kv_offloading_size)")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -126,6 +126,11 @@ class EngineArgs:
         None, "worker", "vLLM's: GiB of host memory for a KV tier the workers of a host share (a shared-memory file):"
         " blocks a worker computed are copied there, and a prompt whose prefix the tier holds loads it instead of "
         "computing it again, on any worker of the host (needs prefix caching)", type=float)
+    kv_offloading_disk_path: str | None = arg(
+        None, "worker", "a folder on a disk for a KV tier behind the host's (with --kv-offloading-disk-size): "
+        "blocks the host tier gives up move there, and a prefix found there loads from it")
+    kv_offloading_disk_size: float | None = arg(None, "worker", "GiB of the disk KV tier (--kv-offloading-disk-path)",
+                                                type=float)
     kv_offloading_backend: str = arg("native", "worker", "vLLM's: native, llmbus's own host tier (lmcache is not "
                                      "supported)", choices=["native"])
     kv_transfer_config: str | dict | None = arg(
@@ -208,6 +213,10 @@ class EngineArgs:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         KVEventsConfig.parse(self.kv_events_config)  # (a key or publisher it does not know: a ValueError)
         kv_role(self.kv_transfer_config)  # (a key or role it does not know: a ValueError)
+        if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None) or \
+                self.kv_offloading_disk_path is not None and self.kv_offloading_size is None:
+            raise ValueError("--kv-offloading-disk-path and --kv-offloading-disk-size go together, behind a host "
+                             "tier (--kv-offloading-size)")
         if self.kv_offloading_size is not None and not self.enable_prefix_caching:
             raise ValueError("--kv-offloading-size needs prefix caching: the tier is found by the prefix cache's "
                              "block hashes (drop --no-enable-prefix-caching)")
@@ -219,7 +228,9 @@ class EngineArgs:
                            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                            gpu_memory_utilization=self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype,
                            enable_prefix_caching=self.enable_prefix_caching,
-                           kv_offloading_size=_gigabytes(self.kv_offloading_size))
+                           kv_offloading_size=_gigabytes(self.kv_offloading_size),
+                           kv_offloading_disk_size=_gigabytes(self.kv_offloading_disk_size),
+                           kv_offloading_disk_path=self.kv_offloading_disk_path)
 
     def lora_config(self) -> LoRAConfig | None:
         """None without enable_lora; limits that cannot hold are a ValueError saying why."""

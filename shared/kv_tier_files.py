@@ -17,9 +17,12 @@ def tier_path(nats_url: str, subject_prefix: str, rank: int) -> str:
     return str(SHM / f"llmbus-kv-{os.getuid()}-{digest}-dp{rank}")
 
 
-def remove_tier_files(nats_url: str, subject_prefix: str, shards: int) -> None:
-    """Each shard's file, and its tensor-parallel ranks' (`<file>-tp<rank>`)."""
+def remove_tier_files(nats_url: str, subject_prefix: str, shards: int, disk_folder: str | None = None) -> None:
+    """Each shard's file, its tensor-parallel ranks' (`<file>-tp<rank>`), and their disk
+    tiers' in `disk_folder` (`<file>-disk`, `<file>-tp<rank>-disk`)."""
     for rank in range(shards):
         path = Path(tier_path(nats_url, subject_prefix, rank))
-        for file in (path, *path.parent.glob(path.name + "-tp*")):
-            file.unlink(missing_ok=True)
+        folders = [path.parent] + ([Path(disk_folder)] if disk_folder else [])
+        for folder in folders:
+            for file in (folder / path.name, *folder.glob(path.name + "-tp*"), folder / (path.name + "-disk")):
+                file.unlink(missing_ok=True)

@@ -125,13 +125,14 @@ def family_models(tmp_path_factory):
     return {name: build_tiny_model(root / name, name) for name in ("llama", "qwen3_moe", "deepseek_v3", "gemma2")}
 
 
-def run(folder, tier: bool, params, tensor_parallel_size: int = 1) -> tuple[list[list[int]], object]:
+def run(folder, tier: bool, params, tensor_parallel_size: int = 1, **tier_args) -> tuple[list[list[int]], object]:
     from llmbus import LLM
 
     # A pool of 40 blocks of 16: the 512-token prefix (32 blocks) is evicted by the three
     # prompts after it, then asked again.
     llm = LLM(str(folder), num_kv_blocks=40, block_size=16, max_model_len=1024,
-              tensor_parallel_size=tensor_parallel_size, **({"kv_offloading_size": 0.02} if tier else {}))
+              tensor_parallel_size=tensor_parallel_size,
+              **({"kv_offloading_size": 0.02, **tier_args} if tier else {}))
     prefix = random_prompts([512], seed=1)[0]
     prompts = [prefix + [5, 6], *random_prompts([300, 300, 300], seed=2), prefix + [7, 8]]
     outputs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -236,4 +236,5 @@ def run_serve(args, service_env: dict[str, str]) -> int:
             node.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
         if getattr(args, "kv_offloading_size", None) and nats_url:  # the host KV tier's files, this host's
-            remove_tier_files(nats_url, Subjects(args.served_model_name[0]).prefix, args.data_parallel_size)
+            remove_tier_files(nats_url, Subjects(args.served_model_name[0]).prefix, args.data_parallel_size,
+                              getattr(args, "kv_offloading_disk_path", None))

@@ -10,6 +10,11 @@ when it is loaded: a block that is not what was stored - a bug in the ordering o
 memory gone bad - is reported (`load` returns its block) and never used; the scheduler
 computes the requests that read it again.
 
+With --kv-offloading-disk-path, a second file of the same layout on that disk holds the
+blocks the host tier gives up (`disk`): the index numbers its slots after the host's, a
+store first moves the block its slot held there (`kv_tier_moves`), and a load reads
+either file.
+
 The file's first bytes name the layout (slot bytes, slots); a worker whose layout differs
 from the file's (another model or cache dtype on the same name) serves without the tier
 rather than read blocks it would misread. A file is never shrunk or cleared while workers
@@ -68,10 +73,14 @@ def _header_bytes(num_slots: int) -> int:
 
 
 class HostKVTier:
-    def __init__(self, caches: list, size_bytes: int, path: str | None) -> None:
+    def __init__(self, caches: list, size_bytes: int, path: str | None, disk_size: int | None = None,
+                 disk_folder: str | None = None, flag: str = "--kv-offloading-size") -> None:
         """`caches`: the worker's (an attention layer's [K|V, num_blocks, ...] tensor; the
         others' entries, state or None, have no blocks); `path` None: a tier of this process
-        alone (the offline LLM's)."""
+        alone (the offline LLM's). `disk_size` bytes in `disk_folder`: the disk tier behind
+        it, its file named after the host tier's (a process's own: removed as it is mapped,
+        so it goes when the process does)."""
+        self.flag = flag
         # Each attention layer's cache, block first, its other dims in the order they lie in
         # memory (the torch backend keeps heads outside positions), so a slot holds a block's
         # bytes as the cache does and a copy moves whole runs; as raw words (copies are of
@@ -87,7 +96,7 @@ class HostKVTier:
         self.slot_bytes = sum(self.layer_bytes)
         self.num_slots = size_bytes // self.slot_bytes
         if self.num_slots < 1:
-            raise ValueError(f"--kv-offloading-size ({size_bytes / (1 << 30):g} GiB) holds no KV block of this model "
+            raise ValueError(f"{flag} ({size_bytes / (1 << 30):g} GiB) holds no KV block of this model "
                              f"({self.slot_bytes / (1 << 20):.1f} MiB a block)")
         self.path = path
         if path is None:
@@ -102,6 +111,18 @@ class HostKVTier:
         self._words = self.slot_bytes % 8 == 0  # (summed as int64 words, else as bytes)
         self.views = self._layer_views(self.data)
         self.server: TierServer | None = None  # (serve(): its slots to other hosts' workers)
+        self.disk: HostKVTier | None = None
+        if disk_size is not None:
+            try:
+                os.makedirs(disk_folder, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"--kv-offloading-disk-path {disk_folder}: {exc.strerror}") from None
+            own = path is None
+            disk_path = os.path.join(disk_folder, (f"llmbus-kv-{os.getuid()}-pid{os.getpid()}" if own
+                                                   else os.path.basename(path)) + "-disk")
+            self.disk = HostKVTier(caches, disk_size, disk_path, flag="--kv-offloading-disk-size")
+            if own:
+                os.unlink(disk_path)
 
     def _layer_views(self, data: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's part of every slot of `data` ([slots, slot_bytes]), shaped as that
@@ -133,8 +154,8 @@ class HostKVTier:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as exc:
-                    raise ValueError(f"--kv-offloading-size: {path} cannot hold {size / (1 << 30):.2f} GiB "
-                                     f"({exc.strerror}): lower it, or give /dev/shm more room") from None
+                    raise ValueError(f"{self.flag}: {path} cannot hold {size / (1 << 30):.2f} GiB "
+                                     f"({exc.strerror}): lower it, or give its file system more room") from None
             os.pwrite(fd, header, 0)
         finally:
             os.close(fd)
@@ -144,11 +165,19 @@ class HostKVTier:
         row = (self.data if data is None else data)[slot]
         return int((row.view(torch.int64) if self._words else row.to(torch.int64)).sum())
 
+    @property
+    def num_disk_slots(self) -> int:
+        return 0 if self.disk is None else self.disk.num_slots
+
     def load(self, orders: dict[int, int]) -> list[int]:
         """Slot -> block copies (`orders`: block id -> slot), before a forward reads them;
         the blocks whose slot failed its checksum (not to be used)."""
         if not orders:
             return []
+        if self.disk is not None and max(orders.values()) >= self.num_slots:  # (some on disk)
+            host = {block: slot for block, slot in orders.items() if slot < self.num_slots}
+            return self.load(host) + self.disk.load({block: slot - self.num_slots for block, slot in orders.items()
+                                                     if slot >= self.num_slots})
         bad = [block for block, slot in orders.items() if self._checksum(slot) != int(self.checksums[slot])]
         self._copy_in(orders, self.views)
         return bad
@@ -180,8 +209,12 @@ class HostKVTier:
             else:  # (index_select then index_copy_: a third faster than indexing both sides)
                 cache.index_copy_(0, blocks.to(cache.device), view.index_select(0, slots).to(cache.device))
 
-    def store(self, orders: dict[int, int]) -> None:
-        """Block -> slot copies (`orders`: block id -> slot), after the forward wrote them."""
+    def store(self, orders: dict[int, int], moves: dict[int, int] | None = None) -> None:
+        """Block -> slot copies (`orders`: block id -> slot), after the forward wrote them;
+        first, the blocks those slots held to the disk tier (`moves`: host slot -> its slot)."""
+        for slot, dest in (moves or {}).items():
+            self.disk.data[dest - self.num_slots].copy_(self.data[slot])
+            self.disk.checksums[dest - self.num_slots] = self.checksums[slot]
         if not orders:
             return
         runs = _runs(orders)
@@ -210,7 +243,8 @@ def host_kv_tier(caches: list, cache_config, recurrent: bool, architecture: str,
         log.warning("--kv-offloading-size: off for %s, whose recurrent state the tier does not hold", architecture)
     elif cache_config.kv_offloading_size is not None:
         try:
-            tier = HostKVTier(caches, cache_config.kv_offloading_size, cache_config.kv_offloading_path)
+            tier = HostKVTier(caches, cache_config.kv_offloading_size, cache_config.kv_offloading_path,
+                              cache_config.kv_offloading_disk_size, cache_config.kv_offloading_disk_path)
         except ValueError as exc:
             log.warning("serving without the host KV tier: %s", exc)
     if kv_role != "kv_both" and tier is None:

@@ -179,6 +179,7 @@ class ModelRunner:
             max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
             recurrent_snapshot_rows=self.snapshot_rows, kv_tier=self.kv_tier.name if self.kv_tier else "",
             kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0, kv_role=self.config.kv_role,
+            kv_tier_disk_slots=self.kv_tier.num_disk_slots if self.kv_tier else 0,
             tensor_parallel_size=self.config.tensor_parallel_size)
 
     def drop_requests(self, req_ids) -> None:
@@ -226,7 +227,7 @@ class ModelRunner:
             self._copy_states(scheduler_output.state_restores, to_snapshot=False)
         if not num_scheduled:
             if scheduler_output.kv_stores:  # (a worker leaving: the last blocks of the requests it hands over)
-                self.kv_tier.store(scheduler_output.kv_stores)
+                self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
             return LaunchedStep.done(ModelRunnerOutput(
                 step_id=scheduler_output.step_id, req_ids=[], sampled_token_ids=[], request_errors=arrival_errors,
                 kv_bad_blocks=list(bad_blocks), kv_load_failures=list(load_failures)))
@@ -271,7 +272,7 @@ class ModelRunner:
                 patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
-            self.kv_tier.store(scheduler_output.kv_stores)
+            self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
         if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits
             self._copy_states(scheduler_output.state_saves, to_snapshot=True)
         t_sample = time.time_ns()

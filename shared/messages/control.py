@@ -65,6 +65,7 @@ class WorkerInfo(msgspec.Struct, **WIRE):
     # mapping it (host and file), and its slots of one block each; "": none.
     kv_tier: str = ""
     kv_tier_slots: int = 0
+    kv_tier_disk_slots: int = 0  # (--kv-offloading-disk-path: a disk tier's, numbered after the host's)
     kv_tier_address: str = ""  # host:port where it serves its tier's slots to other hosts ("": it does not)
     tensor_parallel_size: int = 1  # its ranks (each loads from its own tier file: no transfers from other hosts)
     # Prefill/decode disaggregation (vLLM's kv_role): kv_producer, kv_consumer or kv_both

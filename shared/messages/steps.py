@@ -105,6 +105,9 @@ class SchedulerOutput(msgspec.Struct, **WIRE):
     # the slot it is copied to after the forward.
     kv_loads: dict[int, int] = {}
     kv_stores: dict[int, int] = {}
+    # With a disk tier behind it (its slots numbered after the host's): host slot -> disk
+    # slot, the block a store is about to replace, copied there first.
+    kv_tier_moves: dict[int, int] = {}
     kv_remote_loads: list[RemoteKVLoad] = []  # (another host's tier's blocks: loaded with kv_loads)
 
 

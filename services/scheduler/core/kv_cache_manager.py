@@ -61,7 +61,8 @@ class KVCacheManager:
         self._loads: dict[int, int] = {}
         self._stores: dict[int, int] = {}
         self._store_writers: dict[int, str] = {}  # slot -> request id
-        self._tier_orders: dict[int, tuple[list[int], dict[int, str]]] = {}
+        self._moves: dict[int, int] = {}  # host slot -> disk slot: the block it held, moved before its store
+        self._tier_orders: dict[int, tuple[list[int], dict[int, str], list[int]]] = {}
         # Other hosts' tiers (kv_transfer.py: their slots loaded over TCP into this worker's
         # tier's layout), where the fleet gives them: a callable listing (index, server
         # address), and the deployment's secret each transfer's token is signed with; this
@@ -123,19 +124,20 @@ class KVCacheManager:
         best = (*self._hits_in(self.tier, request, num_pool_hits), None)
         if self.remote_tiers is not None and self.transfer_secret is not None:
             for index, address in self.remote_tiers():
-                slots, tokens = self._hits_in(index, request, num_pool_hits)
+                slots, tokens = self._hits_in(index, request, num_pool_hits, remote=True)
                 if tokens > best[1]:
                     best = slots, tokens, address
                     self._remote_indexes[address] = index
         return best
 
-    def _hits_in(self, tier: KVTierIndex, request: Request, num_pool_hits: int) -> tuple[list[int], int]:
+    def _hits_in(self, tier: KVTierIndex, request: Request, num_pool_hits: int,
+                 remote: bool = False) -> tuple[list[int], int]:
         num_full = (request.num_tokens - 1) // self.block_size
-        slots = tier.find(request.block_hashes, num_pool_hits, num_full)
+        slots = tier.find(request.block_hashes, num_pool_hits, num_full, host_only=remote)
         tokens = len(slots) * self.block_size
         if request.kv_tail is not None:  # (where the blocks found end just where the tail begins)
             key, end = request.kv_tail
-            tail = tier.find([key], 0, 1) if num_pool_hits + len(slots) == end // self.block_size else []
+            tail = tier.find([key], 0, 1, remote) if num_pool_hits + len(slots) == end // self.block_size else []
             if tail:
                 slots.append(tail[0])
                 tokens += end % self.block_size
@@ -153,7 +155,7 @@ class KVCacheManager:
         if not num_tokens % self.block_size:
             return
         key = b"tail:" + request.request_id.encode()
-        slot = self.tier.reserve(key)
+        slot = self.tier.reserve(key, self._moves)
         if slot is not None:
             block = self.req_to_blocks[request.request_id][num_tokens // self.block_size]
             self._stores[block.block_id] = slot
@@ -256,26 +258,26 @@ class KVCacheManager:
     def _store(self, request: Request, block: KVCacheBlock) -> None:
         if block.block_id in self._loads:
             return  # (the tier's own)
-        slot = self.tier.reserve(block.block_hash)
+        slot = self.tier.reserve(block.block_hash, self._moves)
         if slot is not None:
             self._stores[block.block_id] = slot
             self._store_writers[slot] = request.request_id
 
-    def take_tier_orders(self, step_id: int) -> tuple[dict[int, int], dict[int, int], list[RemoteKVLoad]]:
-        """This step's (loads, stores, loads from other hosts' tiers, each with its token),
-        kept until the step lands."""
-        remote = []
+    def take_tier_orders(self, output: SchedulerOutput) -> None:
+        """This step's tier orders into `output` (loads, stores, blocks moved to the disk
+        tier, loads from other hosts' tiers, each with its token), kept until it lands."""
+        step_id = output.step_id
         if self._remote:
             self._remote_orders[step_id] = {address: list(slots.values()) for address, slots in self._remote.items()}
-            remote = [RemoteKVLoad(address, *sign(self.transfer_secret, address, list(orders.values())), orders)
-                      for address, orders in self._remote.items()]
+            output.kv_remote_loads = [RemoteKVLoad(address, *sign(self.transfer_secret, address,
+                                                                  list(orders.values())), orders)
+                                      for address, orders in self._remote.items()]
             self._remote = {}
         if not self._loads and not self._stores:
-            return {}, {}, remote
-        loads, stores = self._loads, self._stores
-        self._tier_orders[step_id] = (list(loads.values()), self._store_writers)
-        self._loads, self._stores, self._store_writers = {}, {}, {}
-        return loads, stores, remote
+            return
+        output.kv_loads, output.kv_stores, output.kv_tier_moves = self._loads, self._stores, self._moves
+        self._tier_orders[step_id] = (list(self._loads.values()), self._store_writers, list(self._moves.values()))
+        self._loads, self._stores, self._store_writers, self._moves = {}, {}, {}, {}
 
     def tier_orders_landed(self, step_id: int, written: set[str] | None) -> None:
         """Step `step_id` came back: its loads are done; its stores of blocks written by the
@@ -287,6 +289,8 @@ class KVCacheManager:
             self.tier.unpin(orders[0])
             for slot, req_id in orders[1].items():
                 self.tier.landed(slot, written is not None and req_id in written)
+            for slot in orders[2]:  # (a block moved to the disk tier: whoever wrote it, it was valid)
+                self.tier.landed(slot, written is not None)
 
     def bad_loads(self, step: SchedulerOutput, bad_blocks: list[int]) -> list[str]:
         """Blocks a step loaded that failed their checksum (or, from another host, did not

@@ -14,6 +14,13 @@ written, or after its slot was reused):
 - a slot a load is in flight from is pinned until that step lands: never reused before;
 - a slot being stored is neither findable nor reusable until its step lands;
 - the rest are reused least recently used first.
+
+With a disk tier behind it (--kv-offloading-disk-path), the index numbers the disk file's
+slots after the host's (`num_slots` host slots, then `num_disk_slots`): a block the host
+tier gives up for a new one moves to the disk tier (its slot's bytes copied to a disk slot
+by the worker storing the new block, before that store), and is findable there once that
+step lands; the disk tier gives up its least recently used block in turn. A load reads
+either file; a slot of either is pinned, stored and discarded alike.
 """
 
 from __future__ import annotations
@@ -27,12 +34,13 @@ log = logging.getLogger("llmbus.scheduler")
 
 
 class KVTierIndex:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, num_disk_slots: int = 0) -> None:
         if num_slots < 1:
             raise ValueError(f"a KV tier needs a slot, got {num_slots}")
-        self.num_slots = num_slots
+        self.num_slots, self.num_disk_slots = num_slots, num_disk_slots
         self._slot_of: OrderedDict[BlockHash, int] = OrderedDict()  # landed, least recently used first
         self._free = list(range(num_slots - 1, -1, -1))
+        self._free_disk = list(range(num_slots + num_disk_slots - 1, num_slots - 1, -1))
         self._storing: dict[int, BlockHash] = {}  # slot -> the block its store (not landed) holds
         self._stored_hashes: set[BlockHash] = set()  # the same, by hash
         self._pins: Counter[int] = Counter()  # slot -> loads in flight from it
@@ -47,14 +55,14 @@ class KVTierIndex:
         """Slots a step in flight stores to or loads from."""
         return len(self._storing) + len(self._pins)
 
-    def find(self, block_hashes: list[BlockHash], start: int, stop: int) -> list[int]:
+    def find(self, block_hashes: list[BlockHash], start: int, stop: int, host_only: bool = False) -> list[int]:
         """The slots of block_hashes[start:stop] that the tier holds, as one run from `start`
-        (a prefix: the first block missing ends it). Each found block becomes the most
-        recently used."""
+        (a prefix: the first block missing ends it; `host_only`: or on disk, which other
+        hosts' transfers do not read). Each found block becomes the most recently used."""
         slots = []
         for block_hash in block_hashes[start:stop]:
             slot = self._slot_of.get(block_hash)
-            if slot is None:
+            if slot is None or host_only and slot >= self.num_slots:
                 break
             self._slot_of.move_to_end(block_hash)
             slots.append(slot)
@@ -71,7 +79,7 @@ class KVTierIndex:
                 del self._pins[slot]
                 if slot in self._discarded:
                     self._discarded.discard(slot)
-                    self._free.append(slot)
+                    self._release(slot)
 
     def discard(self, slot: int) -> None:
         """A slot whose block failed its checksum where it was loaded: never found again, and
@@ -83,45 +91,73 @@ class KVTierIndex:
         if slot in self._pins:
             self._discarded.add(slot)
         else:
-            self._free.append(slot)
+            self._release(slot)
 
-    def reserve(self, block_hash: BlockHash) -> int | None:
-        """A slot to store this block in, or None: the tier holds it or is storing it
-        already, or every slot is busy with a step in flight."""
+    def reserve(self, block_hash: BlockHash, moves: dict[int, int] | None = None) -> int | None:
+        """A host slot to store this block in, or None: the tier holds it or is storing it
+        already, or every slot is busy with a step in flight. Where the slot held a block and
+        a disk tier is behind, that block's move (host slot -> disk slot) goes into `moves`,
+        to be copied before the store."""
         if block_hash in self._slot_of or block_hash in self._stored_hashes:
             return None
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next(((h, s) for h, s in self._slot_of.items() if s not in self._pins), None)
+            victim = self._victim(disk=False)
             if victim is None:
                 return None
             del self._slot_of[victim[0]]
             slot = victim[1]
+            if self.num_disk_slots and moves is not None:
+                dest = self._disk_slot()
+                if dest is not None:
+                    self._storing[dest] = victim[0]
+                    self._stored_hashes.add(victim[0])
+                    moves[slot] = dest
         self._storing[slot] = block_hash
         self._stored_hashes.add(block_hash)
         return slot
 
+    def _victim(self, disk: bool) -> tuple[BlockHash, int] | None:
+        """The least recently used landed block of the host's slots or the disk's that no
+        load in flight reads."""
+        return next(((h, s) for h, s in self._slot_of.items()
+                     if (s >= self.num_slots) == disk and s not in self._pins), None)
+
+    def _disk_slot(self) -> int | None:
+        if self._free_disk:
+            return self._free_disk.pop()
+        victim = self._victim(disk=True)
+        if victim is None:
+            return None
+        del self._slot_of[victim[0]]
+        return victim[1]
+
+    def _release(self, slot: int) -> None:
+        (self._free if slot < self.num_slots else self._free_disk).append(slot)
+
     def landed(self, slot: int, ok: bool) -> None:
-        """The step storing to `slot` came back: its block is findable (`ok`), or the slot
-        is free again (the step failed: what it wrote is not trusted)."""
+        """The step storing to `slot` (or moving a block to it) came back: its block is
+        findable (`ok`), or the slot is free again (the step failed: what it wrote is not
+        trusted)."""
         block_hash = self._storing.pop(slot)
         self._stored_hashes.discard(block_hash)
         if ok:
             self._slot_of[block_hash] = slot
         else:
-            self._free.append(slot)
+            self._release(slot)
 
 
-def tier_of(worker_id: str, name: str, num_slots: int, tiers: dict[str, KVTierIndex] | None) -> KVTierIndex | None:
+def tier_of(worker_id: str, name: str, num_slots: int, tiers: dict[str, KVTierIndex] | None,
+            num_disk_slots: int = 0) -> KVTierIndex | None:
     """The index of the tier `name` a worker maps (empty: none), shared through `tiers` with
     the other workers that map it."""
     if not name:
         return None
     tiers = {} if tiers is None else tiers
-    tier = tiers.setdefault(name, KVTierIndex(num_slots))
-    if tier.num_slots != num_slots:  # (the file checks its layout: this index is of another)
-        log.warning("worker %s maps the KV tier %s with %d slots, not %d: without it", worker_id, name, num_slots,
-                    tier.num_slots)
+    tier = tiers.setdefault(name, KVTierIndex(num_slots, num_disk_slots))
+    if (tier.num_slots, tier.num_disk_slots) != (num_slots, num_disk_slots):  # (the file checks its layout)
+        log.warning("worker %s maps the KV tier %s with %d+%d slots, not %d+%d: without it", worker_id, name,
+                    num_slots, num_disk_slots, tier.num_slots, tier.num_disk_slots)
         return None
     return tier

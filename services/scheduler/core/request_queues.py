@@ -83,8 +83,7 @@ class RequestQueues:
             self._finished_for_worker.add(request.request_id)
             request.in_worker = False
         output = self._make_output([], {}, {})
-        output.kv_loads, output.kv_stores, output.kv_remote_loads = self.kv_cache_manager.take_tier_orders(
-            output.step_id)
+        self.kv_cache_manager.take_tier_orders(output)
         if ready:
             self._hand_over_at[output.step_id] = ready
         return output

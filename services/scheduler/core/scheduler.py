@@ -77,7 +77,8 @@ class Scheduler(RequestQueues):
         core = cls(config, info.num_kv_blocks, info.block_size, info.vocab_size, info.long_rope_threshold,
                    info.generates, info.max_loras, info.recurrent_rows, info.recurrent_snapshot_rows)
         if config.enable_prefix_caching:
-            core.kv_cache_manager.tier = tier_of(info.worker_id, info.kv_tier, info.kv_tier_slots, tiers)
+            core.kv_cache_manager.tier = tier_of(info.worker_id, info.kv_tier, info.kv_tier_slots, tiers,
+                                                 info.kv_tier_disk_slots)
         return core
 
     # ---- requests in and out -------------------------------------------------------
@@ -243,8 +244,7 @@ class Scheduler(RequestQueues):
             slots = num_draft_slots.get(request.request_id, 0) if num_draft_slots else 0
             if request.num_computed_tokens - slots == len(request.all_token_ids) + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # caught up: this step samples a token
-        orders = self.kv_cache_manager.take_tier_orders(output.step_id)
-        output.kv_loads, output.kv_stores, output.kv_remote_loads = orders
+        self.kv_cache_manager.take_tier_orders(output)
         return output
 
     def may_build_ahead(self) -> bool:
