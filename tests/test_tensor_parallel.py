@@ -210,3 +210,36 @@ def test_served_a_rank_s_death_takes_its_worker_down_and_no_stream_is_lost(folde
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+@pytest.mark.slow
+def test_served_prefill_and_decode_workers_of_two_ranks_each(folders, tmp_path):
+    """`llmbus serve --prefill-workers 1 --decode-workers 1 --tensor-parallel-size 2`: each
+    rank of the decode worker loads its heads of every prompt block from the prefill
+    worker's rank's tier file (one host), and greedy output is transformers'."""
+    import urllib.request
+
+    import openai
+
+    from deployment import llmbus_serve
+
+    folder = folders("llama")
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    proc, url = llmbus_serve([str(folder), "--served-model-name", "tiny", "--prefill-workers", "1",
+                              "--decode-workers", "1", "--tensor-parallel-size", "2", "--kv-offloading-size", "0.05",
+                              "--max-model-len", "512"], tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = []
+        for prompt in prompts:
+            answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            got.append([int(token.removeprefix("token_id:")) for token in answer.choices[0].logprobs.tokens])
+        assert got == hf_greedy(folder, prompts, 8)
+        metrics = urllib.request.urlopen(url + "/metrics").read().decode()
+        loaded = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                     if line.startswith("llmbus:external_prefix_cache_hits_total"))
+        assert loaded == sum(map(len, prompts))  # (every prompt token loaded by the decode worker)
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -50,7 +50,6 @@ def build_runner(model_path: str, config: WorkerConfig, threads: int | None = No
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
     if size == 1:
         return ModelRunner(model_path, config)
-    _refuse_unsharded(config)
     local_config(ModelConfig.from_folder(model_path), size)  # (what cannot be sharded: refused before any rank starts)
     # Every rank draws the same tokens: one seed for all, drawn here where none is given.
     config = dataclasses.replace(config, seed=secrets.randbits(31) if config.seed is None else config.seed)
@@ -74,12 +73,6 @@ def build_runner(model_path: str, config: WorkerConfig, threads: int | None = No
         raise
     log.info("tensor parallel: %d ranks", size, extra={"tensor_parallel_size": size})
     return TensorParallelRunner(runner, group, watcher)
-
-
-def _refuse_unsharded(config: WorkerConfig) -> None:
-    if config.kv_role != "kv_both":
-        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} with --kv-transfer-config "
-                         "is not supported yet")
 
 
 def _rank_config(config: WorkerConfig, rank: int, cuda: bool) -> WorkerConfig:
