@@ -1,10 +1,13 @@
 """The clients people point at an OpenAI-compatible server, against a running llmbus:
 LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
 json_mode; bind_tools with a named tool and with "any"; a tool round trip), instructor
-(JSON_SCHEMA and TOOLS modes) and the OpenAI Agents SDK over the Responses API (an agent's
+(JSON_SCHEMA and TOOLS modes), the OpenAI Agents SDK over the Responses API (an agent's
 answer, streamed too; an agent that calls a function tool and answers with its result; a
-run that goes on from the last one's stored response). Each line says what came back or
-why it failed.
+run that goes on from the last one's stored response), LiteLLM (`hosted_vllm/`: chat,
+streamed, a Pydantic response_format, a required tool, text_completion), pydantic-ai
+(native, prompted and tool output) and Outlines (`from_openai` with a JSON schema,
+`from_vllm` with a regex, a Lark grammar and a JSON schema). Each line says what came back
+or why it failed.
 
 They pin an openai client of their own, so they live in their own environment:
 
@@ -15,17 +18,25 @@ They pin an openai client of their own, so they live in their own environment:
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
 import sys
 
-import asyncio
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (else it fetches a price list at import)
 
-import instructor
-import openai
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-from langchain_core.messages import HumanMessage, ToolMessage
-from langchain_core.tools import tool
-from langchain_openai import ChatOpenAI
-from pydantic import BaseModel
+import instructor  # noqa: E402
+import litellm  # noqa: E402
+import openai  # noqa: E402
+import outlines  # noqa: E402
+import pydantic_ai  # noqa: E402
+from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled  # noqa: E402
+from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
+from langchain_core.tools import tool  # noqa: E402
+from langchain_openai import ChatOpenAI  # noqa: E402
+from pydantic import BaseModel  # noqa: E402
+from pydantic_ai.models.openai import OpenAIChatModel  # noqa: E402
+from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
 
 
 class Person(BaseModel):
@@ -75,6 +86,7 @@ def main(url: str, model: str) -> int:
             model=model, response_model=Person, max_retries=0, temperature=0, max_tokens=80,
             messages=[{"role": "user", "content": ask}])))
     results += agents_checks(url, model)
+    results += litellm_checks(url, model, ask) + pydantic_ai_checks(url, model, ask) + outlines_checks(url, model, ask)
     print(f"{sum(results)} of {len(results)} passed")
     return 0 if all(results) else 1
 
@@ -117,6 +129,58 @@ def agents_checks(url: str, model: str) -> list[bool]:
             check("agents streamed run", lambda: streamed()[:60]),
             check("agents function tool", tool_run),
             check("agents previous_response_id", lambda: chained()[:60])]
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def litellm_checks(url: str, model: str, ask: str) -> list[bool]:
+    options = dict(model=f"hosted_vllm/{model}", api_base=url, api_key="none", temperature=0, max_tokens=80)
+    messages = [{"role": "user", "content": ask}]
+
+    def tool_call():
+        call = litellm.completion(messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                  tools=[WEATHER_TOOL], tool_choice="required", **options)
+        return call.choices[0].message.tool_calls[0].function
+
+    return [check("litellm completion", lambda: litellm.completion(messages=messages, **options)
+                  .choices[0].message.content[:60]),
+            check("litellm stream", lambda: "".join(c.choices[0].delta.content or "" for c in litellm.completion(
+                messages=messages, stream=True, **options))[:60]),
+            check("litellm response_format", lambda: Person.model_validate_json(litellm.completion(
+                messages=messages, response_format=Person, **options).choices[0].message.content)),
+            check("litellm tools", tool_call),
+            check("litellm text_completion", lambda: litellm.text_completion(
+                prompt="The capital of France is", **options).choices[0].text[:40])]
+
+
+def pydantic_ai_checks(url: str, model: str, ask: str) -> list[bool]:
+    chat = OpenAIChatModel(model, provider=OpenAIProvider(base_url=url, api_key="none"))
+    settings = pydantic_ai.ModelSettings(temperature=0, max_tokens=80)
+    return [check(f"pydantic-ai {kind.__name__}", lambda: pydantic_ai.Agent(
+        chat, output_type=kind(Person), model_settings=settings).run_sync(ask).output)
+        for kind in (pydantic_ai.NativeOutput, pydantic_ai.PromptedOutput, pydantic_ai.ToolOutput)]
+
+
+def outlines_checks(url: str, model: str, ask: str) -> list[bool]:
+    client = openai.OpenAI(base_url=url, api_key="none")
+    hosted, served = outlines.from_openai(client, model), outlines.from_vllm(client, model)
+    lark = 'start: answer " " DIGIT\nanswer: "yes" | "no"\nDIGIT: /[0-9]/\n'
+
+    def matching(pattern: str, text: str) -> str:
+        assert re.fullmatch(pattern, text), f"{text!r} does not match {pattern}"
+        return text
+
+    return [check("outlines from_openai json", lambda: Person.model_validate_json(
+                hosted(ask, Person, max_tokens=80, temperature=0))),
+            check("outlines from_vllm regex", lambda: matching("[0-9]{3}-[0-9]{4}", served(
+                "A phone number:", outlines.types.Regex("[0-9]{3}-[0-9]{4}"), max_tokens=20, temperature=0))),
+            check("outlines from_vllm lark", lambda: matching("(yes|no) [0-9]", served(
+                "Is the sky blue? Answer and rate 0-9:", outlines.types.CFG(lark), max_tokens=20, temperature=0))),
+            check("outlines from_vllm json", lambda: Person.model_validate_json(
+                served(ask, Person, max_tokens=80, temperature=0)))]
 
 
 if __name__ == "__main__":

@@ -263,8 +263,9 @@ def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
 
 @pytest.fixture(scope="module")
 def clients_python():
-    """An environment with LangChain's, instructor's and the Agents SDK's clients (they pin an
-    openai of their own), built once from scripts/client_check.requirements.txt."""
+    """An environment with the peers' clients (LangChain, instructor, the Agents SDK, LiteLLM,
+    pydantic-ai, Outlines: they pin an openai of their own), built once from
+    scripts/client_check.requirements.txt."""
     import subprocess
     import sys
     from pathlib import Path
@@ -280,15 +281,18 @@ def clients_python():
     return venv / "bin" / "python"
 
 
-def test_langchain_instructor_and_the_agents_sdk_work_unchanged(client, clients_python):
+def test_the_peers_clients_work_unchanged(client, clients_python):
     """LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
     json_mode; bind_tools named and "any"; a tool round trip), instructor (JSON_SCHEMA,
-    TOOLS) and the OpenAI Agents SDK (a run, streamed too, a function tool, a run going on
-    from a stored response) against llmbus serve, as their users call them."""
+    TOOLS), the OpenAI Agents SDK (a run, streamed too, a function tool, a run going on
+    from a stored response), LiteLLM (chat, stream, response_format, tools,
+    text_completion), pydantic-ai (native, prompted and tool output) and Outlines
+    (from_openai; from_vllm with a regex, a Lark grammar, a JSON schema) against llmbus
+    serve, as their users call them."""
     import subprocess
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "client_check.py"
     out = subprocess.run([str(clients_python), str(script), str(client.base_url), NAME],
                          capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "12 of 12 passed" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "24 of 24 passed" in out.stdout, out.stdout + out.stderr
