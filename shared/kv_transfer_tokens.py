@@ -19,6 +19,10 @@ import msgspec
 
 SECRET_ENV = "LLMBUS_KV_TRANSFER_SECRET"
 TOKEN_LIFETIME_S = 60.0  # (a step's loads run before its forward: well inside this)
+# A drained worker serves its tier this long before it exits, so the workers that took its
+# requests load their KV from it; the scheduler orders such loads for a second less.
+DRAINED_TIER_SERVE_S = 3.0
+DEPARTED_TIER_S = DRAINED_TIER_SERVE_S - 1.0
 
 
 def secret_from_env() -> bytes | None:

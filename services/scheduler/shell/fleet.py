@@ -12,6 +12,7 @@ for a bounded time. A plain object: the service shell calls it between steps.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from services.scheduler.core.kv_tier_index import KVTierIndex
 from services.scheduler.core.scheduler import Scheduler
 from services.scheduler.shell.wakefulness import Wakefulness
 from shared.config import SchedulerConfig
+from shared.kv_transfer_tokens import DEPARTED_TIER_S
 from shared.prefix_affinity import PrefixAffinity, block_chain
 from shared.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SchedulerStats, WorkerInfo
 
@@ -73,6 +75,11 @@ class Fleet:
         self.kv_tiers: dict[str, KVTierIndex] = {}
         # Signs each load from another host's tier (shared/kv_transfer_tokens.py); None: none
         self.transfer_secret = transfer_secret
+        # Tiers of drained workers that still serve them for a while (the worker waits
+        # DRAINED_TIER_SERVE_S before it exits, shared/kv_transfer_tokens.py): the takers of
+        # its requests load their KV from there. Tier name -> (address, until when, by
+        # time.monotonic()).
+        self._departed_tiers: dict[str, tuple[str, float]] = {}
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -250,10 +257,15 @@ class Fleet:
         return []
 
     def _served_tiers(self, own: str) -> list[tuple[KVTierIndex, str]]:
-        """(index, server address) of each tier but `own` that a live worker serves."""
-        served = {h.info.kv_tier: h.info.kv_tier_address for h in self.workers.values()
-                  if h.info.kv_tier_address and h.info.kv_tier != own and h.info.kv_tier in self.kv_tiers}
-        return [(self.kv_tiers[name], address) for name, address in served.items()]
+        """(index, server address) of each tier but `own` that a live worker serves, or a
+        drained one still serves."""
+        now = time.monotonic()
+        self._departed_tiers = {name: entry for name, entry in self._departed_tiers.items() if entry[1] > now}
+        served = {name: address for name, (address, _) in self._departed_tiers.items()}
+        served.update({h.info.kv_tier: h.info.kv_tier_address for h in self.workers.values()
+                       if h.info.kv_tier_address})
+        return [(self.kv_tiers[name], address) for name, address in served.items()
+                if name != own and name in self.kv_tiers]
 
     def hand_off(self, handle: WorkerHandle) -> tuple[list[WorkerHandle], list[Rejection]]:
         """The requests a worker hands over - prefilled on a prefill worker, or running on a
@@ -275,6 +287,9 @@ class Fleet:
             self.owner[request.request_id] = target
             taken.append(target)
         if handle.draining and not handle.core.has_unfinished_requests():
+            if handle.info.kv_tier_address:  # (its tier, served a while yet, holds what it handed over)
+                self._departed_tiers[handle.info.kv_tier] = (handle.info.kv_tier_address,
+                                                             time.monotonic() + DEPARTED_TIER_S)
             rejected += self.remove(handle.worker_id, "drained, its requests handed over with their KV")
         return taken, rejected
 

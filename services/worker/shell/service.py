@@ -23,7 +23,7 @@ from services.worker.shell.served_steps import ServedSteps
 from shared.bus import BusAuth, Subjects, close_for_exit, connect, encode, stop_on_signals
 from shared.config import WorkerConfig
 from shared.kv_tier_files import tier_path
-from shared.kv_transfer_tokens import secret_from_env
+from shared.kv_transfer_tokens import DRAINED_TIER_SERVE_S, secret_from_env
 from shared.tracing import setup_tracing, shutdown_tracing
 
 log = logging.getLogger("llmbus.worker")
@@ -111,6 +111,8 @@ async def serve(
     deadline = time.monotonic() + drain_timeout_s
     while time.monotonic() < deadline and time.monotonic() - last_step_at[0] < 1.0:
         await asyncio.sleep(0.1)
+    if info.kv_tier_address:  # (the workers that took our requests load their KV from our tier a while yet)
+        await asyncio.sleep(max(0.0, DRAINED_TIER_SERVE_S - (time.monotonic() - last_step_at[0])))
     answering.cancel()
     await asyncio.gather(answering, return_exceptions=True)
     await close_for_exit(nc)
