@@ -111,6 +111,7 @@ class KernelChoices:
         self.made: dict[str, int | None] = {}  # this load's, by key
         self.measured: list[str] = []
         self._stored: dict | None = None
+        self._machine: str | None = None  # (the key's machine part: read once a load)
 
     def rows_from(self, weight: torch.Tensor) -> int | None:
         if self.mode in ("1", "avx512", "0") or not cpu_kernels.available():
@@ -145,9 +146,10 @@ class KernelChoices:
                 "measured_shapes": len(self.measured)})
 
     def _key(self, weight: torch.Tensor) -> str:
-        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-        return (f"{_cpu_model()}|{flags}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
-                f"{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}")
+        if self._machine is None:
+            flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+            self._machine = f"{_cpu_model()}|{flags}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+        return f"{self._machine}|{str(weight.dtype).removeprefix('torch.')} {weight.shape[0]}x{weight.shape[1]}"
 
     def _store(self) -> dict:
         if self._stored is None:
