@@ -82,3 +82,17 @@ def test_a_disk_tier_takes_both_flags_behind_a_host_tier():
         EngineArgs(model="m", kv_offloading_size=1, kv_offloading_disk_path="/tmp")
     with pytest.raises(ValueError, match="behind a host tier"):
         EngineArgs(model="m", kv_offloading_disk_path="/tmp", kv_offloading_disk_size=1)
+
+
+def test_a_look_leaves_the_least_recently_used_order_as_it_was():
+    """Other hosts' tiers are looked at for every waiting request; only the one a request
+    loads from has its blocks made the most recently used (services/scheduler/core/
+    kv_cache_manager.py's tier_hits)."""
+    tier = KVTierIndex(2)
+    for h in H[:2]:
+        tier.landed(tier.reserve(h), ok=True)
+    assert tier.find(H, 0, 1, touch=False) == [0]  # H[0] looked at: still the least recently used
+    assert tier.reserve(H[2]) == 0
+    tier.landed(0, ok=True)
+    assert tier.find(H, 1, 2) == [1]  # H[1] found (touched): H[2] is now the least recently used
+    assert tier.reserve(H[3]) == 0

@@ -121,23 +121,27 @@ class KVCacheManager:
         else the server of another host's that holds more of them."""
         if self.tier is None or not self._may_hit(request):
             return [], 0, None
-        best = (*self._hits_in(self.tier, request, num_pool_hits), None)
-        if self.remote_tiers is not None and self.transfer_secret is not None:
-            for index, address in self.remote_tiers():
-                slots, tokens = self._hits_in(index, request, num_pool_hits, remote=True)
-                if tokens > best[1]:
-                    best = slots, tokens, address
-                    self._remote_indexes[address] = index
+        if self.remote_tiers is None or self.transfer_secret is None:
+            return (*self._hits_in(self.tier, request, num_pool_hits), None)
+        # (each tier looked at without touching its LRU order; only the one loaded from is)
+        best, chosen = (*self._hits_in(self.tier, request, num_pool_hits, touch=False), None), self.tier
+        for index, address in self.remote_tiers():
+            slots, tokens = self._hits_in(index, request, num_pool_hits, remote=True, touch=False)
+            if tokens > best[1]:
+                best, chosen = (slots, tokens, address), index
+                self._remote_indexes[address] = index
+        self._hits_in(chosen, request, num_pool_hits, remote=best[2] is not None)
         return best
 
     def _hits_in(self, tier: KVTierIndex, request: Request, num_pool_hits: int,
-                 remote: bool = False) -> tuple[list[int], int]:
+                 remote: bool = False, touch: bool = True) -> tuple[list[int], int]:
         num_full = (request.num_tokens - 1) // self.block_size
-        slots = tier.find(request.block_hashes, num_pool_hits, num_full, host_only=remote)
+        slots = tier.find(request.block_hashes, num_pool_hits, num_full, remote, touch)
         tokens = len(slots) * self.block_size
         if request.kv_tail is not None:  # (where the blocks found end just where the tail begins)
             key, end = request.kv_tail
-            tail = tier.find([key], 0, 1, remote) if num_pool_hits + len(slots) == end // self.block_size else []
+            tail = tier.find([key], 0, 1, remote, touch) \
+                if num_pool_hits + len(slots) == end // self.block_size else []
             if tail:
                 slots.append(tail[0])
                 tokens += end % self.block_size

@@ -55,16 +55,19 @@ class KVTierIndex:
         """Slots a step in flight stores to or loads from."""
         return len(self._storing) + len(self._pins)
 
-    def find(self, block_hashes: list[BlockHash], start: int, stop: int, host_only: bool = False) -> list[int]:
+    def find(self, block_hashes: list[BlockHash], start: int, stop: int, host_only: bool = False,
+             touch: bool = True) -> list[int]:
         """The slots of block_hashes[start:stop] that the tier holds, as one run from `start`
         (a prefix: the first block missing ends it; `host_only`: or on disk, which other
-        hosts' transfers do not read). Each found block becomes the most recently used."""
+        hosts' transfers do not read). Each found block becomes the most recently used,
+        unless this is only a look (`touch` false: a tier the caller may not load from)."""
         slots = []
         for block_hash in block_hashes[start:stop]:
             slot = self._slot_of.get(block_hash)
             if slot is None or host_only and slot >= self.num_slots:
                 break
-            self._slot_of.move_to_end(block_hash)
+            if touch:
+                self._slot_of.move_to_end(block_hash)
             slots.append(slot)
         return slots
 
