@@ -10,6 +10,7 @@ and read those tokens on the device (launched_step.py)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 import os
@@ -220,11 +221,12 @@ class ModelRunner:
         num_scheduled = scheduler_output.num_scheduled_tokens
         arrival_errors, self._arrival_errors = self._arrival_errors, {}
         # (blocks of prefixes from the host's KV tier, before anything reads them)
-        bad_blocks, load_failures = load_for_step(self.kv_tier, scheduler_output, lambda rid: (
-            self.drop_requests([rid]), num_scheduled.pop(rid), scheduler_output.num_draft_slots.pop(rid, None))) \
-            if scheduler_output.kv_loads or scheduler_output.kv_remote_loads else ((), ())
+        bad_blocks, load_failures = load_for_step(self.kv_tier, scheduler_output, functools.partial(
+            self._unschedule, scheduler_output)) if scheduler_output.kv_loads or scheduler_output.kv_remote_loads \
+            else ((), ())
         if scheduler_output.state_restores:  # a hybrid's prefix hits: their state, before the forward
-            self._copy_states(scheduler_output.state_restores, to_snapshot=False)
+            recurrent_state.copy_states(self.kv_caches, self.model_config.recurrent_layers, self.requests,
+                                        scheduler_output.state_restores, self.recurrent_rows, self.device, False)
         if not num_scheduled:
             if scheduler_output.kv_stores:  # (a worker leaving: the last blocks of the requests it hands over)
                 self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
@@ -274,7 +276,8 @@ class ModelRunner:
         if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
             self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
         if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits
-            self._copy_states(scheduler_output.state_saves, to_snapshot=True)
+            recurrent_state.copy_states(self.kv_caches, self.model_config.recurrent_layers, self.requests,
+                                        scheduler_output.state_saves, self.recurrent_rows, self.device, True)
         t_sample = time.time_ns()
         sampled: list[list[int]] = [[] for _ in order]
         logprobs: list[list] = [[] for _ in order]
@@ -355,13 +358,12 @@ class ModelRunner:
                                  behind)
         return launched
 
-    def _copy_states(self, slots: dict[str, int], to_snapshot: bool) -> None:
-        """Each request's recurrent state to its snapshot slot, or back; a request the worker
-        dropped (it failed as it arrived) is skipped: the scheduler hears of its error and
-        never finds that save."""
-        pairs = [(self.requests[rid].block_row, slot) for rid, slot in slots.items() if rid in self.requests]
-        recurrent_state.copy_states(self.kv_caches, self.model_config.recurrent_layers, pairs, self.recurrent_rows,
-                                    self.device, to_snapshot)
+    def _unschedule(self, so: SchedulerOutput, req_id: str) -> None:
+        """A request out of this step and this worker (it failed as it arrived, or read a
+        tier block that failed its checksum); the scheduler hears why."""
+        self.drop_requests([req_id])
+        so.num_scheduled_tokens.pop(req_id, None)
+        so.num_draft_slots.pop(req_id, None)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         if so.reset:
@@ -377,8 +379,7 @@ class ModelRunner:
                                   if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter
-                so.num_scheduled_tokens.pop(new.req_id, None)
-                so.num_draft_slots.pop(new.req_id, None)
+                self._unschedule(so, new.req_id)
                 continue
             # New to this worker (first step, resumed, preempted, migrated): a fresh matcher,
             # with the tokens already generated replayed into it.

@@ -38,12 +38,14 @@ def refusal(new, snapshot: int | None, recurrent_rows: int, snapshot_rows: int, 
     return None
 
 
-def copy_states(kv_caches: list, layers: tuple[int, ...], pairs: list[tuple[int, int]], recurrent_rows: int,
+def copy_states(kv_caches: list, layers: tuple[int, ...], requests: dict, slots: dict[str, int], recurrent_rows: int,
                 device: torch.device, to_snapshot: bool) -> None:
-    """Copy each (request row, snapshot slot) pair's recurrent state to the slot, or back:
-    every recurrent layer's tensors, in the step's stream order (a restore lands before
-    the forward reads the row, a save after the forward wrote it). Snapshots lie past the
-    pad row."""
+    """Copy each request's recurrent state (`slots`: request id -> snapshot slot) to its
+    slot, or back: every recurrent layer's tensors, in the step's stream order (a restore
+    lands before the forward reads the row, a save after the forward wrote it). Snapshots
+    lie past the pad row. A request the worker dropped (it failed as it arrived: not in
+    `requests`) is skipped: the scheduler hears of its error and never finds that save."""
+    pairs = [(requests[rid].block_row, slot) for rid, slot in slots.items() if rid in requests]
     if not pairs:
         return
     rows, snapshots = (to_device(side, device, torch.int64)
