@@ -109,3 +109,73 @@ def test_a_report_older_than_the_requests_still_on_their_way_does_not_hide_them(
             r.reported(0, max(held[0] - 3, 0))
             r.reported(1, held[1])
     assert held == {0: 20, 1: 20}
+
+
+def _events_of(scheduler, rank: int, seq: int):
+    """A scheduler's recorded KV events as its shard publishes them (through msgpack)."""
+    import msgspec
+
+    from shared.bus import encode
+    from shared.kv_events import KVEventBatch
+
+    events = scheduler.kv_cache_manager.block_pool.take_events()
+    return msgspec.msgpack.decode(encode(KVEventBatch(1.0, events, rank, "w1", seq)), type=KVEventBatch)
+
+
+def test_a_prompt_goes_where_the_shards_kv_events_say_its_prefix_is_cached():
+    """Shard 1's worker computed a prompt (a real scheduler's events, with a cache salt): a
+    gateway that never sent it anything — another gateway's request — routes the prompt
+    and its continuations there, while loads allow; the same prompt under another salt, or
+    an unrelated one, does not follow."""
+    import msgspec
+
+    from test_scheduler import BLOCK_SIZE, make_request, make_scheduler, step
+
+    scheduler = make_scheduler()
+    scheduler.kv_cache_manager.block_pool.events = []  # (the shell turns recording on: --kv-events-config)
+    base = [t % 100 for t in prompt(7, 96)]  # (the test scheduler's vocabulary)
+    scheduler.add_request(msgspec.structs.replace(make_request("r", base, max_tokens=1), cache_salt="tenant-a"))
+    while scheduler.has_unfinished_requests():
+        step(scheduler)
+    batch = _events_of(scheduler, rank=1, seq=1)
+    for seed in range(8):  # (by load alone, each fresh router would pick shard 1 half the time)
+        r = router(seed=seed)
+        assert r.caches.apply(batch)
+        assert [r.route(base + [i], None, now=0.1, cache_salt="tenant-a") for i in range(4)] == [1] * 4
+    assert r.caches.cached_blocks(1, r.caches.chain(base, "tenant-a")) == len(base) // BLOCK_SIZE
+    assert r.caches.cached_blocks(1, r.caches.chain(base, "tenant-b")) == 0
+    other = router(seed=3)
+    other.caches.apply(batch)
+    assert [other.route(prompt(100 + i), None, now=0.1) for i in range(6)].count(1) < 6  # (by load, spread)
+    # over the imbalance bound: the least loaded shard instead
+    loaded = router(seed=3)
+    loaded.caches.apply(batch)
+    loaded.reported(1, 40)
+    assert loaded.route(base, None, now=0.1, cache_salt="tenant-a") == 0
+
+
+def test_the_gateway_s_block_chain_is_the_scheduler_s():
+    import msgspec
+
+    from shared.block_hashes import prompt_block_hashes
+    from test_scheduler import BLOCK_SIZE, make_request, make_scheduler
+
+    scheduler = make_scheduler()
+    for salt in (None, "x"):
+        tokens = [t % 100 for t in prompt(9, 70)]
+        scheduler.add_request(msgspec.structs.replace(make_request(f"q{salt}", tokens), cache_salt=salt))
+        request = scheduler.requests[f"q{salt}"]
+        scheduler.kv_cache_manager.update_block_hashes(request)
+        assert request.block_hashes == prompt_block_hashes(tokens, BLOCK_SIZE, salt)
+        assert len(request.block_hashes) == 70 // BLOCK_SIZE
+
+
+def test_missed_kv_event_batches_ask_for_a_snapshot_and_a_new_scheduler_s_are_forgotten():
+    from shared.kv_events import BlockStored, KVEventBatch
+
+    r = router()
+    stored = BlockStored([b"h" * 16], None, [1] * 16, 16)
+    assert r.caches.apply(KVEventBatch(1.0, [stored], 0, "w", 1))
+    assert not r.caches.apply(KVEventBatch(1.0, [stored], 0, "w", 3))  # (2 never came)
+    r.heard(SchedulerHeartbeat("another", 1, 0, 0, 0), now=0.2)  # a new scheduler took shard 0 over
+    assert 0 not in r.caches.indexes

@@ -29,9 +29,10 @@ from shared.bus import Subjects, inbox_of
 # absolute ones (the inbox).
 PERMISSIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "gateway": (
-        ("requests.*", "abort.*", "tokenize", "scheduler.info", "gateways.heartbeat", "responses", "gateways.metrics"),
+        ("requests.*", "abort.*", "tokenize", "scheduler.info", "gateways.heartbeat", "responses", "gateways.metrics",
+         "kv_snapshot.*"),
         ("outputs.{id}.*", "scheduler.heartbeat", "scheduler.stats", "gateways.heartbeat", "responses",
-         "gateways.metrics", "{inbox}.>"),
+         "gateways.metrics", "kv_events.*", "{inbox}.>"),
         True,  # (the other gateways' questions: stored responses, a shared port's metrics; peers.py)
     ),
     "tokenizer": (("_INBOX.gateway.>",), ("tokenize",), True),

@@ -2,14 +2,17 @@
 publish: their heartbeats (id, workers, requests held) and their stats (running and
 waiting requests, on every change).
 
-Cache first, then load, as SGLang's cache-aware router (shared/prefix_affinity.py): the
-gateway remembers which shard it sent each prompt's blocks to; a prompt whose longest
-remembered prefix covers at least half its blocks goes to that shard, where those blocks
-are cached — unless that shard holds more than `imbalance_ratio` x the least loaded one's
-requests (plus `imbalance_slack`). Any other prompt goes to the least loaded shard. Herding — every gateway sending its burst to the
-shard that looked idlest in the last report — is avoided by each gateway counting what it
-sent to each shard since that shard's last report, and by ties broken at random. A plain
-object: the engine client feeds it and asks it.
+Cache first, then load, as SGLang's cache-aware router (shared/prefix_affinity.py). Where
+the shards publish KV events (--kv-events-config), a prompt goes to the shard one of whose
+workers holds its longest cached prefix (shard_caches.py: what every gateway reads alike),
+when that covers at least half its blocks; else, the gateway remembers which shard it sent
+each prompt's blocks to (blocks not computed yet, or no events), and a prompt whose longest
+remembered prefix covers half its blocks goes there. Either way, not to a shard holding
+more than `imbalance_ratio` x the least loaded one's requests (plus `imbalance_slack`). Any
+other prompt goes to the least loaded shard. Herding — every gateway sending its burst to
+the shard that looked idlest in the last report — is avoided by each gateway counting what
+it sent to each shard since that shard's last report, and by ties broken at random. A
+plain object: the engine client feeds it and asks it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from services.gateway.shard_caches import ShardCaches
 from shared.messages import SchedulerHeartbeat
 from shared.prefix_affinity import PrefixAffinity, block_chain
 
@@ -48,6 +52,7 @@ class ShardRouter:
         self.shards: dict[int, Shard] = {}
         self._rng = rng or random.Random()
         self.affinity = PrefixAffinity(ratio=imbalance_ratio, slack=imbalance_slack)
+        self.caches = ShardCaches()  # (the shards' KV events, where they publish them)
 
     def heard(self, beat: SchedulerHeartbeat, now: float) -> str | None:
         """A shard's heartbeat. Returns why its requests must be sent again (a new scheduler
@@ -60,6 +65,7 @@ class ShardRouter:
         why = None
         if shard.scheduler_id != beat.scheduler_id:
             why = f"scheduler {beat.scheduler_id} took shard {shard.rank} over"
+            self.caches.forget(shard.rank)  # (its events start again from 1)
         elif shard.epoch != beat.epoch:
             why = f"the scheduler of shard {shard.rank} reconnected to NATS"
         shard.scheduler_id, shard.epoch, shard.num_workers = beat.scheduler_id, beat.epoch, beat.num_workers
@@ -89,10 +95,11 @@ class ShardRouter:
         gone = [rank for rank, s in self.shards.items() if now - s.heard_at > self.timeout_s]
         for rank in gone:
             del self.shards[rank]
+            self.caches.forget(rank)
         return gone
 
     def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float,
-              held: Mapping[int, int] | None = None) -> int:
+              held: Mapping[int, int] | None = None, cache_salt: str | None = None) -> int:
         """The shard for a request: a live one with workers (else any live one, which holds
         it until a worker joins; none heard yet: shard 0). `held`: this gateway's open
         requests by shard (its stream ledger's)."""
@@ -103,7 +110,25 @@ class ShardRouter:
         if not candidates:
             return 0
         self._rng.shuffle(candidates)  # (ties at random: gateways do not all pick the same)
-        chosen = self.affinity.choose(block_chain(prompt_token_ids, lora_name), candidates,
-                                      key=lambda s: s.rank, load=lambda s: s.load)
+        chain = block_chain(prompt_token_ids, lora_name)
+        chosen = None if lora_name is not None else self._cached(prompt_token_ids, cache_salt, candidates)
+        if chosen is None:
+            chosen = self.affinity.choose(chain, candidates, key=lambda s: s.rank, load=lambda s: s.load)
+        else:
+            self.affinity.record(chain, chosen.rank)
         chosen.sent_since += 1
         return chosen.rank
+
+    def _cached(self, prompt_token_ids: list[int], cache_salt: str | None, candidates: list[Shard]) -> Shard | None:
+        """The shard whose cache (its KV events) holds the longest prefix of the prompt, at
+        least half its blocks, within the imbalance bound; None: none does. (An adapter's
+        blocks are keyed by its id on the scheduler: those go by this gateway's memory.)"""
+        chain = self.caches.chain(prompt_token_ids, cache_salt)
+        if not chain:
+            return None
+        depth = {s.rank: self.caches.cached_blocks(s.rank, chain) for s in candidates}
+        best = max(candidates, key=lambda s: (depth[s.rank], -s.load))
+        least = min(s.load for s in candidates)
+        if 2 * depth[best.rank] < len(chain) or best.load > least * self.affinity.ratio + self.affinity.slack:
+            return None
+        return best

@@ -21,6 +21,7 @@ from services.gateway.output_queue import OutputQueue
 from services.gateway.shard_router import ShardRouter
 from services.gateway.shell.stream_ledger import StreamLedger
 from shared.bus import Subjects, encode
+from shared.kv_events import KVEventBatch, KVEventSnapshot
 from shared.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -62,6 +63,9 @@ class EngineClient:
         self._background: set[asyncio.Task] = set()
         self._heartbeat_decoder = msgspec.msgpack.Decoder(SchedulerHeartbeat)
         self._stats_decoder = msgspec.msgpack.Decoder(SchedulerStats)
+        self._kv_events_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._kv_snapshot_decoder = msgspec.msgpack.Decoder(KVEventSnapshot)
+        self._snapshotting: set[int] = set()  # shards a KV event snapshot was asked of
         self.scheduler_timeout_s = scheduler_timeout_s
         # How long in-flight requests wait for a scheduler to resume them on.
         self.resume_timeout_s = resume_timeout_s
@@ -76,6 +80,7 @@ class EngineClient:
         await self.nc.subscribe(self.reply_subject, cb=self._on_outputs)
         await self.nc.subscribe(self.subjects.scheduler_stats, cb=self._on_scheduler_stats)
         await self.nc.subscribe(self.subjects.scheduler_heartbeat, cb=self._on_heartbeat)
+        await self.nc.subscribe(self.subjects.kv_events("*"), cb=self._on_kv_events)
         await self.nc.flush()
         # Counted from now: a scheduler that never speaks is as silent as one that stopped.
         self._last_heartbeat = time.monotonic()
@@ -153,11 +158,35 @@ class EngineClient:
     def _route(self, request: EngineCoreRequest) -> int:
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         held = Counter(self.ledger.shard.values())  # (this gateway's open requests, by shard)
-        return self.router.route(request.prompt_token_ids, lora, time.monotonic(), held)
+        return self.router.route(request.prompt_token_ids, lora, time.monotonic(), held, request.cache_salt)
 
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):
             queue.put_nowait(EngineCoreOutput(request_id, [], FinishReason.UNAVAILABLE, error=reason))
+
+    async def _on_kv_events(self, msg) -> None:
+        """A shard's KV events (where it publishes them: --kv-events-config): what its
+        workers' prefix caches hold, for routing; a missed batch asks for a snapshot."""
+        try:
+            batch = self._kv_events_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        rank = batch.data_parallel_rank or 0
+        if not self.router.caches.apply(batch) and rank not in self._snapshotting:
+            self._snapshotting.add(rank)
+            task = asyncio.get_running_loop().create_task(self._kv_snapshot(rank))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _kv_snapshot(self, rank: int) -> None:
+        try:
+            reply = await self.nc.request(self.subjects.kv_snapshot(rank), b"", timeout=2.0)
+            self.router.caches.apply_snapshot(self._kv_snapshot_decoder.decode(reply.data))
+        except (NatsTimeoutError, NoRespondersError, msgspec.DecodeError) as exc:
+            log.info("no KV event snapshot from shard %d (%s): routing by this gateway's memory meanwhile",
+                     rank, type(exc).__name__)
+        finally:
+            self._snapshotting.discard(rank)
 
     async def _on_scheduler_stats(self, msg) -> None:
         try:

@@ -8,27 +8,12 @@ the queue is evicted first, which makes cached blocks evictable in LRU order.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from shared.block_hashes import BlockHash, hash_block_tokens  # noqa: F401 - (the pool's keys; named here too)
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-
-BlockHash = bytes
-
-
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Chained hash of one full block: it identifies the block's tokens *and* everything before.
-
-    A cryptographic digest rather than Python's `hash` so that a crafted prompt cannot
-    collide with another user's cached prefix.
-    """
-    digest = hashlib.blake2b(parent_hash or b"", digest_size=16)
-    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return digest.digest()
 
 
 @dataclass(slots=True, eq=False)

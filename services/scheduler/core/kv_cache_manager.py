@@ -5,7 +5,8 @@ The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`
 
 from __future__ import annotations
 
-from services.scheduler.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from services.scheduler.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from shared.block_hashes import hash_root
 from services.scheduler.core.kv_tier_index import KVTierIndex
 from shared.kv_transfer_tokens import sign
 from shared.messages import RemoteKVLoad, SchedulerOutput
@@ -15,23 +16,6 @@ from shared.lora_request import LoRARequest
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def hash_root(long_rope: bool, lora: LoRARequest | None, cache_salt: str | None = None) -> BlockHash | None:
-    """What a request's chain of block hashes starts from: the same tokens hold other keys
-    and values rotated with longrope's long factors (Phi-3), or under a LoRA adapter
-    (named with its id and path: an adapter reloaded under the same name, even from the
-    same folder, takes a new id, and its weights may be new), so they are other blocks.
-    A cache salt (vLLM's) starts another chain too, so only requests with the same salt
-    share blocks; it goes last, with its length, so no salt a client picks can spell
-    another root. None for the base model's short ones, as before any of them existed."""
-    root = b"longrope:long" if long_rope else b""
-    if lora is not None:
-        root += b"|lora:%d:" % lora.lora_int_id + lora.lora_name.encode() + b"\0" + lora.lora_path.encode()
-    if cache_salt is not None:
-        salt = cache_salt.encode()
-        root += b"|salt:%d:" % len(salt) + salt
-    return root or None
 
 
 class KVCacheManager:
