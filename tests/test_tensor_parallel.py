@@ -243,3 +243,37 @@ def test_served_prefill_and_decode_workers_of_two_ranks_each(folders, tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_two_ranks_hold_half_the_weights_and_match_one_rank_through_chunks_hits_and_preemption(folders):
+    """Rank 0 holds about half of the model's parameter bytes (the norms whole); prompt
+    logprobs within 1e-4 of one rank's in float32; and greedy output stays transformers'
+    with prefills cut into chunks of 24 tokens, prompts that hit the prefix cache, and a
+    pool of 12 blocks that preempts."""
+    folder = folders("llama")
+    shared = [PROMPTS[3] + [5, 6, 7], PROMPTS[3] + [8, 9]]  # (the second hits the first's blocks)
+    logprob_params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    runs = {}
+    for size in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=size, max_model_len=256, num_kv_blocks=64)
+        model = (llm.runner.runner if size > 1 else llm.runner).model
+        runs[size] = (sum(p.numel() * p.element_size() for p in model.parameters()),
+                      [next(iter(e.values())).logprob for o in llm.generate(
+                          [{"prompt_token_ids": p} for p in PROMPTS], logprob_params, use_tqdm=False)
+                       for e in o.prompt_logprobs[1:]])
+        if size > 1:
+            llm.executor.close()
+    assert 0.45 <= runs[2][0] / runs[1][0] <= 0.55, runs[2][0] / runs[1][0]
+    assert max(abs(a - b) for a, b in zip(runs[1][1], runs[2][1])) < 1e-4
+    llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=12, block_size=16,
+              max_num_batched_tokens=24, enable_chunked_prefill=True)
+    try:
+        prompts = PROMPTS + shared
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False)]
+        stats = llm.stats()
+    finally:
+        llm.executor.close()
+    assert got == hf_greedy(folder, prompts, 16)
+    assert stats.prefix_cache_hits > 0 and stats.num_preemptions > 0
