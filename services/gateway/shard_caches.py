@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from shared.block_hashes import prompt_block_hashes
 from shared.kv_events import BlockStored, KVEventBatch, KVEventIndex, KVEventSnapshot
+from shared.prefix_affinity import MAX_BLOCKS
 
 
 class ShardCaches:
@@ -34,8 +35,13 @@ class ShardCaches:
         self.indexes.pop(rank, None)
 
     def chain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """The prompt's block hashes as the shards' caches key them ([] before any event)."""
-        return [] if self.block_size is None else prompt_block_hashes(token_ids, self.block_size, cache_salt)
+        """The prompt's leading block hashes as the shards' caches key them ([] before any
+        event): its first MAX_BLOCKS, as the gateway's memory of sent prompts keeps (a
+        digest a block on every request's path: a 32k-token prompt's whole chain would be
+        2,000 of them)."""
+        if self.block_size is None:
+            return []
+        return prompt_block_hashes(token_ids[:MAX_BLOCKS * self.block_size], self.block_size, cache_salt)
 
     def cached_blocks(self, rank: int, chain: list[bytes]) -> int:
         """How many leading blocks of `chain` one worker of shard `rank` holds (the most any does)."""
