@@ -5,7 +5,8 @@ over the tokens streamed, best of `--runs`.
 
     python scripts/gateway_stream_costs.py --model /tmp/tinyllama [--streams 128] [--tokens 128] [--runs 4]
 
-What `llmbus bench control-plane` measures end to end adds uvicorn, the sockets and the bus.
+Run on uvloop where it is installed, as uvicorn runs the gateway. What `llmbus bench
+control-plane` measures end to end adds uvicorn, the sockets and the bus.
 """
 
 from __future__ import annotations
@@ -130,4 +131,9 @@ if __name__ == "__main__":
     parser.add_argument("--streams", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=4)
+    try:  # (the loop uvicorn runs the gateway on)
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     asyncio.run(main(parser.parse_args()))

@@ -861,6 +861,56 @@ def test_a_client_that_leaves_a_whole_answer_aborts_its_requests_without_an_erro
     assert len(engine.submitted) == n and sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)
 
 
+class FirstTokenEngine(FakeEngine):
+    """Answers each request's first token, then nothing more."""
+
+    async def submit(self, request) -> None:
+        self.submitted.append(request)
+        token_id = self.tokenizer.encode(self.script, add_special_tokens=False)[0]
+        self.queues[request.request_id].put_nowait(EngineCoreOutput(request.request_id, [token_id], None))
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request_at_once_and_nothing_raises(tokenizer):
+    """A streamed answer's events go to the server's own send (event_stream.py), past the
+    middlewares; a client that leaves while the engine is silent still ends the stream at
+    once: the engine request is aborted, the server's load drops, no end is written to a
+    client that left, and nothing raises in the app."""
+    client, engine = gateway(tokenizer, engine_class=FirstTokenEngine)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    sent = []
+
+    async def run():
+        import asyncio
+
+        first_token = asyncio.Event()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():  # the body, then, once the first token is out, the client is gone
+            if messages:
+                return messages.pop(0)
+            await first_token.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+            if b'"text"' in message.get("body", b""):
+                first_token.set()
+
+        await asyncio.wait_for(client.app(scope, receive, send), 10)
+
+    with client:
+        client.portal.call(run)  # (raises what the app raises; a stream that never ends: a timeout)
+        assert client.app.state.serving.server_load == 0
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]
+    bodies = [m for m in sent if m["type"] == "http.response.body"]
+    assert len(bodies) == 1 and bodies[0]["more_body"] and b'"text"' in bodies[0]["body"]
+    assert [r.request_id for r in engine.submitted] == engine.aborted and len(engine.aborted) == 1
+
+
 def test_vllms_request_logging_flags_log_prompts_params_and_outputs_cut_to_max_log_len(tokenizer, caplog):
     """--enable-log-requests: a line as each request arrives (its prompt as tokenized and
     its parameters); --enable-log-outputs: each choice's text and ids on its finished line;

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from services.gateway import response_bodies as r
 from services.gateway.context import ServingContext
 from services.gateway.engine_params import completion_prompts
+from services.gateway.event_stream import EventStream
 from services.gateway.errors import CLIENT_LEFT, GatewayError, error_body, status_of
 from services.gateway.generation import Usage, generate
 from services.gateway.parsers.reasoning import new_parser
@@ -102,10 +103,7 @@ class Answer:
             except Exception as exc:
                 self._finished(status_of(exc), exc)
                 raise
-            return StreamingResponse(
-                self._sse(first), media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return EventStream(self._sse(first), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             response = await self._collect()
         except Exception as exc:

@@ -21,6 +21,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 
 from shared.version import llmbus_version
 from services.gateway.api_keys import ApiKeys
+from services.gateway.event_stream import GatewayApp
 from services.gateway.errors import BadRequest, GatewayError, NoRoute, NotFound, Unavailable, error_response
 from services.gateway.limits import Limits
 from services.gateway.lora_modules import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -64,7 +65,7 @@ def create_app(client_factory, tokenizer, config: GatewayConfig, tracer=None, jo
             await close()
 
     docs = {"docs_url": None, "redoc_url": None, "openapi_url": None} if config.disable_fastapi_docs else {}
-    app = FastAPI(title="llmbus", lifespan=lifespan, **docs)
+    app = GatewayApp(title="llmbus", lifespan=lifespan, **docs)
     # vLLM's HTTP series (the library and the handlers left out are vLLM's), on this
     # gateway's registry: /metrics sums them over sibling gateways as the other request series
     Instrumentator(excluded_handlers=["/metrics", "/health", "/load", "/ping", "/version", "/server_info"],
