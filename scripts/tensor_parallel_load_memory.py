@@ -56,7 +56,7 @@ def load(model: str, world_size: int) -> dict:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     model = load_model(folder, config, torch.float32, get_attention_backend("torch"), 512,
-               tensor_parallel=None if world_size == 1 else (Rank0, full))
+                       tensor_parallel=None if world_size == 1 else (Rank0, full))
     done.set()
     watcher.join()
     held = anon_mib() - start
