@@ -26,6 +26,7 @@ import httpx
 
 from llmbus.bench.streaming_client import one_request, print_summary, summarize
 from llmbus.bench.workload import W1, random_workload
+from shared.event_loop import run as run_loop
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -277,20 +278,10 @@ def _uncached(requests, vocab_size: int):
             for prompt, max_tokens in requests]
 
 
-def _run(coroutine):
-    """The client shares the machine with the server it measures: on uvloop where it is
-    installed (a pinned dependency on Linux), its event loop costs less CPU per chunk."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
-
-
 def serve_once(args, requests, extra: dict | None = None) -> dict:
     cpu_before = service_cpu_times() if args.service_cpu else {}
     started = time.perf_counter()
-    summary = _run(stream_workload(args, requests, extra))
+    summary = run_loop(stream_workload(args, requests, extra))
     print_summary(summary)
     if args.service_cpu:
         summary["service_cores"] = cpu_report(cpu_before, service_cpu_times(), time.perf_counter() - started)

@@ -29,6 +29,7 @@ from llmbus.cli.service_args import (
 from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
                                  with_hf_overrides)
 from shared.engine_args import GROUPS, EngineArgs
+from shared.event_loop import run
 from shared.flags import env, env_flag
 from shared.shards import shard_of
 from shared.gc_heap import freeze_heap
@@ -102,7 +103,7 @@ def cmd_tokenizer(args) -> int:
 
     path, name = _setup(args)
     _without_torch()
-    asyncio.run(serve(tokenizer_folder(args, path), args.nats_url, name,
+    run(serve(tokenizer_folder(args, path), args.nats_url, name,
                       compile_timeout_s=args.structured_outputs_compile_timeout,
                       tool_chat_template=args.tool_chat_template, chat_template=args.chat_template,
                       auth=bus_auth(args), ready=_FreezeWhenReady("tokenizer")))
@@ -116,7 +117,7 @@ def cmd_worker(args) -> int:
     path, name = _setup(args)
     args.worker_id = args.worker_id or uuid.uuid4().hex[:8]
     rank = shard_of(args.worker_id, engine.data_parallel_size, engine.data_parallel_rank)
-    asyncio.run(serve(path, args.nats_url, name, engine.worker_config(), args.worker_id, data_parallel_rank=rank, threads=args.threads,
+    run(serve(path, args.nats_url, name, engine.worker_config(), args.worker_id, data_parallel_rank=rank, threads=args.threads,
                       auth=bus_auth(args), ready=_FreezeWhenReady("worker")))
     return 0
 
@@ -125,7 +126,7 @@ def cmd_scheduler(args) -> int:
     from services.scheduler.shell.service import serve
 
     engine = or_exit(EngineArgs.from_cli_args, args)
-    asyncio.run(serve(
+    run(serve(
         args.nats_url, served_name(args), engine.scheduler_config(),
         data_parallel_rank=engine.data_parallel_rank or 0,
         kv_events=KVEventsConfig.parse(engine.kv_events_config) is not None,
