@@ -833,6 +833,14 @@ class SilentEngine(FakeEngine):
         self.submitted.append(request)
 
 
+# A POST to /v1/completions as a server hands it to the app (for tests that play the client's
+# side of the ASGI conversation themselves)
+COMPLETIONS_SCOPE = {
+    "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+    "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+    "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_client_that_leaves_a_whole_answer_aborts_its_requests_without_an_error(tokenizer, n):
     """A non-streamed request whose client goes before the engine answers: its requests are
@@ -841,10 +849,7 @@ def test_a_client_that_leaves_a_whole_answer_aborts_its_requests_without_an_erro
     uvicorn logged 'Exception in ASGI application' for each such client)."""
     client, engine = gateway(tokenizer, engine_class=SilentEngine)
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "n": n}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
+    scope = dict(COMPLETIONS_SCOPE)  # (the app writes into its scope)
     messages = [{"type": "http.request", "body": body, "more_body": False}]
     sent = []
 
@@ -877,10 +882,7 @@ def test_a_client_that_leaves_a_stream_aborts_its_request_at_once_and_nothing_ra
     client that left, and nothing raises in the app."""
     client, engine = gateway(tokenizer, engine_class=FirstTokenEngine)
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 5, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
-             "root_path": "", "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
-             "server": ("127.0.0.1", 80)}
+    scope = dict(COMPLETIONS_SCOPE)  # (the app writes into its scope)
     sent = []
 
     async def run():
