@@ -224,12 +224,14 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`; n-gram (prompt lookup) only: the worker proposes up
-    to `num_speculative_tokens` drafts from the tokens that followed the latest earlier
+    """vLLM's `speculative_config`. "ngram" (prompt lookup): the worker proposes up to
+    `num_speculative_tokens` drafts from the tokens that followed the latest earlier
     occurrence of the context's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min`."""
+    `prompt_lookup_min`. "draft_model": `model`, a smaller model folder of the target's
+    vocabulary, proposes them by argmax (services/worker/sample/draft_model.py)."""
 
     method: str = "ngram"
+    model: str | None = None  # the draft model's folder (draft_model)
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -239,8 +241,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config method must be ngram, got {self.method!r}")
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config method must be ngram or draft_model, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config method draft_model takes a `model` (the draft's folder)"
+                             if self.model is None else f"speculative_config method {self.method} takes no `model`")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

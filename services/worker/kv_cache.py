@@ -97,17 +97,18 @@ def check_kv_cache_fits(kv_bytes: int, device: torch.device, asked: str) -> None
 
 def size_kv_cache(cfg, cache_config, block_size: int, kv_cache_dtype: torch.dtype, values_are_keys: bool,
                   device: torch.device, recurrent_rows: int, snapshot_rows: int,
-                  state_bytes) -> tuple[int, int, int]:
+                  state_bytes, draft_bytes_per_block: int = 0) -> tuple[int, int, int]:
     """(the scheduler's blocks, the recurrent state's request rows, its snapshot rows):
     --num-kv-blocks, or as many blocks as the budget holds (kv_cache_budget:
     --kv-cache-memory-gb, or --gpu-memory-utilization's share on a GPU), beside a hybrid's
     state (`state_bytes(rows)`: its bytes for that many rows), which comes out of the same
     budget (vLLM counts it so); refused (before any is allocated) where they and the pad
-    block do not fit."""
+    block do not fit. `draft_bytes_per_block`: a draft model's cache's, under the same block
+    ids (sample/draft_model.py)."""
     bytes_per_block = (
         (1 if values_are_keys else 2) * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads
         * cfg.head_dim * kv_cache_dtype.itemsize
-    )
+    ) + draft_bytes_per_block
     if cache_config.num_kv_blocks is not None:
         num_blocks, asked = cache_config.num_kv_blocks, f"--num-kv-blocks {cache_config.num_kv_blocks}"
         state = state_bytes(recurrent_rows + snapshot_rows)

@@ -43,7 +43,7 @@ from services.worker.step_log import StepLog
 from services.worker.request_state import RequestState
 from services.worker.sample.sampler import Sampler
 from services.worker.sample.acceptance import accept
-from services.worker.sample.spec_decode import NgramProposer, logit_rows, propose_drafts
+from services.worker.sample.spec_decode import logit_rows, make_proposer, propose_drafts
 from services.worker.step_inputs import StepInputs
 from services.worker.sample import grammar, prompt_logprobs
 from services.worker.sample.grammar import plain_greedy, split_ready
@@ -91,19 +91,18 @@ class ModelRunner:
         # size_kv_cache), past the pad row: a request's state at a cached block's end
         # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
-        if self.recurrent_rows and config.speculative_config is not None:
-            raise ValueError(f"speculative decoding is not supported for {self.model_config.architecture}: its "
-                             "recurrent layers' state cannot take back rejected drafts")
+        self.proposer = make_proposer(config.speculative_config, self.model_config, self.dtype, backend,
+                                      self.max_model_len, self.device, self.tp)
         self.num_blocks, self.recurrent_rows, self.snapshot_rows = size_kv_cache(
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
-            lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype))
+            lambda rows: recurrent_state.state_bytes(self.model, self.model_config.recurrent_layers, rows, self.dtype),
+            getattr(self.proposer, "bytes_per_block", lambda *_: 0)(self.block_size, self.kv_cache_dtype))
         if self.tp is not None:  # (every rank holds the same block ids: as many as the least of them)
             self.num_blocks = self.tp.min(self.num_blocks)
         lora_config = config.lora_config
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
-        # Requests that failed as they arrived (their adapter could not be read): request
-        # id -> why, sent with the step's output.
+        # Requests that failed as they arrived (their adapter could not be read): id -> why
         self._arrival_errors: dict[str, str] = {}
         # One block more than the scheduler is told of: the pad block, where the padded
         # rows of a decode graph write (decode_graphs.py), never a request's.
@@ -112,6 +111,8 @@ class ModelRunner:
             self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
                                                                self.dtype))
+        if hasattr(self.proposer, "allocate"):  # (the draft's blocks: the same ids, the pad block's too)
+            self.proposer.allocate(self.num_blocks + 1, self.block_size, self.kv_cache_dtype)
         self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
                                     self.model_config.architecture, config.kv_role)
         self.max_cudagraph_capture_size = config.max_cudagraph_capture_size
@@ -125,7 +126,6 @@ class ModelRunner:
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size) + 1)
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarBackend(config.tokenizer or model_path, self.vocab_size)
-        self.proposer = NgramProposer(config.speculative_config) if config.speculative_config is not None else None
         # Wall-clock ns of the last step's phases: start, forward, sampling, end (for tracing).
         self.last_step_ns: tuple[int, int, int, int] = (0, 0, 0, 0)
         # Steps launched whose tokens are not on the host yet (see launch), oldest first.
@@ -238,7 +238,7 @@ class ModelRunner:
         # Speculation: drafts for the requests given slots; each computes its scheduled
         # tokens less the slots its drafts leave unused.
         drafts = propose_drafts(self.proposer, self.requests, scheduler_output.num_draft_slots,
-                                self.model_config.long_rope_threshold)
+                                self.model_config.long_rope_threshold, self.block_size, self.block_table)
         num_tokens = {
             rid: n - scheduler_output.num_draft_slots.get(rid, 0) + len(drafts.get(rid, ()))
             for rid, n in num_scheduled.items()

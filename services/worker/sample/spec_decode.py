@@ -86,19 +86,40 @@ def num_accepted(drafts: list[int], samples: list[int]) -> int:
     return accepted
 
 
-def propose_drafts(proposer: NgramProposer | None, requests: dict[str, RequestState], num_draft_slots: dict[str, int],
-                   long_rope_threshold: int | None) -> dict[str, list[int]]:
+def make_proposer(config: SpeculativeConfig | None, target, dtype, backend, max_model_len: int, device,
+                  tensor_parallel=None):
+    """The worker's proposer for `speculative_config`'s method (None: no speculation). A
+    draft model is loaded before the KV cache is sized: its blocks come out of the same budget."""
+    if config is None:
+        return None
+    if target.recurrent_layers:
+        raise ValueError(f"speculative decoding is not supported for {target.architecture}: its "
+                         "recurrent layers' state cannot take back rejected drafts")
+    if config.method == "draft_model":
+        if tensor_parallel is not None:
+            raise ValueError("speculative_config method draft_model does not run with --tensor-parallel-size "
+                             f"{tensor_parallel.world_size} yet")
+        from services.worker.sample.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, target, dtype, backend, max_model_len, device)
+    return NgramProposer(config)
+
+
+def propose_drafts(proposer, requests: dict[str, RequestState], num_draft_slots: dict[str, int],
+                   long_rope_threshold: int | None, block_size: int, block_table) -> dict[str, list[int]]:
     """Drafts for the requests the scheduler gave slots: none for a request whose grammar
     is still compiling, or whose drafts would cross the longrope threshold."""
     if proposer is None or not num_draft_slots:
         return {}
+    if long_rope_threshold is not None:
+        num_draft_slots = {rid: slots for rid, slots in num_draft_slots.items() if rid in requests and (
+            requests[rid].long_rope or len(requests[rid].token_ids) + slots <= long_rope_threshold)}
+    if not isinstance(proposer, NgramProposer):  # (a draft model: every request's drafts in a few forwards)
+        return proposer.propose(requests, num_draft_slots, block_size, block_table)
     drafts = {}
     for rid, slots in num_draft_slots.items():
         state = requests.get(rid)
         if state is not None and not isinstance(state.matcher, Future):  # a grammar still compiling: none
-            threshold = long_rope_threshold
-            if threshold is not None and not state.long_rope and len(state.token_ids) + slots > threshold:
-                continue  # drafts would cross the longrope threshold, where the request restarts
             proposed = proposer.propose(state.token_ids, slots)
             if proposed:
                 drafts[rid] = proposed
