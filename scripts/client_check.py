@@ -6,19 +6,27 @@ answer, streamed too; an agent that calls a function tool and answers with its r
 run that goes on from the last one's stored response), LiteLLM (`hosted_vllm/`: chat,
 streamed, a Pydantic response_format, a required tool, text_completion), pydantic-ai
 (native, prompted and tool output) and Outlines (`from_openai` with a JSON schema,
-`from_vllm` with a regex, a Lark grammar and a JSON schema). Each line says what came back
-or why it failed.
+`from_vllm` with a regex, a Lark grammar and a JSON schema) and lm-evaluation-harness
+(`local-completions` with the server's own tokenizer, `tokenizer_backend="remote"`: the
+loglikelihoods of a few continuations, compared with transformers' where the caller gives
+them). Each line says what came back or why it failed.
 
 They pin an openai client of their own, so they live in their own environment:
 
     python -m venv /tmp/clients && /tmp/clients/bin/pip install -r scripts/client_check.requirements.txt
+    /tmp/clients/bin/pip install --no-deps -r scripts/client_check.no-deps.requirements.txt
     llmbus serve &                          # the default model, SmolLM2-135M-Instruct
-    /tmp/clients/bin/python scripts/client_check.py http://127.0.0.1:8000/v1 smollm2
+    /tmp/clients/bin/python scripts/client_check.py http://127.0.0.1:8000/v1 smollm2 [EXPECTED_JSON]
+
+EXPECTED_JSON: {"pairs": [[context, continuation], ...], "expected": [[loglikelihood,
+is_greedy], ...]} (tests/test_smollm2.py computes it with transformers); without it the
+lm-evaluation-harness check scores two pairs of its own and checks only that it can.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import sys
@@ -59,7 +67,7 @@ def check(what: str, run) -> bool:
         return False
 
 
-def main(url: str, model: str) -> int:
+def main(url: str, model: str, expected: str | None = None) -> int:
     llm = ChatOpenAI(base_url=url, api_key="none", model=model, temperature=0, max_tokens=80, max_retries=0)
     ask = "Describe a person named Ada who is 36 years old."
     results = []
@@ -87,6 +95,7 @@ def main(url: str, model: str) -> int:
             messages=[{"role": "user", "content": ask}])))
     results += agents_checks(url, model)
     results += litellm_checks(url, model, ask) + pydantic_ai_checks(url, model, ask) + outlines_checks(url, model, ask)
+    results += lm_eval_checks(url, model, json.loads(expected) if expected else None)
     print(f"{sum(results)} of {len(results)} passed")
     return 0 if all(results) else 1
 
@@ -183,5 +192,29 @@ def outlines_checks(url: str, model: str, ask: str) -> list[bool]:
                 served(ask, Person, max_tokens=80, temperature=0)))]
 
 
+def lm_eval_checks(url: str, model: str, expected: dict | None) -> list[bool]:
+    """lm-evaluation-harness's `local-completions` model as `lm_eval --model local-completions
+    --model_args base_url=.../v1/completions,tokenizer_backend=remote` builds it: prompts as
+    token ids from the server's /tokenize, each continuation scored from echoed prompt
+    logprobs (installed without its dependencies: its tasks' datasets are not needed here)."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    pairs = [tuple(p) for p in expected["pairs"]] if expected else \
+        [("The capital of France is", " Paris"), ("2 + 2 =", " 4")]
+
+    def loglikelihoods():
+        lm = LocalCompletionsAPI(base_url=url.rstrip("/") + "/completions", model=model, tokenizer_backend="remote",
+                                 max_retries=1)
+        got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+                               disable_tqdm=True)
+        if expected:
+            for (ll, greedy), (want, want_greedy) in zip(got, expected["expected"], strict=True):
+                assert abs(ll - want) < 1e-3 and greedy == want_greedy, f"{got} against transformers' {expected}"
+        return [(round(ll, 4), greedy) for ll, greedy in got]
+
+    return [check("lm-evaluation-harness local-completions loglikelihood", loglikelihoods)]
+
+
 if __name__ == "__main__":
-    sys.exit(main(*(sys.argv[1:3] if len(sys.argv) >= 3 else ("http://127.0.0.1:8000/v1", "smollm2"))))
+    sys.exit(main(*(sys.argv[1:4] if len(sys.argv) >= 3 else ("http://127.0.0.1:8000/v1", "smollm2"))))

@@ -67,9 +67,11 @@ def client(smollm2_gguf, tmp_path_factory):
     import openai
 
     # A compile timeout long enough that a chat answered while a runaway spec compiles
-    # is answered before the timeout even on a loaded machine (the runaway test).
+    # is answered before the timeout even on a loaded machine (the runaway test);
+    # /tokenizer_info for lm-evaluation-harness's remote tokenizer (the client check).
     proc, url = llmbus_serve([str(smollm2_gguf), "--served-model-name", NAME, "--max-model-len", "1024",
-                              "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S)],
+                              "--structured-outputs-compile-timeout", str(COMPILE_TIMEOUT_S),
+                              "--enable-tokenizer-info-endpoint"],
                              tmp_path_factory.mktemp("serve") / "stderr.log")
     with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         yield client
@@ -264,35 +266,64 @@ def test_bad_and_runaway_specs_are_400s_and_the_engine_goes_on(client):
 @pytest.fixture(scope="module")
 def clients_python():
     """An environment with the peers' clients (LangChain, instructor, the Agents SDK, LiteLLM,
-    pydantic-ai, Outlines: they pin an openai of their own), built once from
-    scripts/client_check.requirements.txt."""
+    pydantic-ai, Outlines, lm-evaluation-harness: they pin an openai of their own), built
+    once from scripts/client_check.requirements.txt (and, without their dependencies,
+    client_check.no-deps.requirements.txt)."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    venv, requirements = root / ".venv-clients", root / "scripts" / "client_check.requirements.txt"
-    stamp = venv / ".installed"
-    if not stamp.exists() or stamp.read_text() != requirements.read_text():
+    venv, scripts = root / ".venv-clients", root / "scripts"
+    requirements, no_deps = scripts / "client_check.requirements.txt", scripts / "client_check.no-deps.requirements.txt"
+    stamp, wanted = venv / ".installed", requirements.read_text() + no_deps.read_text()
+    if not stamp.exists() or stamp.read_text() != wanted:
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        "-r", str(requirements)], check=True)
-        stamp.write_text(requirements.read_text())
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, "-r", str(requirements)], check=True)
+        subprocess.run([*pip, "--no-deps", "-r", str(no_deps)], check=True)
+        stamp.write_text(wanted)
     return venv / "bin" / "python"
 
 
-def test_the_peers_clients_work_unchanged(client, clients_python):
+def transformers_loglikelihoods(folder, pairs) -> list[tuple[float, bool]]:
+    """Each continuation's log-likelihood after its context, and whether it is the greedy
+    one, from transformers in float32, the pair tokenized as lm-evaluation-harness does
+    (the context's trailing spaces moved to the continuation; the whole encoded, the
+    context's tokens cut off it)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for context, continuation in pairs:
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        n = len(tokenizer.encode(context, add_special_tokens=False))
+        with torch.no_grad():
+            logprobs = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
+        rows = logprobs[n - 1:len(whole) - 1]
+        targets = torch.tensor(whole[n:])
+        out.append((float(rows.gather(1, targets[:, None]).sum()), bool((rows.argmax(-1) == targets).all())))
+    return out
+
+
+def test_the_peers_clients_work_unchanged(client, clients_python, smollm2):
     """LangChain's ChatOpenAI (with_structured_output by json_schema, function_calling and
     json_mode; bind_tools named and "any"; a tool round trip), instructor (JSON_SCHEMA,
     TOOLS), the OpenAI Agents SDK (a run, streamed too, a function tool, a run going on
     from a stored response), LiteLLM (chat, stream, response_format, tools,
-    text_completion), pydantic-ai (native, prompted and tool output) and Outlines
-    (from_openai; from_vllm with a regex, a Lark grammar, a JSON schema) against llmbus
-    serve, as their users call them."""
+    text_completion), pydantic-ai (native, prompted and tool output), Outlines
+    (from_openai; from_vllm with a regex, a Lark grammar, a JSON schema) and
+    lm-evaluation-harness (local-completions with the server's tokenizer: loglikelihoods
+    equal transformers') against llmbus serve, as their users call them."""
+    import json
     import subprocess
     from pathlib import Path
 
+    pairs = [("The capital of France is", " Paris"), ("2 + 2 =", " 4"), ("def add(a, b):\n    return", " a + b")]
+    expected = json.dumps({"pairs": pairs, "expected": transformers_loglikelihoods(smollm2, pairs)})
     script = Path(__file__).resolve().parent.parent / "scripts" / "client_check.py"
-    out = subprocess.run([str(clients_python), str(script), str(client.base_url), NAME],
+    out = subprocess.run([str(clients_python), str(script), str(client.base_url), NAME, expected],
                          capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0 and "24 of 24 passed" in out.stdout, out.stdout + out.stderr
+    assert out.returncode == 0 and "25 of 25 passed" in out.stdout, out.stdout + out.stderr
