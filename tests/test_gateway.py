@@ -251,6 +251,37 @@ def test_best_of_is_taken_where_it_equals_n_as_vllm_takes_it(tokenizer):
     assert len(engine.submitted) == 1 + 2
 
 
+# What the peers' benchmark clients send, field for field: vLLM's `vllm bench serve`
+# (vllm/benchmarks/lib/endpoint_request_func.py) and NVIDIA's aiperf (its openai_chat and
+# openai_completions endpoints, with the extra inputs its users pass).
+BENCH_PAYLOADS = {
+    "vllm-completions": ("/v1/completions", {
+        "model": "tiny", "prompt": "hello there", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    "vllm-chat": ("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        "max_completion_tokens": 4, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}),
+    "aiperf-chat": ("/v1/chat/completions", {
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+        "model": "tiny", "stream": True, "max_completion_tokens": 4,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "ignore_eos": True,
+        "min_tokens": 4}),
+    "aiperf-completions": ("/v1/completions", {
+        "prompt": "hello", "model": "tiny", "stream": True, "max_tokens": 4, "stream_options": {"include_usage": True},
+        "min_tokens": 4, "ignore_eos": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(BENCH_PAYLOADS))
+def test_the_peers_benchmark_clients_payloads_are_taken(tokenizer, name):
+    path, body = BENCH_PAYLOADS[name]
+    client, engine = gateway(tokenizer)
+    with client, client.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        events = sse_events(resp)
+    assert events[-1]["usage"]["completion_tokens"] == 4 and len(engine.submitted) == 1
+
+
 def test_chat_takes_text_as_its_only_modality(tokenizer):
     client, engine = gateway(tokenizer)
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
