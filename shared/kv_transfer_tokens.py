@@ -45,10 +45,12 @@ class TokenCheck:
 
     def __init__(self, secret: bytes, address: str) -> None:
         self.secret, self.address = secret, address
-        self._used: dict[str, float] = {}  # token -> its expiry (kept until then: a replay is refused)
+        self._used: dict[str, float] = {}  # token/rank -> its expiry (kept until then: a replay is refused)
 
-    def accept(self, token: str, expires: float, slots: list[int], now: float | None = None) -> str | None:
-        """None if the transfer may go; else why not."""
+    def accept(self, token: str, expires: float, slots: list[int], now: float | None = None,
+               rank: int = 0) -> str | None:
+        """None if the transfer may go; else why not. A tensor-parallel worker's ranks each
+        fetch their own heads of the same slots with the one token: once each (`rank`)."""
         now = time.time() if now is None else now
         self._used = {t: e for t, e in self._used.items() if e > now}
         if expires <= now:
@@ -56,7 +58,8 @@ class TokenCheck:
         expected = hmac.new(self.secret, _message(self.address, slots, expires), hashlib.sha256).hexdigest()
         if not hmac.compare_digest(expected, token):
             return "the token is not this transfer's"
-        if token in self._used:
+        used = f"{token}/{rank}"
+        if used in self._used:
             return "the token was used"
-        self._used[token] = expires
+        self._used[used] = expires
         return None

@@ -119,6 +119,41 @@ def test_blocks_cross_hosts_over_tcp_bit_for_bit_with_a_one_time_token(tmp_path)
         a.server.close()
 
 
+def test_a_tensor_parallel_worker_s_rank_0_serves_each_rank_its_own_file_once_a_token(tmp_path):
+    """Two ranks' files on the serving host (rank 1's named after rank 0's); each rank of a
+    loading worker fetches its own heads of the same slots with the one token: rank r gets
+    rank r's bytes, once; a rank the server has not is refused."""
+    import numpy as np
+
+    from services.worker.kv_tier import map_tier_file
+    from services.worker.kv_transfer import TierServer, fetch_slots
+    from shared.kv_transfer_tokens import sign
+
+    g = torch.Generator().manual_seed(1)
+    caches = [[torch.randn(2, 9, 4, 1, 8, generator=g)] for _ in range(2)]
+    ranks = [HostKVTier(cache, 1 << 20, str(tmp_path / name)) for cache, name in zip(caches, ("t", "t-tp1"))]
+    for tier in ranks:
+        tier.store({2: 5, 3: 6})
+    zero = ranks[0]
+    server = TierServer(zero.data.numpy(), zero.checksums.numpy(), b"k", "127.0.0.1", ranks=2,
+                        peer=lambda rank: map_tier_file(f"{zero.path}-tp{rank}"))
+    try:
+        token, expires = sign(b"k", server.address, [5, 6])
+
+        def fetch(rank):
+            into = np.zeros((2, zero.slot_bytes), np.uint8)
+            fetch_slots(server.address, token, expires, [5, 6], into, zero.slot_bytes, rank=rank)
+            return into
+
+        for rank, tier in enumerate(ranks):
+            assert np.array_equal(fetch(rank), tier.data[5:7].numpy())
+        for rank in (1, 2):  # (used once already; a rank it has not)
+            with pytest.raises(ConnectionError):
+                fetch(rank)
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tier_models")

@@ -24,7 +24,8 @@ from test_observability import metric
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def two_hosts(model, tmp_path, roles: dict[str, str], prompts: list[str], max_tokens: int):
+def two_hosts(model, tmp_path, roles: dict[str, str], prompts: list[str], max_tokens: int,
+              worker_args: tuple[str, ...] = ()):
     """(a deployment whose two workers each have a host tier of their own, named by `roles`
     (name -> kv_role), the offline engine's greedy texts of `prompts`, the engine)."""
     from llmbus import LLM, SamplingParams
@@ -38,7 +39,7 @@ def two_hosts(model, tmp_path, roles: dict[str, str], prompts: list[str], max_to
             config = json.dumps({"kv_role": role, "kv_ip": "127.0.0.1"})
             deployment.procs[name] = spawn_service(
                 [*deployment.worker_argv, "--kv-offloading-size", "0.05", "--num-kv-blocks", "256",
-                 "--max-model-len", "1024", "--kv-transfer-config", config, "--worker-id", name],
+                 "--max-model-len", "1024", "--kv-transfer-config", config, "--worker-id", name, *worker_args],
                 env=dict(deployment.env, LLMBUS_KV_TIER_PATH=str(tmp_path / f"tier-{name}"),
                          LLMBUS_STEP_LOG=str(tmp_path / f"steps-{name}.jsonl")))
         deployment.num_workers = 2
@@ -57,10 +58,15 @@ def loaded_tokens(deployment, before: str) -> float:
         before, "llmbus:external_prefix_cache_hits_total")
 
 
-def test_a_prompt_prefilled_on_one_host_decodes_on_another_with_its_kv_moved(tiny_llama, tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-rank", "two-ranks"])
+def test_a_prompt_prefilled_on_one_host_decodes_on_another_with_its_kv_moved(tiny_llama, tmp_path, ranks):
+    """Two ranks a worker: each rank of the decode worker fetches its own heads of the slots
+    from the prefill worker's rank 0, which serves its ranks' files (float32: two ranks'
+    text is one rank's)."""
     prompts = [f"request {i}: " + "the weather today is fine and " * (3 + i) for i in range(6)]
     deployment, expected, llm = two_hosts(tiny_llama, tmp_path, {"kv_producer": "kv_producer",
-                                                                 "kv_consumer": "kv_consumer"}, prompts, 16)
+                                                                 "kv_consumer": "kv_consumer"}, prompts, 16,
+                                          ("--tensor-parallel-size", str(ranks)))
     try:
         before = httpx.get(deployment.base_url + "/metrics", timeout=10).text
         assert asyncio.run(stream_texts(deployment.base_url, prompts, 16)) == expected

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from services.worker.kv_transfer import TierServer, fetch_slots
+from services.worker.parallel.group import current_group
 
 log = logging.getLogger("llmbus.worker")
 
@@ -134,8 +135,13 @@ class HostKVTier:
         return views
 
     def serve(self, secret: bytes, host: str = "0.0.0.0", advertise: str | None = None, port: int = 0) -> str:
-        """Serve this tier's slots to other hosts (kv_transfer.py); its address."""
-        self.server = TierServer(self.data.numpy(), self.checksums.numpy(), secret, host, port, advertise)
+        """Serve this tier's slots to other hosts (kv_transfer.py); its address. A
+        tensor-parallel worker's rank 0 serves every rank's file (on this host, named after
+        its own: parallel/ranks.py), each rank of a loading worker asking for its own."""
+        group = current_group()
+        self.server = TierServer(self.data.numpy(), self.checksums.numpy(), secret, host, port, advertise,
+                                 ranks=1 if group is None else group.world_size,
+                                 peer=lambda rank: map_tier_file(f"{self.path}-tp{rank}"))
         return self.server.address
 
     def _map(self, path: str) -> torch.Tensor:
@@ -188,8 +194,9 @@ class HostKVTier:
         failed their checksum, or every one where the transfer did not complete."""
         staging = torch.empty(len(load.orders), self.slot_bytes, dtype=torch.uint8)
         try:
+            group = current_group()
             sums = fetch_slots(load.address, load.token, load.expires, list(load.orders.values()), staging.numpy(),
-                               self.slot_bytes)
+                               self.slot_bytes, rank=0 if group is None else group.rank)
         except OSError as exc:
             log.warning("KV transfer from %s failed (%s): %d block(s) computed again", load.address, exc,
                         len(load.orders))
@@ -231,6 +238,19 @@ class HostKVTier:
     @staticmethod
     def _indices(orders: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor(list(orders), dtype=torch.long), torch.tensor(list(orders.values()), dtype=torch.long)
+
+
+def map_tier_file(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """Another process's tier file on this host, read-only: (its slots [slots, slot_bytes]
+    uint8, their checksums), by the layout its header gives."""
+    with open(path, "rb") as f:
+        header = f.read(len(_MAGIC) + 16)
+    if header[:len(_MAGIC)] != _MAGIC:
+        raise ValueError(f"{path} is not a KV tier of this version")
+    slot_bytes, num_slots = np.frombuffer(header[len(_MAGIC):], dtype=np.int64).tolist()
+    whole = np.memmap(path, dtype=np.uint8, mode="r", shape=(_header_bytes(num_slots) + num_slots * slot_bytes,))
+    return (whole[_header_bytes(num_slots):].reshape(num_slots, slot_bytes),
+            whole[64:64 + 8 * num_slots].view(np.int64))
 
 
 def host_kv_tier(caches: list, cache_config, recurrent: bool, architecture: str,

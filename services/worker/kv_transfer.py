@@ -3,7 +3,9 @@ workers of other hosts, which copy them into their own blocks (issue: a prompt p
 one host, decoded on another; a request drained to another host).
 
 A transfer is one connection, opened by the loading worker when its step orders it:
-it sends [token, expiry, slots, its slot size] (msgpack, length first); the server checks
+it sends [token, expiry, slots, its slot size, its rank] (msgpack, length first; a
+tensor-parallel worker's ranks each fetch their own heads, from the serving worker's rank
+of the same number, whose file rank 0 serves too: the same host); the server checks
 the slot size is its own (a tier of another layout: nothing sent) and the token
 (shared/kv_transfer_tokens.py: signed by the scheduler, once only) and sends each slot's
 checksum and bytes as the tier holds them. The loader checks every slot's checksum as a
@@ -39,11 +41,14 @@ class _Server(socketserver.ThreadingTCPServer):
 
 class TierServer:
     """Serves a host tier's slots (`data`: [slots, slot_bytes] uint8, `checksums`: int64
-    [slots], numpy views of the shared file) at `host`:`port` (0: the kernel's choice)."""
+    [slots], numpy views of the shared file) at `host`:`port` (0: the kernel's choice).
+    `peer(rank)`: a tensor-parallel worker's other ranks' files (data, checksums), mapped
+    when first asked for (None: ranks 1.. have none)."""
 
     def __init__(self, data: np.ndarray, checksums: np.ndarray, secret: bytes, host: str = "0.0.0.0",
-                 port: int = 0, advertise: str | None = None) -> None:
-        self.data, self.checksums = data, checksums
+                 port: int = 0, advertise: str | None = None, ranks: int = 1, peer=None) -> None:
+        self._files, self._peer = {0: (data, checksums)}, peer
+        self.ranks = ranks
         served = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -63,19 +68,24 @@ class TierServer:
             (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
             if length > _MAX_REQUEST:
                 return
-            token, expires, slots, slot_bytes = msgspec.msgpack.decode(_recv_exactly(sock, length))
+            token, expires, slots, slot_bytes, *rest = msgspec.msgpack.decode(_recv_exactly(sock, length))
+            rank = rest[0] if rest else 0
             with self._lock:
-                refused = self._tokens.accept(token, expires, slots)
-            if refused is None and slot_bytes != self.data.shape[1]:
-                refused = f"slots of {slot_bytes} bytes asked of a tier of {self.data.shape[1]}"
-            if refused is None and not all(0 <= s < len(self.data) for s in slots):
+                refused = self._tokens.accept(token, expires, slots, rank=rank) if 0 <= rank < self.ranks \
+                    else f"rank {rank} of a worker of {self.ranks}"
+                if refused is None and rank not in self._files:
+                    self._files[rank] = self._peer(rank)
+            data, checksums = (None, None) if refused is not None else self._files[rank]
+            if refused is None and slot_bytes != data.shape[1]:
+                refused = f"slots of {slot_bytes} bytes asked of a tier of {data.shape[1]}"
+            if refused is None and not all(0 <= s < len(data) for s in slots):
                 refused = "a slot out of range"
             if refused is not None:
                 log.warning("KV transfer refused: %s", refused)
                 return
             for slot in slots:
-                sock.sendall(self.checksums[slot:slot + 1].tobytes())
-                sock.sendall(memoryview(self.data[slot]))
+                sock.sendall(checksums[slot:slot + 1].tobytes())
+                sock.sendall(memoryview(data[slot]))
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             log.warning("KV transfer failed: %s", exc)
 
@@ -110,15 +120,15 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
 
 
 def fetch_slots(address: str, token: str, expires: float, slots: list[int], into: np.ndarray, slot_bytes: int,
-                timeout_s: float = 30.0) -> np.ndarray:
-    """Slots of `slot_bytes` from the server at `address` into `into` ([len(slots),
-    slot_bytes] uint8, its rows in `slots`' order); their checksums as sent. Raises OSError
-    (ConnectionError among them) where the transfer did not complete."""
+                timeout_s: float = 30.0, rank: int = 0) -> np.ndarray:
+    """Slots of `slot_bytes` (of rank `rank`'s file) from the server at `address` into
+    `into` ([len(slots), slot_bytes] uint8, its rows in `slots`' order); their checksums as
+    sent. Raises OSError (ConnectionError among them) where the transfer did not complete."""
     host, port = address.rsplit(":", 1)
     sums = np.empty(len(slots), dtype=np.int64)
     with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        request = msgspec.msgpack.encode([token, expires, slots, slot_bytes])
+        request = msgspec.msgpack.encode([token, expires, slots, slot_bytes, rank])
         sock.sendall(_LENGTH.pack(len(request)) + request)
         for i in range(len(slots)):
             _recv_into(sock, memoryview(sums[i:i + 1]).cast("B"))

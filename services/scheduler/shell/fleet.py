@@ -79,7 +79,7 @@ class Fleet:
         # DRAINED_TIER_SERVE_S before it exits, shared/kv_transfer_tokens.py): the takers of
         # its requests load their KV from there. Tier name -> (address, until when, by
         # time.monotonic()).
-        self._departed_tiers: dict[str, tuple[str, float]] = {}
+        self._departed_tiers: dict[str, tuple[str, int, float]] = {}  # name -> (address, ranks, until)
 
     # ---- workers ---------------------------------------------------------------------
 
@@ -102,9 +102,9 @@ class Fleet:
             handle.last_seen = now
             return []
         core = Scheduler.for_worker(self.config, info, self.kv_tiers)
-        if self.transfer_secret is not None and info.tensor_parallel_size == 1:  # (other hosts' tiers, over TCP)
+        if self.transfer_secret is not None:  # (other hosts' tiers, over TCP: those of workers of as many ranks)
             core.kv_cache_manager.transfer_secret = self.transfer_secret
-            core.kv_cache_manager.remote_tiers = lambda: self._served_tiers(info.kv_tier)
+            core.kv_cache_manager.remote_tiers = lambda: self._served_tiers(info.kv_tier, info.tensor_parallel_size)
         if self.kv_events:
             core.kv_cache_manager.block_pool.events = []
         self.workers[info.worker_id] = WorkerHandle(info, core, now)
@@ -256,14 +256,15 @@ class Fleet:
             handle.core.requests[item.request_id].decode_elsewhere = True
         return []
 
-    def _served_tiers(self, own: str) -> list[tuple[KVTierIndex, str]]:
-        """(index, server address) of each tier but `own` that a live worker serves, or a
-        drained one still serves."""
+    def _served_tiers(self, own: str, ranks: int) -> list[tuple[KVTierIndex, str]]:
+        """(index, server address) of each tier but `own` that a live worker of `ranks`
+        tensor-parallel ranks serves, or a drained one still serves (a slot of a rank's file
+        holds that rank's heads: only a worker sharded alike can read it)."""
         now = time.monotonic()
-        self._departed_tiers = {name: entry for name, entry in self._departed_tiers.items() if entry[1] > now}
-        served = {name: address for name, (address, _) in self._departed_tiers.items()}
+        self._departed_tiers = {name: entry for name, entry in self._departed_tiers.items() if entry[2] > now}
+        served = {name: address for name, (address, size, _) in self._departed_tiers.items() if size == ranks}
         served.update({h.info.kv_tier: h.info.kv_tier_address for h in self.workers.values()
-                       if h.info.kv_tier_address})
+                       if h.info.kv_tier_address and h.info.tensor_parallel_size == ranks})
         return [(self.kv_tiers[name], address) for name, address in served.items()
                 if name != own and name in self.kv_tiers]
 
@@ -289,6 +290,7 @@ class Fleet:
         if handle.draining and not handle.core.has_unfinished_requests():
             if handle.info.kv_tier_address:  # (its tier, served a while yet, holds what it handed over)
                 self._departed_tiers[handle.info.kv_tier] = (handle.info.kv_tier_address,
+                                                             handle.info.tensor_parallel_size,
                                                              time.monotonic() + DEPARTED_TIER_S)
             rejected += self.remove(handle.worker_id, "drained, its requests handed over with their KV")
         return taken, rejected

@@ -64,9 +64,9 @@ async def serve(
     info = runner.describe(worker_id, model_name, incarnation=secrets.randbits(48))
     info.data_parallel_rank = data_parallel_rank
     secret = secret_from_env()
-    # Its host tier's slots, to other hosts' workers (not a tensor-parallel worker's: each
-    # rank's file holds its own heads)
-    if runner.kv_tier is not None and secret is not None and worker_config.tensor_parallel_size == 1:
+    # Its host tier's slots, to other hosts' workers (a tensor-parallel worker's rank 0
+    # serves every rank's file, to workers of as many ranks)
+    if runner.kv_tier is not None and secret is not None:
         info.kv_tier_address = await executor.run(runner.kv_tier.serve, secret, worker_config.kv_ip or "0.0.0.0",
                                                    worker_config.kv_ip or None, worker_config.kv_port)
     steps = ServedSteps(executor, tracer)
