@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from llmbus.inputs import Prompt, is_one_prompt, parse_prompt
 from llmbus.llm_apis import GenerateBasedAPIs
-from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_hf_overrides
+from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_draft_resolved, with_hf_overrides
 from llmbus.outputs import CompletionOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.core.scheduler import Scheduler
@@ -65,6 +65,7 @@ class LLM(GenerateBasedAPIs):
         self.model_eos_ids = model_eos_ids(path, args.generation_config)  # ending requests beside the tokenizer's EOS
         self.unsupported_pooling = unsupported_pooling(path)  # read once, as the gateway does
         self.classifier = classifier_of(path)  # a *ForSequenceClassification's labels
+        args.speculative_config = with_draft_resolved(args.speculative_config, args.download_dir)
         # An unsupported model fails in the runner's constructor, before any weight loads.
         worker_config = args.worker_config(tokenizer_path)
         self.executor = InProcessExecutor(lambda: build_runner(path, worker_config, args.threads), args.threads)

@@ -10,6 +10,8 @@ the same way, once. Hub repository ids resolve to the Hugging Face cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import fcntl
 import hashlib
 import json
@@ -71,6 +73,19 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
         f"model {model!r} is neither a known model ({', '.join(KNOWN_MODELS)}), a folder with config.json, "
         "a .gguf file, nor a Hugging Face repository id (org/name)"
     )
+
+
+def with_draft_resolved(config, download_dir: str | None = None):
+    """A speculative_config whose draft model (`draft_model`'s `model`) may be named as the
+    target may (a known name, a GGUF, a Hub id): its folder, fetched or converted once here,
+    as the worker reads it (a ValueError naming it where it is none of them)."""
+    if config is None or config.method != "draft_model":
+        return config
+    try:
+        folder = resolve_model(config.model, None, download_dir)
+    except ValueError as exc:
+        raise ValueError(f"speculative_config model: {exc}") from None
+    return dataclasses.replace(config, model=str(folder))
 
 
 def with_hf_overrides(folder: Path, overrides: dict | None) -> Path:

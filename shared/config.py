@@ -227,8 +227,9 @@ class SpeculativeConfig:
     """vLLM's `speculative_config`. "ngram" (prompt lookup): the worker proposes up to
     `num_speculative_tokens` drafts from the tokens that followed the latest earlier
     occurrence of the context's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min`. "draft_model": `model`, a smaller model folder of the target's
-    vocabulary, proposes them by argmax (services/worker/sample/draft_model.py)."""
+    `prompt_lookup_min`. "draft_model": `model`, a smaller model of the target's
+    vocabulary (its folder, once the llmbus command or LLM resolved its name), proposes
+    them by argmax (services/worker/sample/draft_model.py)."""
 
     method: str = "ngram"
     model: str | None = None  # the draft model's folder (draft_model)

@@ -96,7 +96,7 @@ def test_a_draft_of_another_vocabulary_or_no_draft_is_refused_by_name(tiny_llama
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vocabulary of .* tokens, the target's"):
         LLM(str(tiny_llama), speculative_config=spec(other))
-    with pytest.raises(ValueError, match="not a model folder"):
+    with pytest.raises(ValueError, match="speculative_config model: model .* is neither a known model"):
         LLM(str(tiny_llama), speculative_config=spec(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="draft_model takes a `model`"):
         LLM(str(tiny_llama), speculative_config={"method": "draft_model"})

@@ -27,7 +27,7 @@ from llmbus.cli.service_args import (
     bus_auth,
 )
 from llmbus.model_fetch import (DEFAULT_MODEL, KNOWN_MODELS, is_hub_id, resolve_model, resolve_tokenizer,
-                                 with_hf_overrides)
+                                 with_draft_resolved, with_hf_overrides)
 from shared.engine_args import GROUPS, EngineArgs
 from shared.event_loop import run
 from shared.flags import env, env_flag
@@ -115,6 +115,7 @@ def cmd_worker(args) -> int:
 
     engine = or_exit(EngineArgs.from_cli_args, args)
     path, name = _setup(args)
+    engine.speculative_config = or_exit(with_draft_resolved, engine.speculative_config, args.download_dir)
     args.worker_id = args.worker_id or uuid.uuid4().hex[:8]
     rank = shard_of(args.worker_id, engine.data_parallel_size, engine.data_parallel_rank)
     run(serve(path, args.nats_url, name, engine.worker_config(), args.worker_id, data_parallel_rank=rank, threads=args.threads,
