@@ -11,7 +11,6 @@ the same way, once. Hub repository ids resolve to the Hugging Face cache.
 from __future__ import annotations
 
 import dataclasses
-
 import fcntl
 import hashlib
 import json

@@ -95,6 +95,12 @@ def check_kv_cache_fits(kv_bytes: int, device: torch.device, asked: str) -> None
             f"loading the model (with {STEP_RESERVE_BYTES >> 20} MiB kept for a step's work): lower it")
 
 
+def kv_bytes_per_block(cfg, block_size: int, kv_cache_dtype: torch.dtype, values_are_keys: bool = False) -> int:
+    """A block's keys and values over every attention layer (latent attention's: one memory)."""
+    return ((1 if values_are_keys else 2) * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads
+            * cfg.head_dim * kv_cache_dtype.itemsize)
+
+
 def size_kv_cache(cfg, cache_config, block_size: int, kv_cache_dtype: torch.dtype, values_are_keys: bool,
                   device: torch.device, recurrent_rows: int, snapshot_rows: int,
                   state_bytes, draft_bytes_per_block: int = 0) -> tuple[int, int, int]:
@@ -105,10 +111,7 @@ def size_kv_cache(cfg, cache_config, block_size: int, kv_cache_dtype: torch.dtyp
     budget (vLLM counts it so); refused (before any is allocated) where they and the pad
     block do not fit. `draft_bytes_per_block`: a draft model's cache's, under the same block
     ids (sample/draft_model.py)."""
-    bytes_per_block = (
-        (1 if values_are_keys else 2) * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads
-        * cfg.head_dim * kv_cache_dtype.itemsize
-    ) + draft_bytes_per_block
+    bytes_per_block = kv_bytes_per_block(cfg, block_size, kv_cache_dtype, values_are_keys) + draft_bytes_per_block
     if cache_config.num_kv_blocks is not None:
         num_blocks, asked = cache_config.num_kv_blocks, f"--num-kv-blocks {cache_config.num_kv_blocks}"
         state = state_bytes(recurrent_rows + snapshot_rows)

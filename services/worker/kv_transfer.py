@@ -71,15 +71,17 @@ class TierServer:
             token, expires, slots, slot_bytes, *rest = msgspec.msgpack.decode(_recv_exactly(sock, length))
             rank = rest[0] if rest else 0
             with self._lock:
-                refused = self._tokens.accept(token, expires, slots, rank=rank) if 0 <= rank < self.ranks \
-                    else f"rank {rank} of a worker of {self.ranks}"
+                refused = (self._tokens.accept(token, expires, slots, rank=rank)
+                           if isinstance(rank, int) and 0 <= rank < self.ranks
+                           else f"rank {rank!r} of a worker of {self.ranks}")
                 if refused is None and rank not in self._files:
                     self._files[rank] = self._peer(rank)
-            data, checksums = (None, None) if refused is not None else self._files[rank]
-            if refused is None and slot_bytes != data.shape[1]:
-                refused = f"slots of {slot_bytes} bytes asked of a tier of {data.shape[1]}"
-            if refused is None and not all(0 <= s < len(data) for s in slots):
-                refused = "a slot out of range"
+            if refused is None:
+                data, checksums = self._files[rank]
+                if slot_bytes != data.shape[1]:
+                    refused = f"slots of {slot_bytes} bytes asked of a tier of {data.shape[1]}"
+                elif not all(0 <= s < len(data) for s in slots):
+                    refused = "a slot out of range"
             if refused is not None:
                 log.warning("KV transfer refused: %s", refused)
                 return

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.block_table import BlockTable
-from services.worker.kv_cache import allocate_kv_caches
+from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.loader import load_model
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.request_state import RequestState
@@ -56,16 +56,14 @@ class DraftModelProposer:
                              "must be a decoder of attention layers with plain KV heads")
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
         self.model = load_model(folder, draft, dtype, backend, max_model_len, None, device)
-        self.backend, self.dtype, self.device = backend, dtype, device
+        self.backend, self.device = backend, device
         self.kv_caches: list = []
         # Each request's state and how many of its tokens the draft's cache holds (a state
         # that is not the one noted: the request came back, preempted or moved: from 0).
         self._caught_up: dict[str, tuple[RequestState, int]] = {}
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: torch.dtype) -> int:
-        cfg = self.config
-        return 2 * len(cfg.attention_layers) * block_size * cfg.num_key_value_heads * cfg.head_dim * \
-            kv_cache_dtype.itemsize
+        return kv_bytes_per_block(self.config, block_size, kv_cache_dtype)
 
     def allocate(self, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype) -> None:
         """The draft's cache: as many blocks as the target's (its pad block included)."""
