@@ -290,6 +290,7 @@ class WorkerConfig:
     max_num_seqs: int = 128  # a hybrid model's recurrent state is allocated for this many requests
     kv_role: str = "kv_both"  # vLLM's kv_transfer_config role: kv_producer (prefill), kv_consumer (decode)
     tensor_parallel_size: int = 1  # the worker's ranks, each a slice of every layer (services/worker/parallel)
+    enable_expert_parallel: bool = False  # the ranks split a sparse MLP's experts, each whole, instead of slicing each
     # vLLM's kv_transfer_config kv_ip, kv_port: where it serves its host tier's slots to other
     # hosts' workers ("": every interface, the host's address announced; 0: a free port)
     kv_ip: str = ""

@@ -146,6 +146,9 @@ class EngineArgs:
     tensor_parallel_size: int = arg(1, "worker", "vLLM's: the worker's ranks (processes in one torch.distributed "
                                     "group: NCCL on GPUs, gloo on CPU), each holding a slice of every layer and "
                                     "of the KV cache", type=int, short="-tp")
+    enable_expert_parallel: bool = arg(False, "worker", "vLLM's: the tensor-parallel ranks split a sparse MLP's "
+                                       "experts among them, each expert whole on one rank, instead of a slice of "
+                                       "every expert on every rank")
     pipeline_parallel_size: int = arg(1, "worker", _PARALLEL_HELP, type=one_device, short="-pp")
     swap_space: float | None = arg(None, "worker", "vLLM's; accepted as typed: a preempted request is recomputed, "
                                    "as in vLLM's V1 engine, so no CPU swap space is kept", type=float)
@@ -248,6 +251,7 @@ class EngineArgs:
             load_format=self.load_format, lora_config=self.lora_config(), seed=self.seed,
             tokenizer=tokenizer or self.tokenizer, max_num_seqs=self.max_num_seqs,
             kv_role=kv_role(self.kv_transfer_config), tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             kv_ip=kv_transfer(self.kv_transfer_config).get("kv_ip", ""),
             kv_port=kv_transfer(self.kv_transfer_config).get("kv_port", 0))
 

@@ -82,6 +82,10 @@ def test_what_cannot_be_sharded_is_refused_by_name(folders):
         local_config(_config(intermediate_size=10, num_attention_heads=4), 4)
     with pytest.raises(ValueError, match="experts' MLPs of 6"):
         local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=4, moe_intermediate_size=6), 4)
+    with pytest.raises(ValueError, match="--enable-expert-parallel: .* 6 experts do not split over 4 ranks"):
+        local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=6, moe_intermediate_size=6), 4, 0)
+    split = local_config(dataclasses.replace(_config(), moe_layers=(0,), num_experts=8, moe_intermediate_size=6), 4, 3)
+    assert split.local_experts == (6, 2) and split.moe_intermediate_size == 6  # (whole experts: not divided)
     # Offline, before any rank starts: a hybrid's recurrent layers, and a flag not sharded yet
     with pytest.raises(ValueError, match="3 Mamba2 groups"):
         local_config(dataclasses.replace(_config(), recurrent_layers=(0,), recurrent_mixer="mamba2",
@@ -124,6 +128,28 @@ FAMILIES = [("llama", {"num_key_value_heads": 1}), ("qwen2", {}), ("qwen3", {}),
 def test_two_ranks_give_transformers_greedy_output(folders, arch, overrides):
     folder = folders(arch, **overrides)
     llm = LLM(str(folder), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    assert got == hf_greedy(folder, PROMPTS, 16)
+    llm.executor.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "granite_moe", "deepseek_v3", "gpt_oss"])
+def test_expert_parallel_ranks_hold_whole_experts_and_give_transformers_greedy_output(folders, arch):
+    """--enable-expert-parallel: each of two ranks holds half of every sparse MLP's experts,
+    whole (a shared expert still sliced): Qwen2-MoE's per-expert checkpoint, GraniteMoE's
+    stacked one, DeepSeek-V3's corrected router and shared experts, gpt-oss's biased
+    experts (each bias added by its expert's rank alone)."""
+    from services.worker.layers.moe import SparseMoE
+
+    folder = folders(arch)
+    llm = LLM(str(folder), tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=256,
+              num_kv_blocks=64)
+    moes = [m for m in llm.runner.runner.model.modules() if isinstance(m, SparseMoE)]
+    config = ModelConfig.from_folder(folder)
+    assert moes and all(len(m.experts) * 2 == config.num_experts and m.expert_offset == 0 for m in moes)
+    down = moes[0].experts[0].down_proj  # (its inputs whole, not a slice; packed or not)
+    assert (down.in_features if hasattr(down, "in_features") else down.weight.shape[1]) == config.moe_intermediate_size
     got = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
     assert got == hf_greedy(folder, PROMPTS, 16)

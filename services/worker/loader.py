@@ -143,7 +143,7 @@ def load_model(
             model = LlamaForCausalLM(config, backend, max_position)
         if tensor_parallel is not None:
             group, full = tensor_parallel
-            model.shards = Shards(full, group.rank, group.world_size)
+            model.shards = Shards(full, group.rank, group.world_size, config.local_experts)
             slice_vocabulary(model, model.shards, group)
         weights = iter_weights(folder)
         if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)

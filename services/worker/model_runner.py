@@ -65,7 +65,8 @@ class ModelRunner:
         dtype = resolve_dtype(config.dtype, model_path, self.device)  # ("auto": the checkpoint's)
         self.tp = current_group()  # a tensor-parallel rank's group (parallel/), or None
         full_config = ModelConfig.from_folder(model_path)
-        self.model_config = full_config if self.tp is None else local_config(full_config, self.tp.world_size)
+        self.model_config = full_config if self.tp is None else local_config(
+            full_config, self.tp.world_size, self.tp.rank if config.enable_expert_parallel else None)
         quantization = choose_quantization(config.quantization, self.model_config.quantized_weights, dtype,
                                            self.device, model_path)
         self.quantization = quantization
@@ -104,8 +105,7 @@ class ModelRunner:
         self.loras = LoRAManager(self.model, lora_config, self.dtype, self.device) if lora_config else None
         # Requests that failed as they arrived (their adapter could not be read): id -> why
         self._arrival_errors: dict[str, str] = {}
-        # One block more than the scheduler is told of: the pad block, where the padded
-        # rows of a decode graph write (decode_graphs.py), never a request's.
+        # One block more than the scheduler knows: the pad block, for a decode graph's pads (decode_graphs.py)
         self.pad_block = self.num_blocks
         self.kv_caches = allocate_kv_caches(
             self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,

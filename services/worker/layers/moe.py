@@ -88,14 +88,20 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool, expert: type[nn.Module], fused: bool = False, topk_softmax: bool = False,
                  shared_intermediate_size: int = 0, router_bias: bool = False, shared_gated: bool = True,
-                 router: Router | None = None, router_float32: bool = False) -> None:
+                 router: Router | None = None, router_float32: bool = False, local_experts: tuple = ()) -> None:
+        """`local_experts`: (first, count) of the `num_experts` the router picks from that
+        this rank holds, with expert parallelism; () for all of them."""
         super().__init__()
         self.top_k = top_k
         self.renormalize = renormalize
         self.topk_softmax = topk_softmax  # GraniteMoe's (and gpt-oss's): a softmax over the k chosen logits
         self.gate = router if router is not None else Router(
             num_experts, hidden_size, router_bias, router_float32)
-        self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        # (expert parallelism: the first of this rank's experts; a token's pick of another
+        # rank's adds nothing here, the ranks' outputs summed after: sharding.split_sums)
+        self.expert_offset = local_experts[0] if local_experts else None
+        held = local_experts[1] if local_experts else num_experts
+        self.experts = nn.ModuleList(expert(hidden_size, intermediate_size) for _ in range(held))
         self.shared_expert = expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Router(1, hidden_size) if shared_intermediate_size and shared_gated else None
         self.fused = fused  # the Triton grouped GEMMs, once `stack_experts` has run
@@ -148,23 +154,33 @@ class SparseMoE(nn.Module):
         return routed + torch.sigmoid(F.linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The k chosen experts' outputs, weighed by the router."""
+        """The k chosen experts' outputs, weighed by the router (with expert parallelism,
+        those of the chosen experts this rank holds)."""
         weights, chosen = self.route(x)
+        held = len(self.experts)
+        if self.expert_offset is not None:
+            # Another rank's pick: weight 0 on this rank's first expert (the grouped GEMMs
+            # compute it; the loop below skips it).
+            chosen = chosen - self.expert_offset
+            mine = (chosen >= 0) & (chosen < held)
+            weights, chosen = weights * mine, torch.where(mine, chosen, 0)
         if self.w_gate_up is not None:
             from kernels.fused_moe import fused_moe  # Triton: only where its backend runs
 
             return fused_moe(x, self.w_gate_up, self.w_down, weights, chosen, self.b_gate_up, self.b_down,
                              self.activate)
         if self.dense:
-            combine = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-            combine.scatter_(1, chosen, weights)
+            combine = torch.zeros(x.shape[0], held, dtype=x.dtype, device=x.device)
+            combine.scatter_add_(1, chosen, weights)  # (another rank's picks add 0 to expert 0)
             out = torch.zeros_like(x)
             for i, expert in enumerate(self.experts):
                 out += expert(x) * combine[:, i : i + 1]
             return out
         flat = chosen.flatten()  # (token, slot) pairs, token-major
+        if self.expert_offset is not None:  # (another rank's picks: past the last expert, never run)
+            flat = torch.where(mine.flatten(), flat, held)
         order = torch.argsort(flat, stable=True)  # the pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = torch.bincount(flat, minlength=held).tolist()
         pair_weights = weights.flatten()
         out = torch.zeros_like(x)
         start = 0

@@ -103,7 +103,7 @@ class DecoderLayer(nn.Module):
                                  topk_softmax=config.moe_topk_softmax,
                                  shared_intermediate_size=config.shared_expert_intermediate_size,
                                  router_bias=config.moe_bias, shared_gated=config.shared_expert_gated, router=router,
-                                 router_float32=config.moe_router_float32)
+                                 router_float32=config.moe_router_float32, local_experts=config.local_experts)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, triton, config.hidden_act, config.mlp_bias,
                            config.gated_mlp)
@@ -274,6 +274,10 @@ class LlamaForCausalLM(nn.Module):
                     name = name.replace(theirs, ours)
             if "rotary_emb.inv_freq" in name:
                 continue  # old checkpoints stored the table; we compute it
+            if self.shards is not None and self.shards.local_experts:
+                name = self.shards.expert_name(name)  # (expert parallelism: another rank's expert is not read)
+                if name is None:
+                    continue
             theirs = next((n for n in names if n in name), None)
             name = name if theirs is None else name.replace(theirs, names[theirs])
             if name == "lm_head.weight" and self.lm_head is None:
@@ -286,6 +290,8 @@ class LlamaForCausalLM(nn.Module):
             if stacked is not None:
                 prefix = name[: -len(stacked)] + ".mlp.experts"
                 for e, rows in enumerate(tensor.unbind(0)):
+                    if self.shards is not None and (e := self.shards.local_expert(e)) is None:
+                        continue  # (another rank's expert)
                     target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
                     if target not in params:
                         raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")

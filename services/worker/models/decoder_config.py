@@ -124,6 +124,9 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    # With expert parallelism (--enable-expert-parallel), a rank's experts: (the first one's
+    # index, how many), each whole; () where every expert is here (sliced, under TP)
+    local_experts: tuple = ()
     norm_topk_prob: bool = False
     # GraniteMoe: the k chosen experts weighed by a softmax over their logits alone (the same
     # numbers as the renormalized softmax, by its own arithmetic, as transformers runs it)

@@ -50,7 +50,8 @@ def build_runner(model_path: str, config: WorkerConfig, threads: int | None = No
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
     if size == 1:
         return ModelRunner(model_path, config)
-    local_config(ModelConfig.from_folder(model_path), size)  # (what cannot be sharded: refused before any rank starts)
+    # (what cannot be sharded: refused before any rank starts)
+    local_config(ModelConfig.from_folder(model_path), size, 0 if config.enable_expert_parallel else None)
     # Every rank draws the same tokens: one seed for all, drawn here where none is given.
     config = dataclasses.replace(config, seed=secrets.randbits(31) if config.seed is None else config.seed)
     cuda = config.device in (None, "cuda") and torch.cuda.is_available() or str(config.device).startswith("cuda")

@@ -12,6 +12,7 @@ slice of a layer."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,10 @@ from services.worker.models.decoder_config import ModelConfig
 # of 32 inputs whole on one rank.)
 
 
-def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """The config of one rank's slice; a ValueError naming what cannot be sharded."""
+def local_config(config: ModelConfig, world_size: int, expert_rank: int | None = None) -> ModelConfig:
+    """The config of one rank's slice; a ValueError naming what cannot be sharded.
+    `expert_rank`: with expert parallelism, this rank's (its experts whole, the
+    num_experts / world_size of them from expert_rank's on; the shared expert sliced)."""
     arch = config.architecture
     if config.qk_norm_over_heads and config.num_key_value_heads % world_size:
         raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s key norm is over all of its "
@@ -43,13 +46,21 @@ def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
     # (a sparse MLP: each rank a slice of every expert, as of a dense one, the router whole)
     sizes = {"intermediate_size": "MLP", "moe_intermediate_size": "experts' MLPs",
              "shared_expert_intermediate_size": "shared expert's MLP"}
+    experts = ()
+    if expert_rank is not None and config.num_experts:
+        if config.num_experts % world_size:
+            raise ValueError(f"--enable-expert-parallel: {arch}'s {config.num_experts} experts do not split over "
+                             f"{world_size} ranks")
+        per = config.num_experts // world_size
+        experts, sizes = (expert_rank * per, per), {k: v for k, v in sizes.items() if k != "moe_intermediate_size"}
     for field, what in sizes.items():
         if getattr(config, field) % world_size:
             raise ValueError(f"--tensor-parallel-size {world_size}: {arch}'s {what} of {getattr(config, field)} "
                              f"does not split over {world_size} ranks")
     return dataclasses.replace(config, num_attention_heads=heads // world_size,
                                num_key_value_heads=max(1, kv_heads // world_size),
-                               **{field: getattr(config, field) // world_size for field in sizes}, **linear)
+                               **{field: getattr(config, field) // world_size for field in sizes}, **linear,
+                               local_experts=experts)
 
 
 def _recurrent_slice(config: ModelConfig, world_size: int) -> dict:
@@ -74,14 +85,36 @@ def _recurrent_slice(config: ModelConfig, world_size: int) -> dict:
     return local
 
 
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's weight (not a shared expert's)
+
+
 class Shards:
     """Cuts checkpoint tensors, by name, to rank `rank` of `world_size`."""
 
-    def __init__(self, full: ModelConfig, rank: int, world_size: int) -> None:
+    def __init__(self, full: ModelConfig, rank: int, world_size: int, local_experts: tuple = ()) -> None:
         self.full, self.rank, self.world_size = full, rank, world_size
+        self.local_experts = local_experts  # (expert parallelism: the rank's experts, whole)
+
+    def local_expert(self, index: int) -> int | None:
+        """A checkpoint expert's index among this rank's; None: another rank's."""
+        if not self.local_experts:
+            return index
+        first, count = self.local_experts
+        return index - first if first <= index < first + count else None
+
+    def expert_name(self, name: str) -> str | None:
+        """A routed expert's checkpoint name with its index among this rank's; None: another
+        rank's expert (not read here). Any other name as it is."""
+        found = _EXPERT.search(name) if self.local_experts else None
+        if found is None:
+            return name
+        local = self.local_expert(int(found.group(1)))
+        return None if local is None else f"{name[:found.start(1)]}{local}{name[found.end(1):]}"
 
     def cut(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor (the whole of one every rank holds)."""
+        if self.local_experts and _EXPERT.search(name):
+            return tensor  # (expert parallelism: a routed expert is whole on its rank)
         if any(part in name for part in (".q_proj.", ".gate_proj.", ".up_proj.", ".q_b_proj.", ".kv_b_proj.",
                                          ".output_gate.")) or name.endswith(".self_attn.sinks"):
             # (latent attention's heads: their query rows and their rows of kv_b_proj; the
@@ -139,6 +172,8 @@ class Shards:
 
     def whole_shape(self, name: str, shape: torch.Size) -> tuple[int, ...]:
         """The checkpoint's shape of an expert's product this rank holds `shape` of."""
+        if self.local_experts:
+            return tuple(shape)  # (expert parallelism: whole)
         if ".down_proj." in name:
             return shape[0], shape[1] * self.world_size
         return shape[0] * self.world_size, shape[1]
@@ -216,7 +251,9 @@ def split_sums(model: nn.Module, group) -> None:
     weighed by the whole router's weights, add up in any order)."""
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoE):
-            for expert in (*layer.mlp.experts, *filter(None, [layer.mlp.shared_expert])):
+            # (an expert whole on its rank adds its own bias: expert parallelism)
+            routed = () if layer.mlp.expert_offset is not None else layer.mlp.experts
+            for expert in (*routed, *filter(None, [layer.mlp.shared_expert])):
                 _split_input(expert.down_proj, group)
             layer.mlp = RowParallel(layer.mlp, group)
         if getattr(layer.self_attn, "qk_norm_over_heads", False):
