@@ -28,6 +28,7 @@ from llmbus.model_fetch import resolve_model, resolve_tokenizer, with_draft_reso
 from llmbus.outputs import CompletionOutput, RequestOutput
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.core.scheduler import Scheduler
+from services.tokenizer.images import ImagePrompts
 from services.tokenizer.tokenizer import Tokenizer
 from services.worker.executor import InProcessExecutor
 from services.worker.parallel.ranks import build_runner
@@ -39,6 +40,7 @@ from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at
 from shared.lora_request import LoRARequest
 from shared.messages import EngineCoreOutputs, SchedulerStats
 from shared.processing.output_processor import ParentRequest
+from shared.hf.image_models import image_model, no_images_why
 from shared.hf.pooling_config import unsupported_pooling
 from shared.sampling_params import RequestOutputKind, SamplingParams, with_bad_words_tokenized
 
@@ -71,6 +73,7 @@ class LLM(GenerateBasedAPIs):
         self.executor = InProcessExecutor(lambda: build_runner(path, worker_config, args.threads), args.threads)
         self.runner = self.executor.runner
         self.tokenizer = Tokenizer(tokenizer_path or path)
+        self.model_path, self._images = path, None  # (images: _image_prompts)
         self.scheduler = Scheduler.for_worker(args.scheduler_config(self.runner.max_model_len),
                                               self.runner.describe())
         self.engine = EngineCore(self.scheduler, self.executor, 2 if args.async_scheduling else 1)
@@ -261,16 +264,20 @@ class LLM(GenerateBasedAPIs):
                 # error, never a failed step that takes the batch beside it down.
                 self.executor.call(self.runner.grammars.check, params.structured_outputs)
             parsed = parse_prompt(prompt)
-            token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
-            encoded.append((parsed.text, token_ids, parsed.cache_salt))
+            features = []
+            if parsed.images:  # (preprocessed as a tokenizer replica does)
+                token_ids, features = self._image_prompts().encode(parsed.text, list(parsed.images))
+            else:
+                token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
+            encoded.append((parsed.text, token_ids, parsed.cache_salt, features))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         loras = self._loras(lora_request, len(prompts))
         added: list[str] = []
         results = []
         try:
-            for (text, token_ids, salt), params, rank, lora in zip(encoded, params_list,
-                                                                   priority or [0] * len(prompts), loras):
+            for (text, token_ids, salt, features), params, rank, lora in zip(
+                    encoded, params_list, priority or [0] * len(prompts), loras):
                 params = stop_at_model_eos(params, self.model_eos_ids, self.eos_token_id)
                 params = with_bad_words_tokenized(params, lambda w: self.tokenizer.encode(w, add_special_tokens=False))
                 result = RequestOutput(str(next(self._ids)), text, token_ids)
@@ -281,7 +288,7 @@ class LLM(GenerateBasedAPIs):
                 # fraction of the host's work a step.
                 parent = ParentRequest(
                     result.request_id, token_ids, params, self.tokenizer.backend, self.eos_token_id, time.time(),
-                    incremental=False, priority=rank, lora_request=lora, cache_salt=salt,
+                    incremental=False, priority=rank, lora_request=lora, cache_salt=salt, mm_features=features,
                 )
                 for index, request in enumerate(parent.engine_requests):
                     self.scheduler.add_request(request)
@@ -298,6 +305,15 @@ class LLM(GenerateBasedAPIs):
                 self._requests.pop(seq_id, None)
             raise
         return results
+
+    def _image_prompts(self) -> ImagePrompts:
+        """The checkpoint's image processor, read at the first prompt with images."""
+        if self._images is None:
+            model = image_model(self.model_path)
+            if model is None:
+                raise ValueError(f"multi_modal_data: {no_images_why(self.model_path)}")
+            self._images = ImagePrompts(self.model_path, model)
+        return self._images
 
     def _loras(self, lora_request, count: int) -> list[LoRARequest | None]:
         """One adapter (or None) per prompt, each read here first: a bad adapter is the

@@ -14,15 +14,25 @@ from shared.lora_request import LoRARequest
 BlockHash = bytes
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Chained hash of one full block: it identifies the block's tokens *and* everything before.
+    `extra`: what else the block's K/V depend on (image_keys: the images its placeholders stand for).
 
     A cryptographic digest rather than Python's `hash` so that a crafted prompt cannot
     collide with another user's cached prefix.
     """
     digest = hashlib.blake2b(parent_hash or b"", digest_size=16)
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra:
+        digest.update(b"|extra:" + extra)
     return digest.digest()
+
+
+def image_keys(features, start: int, end: int) -> bytes:
+    """The identifiers of the images whose placeholders lie in positions [start, end): two
+    prompts with the same tokens there but other images hold other K/V (vLLM's mm_hashes
+    in its block hashes). Blocks after an image differ through the chain."""
+    return b"".join(f.identifier.encode() + b";" for f in features if f.offset < end and f.end > start)
 
 
 def hash_root(long_rope: bool, lora: LoRARequest | None, cache_salt: str | None = None) -> BlockHash | None:

@@ -627,10 +627,13 @@ def test_gemma3_windowed_layers_take_the_plain_path_while_the_window_holds_every
     assert generate_ids(llm, long, params) == hf_greedy(folder, long, 8) and set(calls) == {24}
 
 
-def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_leaves_the_vision_tower_unread(tmp_path):
+def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_reads_the_vision_tower_apart(tmp_path):
     """gemma-3-4b/12b/27b-it ship as Gemma3ForConditionalGeneration: text_config and
     language_model.* weights beside a vision tower. Their language model serves text as
-    the text-only checkpoint's would, equal to transformers' multimodal model on text."""
+    the text-only checkpoint's would, equal to transformers' multimodal model on text; the
+    tower is the image encoder's (tests/test_images.py), not the decoder's."""
+    import dataclasses
+
     from safetensors import safe_open
 
     from services.worker.loader import iter_weights
@@ -641,7 +644,9 @@ def test_gemma3_multimodal_checkpoint_serves_its_language_model_and_leaves_the_v
     assert not any("vision" in name or "projector" in name for name, _ in iter_weights(folder))
     llm = LLM(str(folder))
     text_only = build_tiny_model(tmp_path / "text", "gemma3", seed=2)
-    assert llm.runner.model_config == LLM(str(text_only)).runner.model_config
+    # (the same but for the 3 image tokens its tokenizer adds)
+    assert llm.runner.model_config == dataclasses.replace(LLM(str(text_only)).runner.model_config, vocab_size=387)
+    assert llm.runner.images is not None
     assert generate_ids(llm, PROMPTS) == hf_greedy(folder, PROMPTS, MAX_NEW)
 
 

@@ -152,7 +152,7 @@ def test_prompt_dicts_as_vllm_s_with_a_cache_salt_per_tenant(llm):
     again = llm.generate([{"prompt_token_ids": ids, "cache_salt": "t1"}, ids], params)
     assert [o.num_cached_tokens for o in (bare, *salted, *again)] == [0, 0, 0, 32, 32]
     assert all(o.outputs[0].token_ids == bare.outputs[0].token_ids for o in (*salted, *again))
-    with pytest.raises(ValueError, match="multi_modal_data"):
+    with pytest.raises(TypeError, match="multi_modal_data"):
         llm.generate({"prompt": "a cat", "multi_modal_data": {"image": None}}, params)
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate({"prompt": "a cat", "cache_salt": ""}, params)

@@ -30,7 +30,11 @@ CHAT_TEMPLATE = (
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tokenizer(folder: Path, vocab_size: int = 384):
+# Gemma 3's image tokens, as its tokenizer names them (transformers' Gemma3Processor reads them)
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 384, extra_special_tokens: dict | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,6 +53,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 384):
         bos_token="<|endoftext|>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        extra_special_tokens=extra_special_tokens,  # (added last: ids past the trained vocabulary)
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -118,7 +123,7 @@ def build_tiny_model(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(folder)
+    tokenizer = build_tokenizer(folder, extra_special_tokens=GEMMA3_IMAGE_TOKENS if arch == "gemma3_multimodal" else None)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -351,6 +356,9 @@ def build_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight") and "language_model" in name:
                     param.normal_(0.0, 0.3)
+            # (the projector starts at zero: every image would embed to zeros)
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+            model.model.multi_modal_projector.mm_soft_emb_norm.weight.normal_(0.0, 0.3)
     elif arch == "gemma3":
         # Gemma 2's shape without caps, query/key norms, and the windowed layers (0 and 2)
         # rotating with a base of their own, apart from the full layer's (with linear
@@ -722,6 +730,12 @@ def build_tiny_model(
         model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     else:
         model.save_pretrained(folder, safe_serialization=True)
+    if arch == "gemma3_multimodal":  # its processor: 28x28 pixels (the tower's), 4 tokens an image
+        from transformers import Gemma3Processor
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+                        image_seq_length=4).save_pretrained(folder)
     if arch == "internlm3":  # (save_pretrained writes the class it ran, LlamaForCausalLM)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "architectures": ["InternLM3ForCausalLM"]}))

@@ -38,6 +38,7 @@ from services.worker.models.quantization import choose_quantization
 from services.worker.parallel.group import current_group
 from services.worker.parallel.sharding import local_config
 from services.worker.pooling import EMBED_PLACEHOLDER, pool
+from services.worker.vision.encoder import image_encoder
 from services.worker import recurrent_state
 from services.worker.step_log import StepLog
 from services.worker.request_state import RequestState
@@ -80,6 +81,7 @@ class ModelRunner:
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, config.load_format, self.tp and (self.tp, full_config))
+        self.images = image_encoder(model_path, self.dtype, self.device, config.load_format)  # (None: takes none)
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
@@ -137,11 +139,8 @@ class ModelRunner:
         overlap = os.environ.get("LLMBUS_OVERLAP_STEPS")
         self.overlap_steps = self.device.type == "cuda" if overlap is None else overlap == "1"
         self._step_log = StepLog.from_env()
-        log.info(
-            "model loaded",
-            extra={"model": str(model_path), "dtype": dtype, "quantization": quantization,
-                   "kv_blocks": self.num_blocks},
-        )
+        log.info("model loaded", extra={"model": str(model_path), "dtype": dtype, "quantization": quantization,
+                                        "kv_blocks": self.num_blocks})
 
     def set_decode_graphs(self, mode: str | None) -> None:
         """Decode steps from persistent buffers: "capture" (CUDA graphs), "replay" (the same
@@ -262,9 +261,10 @@ class ModelRunner:
             self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
                                 last_token + 1)
 
+        images = self.images and self.images.for_step(states, num_tokens, drafts)  # (None: no placeholders)
         t_forward = time.time_ns()
         graphs = self.decode_graphs
-        on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs)
+        on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs) and images is None
         patch = (lambda ids: read_device_tokens(ids, from_device)) if len(from_device) else None
         if on_graph:
             hidden = graphs.run(inputs, patch)
@@ -272,7 +272,7 @@ class ModelRunner:
             input_ids, positions, metadata = inputs.to_device(self.device)
             if patch is not None:
                 patch(input_ids)
-            hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+            hidden = self.model(input_ids, positions, self.kv_caches, metadata, images)
         if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
             self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
         if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits

@@ -40,6 +40,7 @@ class RequestState:
     # far (prompt_logprobs.py); None otherwise.
     prompt_logprobs: list | None = None
     lora: LoRAAdapter | None = None  # its adapter, read (manager.py); None: the base model
+    images: list = field(default_factory=list)  # its ImageFeatures, by prompt position (vision/)
     # SamplingParams.argmax_only, read once: a step of such requests only (most decode
     # steps) takes the sampler's and the runner's shortest path.
     argmax_only: bool = field(init=False, default=False)
@@ -66,6 +67,7 @@ class RequestState:
             prompt_logprobs=[] if new.sampling_params.prompt_logprobs is not None and not new.output_token_ids
             else None,
             lora=lora,
+            images=new.mm_features,
         )
 
     @property

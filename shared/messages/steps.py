@@ -9,6 +9,7 @@ from collections.abc import Callable
 import msgspec
 
 from shared.lora_request import LoRARequest
+from shared.messages.images import ImageFeature
 from shared.messages.wire import WIRE
 from shared.sampling_params import SamplingParams
 
@@ -47,6 +48,8 @@ class EngineCoreRequest(msgspec.Struct, **WIRE):
     # vLLM's: its prefix-cache hits only come from requests with the same salt (a tenant's
     # own), so another tenant cannot time a hit to learn what it sent.
     cache_salt: str | None = None
+    # Images whose placeholder tokens the prompt holds, preprocessed (messages/images.py)
+    mm_features: list[ImageFeature] = []
 
 
 class NewRequestData(msgspec.Struct, **WIRE):
@@ -60,6 +63,7 @@ class NewRequestData(msgspec.Struct, **WIRE):
     block_ids: list[int]
     num_computed_tokens: int
     lora_request: LoRARequest | None = None
+    mm_features: list[ImageFeature] = []
 
 
 class CachedRequestData(msgspec.Struct, **WIRE):

@@ -65,6 +65,7 @@ class ParentRequest:
         priority: int = 0,  # the scheduler's, under its priority policy
         lora_request: LoRARequest | None = None,  # the adapter that serves it (None: the base model)
         cache_salt: str | None = None,  # its prefix-cache hits are the same salt's only
+        mm_features: list | None = None,  # its images (ImageFeature), preprocessed
     ) -> None:
         self.request_id = request_id
         self.engine_requests: list[EngineCoreRequest] = []
@@ -85,6 +86,7 @@ class ParentRequest:
                 priority=priority,
                 lora_request=lora_request,
                 cache_salt=cache_salt,
+                mm_features=mm_features or [],
             ))
             self._choices[child_id] = _Choice(
                 first_index + index, IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,

@@ -46,6 +46,7 @@ def admit(req: EngineCoreRequest, config: SchedulerConfig, vocab_size: int, max_
     params = _logprobs_resolved(params, config.max_logprobs, vocab_size)
     if req.lora_request is not None and not max_loras:
         raise ValueError(req.lora_request.not_served())
+    _check_images(req, config)
     room = max_model_len - num_prompt
     max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
     if num_output >= max_tokens:
@@ -65,7 +66,24 @@ def admit(req: EngineCoreRequest, config: SchedulerConfig, vocab_size: int, max_
         output_token_ids=list(req.output_token_ids),
         lora_request=req.lora_request,
         cache_salt=req.cache_salt,
+        mm_features=sorted(req.mm_features, key=lambda f: f.offset),
     )
+
+
+def _check_images(req: EngineCoreRequest, config: SchedulerConfig) -> None:
+    """Each image's placeholders inside the prompt, apart from the others', and no more of
+    them than one step computes: an image goes in one step (Request.whole_images), so a
+    larger one could never be scheduled (a 400 here, never a hang: vLLM's #26223)."""
+    end = 0
+    for image in sorted(req.mm_features, key=lambda f: f.offset):
+        if image.offset < end or image.length <= 0 or image.end > len(req.prompt_token_ids):
+            raise ValueError(f"image placeholders at [{image.offset}, {image.end}) are outside the prompt or overlap "
+                             "another image's")
+        if image.length > config.max_num_batched_tokens:
+            raise ValueError(f"an image of {image.length} tokens is more than a step computes "
+                             f"(max_num_batched_tokens={config.max_num_batched_tokens}): raise it or send a smaller "
+                             "image")
+        end = image.end
 
 
 def _logprobs_resolved(params: SamplingParams, max_logprobs: int, vocab_size: int) -> SamplingParams:

@@ -6,7 +6,7 @@ The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`
 from __future__ import annotations
 
 from services.scheduler.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from shared.block_hashes import hash_root
+from shared.block_hashes import hash_root, image_keys
 from services.scheduler.core.kv_tier_index import KVTierIndex
 from shared.kv_transfer_tokens import sign
 from shared.messages import RemoteKVLoad, SchedulerOutput
@@ -71,9 +71,11 @@ class KVCacheManager:
         """Extend the request's chained hashes to every block its tokens fill."""
         hashes, bs, tokens = request.block_hashes, self.block_size, request.all_token_ids
         root = hash_root(self.runs_long(request), request.lora_request, request.cache_salt)
+        images = request.mm_features
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[i - 1] if i else root
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs],
+                                            image_keys(images, i * bs, (i + 1) * bs) if images else b""))
 
     def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached full blocks that prefixes the request.

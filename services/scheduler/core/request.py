@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.core.block_pool import BlockHash
 from shared.lora_request import LoRARequest
-from shared.messages import EngineCoreOutput, FinishReason
+from shared.messages import EngineCoreOutput, FinishReason, ImageFeature
 from shared.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -70,6 +70,7 @@ class Request:
     decode_elsewhere: bool = False
     kv_tail: tuple[BlockHash, int] | None = None
     cache_salt: str | None = None  # its prefix-cache hits are the same salt's only (vLLM's)
+    mm_features: list[ImageFeature] = field(default_factory=list)  # its images, by prompt position
     queued_at: float = 0.0  # this scheduler's clock
     queue_time_s: float | None = None  # until first scheduled; reported once
     scheduled_at: float = 0.0  # first scheduled, this scheduler's clock
@@ -112,3 +113,16 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def whole_images(self, start: int, num_new: int, budget: int) -> int:
+        """`num_new` tokens from `start`, cut so that no image's placeholders span two
+        steps (Gemma 3's attend to each other both ways, and an image is encoded whole):
+        a chunk ends before an image it cannot take whole, or, starting in or at one, runs
+        to its end where the budget allows - else 0, to wait for a step with room."""
+        end = start + num_new
+        for image in self.mm_features:
+            if image.offset < end < image.end:
+                if image.offset > start:
+                    return image.offset - start
+                return image.end - start if image.end - start <= budget else 0
+        return num_new

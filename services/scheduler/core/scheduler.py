@@ -26,16 +26,8 @@ from services.scheduler.core.step_output import IterationTokens, pack, requests_
 from services.scheduler.core.stop import check_stop
 from shared.config import SchedulerConfig
 from shared.lora_request import LoRARequest
-from shared.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FinishReason,
-    ModelRunnerOutput,
-    SchedulerOutput,
-    SchedulerStats,
-    WorkerInfo,
-)
+from shared.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, ModelRunnerOutput,
+                             SchedulerOutput, SchedulerStats, WorkerInfo)
 
 
 class Scheduler(RequestQueues):
@@ -128,6 +120,8 @@ class Scheduler(RequestQueues):
             if threshold:
                 num_new = min(num_new, threshold)
             num_new = min(num_new, budget)
+            if request.mm_features:  # (an image's placeholders go in one step)
+                num_new = request.whole_images(request.num_computed_tokens, num_new, budget)
             if request.snapshot_points:
                 num_new = min(num_new, max(request.snapshot_points[0] - request.num_computed_tokens, 1))
             if num_new <= 0:
@@ -200,6 +194,8 @@ class Scheduler(RequestQueues):
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if request.mm_features and not (num_new := request.whole_images(num_hit, num_new, budget)):
+                break  # (the image it starts at waits for a step with room for all of it)
             snapshot_points = []
             if self.snapshots is not None:
                 self.kv_cache_manager.update_block_hashes(request)  # (a prompt-logprobs request looked none up)

@@ -43,6 +43,7 @@ def requests_for_worker(scheduled: list[Request], new_blocks: dict[str, list[int
             block_ids=block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         ))
     return new_reqs, CachedRequestData(cached_ids, cached_blocks, cached_computed)
 

@@ -27,6 +27,10 @@ class AttentionMetadata:
     # hybrid's recurrent layers keep its state (layers/causal_conv.py, linear_recurrence.py)
     state_rows: torch.Tensor | None = None  # [num_reqs] int64
     state_rows_cpu: np.ndarray | None = None
+    # Image placeholders that attend to each other both ways (Gemma 3's), for the rows
+    # whose chunk holds them: row -> [start, end) positions of each image (never split
+    # across steps: Request.whole_images). None: causal throughout (every other step).
+    bidirectional: dict[int, list[tuple[int, int]]] | None = None
     # What a backend derives from the above once per step and reuses in every layer.
     backend_state: object = None
 

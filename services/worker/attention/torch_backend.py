@@ -158,8 +158,9 @@ class TorchAttentionBackend:
             # The window holds every key of the step: plain causal attention (the SDPA and
             # grouped paths where the CPU kernels do not load, not the per-request loop).
             window = 0
-        if sinks is not None or ((window or softcap is not None) and not state.kernel_prefills):
-            # (the CPU kernels, where they load, take windows and caps below; not sinks)
+        if sinks is not None or metadata.bidirectional is not None or (
+                (window or softcap is not None) and not state.kernel_prefills):
+            # (the CPU kernels, where they load, take windows and caps below; not sinks, nor images' spans)
             return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, sinks)
         if state.kernel_decodes:
             decodes = cpu_kernels.paged_decode_attention(
@@ -272,7 +273,9 @@ def capped_or_windowed(
     query's window on, so a long context costs a window's reading, not the context's.
     SDPA takes neither a soft cap nor a window: where the CPU kernels (which take both)
     do not load - another dtype, another head size - this loop runs such layers. A
-    request's product is [kv_heads, q_per_kv * query_len, keys], batched over heads. Decodes in padded groups of 16, as the unwindowed path runs
+    request's product is [kv_heads, q_per_kv * query_len, keys], batched over heads. Images'
+    placeholders that attend both ways (metadata.bidirectional) take this loop too, any layer.
+    Decodes in padded groups of 16, as the unwindowed path runs
     them, were tried and were slower at 32 decodes over 1024 keys (median of 30
     alternated calls): 0.72x in bfloat16 with Gemma-2-2B's heads (8 query heads of 256
     dims, 4 KV heads), 0.37x with Mistral's (32 of 128, 8 KV heads); a request's K/V
@@ -303,6 +306,9 @@ def capped_or_windowed(
         q_pos = torch.arange(first_query, seq_len, device=query.device)
         k_pos = torch.arange(offset, seq_len, device=query.device)
         visible = k_pos[None, :] <= q_pos[:, None]
+        for lo, hi in metadata.bidirectional.get(i, ()) if metadata.bidirectional else ():
+            # an image's placeholders see each other both ways (transformers' token_type_ids mask)
+            visible |= ((q_pos >= lo) & (q_pos < hi))[:, None] & ((k_pos >= lo) & (k_pos < hi))[None, :]
         if window:
             visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.view(num_kv_heads, -1, query_len, seq_len - offset).masked_fill_(~visible, float("-inf"))

@@ -9,6 +9,7 @@ import kernels  # noqa: F401 - sets TRITON_INTERPRET on a machine without CUDA
 from kernels.paged_attention import paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.torch_backend import capped_or_windowed
 
 # Split-KV pays when too few (sequence, KV head) programs exist to fill the GPU and each
 # has a long run of keys. Set from `python -m llmbus.bench.kernels` on an H200 (132 SMs; tile of
@@ -59,6 +60,8 @@ class TritonAttentionBackend:
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if key is not None:  # (None: the caller wrote them, kernels/elementwise.py's rotary_and_cache)
             reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if metadata.bidirectional is not None:  # (a step with images' placeholders: rare, and the mask is theirs)
+            return capped_or_windowed(query, kv_cache, metadata, scale, window, softcap, sinks)
         # A windowed layer's queries see at most `window` keys: split by those.
         keys_seen = min(metadata.max_seq_len, window) if window else metadata.max_seq_len
         num_splits = choose_num_splits(metadata.num_reqs, key_cache.shape[2], metadata.max_query_len, keys_seen)

@@ -204,11 +204,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         metadata: AttentionMetadata,
+        images=None,  # a step's image embeddings (vision/step_images.py): rows of `hidden` they replace
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        if (self.fused_decode is not None and not self.eager_only
+        if (images is None and self.fused_decode is not None and not self.eager_only
                 and self.fused_decode.takes(input_ids, metadata, kv_caches)):
             return self.fused_decode.forward(input_ids, positions, kv_caches, metadata)
         hidden, residual = self.embed(input_ids, positions), None
+        if images is not None:  # (after the embedding's multiplier: transformers scatters them so)
+            hidden = images.apply(hidden, metadata)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         if residual is None:  # no layers

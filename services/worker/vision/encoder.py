@@ -1,0 +1,111 @@
+"""A worker's image encoder and its cache: each image encoded once, by its identifier (a
+hash of its pixels), for every chunk and request that shows it (vLLM's encoder cache).
+
+Images are encoded at the first step that computes any of their placeholders, those of
+one step together, in batches of one shape. The cache holds up to CACHE_TOKENS rows of
+embeddings (least recently used out first); an image still to be computed that was
+evicted is encoded again from the pixels its request carries.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.worker.loader import open_weights, safetensors_files
+from services.worker.vision.step_images import StepImages
+from shared.hf.image_models import image_model
+
+# Embedding rows the cache keeps: 64 of Gemma 3's 256-token images (gemma-3-27b: 5376
+# wide, 176 MB in bfloat16)
+CACHE_TOKENS = 16384
+
+
+class ImageEncoder:
+    def __init__(self, module: torch.nn.Module, bidirectional: bool, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.module = module
+        self.bidirectional = bidirectional
+        self.dtype, self.device = dtype, device
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.num_encoded = 0  # images run through the tower (the cache's misses)
+
+    def embeddings(self, images: list) -> list[torch.Tensor]:
+        """Each image's [length, hidden] embeddings, from the cache or encoded now."""
+        todo = {f.identifier: f for f in images if f.identifier not in self.cache}
+        by_shape: dict[tuple, list] = {}
+        for feature in todo.values():
+            by_shape.setdefault(tuple(feature.shape), []).append(feature)
+        for shape, features in by_shape.items():
+            pixels = torch.from_numpy(np.stack([np.frombuffer(f.pixel_values, np.float32).reshape(shape)
+                                                for f in features])).to(self.device, self.dtype)
+            for feature, out in zip(features, self.module(pixels)):
+                if out.shape[0] != feature.length:
+                    raise ValueError(f"an image encodes to {out.shape[0]} tokens but its prompt holds {feature.length} "
+                                     "placeholders")
+                self.cache[feature.identifier] = out
+                self.num_encoded += 1
+        found = []
+        for feature in images:
+            self.cache.move_to_end(feature.identifier)
+            found.append(self.cache[feature.identifier])
+        while sum(e.shape[0] for e in self.cache.values()) > CACHE_TOKENS and len(self.cache) > len(images):
+            self.cache.popitem(last=False)
+        return found
+
+    def for_step(self, states: list, num_tokens: dict[str, int], drafts: dict[str, list[int]]) -> StepImages | None:
+        """The step's placeholders' embeddings and, for a family whose images attend both
+        ways, each row's image spans; None for a step that computes no placeholder."""
+        wanted = []  # (flat token index of the piece's first, attention row, image, first, end position)
+        flat = row = 0
+        for state in states:
+            n = num_tokens[state.req_id]
+            start = state.num_computed_tokens
+            for image in state.images:
+                first, end = max(image.offset, start), min(image.end, start + n)
+                if first < end:
+                    wanted.append((flat + first - start, row, image, first, end))
+            flat += n
+            row += 1 + len(drafts[state.req_id]) if state.req_id in drafts else 1
+        if not wanted:
+            return None
+        embeddings = self.embeddings([w[2] for w in wanted])
+        rows = torch.cat([torch.arange(at, at + end - first) for at, _, _, first, end in wanted])
+        values = torch.cat([e[first - image.offset:end - image.offset]
+                            for e, (_, _, image, first, end) in zip(embeddings, wanted)])
+        spans: dict[int, list[tuple[int, int]]] | None = None
+        if self.bidirectional:
+            spans = {}
+            for _, r, image, _, _ in wanted:
+                spans.setdefault(r, []).append((image.offset, image.end))
+        return StepImages(rows.to(self.device), values, spans)
+
+
+def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device,
+                  load_format: str = "auto") -> ImageEncoder | None:
+    """The encoder of a checkpoint that takes images (shared/hf/image_models.py), its
+    weights read from the checkpoint (random ones with load_format "dummy"); None for one
+    that takes none."""
+    model = image_model(folder)
+    if model is None:
+        return None
+    from transformers import AutoConfig
+
+    from services.worker.vision.gemma3 import Gemma3ImageEncoder
+
+    config = AutoConfig.from_pretrained(str(folder))
+    module = {"gemma3": Gemma3ImageEncoder}[model.family](config)
+    if load_format != "dummy":
+        module.load_weights(_tensors(Path(folder), module.reads))
+    return ImageEncoder(module.to(device, dtype).eval(), model.bidirectional, dtype, device)
+
+
+def _tensors(folder: Path, reads):
+    for path in safetensors_files(folder):
+        with open_weights(path) as f:
+            for name in f.keys():
+                if reads(name):
+                    yield name, f.get_tensor(name)

@@ -1,0 +1,61 @@
+"""Gemma 3's image encoder: the SigLIP tower and the projector (average pooling to
+`mm_tokens_per_image`, an RMS norm, a projection into the language model's width).
+
+Both are transformers' own modules, loaded from the checkpoint's tensors: an image is
+encoded once (the encoder cache keeps it for every chunk and request that shows it), so
+the tower is a small share of a request's work beside the language model's steps, and
+transformers' modules are by construction what its `get_image_features` computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
+class Gemma3ImageEncoder(nn.Module):
+    def __init__(self, config) -> None:  # a transformers Gemma3Config
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        super().__init__()
+        self.tower = AutoModel.from_config(config.vision_config)
+        self.projector = Gemma3MultiModalProjector(config)
+
+    @staticmethod
+    def reads(name: str) -> bool:
+        return name.startswith(TOWER_PREFIXES + PROJECTOR_PREFIXES)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self.state_dict()
+        loaded = set()
+        for name, tensor in weights:
+            if name.startswith(TOWER_PREFIXES):
+                # (the Hub's checkpoints name the tower's own module vision_model; transformers 5 saves it without)
+                local = "tower." + _strip(name, TOWER_PREFIXES).removeprefix("vision_model.")
+            else:
+                local = "projector." + _strip(name, PROJECTOR_PREFIXES)
+            if local not in params:
+                continue  # (SigLIP's pooling head: Gemma 3 reads the last hidden states)
+            if params[local].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config says {tuple(params[local].shape)}")
+            params[local].copy_(tensor)
+            loaded.add(local)
+        missing = sorted(n for n in params if n not in loaded and not n.startswith("tower.head."))
+        if missing:
+            raise ValueError(f"the checkpoint lacks the image encoder's {missing[0]} ({len(missing)} missing)")
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[images, 3, H, W] -> [images, mm_tokens_per_image, hidden_size]"""
+        hidden = self.tower(pixel_values=pixel_values).last_hidden_state
+        return self.projector(hidden)
+
+
+def _strip(name: str, prefixes: tuple[str, ...]) -> str:
+    return next(name[len(p):] for p in prefixes if name.startswith(p))

@@ -1,0 +1,42 @@
+"""Which checkpoints take images, and how their prompts mark them: read from config.json,
+the same way by the tokenizer replicas (which preprocess images), the offline LLM and the
+worker (which encodes them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.hf.model_folder import config_or_empty
+
+# Architecture -> how llmbus encodes its images (services/worker/vision/). The families
+# whose text alone is served otherwise (Qwen2.5-VL, Qwen3-VL, ...) are not here yet.
+IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageModel:
+    family: str  # IMAGE_ARCHITECTURES' value
+    image_token_id: int  # the placeholder an image's embeddings replace
+    # Whether an image's placeholders attend to each other both ways in prefill (Gemma 3's
+    # token_type_ids mask): an image then never spans two prefill chunks.
+    bidirectional: bool
+
+
+def image_model(folder: str | Path) -> ImageModel | None:
+    """How this folder's model takes images; None where it takes none."""
+    raw = config_or_empty(folder)
+    family = next((IMAGE_ARCHITECTURES[a] for a in raw.get("architectures") or () if a in IMAGE_ARCHITECTURES), None)
+    if family is None or not isinstance(raw.get("vision_config"), dict):
+        return None
+    token = raw.get("image_token_id", raw.get("image_token_index"))
+    if not isinstance(token, int):
+        raise ValueError(f"{folder}/config.json names no image_token_index: its images have no placeholder")
+    return ImageModel(family, token, bidirectional=family == "gemma3")
+
+
+def no_images_why(folder: str | Path) -> str:
+    """What a request with images is told by a model that takes none."""
+    archs = ", ".join(config_or_empty(folder).get("architectures") or ()) or "this model"
+    return (f"{archs} takes no images in llmbus (image inputs are served for "
+            f"{', '.join(sorted(IMAGE_ARCHITECTURES))})")
