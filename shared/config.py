@@ -183,6 +183,14 @@ class GatewayConfig:
     log_request_inputs: bool = False
     log_outputs: bool = False
     max_log_len: int | None = None
+    # Images in chats (services/gateway/media.py), vLLM's flags: the hosts http(s) image
+    # URLs may name (empty: any), the folder file:// ones must lie under (None: none may),
+    # the most images a prompt holds ({"image": N}; absent: any number); and why this
+    # model takes none (shared/hf/image_models.py), None where it takes them
+    allowed_media_domains: tuple[str, ...] = ()
+    allowed_local_media_path: str | None = None
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    no_images_why: str | None = "this model takes no images"
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1:
@@ -193,6 +201,10 @@ class GatewayConfig:
             raise ValueError("responses_store_bytes must not be negative")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError("max_log_len must not be negative")
+        other = sorted(set(self.limit_mm_per_prompt) - {"image"})
+        if other or not all(isinstance(n, int) and n >= 0 for n in self.limit_mm_per_prompt.values()):
+            raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (N >= 0) only, got "
+                             f"{self.limit_mm_per_prompt}")
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from shared.hf.classification import classifier_of
 from shared.hf.generation_config import default_sampling, model_eos_ids
 from shared.hf.model_folder import architectures
 from shared.hf.pooling_config import unsupported_pooling
+from shared.hf.image_models import image_model, no_images_why
 from shared.lora_request import LoRARequest, parse_lora_modules
 
 log = logging.getLogger("llmbus.gateway")
@@ -101,7 +102,10 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          force_include_usage=args.enable_force_include_usage,
                          server_load_tracking=args.enable_server_load_tracking, root_path=args.root_path,
                          log_request_inputs=args.enable_log_requests, log_outputs=args.enable_log_outputs,
-                         max_log_len=args.max_log_len)
+                         max_log_len=args.max_log_len, allowed_media_domains=tuple(args.allowed_media_domains),
+                         allowed_local_media_path=args.allowed_local_media_path,
+                         limit_mm_per_prompt=json.loads(args.limit_mm_per_prompt),
+                         no_images_why=None if image_model(model_path) else no_images_why(model_path))
 
 
 def runtime_lora_updating(warn: bool = True) -> bool:

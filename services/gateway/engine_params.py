@@ -197,9 +197,10 @@ def validate_chat_options(request) -> None:
         raise BadRequest(f"chat_template_kwargs cannot be sent on: {exc}", "chat_template_kwargs") from exc
 
 
-def validate_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def validate_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
     """Chat messages as OpenAI defines them (the tokenizer's chat_messages), checked before
-    they are sent on: the messages as a template reads them."""
+    they are sent on: the messages as a template reads them; with image parts (media.py's
+    {"type": "image"}), as they are, for the tokenizer replica to place the images."""
     if not messages:
         raise BadRequest("messages must not be empty", "messages")
     try:
@@ -207,6 +208,7 @@ def validate_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     except (OverflowError, TypeError) as exc:
         raise BadRequest(f"messages cannot be sent on: {exc}", "messages") from exc
     try:
-        return chat_messages(messages)
+        converted = chat_messages(messages, "" if images else None)
+        return messages if images else converted
     except ChatOptionError as exc:
         raise BadRequest(str(exc), exc.field) from exc

@@ -125,6 +125,7 @@ async def generate(
             base_id if len(prompts) == 1 else f"{base_id}-{p}", token_ids, params, tokenizer_backend, eos_token_id,
             now, client.reply_subject, trace_headers, first_index=p * params.n, incremental=incremental,
             priority=priority, lora_request=lora_request, cache_salt=cache_salt,
+            mm_features=getattr(token_ids, "mm_features", None),  # (a chat's images: PromptWithImages)
         )
         for p, token_ids in enumerate(prompts)
     ]

@@ -17,6 +17,7 @@ from services.gateway.answer import Answer
 from services.gateway.context import ServingContext
 from services.gateway.sse import end_span
 from services.gateway.errors import BadRequest, ClientLeft, NotFound, TooLarge, Unavailable, status_of
+from services.gateway.media import image_files
 from services.gateway.protocol import ChatCompletionRequest, parse_body
 from services.gateway.engine_params import (
     completion_prompts,
@@ -30,7 +31,7 @@ from services.gateway.request_ids import client_request_id
 from services.gateway.tools import tool_choice_of
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 from shared.hf.generation_config import stop_at_model_eos
-from shared.messages import TokenizeRequest
+from shared.messages import PromptWithImages, TokenizeRequest
 from shared.sampling_params import with_bad_words_tokenized
 from shared.tracing import SpanKind, inject
 
@@ -125,12 +126,15 @@ class OpenAIServing(ServingContext):
                 or self.config.reasoning_parser in KEEPS_SPECIAL_TOKENS):  # (the parsers take them out)
             params = msgspec.structs.replace(params, skip_special_tokens=False)
         if isinstance(body, ChatCompletionRequest):
-            body.messages = validate_messages(body.messages)
+            body.messages, images = await image_files(body.messages, self.config)  # (media.py)
+            if images and getattr(body, "use_beam_search", False):
+                raise BadRequest("use_beam_search does not take images", "use_beam_search")
+            body.messages = validate_messages(body.messages, images=bool(images))
             validate_chat_options(body)
             prompts = [await self.tokenize(TokenizeRequest(
                 messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                 tools=tools.tools if tools is not None else None, continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.template_kwargs(), documents=body.documents,
+                chat_template_kwargs=body.template_kwargs(), documents=body.documents, images=images,
             ), ctx)]
         else:
             prompts = await self.encode(completion_prompts(body), ctx, add_special_tokens=body.add_special_tokens)
@@ -158,6 +162,8 @@ class OpenAIServing(ServingContext):
         if keep == -1:
             keep = info.max_model_len - (max_tokens or 1) if info.num_workers >= 1 else None
         if keep is not None:
+            if any(isinstance(p, PromptWithImages) for p in prompts):  # (a cut could split an image)
+                raise BadRequest("truncate_prompt_tokens does not cut prompts with images", "truncate_prompt_tokens")
             prompts = [token_ids[-keep:] for token_ids in prompts]
         if info.num_workers >= 1:
             for token_ids in prompts:

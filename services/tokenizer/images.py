@@ -31,13 +31,15 @@ class ImagePrompts:
             raise ValueError(f"{model_path}: pan-and-scan crops are not supported (do_pan_and_scan in its "
                              "preprocessor config)")
 
-    def encode(self, text: str, images: list) -> tuple[list[int], list[ImageFeature]]:
-        """The prompt's token ids with each image's tokens in place, and the images."""
+    def encode(self, text: str, images: list, add_special_tokens: bool = True,
+               sources: list[bytes] | None = None) -> tuple[list[int], list[ImageFeature]]:
+        """The prompt's token ids with each image's tokens in place, and the images: with
+        their processed pixels, or (`sources`: each image's file) with their files instead."""
         count = text.count(self.placeholder)
         if count != len(images):
             raise ValueError(f"the prompt marks {count} image(s) with {self.placeholder!r} but {len(images)} "
                              "were given")
-        out = self.processor(text=text, images=images, return_tensors="np")
+        out = self.processor(text=text, images=images, return_tensors="np", add_special_tokens=add_special_tokens)
         ids = out["input_ids"][0].tolist()
         spans = placeholder_runs(ids, self.model.image_token_id)
         pixels = out["pixel_values"]
@@ -45,9 +47,14 @@ class ImagePrompts:
             raise ValueError(f"the processor gave {len(spans)} image spans and {len(pixels)} images for "
                              f"{len(images)} given")
         features = []
-        for (start, end), image in zip(spans, pixels):
+        for k, ((start, end), image) in enumerate(zip(spans, pixels)):
             data = np.ascontiguousarray(image, dtype=np.float32).tobytes()
-            features.append(ImageFeature(pixel_hash(image.shape, data), start, end - start, list(image.shape), data))
+            feature = ImageFeature(pixel_hash(image.shape, data), start, end - start, list(image.shape))
+            if sources is None:
+                feature.pixel_values = data
+            else:
+                feature.source = sources[k]
+            features.append(feature)
         return ids, features
 
 

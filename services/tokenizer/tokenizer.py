@@ -10,13 +10,17 @@ Hermes-style messages through the model's own template (`tool_prompt.py`). vLLM'
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from services.tokenizer.images import ImagePrompts
 from services.tokenizer.tool_prompt import has_tool_turns, hermes_messages, with_arguments_as_objects
+from shared.hf.image_models import image_model, no_images_why, read_image
+from shared.messages.images import ImageFeature
 
 
 def load_chat_template(value: str | Path) -> str:
@@ -54,6 +58,26 @@ class Tokenizer:
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.tool_template = load_chat_template(tool_chat_template) if tool_chat_template else None
         self.template_renders_tools = self.tool_template is not None or _reads_tools(self.hf.chat_template)
+        self.path = Path(model_path)
+        # Whether the template walks a message's content parts itself (Gemma 3's puts its
+        # image marker where an image part is); else parts are joined into one string.
+        self.template_takes_parts = iterates_content(self.hf.chat_template)
+
+    @functools.cached_property
+    def image_prompts(self) -> ImagePrompts | None:
+        """The checkpoint's image processor (images.py), read at the first image; None
+        for a model that takes no images."""
+        model = image_model(self.path)
+        return None if model is None else ImagePrompts(self.path, model)
+
+    def encode_with_images(self, text: str, files: list[bytes],
+                           add_special_tokens: bool = True) -> tuple[list[int], list[ImageFeature]]:
+        """A prompt whose text marks images, and their files: the token ids with each
+        image's tokens in place, and the images (their files kept: ImageFeature.source)."""
+        if self.image_prompts is None:
+            raise ValueError(no_images_why(self.path))
+        return self.image_prompts.encode(text, [read_image(f, i) for i, f in enumerate(files)], add_special_tokens,
+                                         sources=files)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -73,7 +97,8 @@ class Tokenizer:
         if template is None and not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template: give one (--chat-template)")
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
-        messages = chat_messages(messages)
+        placeholder = self.image_prompts.placeholder if has_image_parts(messages) and self.image_prompts else None
+        messages = chat_messages(messages, placeholder, self.template_takes_parts)
         if tools or has_tool_turns(messages):
             if _reads_tools(template) if template is not None else self.template_renders_tools:
                 messages, template = with_arguments_as_objects(messages), template or self.tool_template
@@ -114,12 +139,15 @@ def check_chat_options(add_generation_prompt: bool, continue_final_message: bool
         raise ChatOptionError(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
 
 
-def chat_messages(messages: list[dict]) -> list[dict]:
+def chat_messages(messages: list[dict], image_placeholder: str | None = None, parts: bool = False) -> list[dict]:
     """Chat messages as OpenAI defines them, as a template reads them: a content of text
     parts one string (joined by newlines, as vLLM joins them for such a template), an
-    assistant's missing content '' (a template would print None). Raises ChatOptionError
-    for what no template can render: a message without a role or content, a part that is
-    not text, tool calls without their function."""
+    assistant's missing content '' (a template would print None). Image parts ({"type":
+    "image"}, as the gateway leaves them once it has their files) are the model's
+    `image_placeholder` in that string, or, for a template that walks the parts itself
+    (`parts`), parts as it reads them. Raises ChatOptionError for what no template can
+    render: a message without a role or content, a part that is not text (or an image,
+    where the model takes them), tool calls without their function."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
@@ -128,11 +156,17 @@ def chat_messages(messages: list[dict]) -> list[dict]:
         if not isinstance(role, str) or not role:
             raise ChatOptionError(f"messages[{i}] has no role", "messages")
         content = message.get("content")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ChatOptionError(f"messages[{i}].content: only text parts are supported", "messages")
-            message = {**message, "content": "\n".join(p["text"] for p in content)}
+        if isinstance(content, list):  # content parts: text, and images where the model takes them
+            kinds = [_part_kind(p, image_placeholder is not None) for p in content]
+            if None in kinds:
+                raise ChatOptionError(f"messages[{i}].content: only text parts are supported"
+                                      + (" (and images)" if image_placeholder is not None else ""), "messages")
+            if parts:
+                content = [{"type": "text", "text": p["text"]} if k == "text" else {"type": "image"}
+                           for p, k in zip(content, kinds)]
+            else:
+                content = "\n".join(p["text"] if k == "text" else image_placeholder for p, k in zip(content, kinds))
+            message = {**message, "content": content}
         elif content is None and role == "assistant":
             message = {**message, "content": ""}
         elif not isinstance(content, str):
@@ -141,6 +175,39 @@ def chat_messages(messages: list[dict]) -> list[dict]:
             _check_tool_calls(i, role, message["tool_calls"])
         out.append(message)
     return out
+
+
+def _part_kind(part: Any, images: bool) -> str | None:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return "text"
+    if images and isinstance(part, dict) and part.get("type") == "image":
+        return "image"
+    return None
+
+
+def has_image_parts(messages: list[dict]) -> bool:
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"]) for m in messages)
+
+
+def iterates_content(template: str | None) -> bool:
+    """Whether a chat template loops over a message's content (vLLM's "openai" content
+    format): then content parts go to it as parts."""
+    if not isinstance(template, str):
+        return False
+    import jinja2
+    import jinja2.nodes as nodes
+
+    try:
+        tree = jinja2.Environment().parse(template)
+    except jinja2.TemplateError:
+        return False
+    for loop in tree.find_all(nodes.For):
+        it = loop.iter
+        if (isinstance(it, nodes.Getitem) and isinstance(it.arg, nodes.Const) and it.arg.value == "content") or (
+                isinstance(it, nodes.Getattr) and it.attr == "content"):
+            return True
+    return False
 
 
 def _check_tool_calls(i: int, role: str, calls: Any) -> None:

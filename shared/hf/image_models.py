@@ -4,6 +4,7 @@ worker (which encodes them)."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,3 +41,15 @@ def no_images_why(folder: str | Path) -> str:
     archs = ", ".join(config_or_empty(folder).get("architectures") or ()) or "this model"
     return (f"{archs} takes no images in llmbus (image inputs are served for "
             f"{', '.join(sorted(IMAGE_ARCHITECTURES))})")
+
+
+def read_image(data: bytes, index: int):
+    """An image file's pixels (PIL), or a ValueError naming which image is not one."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()  # (a truncated or corrupt file fails here, not in the processor)
+    except Exception as exc:  # PIL's errors: UnidentifiedImageError, DecompressionBombError, OSError, ...
+        raise ValueError(f"image {index} cannot be read as an image: {exc}") from None
+    return image

@@ -25,7 +25,7 @@ from shared.messages.control import (  # noqa: F401
     TokenizeResponse,
     WorkerInfo,
 )
-from shared.messages.images import ImageFeature  # noqa: F401
+from shared.messages.images import ImageFeature, PromptWithImages  # noqa: F401
 from shared.messages.outputs import (  # noqa: F401
     CUMULATIVE_STATS,
     ITERATION_TOKENS_BUCKETS,

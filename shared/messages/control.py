@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.messages.images import ImageFeature
 from shared.messages.outputs import SchedulerStats
 from shared.messages.wire import WIRE
 from shared.sampling_params import StructuredOutputsParams
@@ -23,11 +24,13 @@ class TokenizeRequest(msgspec.Struct, **WIRE):
     continue_final_message: bool = False  # the last (assistant) message left open, to go on from
     chat_template_kwargs: dict | None = None  # more variables for the template (Qwen3's enable_thinking)
     documents: list[dict] | None = None  # vLLM's: documents for a RAG template (Granite's, Command R's)
+    images: list[bytes] = []  # the files of the messages' image parts ({"type": "image"}), in order
 
 
 class TokenizeResponse(msgspec.Struct, **WIRE):
     token_ids: list[int] = []
     error: str | None = None  # the input was bad (e.g. a template error); a 400 for the client
+    mm_features: list[ImageFeature] = []  # the images, placed among token_ids
 
 
 class AbortRequests(msgspec.Struct, **WIRE):

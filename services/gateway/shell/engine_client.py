@@ -29,6 +29,7 @@ from shared.messages import (
     EngineCoreRequest,
     FinishReason,
     GatewayHeartbeat,
+    PromptWithImages,
     SchedulerHeartbeat,
     SchedulerInfo,
     SchedulerStats,
@@ -252,7 +253,8 @@ class EngineClient:
         response = self._tokenize_decoder.decode(reply.data)
         if response.error is not None:
             raise BadRequest(response.error, "messages" if request.messages is not None else "prompt")
-        return response.token_ids
+        return PromptWithImages(response.token_ids, response.mm_features) if response.mm_features \
+            else response.token_ids
 
     async def scheduler_info(self, max_age_s: float = 2.0) -> SchedulerInfo:
         """The deployment's scheduler: every live shard's answer, combined."""

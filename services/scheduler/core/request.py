@@ -11,6 +11,12 @@ from shared.messages import EngineCoreOutput, FinishReason, ImageFeature
 from shared.sampling_params import RequestOutputKind, SamplingParams
 
 
+# What the image files of a step's new requests may add up to (past one request's, which
+# the gateway caps at --max-body-bytes): a step goes to its worker as one message, and the
+# bus carries 8 MB at most (llmbus/deploy/nats_server.py)
+STEP_IMAGE_BYTES = 4 << 20
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
@@ -114,11 +120,19 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def whole_images(self, start: int, num_new: int, budget: int) -> int:
+    @property
+    def image_bytes(self) -> int:
+        """The image files it carries to a worker (served requests' only: ImageFeature.source)."""
+        return sum(len(f.source) for f in self.mm_features)
+
+    def whole_images(self, start: int, num_new: int, budget: int, step_bytes: int = 0) -> int:
         """`num_new` tokens from `start`, cut so that no image's placeholders span two
         steps (Gemma 3's attend to each other both ways, and an image is encoded whole):
         a chunk ends before an image it cannot take whole, or, starting in or at one, runs
-        to its end where the budget allows - else 0, to wait for a step with room."""
+        to its end where the budget allows - else 0, to wait for a step with room. 0 too
+        where its image files would take the step's (`step_bytes` so far) past STEP_IMAGE_BYTES."""
+        if step_bytes and step_bytes + self.image_bytes > STEP_IMAGE_BYTES:
+            return 0
         end = start + num_new
         for image in self.mm_features:
             if image.offset < end < image.end:

@@ -157,6 +157,7 @@ class Scheduler(RequestQueues):
         # another adapter waits, in its place, while those behind it may go (vLLM's rule).
         loras = {r.lora_request for r in self.running if r.lora_request is not None} if self.max_loras else set()
         skipped: list[Request] = []
+        image_bytes = 0  # the files of the images of requests new to the worker this step
         while (
             self.waiting
             and budget > 0
@@ -194,8 +195,10 @@ class Scheduler(RequestQueues):
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if request.mm_features and not (num_new := request.whole_images(num_hit, num_new, budget)):
-                break  # (the image it starts at waits for a step with room for all of it)
+            if request.mm_features:  # (an image in one step; the step's image files within one message)
+                if not (num_new := request.whole_images(num_hit, num_new, budget, image_bytes)):
+                    break  # (it waits for a step with room)
+                image_bytes += request.image_bytes
             snapshot_points = []
             if self.snapshots is not None:
                 self.kv_cache_manager.update_block_hashes(request)  # (a prompt-logprobs request looked none up)

@@ -30,8 +30,16 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
         return TokenizeResponse(error="give exactly one of prompt and messages")
     if request.prompt is not None and request.messages is not None:
         return TokenizeResponse(error="give exactly one of prompt and messages")
+    if request.images and request.messages is None:
+        return TokenizeResponse(error="images come in a chat's messages, as image parts")
+    features = []
     try:
-        if request.messages is not None:
+        if request.images:  # (the template renders each image part as the model marks an image)
+            text = tokenizer.render_chat(request.messages, request.add_generation_prompt, request.tools,
+                                         request.continue_final_message, request.chat_template_kwargs,
+                                         documents=request.documents)
+            ids, features = tokenizer.encode_with_images(text, request.images, add_special_tokens=False)
+        elif request.messages is not None:
             ids = tokenizer.apply_chat_template(request.messages, request.add_generation_prompt, request.tools,
                                                 request.continue_final_message, request.chat_template_kwargs,
                                                 documents=request.documents)
@@ -39,7 +47,7 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
             ids = tokenizer.encode(request.prompt, request.add_special_tokens)
     except ValueError as exc:
         return TokenizeResponse(error=str(exc))
-    return TokenizeResponse(token_ids=ids)
+    return TokenizeResponse(token_ids=ids, mm_features=features)
 
 
 async def serve(tokenizer_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,

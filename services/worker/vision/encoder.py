@@ -17,7 +17,8 @@ import torch
 
 from services.worker.loader import open_weights, safetensors_files
 from services.worker.vision.step_images import StepImages
-from shared.hf.image_models import image_model
+from shared.hf.image_models import image_model, read_image
+from shared.messages.images import pixel_hash
 
 # Embedding rows the cache keeps: 64 of Gemma 3's 256-token images (gemma-3-27b: 5376
 # wide, 176 MB in bfloat16)
@@ -26,8 +27,10 @@ CACHE_TOKENS = 16384
 
 class ImageEncoder:
     def __init__(self, module: torch.nn.Module, bidirectional: bool, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, folder: str | Path = "") -> None:
         self.module = module
+        self.folder = folder  # (its image processor, for images that come as files: read at the first)
+        self._processor = None
         self.bidirectional = bidirectional
         self.dtype, self.device = dtype, device
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -40,8 +43,7 @@ class ImageEncoder:
         for feature in todo.values():
             by_shape.setdefault(tuple(feature.shape), []).append(feature)
         for shape, features in by_shape.items():
-            pixels = torch.from_numpy(np.stack([np.frombuffer(f.pixel_values, np.float32).reshape(shape)
-                                                for f in features])).to(self.device, self.dtype)
+            pixels = torch.from_numpy(np.stack([self._pixels(f) for f in features])).to(self.device, self.dtype)
             for feature, out in zip(features, self.module(pixels)):
                 if out.shape[0] != feature.length:
                     raise ValueError(f"an image encodes to {out.shape[0]} tokens but its prompt holds {feature.length} "
@@ -55,6 +57,22 @@ class ImageEncoder:
         while sum(e.shape[0] for e in self.cache.values()) > CACHE_TOKENS and len(self.cache) > len(images):
             self.cache.popitem(last=False)
         return found
+
+    def _pixels(self, feature) -> np.ndarray:
+        """An image's processed pixels: as they came (offline), or processed here from its
+        file by the processor the tokenizer replica ran, and checked to be those it hashed."""
+        if feature.pixel_values or not feature.source:
+            return np.frombuffer(feature.pixel_values, np.float32).reshape(feature.shape)
+        if self._processor is None:
+            from transformers import AutoImageProcessor
+
+            self._processor = AutoImageProcessor.from_pretrained(str(self.folder), backend="pil")
+        out = self._processor(images=[read_image(feature.source, 0)], return_tensors="np")["pixel_values"][0]
+        pixels = np.ascontiguousarray(out, dtype=np.float32)
+        if pixel_hash(pixels.shape, pixels.tobytes()) != feature.identifier:
+            raise ValueError("an image's pixels here differ from those its tokenizer replica processed (another "
+                             "processor or pillow version?)")
+        return pixels
 
     def for_step(self, states: list, num_tokens: dict[str, int], drafts: dict[str, list[int]]) -> StepImages | None:
         """The step's placeholders' embeddings and, for a family whose images attend both
@@ -100,7 +118,7 @@ def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device,
     module = {"gemma3": Gemma3ImageEncoder}[model.family](config)
     if load_format != "dummy":
         module.load_weights(_tensors(Path(folder), module.reads))
-    return ImageEncoder(module.to(device, dtype).eval(), model.bidirectional, dtype, device)
+    return ImageEncoder(module.to(device, dtype).eval(), model.bidirectional, dtype, device, folder)
 
 
 def _tensors(folder: Path, reads):

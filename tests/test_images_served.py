@@ -1,0 +1,129 @@
+"""Images in, served: `llmbus serve` with a tiny random Gemma 3 and the openai client. A
+chat's image_url parts (data URLs, a file under --allowed-local-media-path) give
+transformers' greedy text for the same chat; a bad image, one from a host not allowed,
+one too many, a file outside the folder are each a 400 naming the messages, and the
+deployment serves on."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from deployment import llmbus_serve
+from tiny_models import build_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_NEW = 10
+
+
+def image(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray(np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def png(img: Image.Image) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(img: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(img)).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png(image(5, 50, 40)))
+    (folder / "not-an-image.png").write_bytes(b"GIF89a but not really")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, media):
+    model = build_tiny_model(tmp_path_factory.mktemp("gemma3_served"), "gemma3_multimodal", seed=4)
+    proc, url = llmbus_serve(
+        ["--model", str(model), "--served-model-name", "tiny", "--allowed-local-media-path", str(media),
+         "--allowed-media-domains", "images.example", "--limit-mm-per-prompt", json.dumps({"image": 2}),
+         "--dtype", "float32"],
+        tmp_path_factory.mktemp("serve") / "stderr.log")
+    yield model, url
+    if proc.poll() is None:
+        proc.kill()
+
+
+def hf_chat_text(folder, content: str, images: list[Image.Image]) -> str:
+    """transformers' greedy reply to one user message whose images the text marks."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                   add_generation_prompt=True)
+    inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    model = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    ids = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+    return processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def chat(client, parts: list[dict], **options):
+    return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                          max_tokens=MAX_NEW, temperature=0, extra_body={"ignore_eos": True},
+                                          **options)
+
+
+def test_image_parts_give_transformers_text(served, media):
+    import openai
+
+    model, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    first, second = image(0, 40, 30), image(1, 64, 48)
+    parts = [{"type": "text", "text": "Compare"}, image_part(data_url(first)), image_part(data_url(second))]
+    got = chat(client, parts).choices[0].message.content
+    assert got == hf_chat_text(model, "Compare\n<start_of_image>\n<start_of_image>", [first, second])
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, parts, stream=True) if c.choices)
+    assert streamed == got
+    # A file under the allowed folder reads as the same image would in a data URL.
+    cat = Image.open(media / "cat.png")
+    from_file = chat(client, [image_part(f"file://{media / 'cat.png'}"), {"type": "text", "text": "What?"}])
+    assert from_file.choices[0].message.content == hf_chat_text(model, "<start_of_image>\nWhat?", [cat])
+
+
+def test_bad_images_are_400s_naming_the_messages(served, media, tmp_path):
+    import openai
+
+    _, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    # A host that serves a real image, but is not one of --allowed-media-domains.
+    (tmp_path / "dog.png").write_bytes(png(image(6, 20, 20)))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        local = f"http://127.0.0.1:{server.server_address[1]}/dog.png"
+        cases = {
+            "not one of the hosts": [image_part(local)],
+            "more than --limit-mm-per-prompt": [image_part(data_url(image(i, 8, 8))) for i in range(3)],
+            "cannot be read as an image": [image_part(f"file://{media / 'not-an-image.png'}")],
+            "not under --allowed-local-media-path": [image_part(f"file://{tmp_path / 'dog.png'}")],
+            "not base64": [image_part("data:image/png;base64,@@@")],
+            "must be a data:, http(s): or file: URL": [image_part("ftp://images.example/x.png")],
+        }
+        for why, parts in cases.items():
+            with pytest.raises(openai.BadRequestError) as caught:
+                chat(client, parts)
+            assert why in caught.value.message and caught.value.param == "messages", why
+    finally:
+        server.shutdown()
+    assert chat(client, [{"type": "text", "text": "still serving"}]).choices[0].message.content
