@@ -38,7 +38,7 @@ from shared.kv_events import KVEventsConfig
 from shared.gc_heap import frozen_heap
 from shared.hf.generation_config import default_sampling, model_eos_ids, stop_at_model_eos
 from shared.lora_request import LoRARequest
-from shared.messages import EngineCoreOutputs, SchedulerStats
+from shared.messages import EngineCoreOutputs, PromptWithImages, SchedulerStats
 from shared.processing.output_processor import ParentRequest
 from shared.hf.image_models import image_model, no_images_why
 from shared.hf.pooling_config import unsupported_pooling
@@ -265,7 +265,9 @@ class LLM(GenerateBasedAPIs):
                 self.executor.call(self.runner.grammars.check, params.structured_outputs)
             parsed = parse_prompt(prompt)
             features = []
-            if parsed.images:  # (preprocessed as a tokenizer replica does)
+            if isinstance(prompt, PromptWithImages):  # (a chat with images: chat() encoded them)
+                token_ids, features = list(prompt), prompt.mm_features
+            elif parsed.images:  # (preprocessed as a tokenizer replica does)
                 token_ids, features = self._image_prompts().encode(parsed.text, list(parsed.images))
             else:
                 token_ids = parsed.token_ids if parsed.token_ids is not None else self.tokenizer.encode(parsed.text)
@@ -311,7 +313,7 @@ class LLM(GenerateBasedAPIs):
         if self._images is None:
             model = image_model(self.model_path)
             if model is None:
-                raise ValueError(f"multi_modal_data: {no_images_why(self.model_path)}")
+                raise ValueError(no_images_why(self.model_path))
             self._images = ImagePrompts(self.model_path, model)
         return self._images
 

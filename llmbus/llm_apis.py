@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from llmbus.chat_images import take_images
 from llmbus.inputs import Prompt, TokensPrompt, is_one_prompt, parse_prompt
 from llmbus.outputs import (
     ClassificationOutput,
@@ -19,6 +20,7 @@ from llmbus.outputs import (
     ScoringRequestOutput,
 )
 from shared.lora_request import LoRARequest
+from shared.messages import PromptWithImages
 from shared.processing.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, advance_each, step_batch
 from shared.processing.scoring import cosine, pair_token_ids, score_pairs
 from shared.sampling_params import SamplingParams, embedding_params
@@ -117,16 +119,21 @@ class GenerateBasedAPIs:
         variables (Qwen3's enable_thinking); `chat_template`, a Jinja template's text, in
         place of the model's; `tools`, OpenAI's function tools, shown to the model as the
         served chat shows them (the output is the model's text: calls are not parsed).
-        Messages are OpenAI's, as served: content a string or text parts."""
+        Messages are OpenAI's, as served: content a string or parts - text, and images
+        (`image_url` with a data: or http(s): URL, or vLLM's `image_pil`) where the model
+        takes them (chat_images.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            self.tokenizer.render_chat(conv, add_generation_prompt, tools, continue_final_message,
-                                       chat_template_kwargs, chat_template)
-            for conv in conversations  # type: ignore[union-attr]
-        ]
-        # Token ids, as the template rendered them (its special tokens its own: no BOS added)
-        outputs = self.generate([self.tokenizer.encode(text, add_special_tokens=False) for text in texts],
-                                sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        texts, prompts = [], []
+        for conv in conversations:  # type: ignore[union-attr]
+            conv, images = take_images(conv)
+            image_prompts = self._image_prompts() if images else None  # (a model that takes none says so here)
+            text = self.tokenizer.render_chat(conv, add_generation_prompt, tools, continue_final_message,
+                                              chat_template_kwargs, chat_template)
+            texts.append(text)
+            # Token ids, as the template rendered them (its special tokens its own: no BOS added)
+            prompts.append(PromptWithImages(*image_prompts.encode(text, images, add_special_tokens=False))
+                           if image_prompts else self.tokenizer.encode(text, add_special_tokens=False))
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         for out, text in zip(outputs, texts):
             out.prompt = text  # (vLLM's: the rendered conversation)
         return outputs

@@ -39,7 +39,7 @@ def gemma3(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gemma3_images"), "gemma3_multimodal", seed=3)
 
 
-def hf_generate(folder, prompts) -> list[list[int]]:
+def hf_generate(folder, prompts, **processing) -> list[list[int]]:
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(folder, backend="pil")
@@ -47,7 +47,7 @@ def hf_generate(folder, prompts) -> list[list[int]]:
     out = []
     for prompt in prompts:
         images = prompt.get("multi_modal_data", {}).get("image")
-        inputs = processor(text=prompt["prompt"], images=images, return_tensors="pt")
+        inputs = processor(text=prompt["prompt"], images=images, return_tensors="pt", **processing)
         ids = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
         out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
     return out
@@ -121,5 +121,49 @@ def test_bad_image_inputs_are_refused_by_name(gemma3, tiny_llama):
         llm.generate({"prompt": "a", "multi_modal_data": {"video": IMAGES[0]}}, GREEDY)
     with pytest.raises(ValueError, match="not 'prompt_token_ids'"):
         llm.generate({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
-    with pytest.raises(ValueError, match="multi_modal_data: LlamaForCausalLM takes no images"):
-        LLM(str(tiny_llama)).generate({"prompt": "a", "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    text_model = LLM(str(tiny_llama))
+    with pytest.raises(ValueError, match="LlamaForCausalLM takes no images"):
+        text_model.generate({"prompt": "a", "multi_modal_data": {"image": IMAGES[0]}}, GREEDY)
+    with pytest.raises(ValueError, match="LlamaForCausalLM takes no images"):
+        text_model.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"content\[0\].image_url: image 0 cannot be read"):
+        bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        llm.chat([{"role": "user", "content": [bad]}], GREEDY)
+
+
+def test_chat_with_image_parts_gives_transformers_tokens(gemma3):
+    """LLM.chat as vLLM's: an image_url part (a data URL) and an image_pil part, rendered
+    by the chat template as the model marks an image."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    IMAGES[1].save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    llm = LLM(str(gemma3), dtype="float32")
+    parts = [{"type": "text", "text": "Look"}, {"type": "image_pil", "image_pil": IMAGES[0]},
+             {"type": "image_url", "image_url": {"url": url}}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY)[0]
+    marked = "Look\n<start_of_image>\n<start_of_image>"  # (this template takes a string: parts joined)
+    text = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": marked}], tokenize=False,
+                                                   add_generation_prompt=True)
+    assert out.prompt == text
+    assert out.outputs[0].token_ids == hf_generate(gemma3, [{"prompt": text, "multi_modal_data": {"image": [
+        IMAGES[0], Image.open(io.BytesIO(buffer.getvalue()))]}}], add_special_tokens=False)[0]
+
+
+# Gemma 3's way: the template walks a message's parts and marks an image where its part is
+PARTS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                  "{% else %}{% for item in m['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+                  "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_walks_the_parts_gets_them(gemma3):
+    llm = LLM(str(gemma3), dtype="float32")
+    parts = [{"type": "text", "text": "Look"}, {"type": "image_pil", "image_pil": IMAGES[0]},
+             {"type": "text", "text": "here"}]
+    out = llm.chat([{"role": "user", "content": parts}], GREEDY, chat_template=PARTS_TEMPLATE)[0]
+    assert out.prompt == "<|im_start|>user\nLook<start_of_image>here<|im_end|>\n<|im_start|>assistant\n"
+    assert out.outputs[0].token_ids == hf_generate(gemma3, [{"prompt": out.prompt, "multi_modal_data": {
+        "image": IMAGES[:1]}}], add_special_tokens=False)[0]

@@ -215,8 +215,10 @@ def test_chat_takes_tools_and_text_parts_as_the_served_chat(tiny_llama):
                                                params)[0].prompt_token_ids
     assert validate_messages(parts) == [{"role": "user", "content": "weather\nin Paris?"}]  # (served: the same)
     assert parts[0]["content"][0] == {"type": "text", "text": "weather"}  # (the caller's messages untouched)
-    with pytest.raises(ValueError, match="only text parts"):
+    with pytest.raises(ValueError, match="must be a data: or http"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+    with pytest.raises(ValueError, match="only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], params)
     text = llm.get_tokenizer().apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
     assert llm.tokenizer.encode(text, add_special_tokens=False) == llm.chat(asked, params)[0].prompt_token_ids
 

@@ -9,8 +9,6 @@ as they are; a replica decodes and processes them (services/tokenizer/images.py)
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -19,6 +17,7 @@ import httpx
 
 from services.gateway.errors import BadRequest
 from shared.config import GatewayConfig
+from shared.hf.image_models import data_url_bytes
 
 FETCH_TIMEOUT_S = 5.0  # vLLM's VLLM_IMAGE_FETCH_TIMEOUT
 
@@ -77,13 +76,10 @@ async def _read(where: str, url: str, config: GatewayConfig) -> bytes:
 
 
 def _data_url(where: str, url: str) -> bytes:
-    header, _, data = url.partition(",")
-    if not header.endswith(";base64"):
-        raise BadRequest(f"{where}.url: a data URL's image must be base64 (data:image/png;base64,...)", "messages")
     try:
-        return base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise BadRequest(f"{where}.url: not base64: {exc}", "messages") from None
+        return data_url_bytes(url)
+    except ValueError as exc:
+        raise BadRequest(f"{where}.url: {exc}", "messages") from None
 
 
 async def _fetch(where: str, url: str, config: GatewayConfig) -> bytes:

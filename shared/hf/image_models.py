@@ -1,9 +1,11 @@
 """Which checkpoints take images, and how their prompts mark them: read from config.json,
 the same way by the tokenizer replicas (which preprocess images), the offline LLM and the
-worker (which encodes them)."""
+worker (which encodes them). And reading an image's file, as each of them does."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,3 +55,14 @@ def read_image(data: bytes, index: int):
     except Exception as exc:  # PIL's errors: UnidentifiedImageError, DecompressionBombError, OSError, ...
         raise ValueError(f"image {index} cannot be read as an image: {exc}") from None
     return image
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The file in a base64 data URL (data:image/png;base64,...); ValueError otherwise."""
+    header, _, data = url.partition(",")
+    if not header.startswith("data:") or not header.endswith(";base64"):
+        raise ValueError("a data URL's image must be base64 (data:image/png;base64,...)")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"not base64: {exc}") from None
