@@ -1,15 +1,18 @@
-"""Images in, served: `llmbus serve` with a tiny random Gemma 3 and the openai client. A
-chat's image_url parts (data URLs, a file under --allowed-local-media-path) give
-transformers' greedy text for the same chat; a bad image, one from a host not allowed,
-one too many, a file outside the folder are each a 400 naming the messages, and the
-deployment serves on."""
+"""Images in, served: `llmbus serve --workers 2` with a tiny random Gemma 3 and the openai
+client. A chat's image_url parts (data URLs, a file under --allowed-local-media-path) give
+transformers' greedy text for the same chat; a worker SIGKILLed under image streams loses
+none of them (the other encodes their images again, from the files they carry); a bad
+image, one from a host not allowed, one too many, a file outside the folder are each a
+400 naming the messages, and the deployment serves on."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
 import threading
+import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,6 +22,7 @@ import torch
 from PIL import Image
 
 from deployment import llmbus_serve
+from llmbus.deploy.serve import live_children
 from tiny_models import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -58,9 +62,9 @@ def served(tmp_path_factory, media):
     proc, url = llmbus_serve(
         ["--model", str(model), "--served-model-name", "tiny", "--allowed-local-media-path", str(media),
          "--allowed-media-domains", "images.example", "--limit-mm-per-prompt", json.dumps({"image": 2}),
-         "--dtype", "float32"],
+         "--dtype", "float32", "--workers", "2"],
         tmp_path_factory.mktemp("serve") / "stderr.log")
-    yield model, url
+    yield model, url, proc
     if proc.poll() is None:
         proc.kill()
 
@@ -87,7 +91,7 @@ def chat(client, parts: list[dict], **options):
 def test_image_parts_give_transformers_text(served, media):
     import openai
 
-    model, url = served
+    model, url, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     first, second = image(0, 40, 30), image(1, 64, 48)
     parts = [{"type": "text", "text": "Compare"}, image_part(data_url(first)), image_part(data_url(second))]
@@ -104,7 +108,7 @@ def test_image_parts_give_transformers_text(served, media):
 def test_bad_images_are_400s_naming_the_messages(served, media, tmp_path):
     import openai
 
-    _, url = served
+    _, url, _ = served
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     # A host that serves a real image, but is not one of --allowed-media-domains.
     (tmp_path / "dog.png").write_bytes(png(image(6, 20, 20)))
@@ -127,3 +131,45 @@ def test_bad_images_are_400s_naming_the_messages(served, media, tmp_path):
     finally:
         server.shutdown()
     assert chat(client, [{"type": "text", "text": "still serving"}]).choices[0].message.content
+
+
+def test_a_worker_killed_under_image_streams_loses_none(served):
+    import openai
+
+    _, url, proc = served
+    chats = [[{"type": "text", "text": f"picture {i}"}, image_part(data_url(image(20 + i, 30 + i, 40)))]
+             for i in range(8)]
+    request = {"max_tokens": 160, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    expected = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                               **request).choices[0].message.content for parts in chats]
+    victim = live_children(proc.pid, "worker")[0]
+
+    async def stream_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        started = 0
+
+        async def one(parts) -> str:
+            nonlocal started
+            text, first = "", True
+            stream = await aclient.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": parts}], stream=True, **request)
+            async for chunk in stream:
+                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                if first:
+                    first, started = False, started + 1
+                    if started == len(chats):
+                        victim.kill()
+            return text
+
+        try:
+            return await asyncio.gather(*(one(parts) for parts in chats))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(stream_all()) == expected
+    assert not victim.is_running() or victim.status() == "zombie"
+    deadline = time.monotonic() + 120
+    while len(live_children(proc.pid, "worker")) < 2:  # (the supervisor starts it again)
+        assert time.monotonic() < deadline, "the killed worker did not come back"
+        time.sleep(0.2)

@@ -66,8 +66,8 @@ GEMMA_3 = Family(
     config_rewrites=("causal_only",),
     served=("`Gemma3ForCausalLM` (gemma-3-1b), and the language model of `Gemma3ForConditionalGeneration` "
             "checkpoints (gemma-3-4b/12b/27b-it: its `text_config`, filled in with transformers' defaults as "
-            "transformers reads it, and its `language_model.*` weights; the vision tower and projector are left "
-            "unread, and a message with an image part is a 400, as every non-text part)"),
+            "transformers reads it, and its `language_model.*` weights; images in through its SigLIP tower and "
+            "projector, read by the worker's image encoder: docs/features/multimodal_inputs.md)"),
     adds=("Gemma 2's layer without its caps (null in Gemma 3's configs; honoured if set); Qwen3's per-head "
           "query/key norms (weighing by 1 + w); windowed layers five in six by default (`sliding_window_pattern`, "
           "or `layer_types`), which rotate with their own base (`rope_local_base_freq`, default 10000, default "
