@@ -165,6 +165,15 @@ def test_bench_moe_compares_sparse_dense_and_transformers_on_the_same_tokens(cap
     assert "decode tokens: sparse, dense and transformers agree" in out
 
 
+def test_bench_images_times_preprocessing_encoding_and_ttft(capsys):
+    from llmbus.cli.main import main
+
+    assert main(["bench", "images", "--smoke", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer replica: " in out and "images/s" in out and "encoder (tower + projector): " in out
+    assert "from the encoder cache" in out and "the encoder's share" in out
+
+
 def test_the_bench_client_reads_an_event_whole_whatever_its_json_holds_raw():
     """Another server's events may hold U+2028 (valid raw in JSON), where httpx's
     aiter_lines would end a line; the bench's reader ends lines at newlines alone, also

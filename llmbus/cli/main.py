@@ -58,6 +58,8 @@ BENCHES = [
     ("disaggregation", "long prompts' TTFT and decoding streams' ITL, --workers 2 against 1 prefill + 1 decode",
      "llmbus.bench.disaggregation", False),
     ("moe", "a Qwen3-MoE-shaped model: sparse experts vs every expert densely vs transformers", "llmbus.bench.moe", True),
+    ("images", "a Gemma 3-shaped model: an image's preprocessing, encoding and share of TTFT", "llmbus.bench.images",
+     True),
     ("control-plane", "gateways, tokenizer, scheduler shards and NATS with instant workers: tok/s and cores a token",
      "llmbus.bench.control_plane", False),
 ]
