@@ -32,6 +32,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Gemma 3's image tokens, as its tokenizer names them (transformers' Gemma3Processor reads them)
 GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+# Qwen2.5-VL's
+QWEN_VL_IMAGE_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
+                        "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
 
 
 def build_tokenizer(folder: Path, vocab_size: int = 384, extra_special_tokens: dict | None = None):
@@ -123,7 +126,8 @@ def build_tiny_model(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(folder, extra_special_tokens=GEMMA3_IMAGE_TOKENS if arch == "gemma3_multimodal" else None)
+    tokenizer = build_tokenizer(folder, extra_special_tokens={"gemma3_multimodal": GEMMA3_IMAGE_TOKENS,
+                                                              "qwen2_5_vl": QWEN_VL_IMAGE_TOKENS}.get(arch))
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -683,10 +687,15 @@ def build_tiny_model(
         mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
         text = {**common, "head_dim": 16, **overrides}
-        if arch == "qwen2_5_vl":
+        if arch == "qwen2_5_vl":  # (its image tokens the tokenizer's last four)
+            ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VL_IMAGE_TOKENS.items()}
             config = Qwen2_5_VLConfig(text_config={**text, "rope_parameters": mrope}, vision_config=vision,
-                                      tie_word_embeddings=common["tie_word_embeddings"])
+                                      tie_word_embeddings=common["tie_word_embeddings"], **ids)
             model = Qwen2_5_VLForConditionalGeneration(config)
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            # images of 4 to 16 merged tokens (2x2 patches of 14 pixels each)
+            Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
         else:
             config = Qwen3VLConfig(text_config={**text, "rope_parameters": {**mrope, "mrope_interleaved": True}},
                                    vision_config={**vision, "deepstack_visual_indexes": [0]},

@@ -81,7 +81,7 @@ class ModelRunner:
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, config.load_format, self.tp and (self.tp, full_config))
-        self.images = image_encoder(model_path, self.dtype, self.device, config.load_format)  # (None: takes none)
+        self.images = image_encoder(model_path, self.dtype, self.device, config.load_format, self.model)  # (or None)
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
@@ -261,7 +261,7 @@ class ModelRunner:
             self.loras.map_step([s.lora for s in states], np.concatenate(([0], last_token[:-1] + 1)),
                                 last_token + 1)
 
-        images = self.images and self.images.for_step(states, num_tokens, drafts)  # (None: no placeholders)
+        images = self.images and self.images.for_step(states, num_tokens, drafts, inputs.positions)  # (or None)
         t_forward = time.time_ns()
         graphs = self.decode_graphs
         on_graph = graphs is not None and not self.model.eager_only and graphs.takes(inputs) and images is None

@@ -41,6 +41,7 @@ class RequestState:
     prompt_logprobs: list | None = None
     lora: LoRAAdapter | None = None  # its adapter, read (manager.py); None: the base model
     images: list = field(default_factory=list)  # its ImageFeatures, by prompt position (vision/)
+    mrope: tuple | None = None  # Qwen-VL's: its prompt's positions and the shift after (vision/mrope.py)
     # SamplingParams.argmax_only, read once: a step of such requests only (most decode
     # steps) takes the sampler's and the runner's shortest path.
     argmax_only: bool = field(init=False, default=False)

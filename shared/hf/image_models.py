@@ -13,8 +13,10 @@ from pathlib import Path
 from shared.hf.model_folder import config_or_empty
 
 # Architecture -> how llmbus encodes its images (services/worker/vision/). The families
-# whose text alone is served otherwise (Qwen2.5-VL, Qwen3-VL, ...) are not here yet.
-IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3"}
+# whose text alone is served otherwise (Qwen3-VL, Mistral Small 3.1, ...) are not here yet.
+IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+# What a prompt writes for an image, where it is not the processor's image token itself
+MARKERS = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,10 @@ class ImageModel:
     # Whether an image's placeholders attend to each other both ways in prefill (Gemma 3's
     # token_type_ids mask): an image then never spans two prefill chunks.
     bidirectional: bool
+    # Qwen-VL's MRoPE: how many of a head's rotary frequencies turn with each of an image
+    # token's (time, height, width) positions; None: one position a token
+    mrope_section: tuple[int, ...] | None = None
+    merge_size: int = 1  # patches merged into one token along each side (Qwen-VL's 2)
 
 
 def image_model(folder: str | Path) -> ImageModel | None:
@@ -35,7 +41,15 @@ def image_model(folder: str | Path) -> ImageModel | None:
     token = raw.get("image_token_id", raw.get("image_token_index"))
     if not isinstance(token, int):
         raise ValueError(f"{folder}/config.json names no image_token_index: its images have no placeholder")
-    return ImageModel(family, token, bidirectional=family == "gemma3")
+    if family == "gemma3":
+        return ImageModel(family, token, bidirectional=True)
+    text = raw.get("text_config") or raw  # (the first Qwen2.5-VL releases: the text's keys at the top)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or raw.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not section:
+        raise ValueError(f"{folder}/config.json names no mrope_section: its images' positions are unknown")
+    return ImageModel(family, token, bidirectional=False, mrope_section=tuple(section),
+                      merge_size=raw["vision_config"].get("spatial_merge_size", 2))
 
 
 def no_images_why(folder: str | Path) -> str:

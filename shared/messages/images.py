@@ -30,6 +30,7 @@ class ImageFeature(msgspec.Struct, **WIRE):
     shape: list[int]
     pixel_values: bytes = b""  # offline: the processor's output, float32 in C order, of `shape`
     source: bytes = b""  # served: the image file (PNG, JPEG, ...) the pixels are processed from
+    grid: list[int] = []  # Qwen-VL's: the image's (time, height, width) in patches
 
     @property
     def end(self) -> int:
@@ -47,10 +48,10 @@ class PromptWithImages(list):
         self.mm_features = mm_features
 
 
-def pixel_hash(shape, pixel_values: bytes) -> str:
-    """A digest of the processed pixels and their shape (an attacker picking pixels cannot
-    make another image's key: blake2b, as the block hashes)."""
-    digest = hashlib.blake2b(repr(tuple(shape)).encode(), digest_size=16)
+def pixel_hash(shape, pixel_values: bytes, grid=()) -> str:
+    """A digest of the processed pixels, their shape and grid (an attacker picking pixels
+    cannot make another image's key: blake2b, as the block hashes)."""
+    digest = hashlib.blake2b(repr((tuple(shape), tuple(grid))).encode(), digest_size=16)
     digest.update(pixel_values)
     return digest.hexdigest()
 

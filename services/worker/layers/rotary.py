@@ -122,6 +122,7 @@ class RotaryEmbedding(nn.Module):
         # [rows, dim]: positions times each table's frequencies, one table after the other
         emb = torch.cat([torch.cat((positions[:, None] * f[None, :],) * 2, dim=-1) for f in tables])
         scale = rope_attention_factor(scaling)
+        self.inv_freq, self.scale = tables[0], scale  # (Qwen-VL's image tokens' rows: vision/mrope.py)
         cos, sin = emb.cos(), emb.sin()
         if scale != 1.0:
             cos, sin = cos * scale, sin * scale

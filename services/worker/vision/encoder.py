@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from services.worker.loader import open_weights, safetensors_files
+from services.worker.vision.mrope import MRoPERows
 from services.worker.vision.step_images import StepImages
 from shared.hf.image_models import image_model, read_image
 from shared.messages.images import pixel_hash
@@ -35,16 +36,14 @@ class ImageEncoder:
         self.dtype, self.device = dtype, device
         self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.num_encoded = 0  # images run through the tower (the cache's misses)
+        self.mrope: MRoPERows | None = None  # Qwen-VL's image positions (mrope.py)
 
     def embeddings(self, images: list) -> list[torch.Tensor]:
         """Each image's [length, hidden] embeddings, from the cache or encoded now."""
-        todo = {f.identifier: f for f in images if f.identifier not in self.cache}
-        by_shape: dict[tuple, list] = {}
-        for feature in todo.values():
-            by_shape.setdefault(tuple(feature.shape), []).append(feature)
-        for shape, features in by_shape.items():
-            pixels = torch.from_numpy(np.stack([self._pixels(f) for f in features])).to(self.device, self.dtype)
-            for feature, out in zip(features, self.module(pixels)):
+        todo = list({f.identifier: f for f in images if f.identifier not in self.cache}.values())
+        if todo:
+            pixels = [torch.from_numpy(self._pixels(f)).to(self.device, self.dtype) for f in todo]
+            for feature, out in zip(todo, self.module.encode(pixels, [f.grid for f in todo])):
                 if out.shape[0] != feature.length:
                     raise ValueError(f"an image encodes to {out.shape[0]} tokens but its prompt holds {feature.length} "
                                      "placeholders")
@@ -61,22 +60,27 @@ class ImageEncoder:
     def _pixels(self, feature) -> np.ndarray:
         """An image's processed pixels: as they came (offline), or processed here from its
         file by the processor the tokenizer replica ran, and checked to be those it hashed."""
-        if feature.pixel_values or not feature.source:
-            return np.frombuffer(feature.pixel_values, np.float32).reshape(feature.shape)
+        if feature.pixel_values or not feature.source:  # (a copy: torch takes no read-only buffer)
+            return np.frombuffer(feature.pixel_values, np.float32).reshape(feature.shape).copy()
         if self._processor is None:
             from transformers import AutoImageProcessor
 
             self._processor = AutoImageProcessor.from_pretrained(str(self.folder), backend="pil")
-        out = self._processor(images=[read_image(feature.source, 0)], return_tensors="np")["pixel_values"][0]
-        pixels = np.ascontiguousarray(out, dtype=np.float32)
-        if pixel_hash(pixels.shape, pixels.tobytes()) != feature.identifier:
+        out = self._processor(images=[read_image(feature.source, 0)], return_tensors="np")["pixel_values"]
+        pixels = np.ascontiguousarray(out if feature.grid else out[0], dtype=np.float32)  # (Qwen's: rows of patches)
+        if pixel_hash(pixels.shape, pixels.tobytes(), feature.grid) != feature.identifier:
             raise ValueError("an image's pixels here differ from those its tokenizer replica processed (another "
                              "processor or pillow version?)")
         return pixels
 
-    def for_step(self, states: list, num_tokens: dict[str, int], drafts: dict[str, list[int]]) -> StepImages | None:
+    def for_step(self, states: list, num_tokens: dict[str, int], drafts: dict[str, list[int]],
+                 positions) -> StepImages | None:
         """The step's placeholders' embeddings and, for a family whose images attend both
-        ways, each row's image spans; None for a step that computes no placeholder."""
+        ways, each row's image spans; None for a step that computes no placeholder. With
+        MRoPE, the image requests' rotary rows in `positions` first (every step: their
+        decodes are shifted too)."""
+        if self.mrope is not None:
+            self.mrope.patch(states, num_tokens, positions)
         wanted = []  # (flat token index of the piece's first, attention row, image, first, end position)
         flat = row = 0
         for state in states:
@@ -102,23 +106,28 @@ class ImageEncoder:
         return StepImages(rows.to(self.device), values, spans)
 
 
-def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device,
-                  load_format: str = "auto") -> ImageEncoder | None:
+def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+                  model=None) -> ImageEncoder | None:
     """The encoder of a checkpoint that takes images (shared/hf/image_models.py), its
     weights read from the checkpoint (random ones with load_format "dummy"); None for one
     that takes none."""
-    model = image_model(folder)
-    if model is None:
+    image = image_model(folder)
+    if image is None:
         return None
     from transformers import AutoConfig
 
     from services.worker.vision.gemma3 import Gemma3ImageEncoder
 
+    from services.worker.vision.qwen2_5_vl import Qwen25VLImageEncoder
+
     config = AutoConfig.from_pretrained(str(folder))
-    module = {"gemma3": Gemma3ImageEncoder}[model.family](config)
+    module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder}[image.family](config)
     if load_format != "dummy":
         module.load_weights(_tensors(Path(folder), module.reads))
-    return ImageEncoder(module.to(device, dtype).eval(), model.bidirectional, dtype, device, folder)
+    encoder = ImageEncoder(module.to(device, dtype).eval(), image.bidirectional, dtype, device, folder)
+    if image.mrope_section is not None:  # (`model`: the decoder, whose rotary table gets the image rows)
+        encoder.mrope = MRoPERows(model.model.rotary, image.mrope_section, image.merge_size)
+    return encoder
 
 
 def _tensors(folder: Path, reads):

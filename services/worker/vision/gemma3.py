@@ -56,6 +56,17 @@ class Gemma3ImageEncoder(nn.Module):
         hidden = self.tower(pixel_values=pixel_values).last_hidden_state
         return self.projector(hidden)
 
+    def encode(self, pixels: list[torch.Tensor], grids) -> list[torch.Tensor]:
+        """Each image's [mm_tokens_per_image, hidden_size], those of one size together."""
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, image in enumerate(pixels):
+            by_shape.setdefault(tuple(image.shape), []).append(i)
+        for indexes in by_shape.values():
+            for i, embedded in zip(indexes, self(torch.stack([pixels[i] for i in indexes]))):
+                out[i] = embedded
+        return out
+
 
 def _strip(name: str, prefixes: tuple[str, ...]) -> str:
     return next(name[len(p):] for p in prefixes if name.startswith(p))

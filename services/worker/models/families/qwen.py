@@ -15,9 +15,10 @@ QWEN2 = Family(
     fields=lambda raw: {"qkv_bias": True},
     served=("`Qwen2ForCausalLM`, and the language model of `Qwen2VLForConditionalGeneration` and "
             "`Qwen2_5_VLForConditionalGeneration` checkpoints (Qwen2-VL, Qwen2.5-VL: the config read through "
-            "transformers' class, so the first releases' top-level keys serve as a `text_config` does; the "
-            "`visual.*` tower unread, a message with an image part a 400; their MRoPE on text, where a token's "
-            "time, height and width positions are all its index, is the ordinary rotary)"),
+            "transformers' class, so the first releases' top-level keys serve as a `text_config` does; their "
+            "MRoPE on text, where a token's time, height and width positions are all its index, is the ordinary "
+            "rotary); Qwen2.5-VL's images in through its `visual.*` tower, an image's tokens at MRoPE's three "
+            "positions (docs/features/multimodal_inputs.md); Qwen2-VL's tower unread, an image for it a 400)"),
     adds="q/k/v biases",
     cpu="as Llama",
     gpu="as Llama",

@@ -1,0 +1,48 @@
+"""Qwen2.5-VL's image encoder: its ViT (window attention, 2D rotary positions within each
+image, full attention in the blocks the config names) and the patch merger (2x2 patches
+into one token of the language model's width), transformers' own module loaded from the
+checkpoint's `visual.*` tensors (gemma3.py says why transformers' modules)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+PREFIXES = ("model.visual.", "visual.")
+
+
+class Qwen25VLImageEncoder(nn.Module):
+    def __init__(self, config) -> None:  # a transformers Qwen2_5_VLConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        super().__init__()
+        self.tower = Qwen2_5_VisionTransformerPretrainedModel(config.vision_config)
+        self.merge_size = config.vision_config.spatial_merge_size
+
+    @staticmethod
+    def reads(name: str) -> bool:
+        return name.startswith(PREFIXES)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = self.state_dict()
+        loaded = set()
+        for name, tensor in weights:
+            local = "tower." + next(name[len(p):] for p in PREFIXES if name.startswith(p))
+            if local not in params:
+                raise ValueError(f"{name}: the image encoder has no such tensor")
+            if params[local].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config says {tuple(params[local].shape)}")
+            params[local].copy_(tensor)
+            loaded.add(local)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks the image encoder's {missing[0]} ({len(missing)} missing)")
+
+    @torch.inference_mode()
+    def encode(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
+        """Each image's rows of patches -> its [tokens, hidden_size], all in one call (the
+        tower attends within each image: its windows and cu_seqlens keep them apart)."""
+        out = self.tower(torch.cat(pixels), grid_thw=torch.tensor(grids, device=pixels[0].device)).pooler_output
+        return list(out.split([t * h * w // self.merge_size**2 for t, h, w in grids]))
