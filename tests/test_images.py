@@ -66,8 +66,13 @@ def generate_ids(llm: LLM, prompts) -> list[list[int]]:
                                     {"num_kv_blocks": 10, "block_size": 16}, {"async_scheduling": True}],
                          ids=["plain", "chunked", "preempted", "async"])
 def test_images_give_transformers_tokens(gemma3, reference, engine):
-    llm = LLM(str(gemma3), dtype="float32", **engine)
-    assert generate_ids(llm, PROMPTS) == reference
+    check_engine(gemma3, PROMPTS, reference, engine)
+
+
+def check_engine(folder, prompts, reference, engine: dict) -> None:
+    """The engine configured so gives transformers' tokens (and preempted, where asked to)."""
+    llm = LLM(str(folder), dtype="float32", **engine)
+    assert generate_ids(llm, prompts) == reference
     if "num_kv_blocks" in engine:
         assert llm.stats().num_preemptions > 0
 
@@ -218,10 +223,7 @@ def qwen_reference(qwen25vl):
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 7},
                                     {"num_kv_blocks": 6, "block_size": 16}], ids=["plain", "chunked", "preempted"])
 def test_qwen2_5_vl_images_give_transformers_tokens(qwen25vl, qwen_reference, engine):
-    llm = LLM(str(qwen25vl), dtype="float32", **engine)
-    assert generate_ids(llm, QWEN_PROMPTS) == qwen_reference
-    if "num_kv_blocks" in engine:
-        assert llm.stats().num_preemptions > 0
+    check_engine(qwen25vl, QWEN_PROMPTS, qwen_reference, engine)
 
 
 def test_qwen2_5_vl_image_positions_count(qwen25vl, qwen_reference, monkeypatch):
