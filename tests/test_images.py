@@ -259,3 +259,21 @@ def test_a_worker_processes_an_image_file_to_the_replica_s_pixels(family, gemma3
     assert served[0].source and not served[0].pixel_values
     pixels = LLM(str(folder), dtype="float32").runner.images._pixels(served[0])
     assert np.array_equal(pixels, np.frombuffer(offline[0].pixel_values, np.float32).reshape(offline[0].shape))
+
+
+def test_image_requests_keep_speculation_and_structured_outputs(gemma3, reference):
+    """n-gram drafts verified exactly on image requests (the same tokens), and a JSON schema
+    constrains an image request's output (it parses and fits)."""
+    import json
+
+    from shared.sampling_params import StructuredOutputsParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+            "disable_by_batch_size": None}
+    llm = LLM(str(gemma3), dtype="float32", speculative_config=spec)
+    assert generate_ids(llm, PROMPTS) == reference
+    assert llm.stats().spec_decode_num_draft_tokens > 0
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    text = llm.generate(PROMPTS[1], params)[0].outputs[0].text
+    assert isinstance(json.loads(text)["n"], int)

@@ -105,6 +105,23 @@ def test_image_parts_give_transformers_text(served, media):
     assert from_file.choices[0].message.content == hf_chat_text(model, "<start_of_image>\nWhat?", [cat])
 
 
+def test_the_responses_api_takes_input_image_parts(served):
+    """OpenAI's Responses API, as the chat it means: input_image parts are image_url parts."""
+    import openai
+
+    _, url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    picture = data_url(image(2, 33, 44))
+    response = client.responses.create(model="tiny", max_output_tokens=MAX_NEW, temperature=0, store=False, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Name it"},
+                                     {"type": "input_image", "image_url": picture}]}])
+    chat = client.chat.completions.create(model="tiny", max_tokens=MAX_NEW, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Name it"}, image_part(picture)]}])
+    assert response.output_text == chat.choices[0].message.content
+    # (the image's tokens counted in both: its four placeholders among them)
+    assert response.usage.input_tokens == chat.usage.prompt_tokens > len("Name it".split()) + 4
+
+
 def test_bad_images_are_400s_naming_the_messages(served, media, tmp_path):
     import openai
 

@@ -146,13 +146,26 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
             raise BadRequest(str(exc)) from exc
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content as a chat message's: its text, or, with `input_image`
+    parts, chat parts (text, and image_url for each image: media.py reads them)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
-    raise BadRequest(f"{where}.content must be text (a string or input_text/output_text parts)", "input")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts = []
+        for j, part in enumerate(content):
+            if part.get("type") in ("input_text", "output_text") and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif part.get("type") == "input_image" and isinstance(part.get("image_url"), str):
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            else:
+                raise BadRequest(f"{where}.content[{j}] must be input_text, output_text or input_image with an "
+                                 "image_url (file_id is not supported)", "input")
+        return parts
+    raise BadRequest(f"{where}.content must be a string or input_text/output_text/input_image parts", "input")
 
 
 def chat_messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -169,7 +182,7 @@ def chat_messages_of(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest(f"{where}.role must be user, assistant, system or developer", "input")
             messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(item.get("content"), where)})
+                             "content": _content_of(item.get("content"), where)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise BadRequest(f"{where}: a function_call needs call_id, name and arguments (strings)", "input")
