@@ -48,7 +48,7 @@ def hf_generate(folder, prompts, **processing) -> list[list[int]]:
     for prompt in prompts:
         images = prompt.get("multi_modal_data", {}).get("image")
         inputs = processor(text=prompt["prompt"], images=images, return_tensors="pt", **processing)
-        ids = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+        ids = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)  # (as ignore_eos)
         out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
     return out
 
@@ -175,7 +175,8 @@ def test_a_template_that_walks_the_parts_gets_them(gemma3):
         "image": IMAGES[:1]}}], add_special_tokens=False)[0]
 
 
-# Qwen2.5-VL: images of different sizes (4 to 16 tokens after merging), MRoPE positions
+# Qwen2.5-VL and Qwen3-VL: images of different sizes (4 to 16 tokens after merging), MRoPE
+# positions (Qwen3-VL's interleaved), Qwen3-VL's deepstack features into its first layer
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_PROMPTS = [
     {"prompt": f"Describe {QWEN_MARK} now", "multi_modal_data": {"image": image(3, 90, 60)}},
@@ -185,22 +186,31 @@ QWEN_PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request, tmp_path_factory):
+    """(the model's folder, transformers' greedy tokens for QWEN_PROMPTS)"""
+    folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3)
+    return folder, hf_qwen_generate(folder, QWEN_PROMPTS)
+
+
 @pytest.fixture(scope="module")
 def qwen25vl(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl_images"), "qwen2_5_vl", seed=3)
 
 
 def hf_qwen_generate(folder, prompts) -> list[list[int]]:
-    """transformers' Qwen2.5-VL on the same token ids and pixels (its processor, but for the
+    """transformers' model on the same token ids and pixels (its processor, but for the
     video processor it holds, is what ImagePrompts runs), with the image tokens' types that
     its MRoPE positions are computed from."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     from services.tokenizer.images import ImagePrompts
     from shared.hf.image_models import image_model
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    image_prompts, out = ImagePrompts(folder, image_model(folder)), []
+    spec = image_model(folder)
+    model_class = Qwen3VLForConditionalGeneration if spec.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model = model_class.from_pretrained(folder, dtype=torch.float32)
+    image_prompts, out = ImagePrompts(folder, spec), []
     for prompt in prompts:
         images = prompt.get("multi_modal_data", {}).get("image", [])
         ids, features = image_prompts.encode(prompt["prompt"], images if isinstance(images, list) else [images]) \
@@ -208,37 +218,48 @@ def hf_qwen_generate(folder, prompts) -> list[list[int]]:
         ids = torch.tensor([ids])
         extra = {"pixel_values": torch.cat([torch.from_numpy(np.frombuffer(f.pixel_values, np.float32).reshape(
             f.shape).copy()) for f in features]), "image_grid_thw": torch.tensor([f.grid for f in features]),
-            "mm_token_type_ids": (ids == image_prompts.model.image_token_id).int()} if features else {}
+            "mm_token_type_ids": (ids == spec.image_token_id).int()} if features else {}
         generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                                   min_new_tokens=MAX_NEW, do_sample=False, **extra)
+                                   do_sample=False, eos_token_id=None, **extra)  # (as ignore_eos)
         out.append(generated[0, ids.shape[1]:].tolist())
     return out
 
 
-@pytest.fixture(scope="module")
-def qwen_reference(qwen25vl):
-    return hf_qwen_generate(qwen25vl, QWEN_PROMPTS)
-
-
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 7},
                                     {"num_kv_blocks": 6, "block_size": 16}], ids=["plain", "chunked", "preempted"])
-def test_qwen2_5_vl_images_give_transformers_tokens(qwen25vl, qwen_reference, engine):
-    check_engine(qwen25vl, QWEN_PROMPTS, qwen_reference, engine)
+def test_qwen_vl_images_give_transformers_tokens(qwen, engine):
+    check_engine(*qwen[:1], QWEN_PROMPTS, qwen[1], engine)
 
 
-def test_qwen2_5_vl_image_positions_count(qwen25vl, qwen_reference, monkeypatch):
-    """Image tokens at plain positions (as transformers without the token types), or no
-    shift after the images, give other tokens: the test above can fail on either."""
+def test_qwen_vl_image_positions_and_features_count(qwen, monkeypatch):
+    """Another image; image tokens at plain positions (as transformers without the token
+    types); no shift after the images; the sections laid out the other way; no deepstack
+    features: each gives other tokens, so the test above can fail on any."""
     from services.worker.vision import mrope
+    from services.worker.vision.step_images import StepImages
 
-    llm = LLM(str(qwen25vl), dtype="float32")
+    folder, reference = qwen
+    llm = LLM(str(folder), dtype="float32", enable_prefix_caching=False)  # (each variant computes its own K/V)
     other = dict(QWEN_PROMPTS[0], multi_modal_data={"image": image(8, 90, 60)})
-    assert generate_ids(llm, [other]) != qwen_reference[:1]
+    assert generate_ids(llm, [other]) != reference[:1]
     plain = mrope.mrope_positions
     monkeypatch.setattr(mrope, "mrope_positions", lambda n, images, merge: (np.tile(np.arange(n), (3, 1)), 0))
-    assert generate_ids(llm, QWEN_PROMPTS[:3]) != qwen_reference[:3]
+    assert generate_ids(llm, QWEN_PROMPTS[:3]) != reference[:3]
     monkeypatch.setattr(mrope, "mrope_positions", lambda n, images, merge: (plain(n, images, merge)[0], 0))
-    assert generate_ids(llm, QWEN_PROMPTS[:3]) != qwen_reference[:3]
+    assert generate_ids(llm, QWEN_PROMPTS[:3]) != reference[:3]
+    monkeypatch.undo()
+    rows = llm.runner.images.mrope
+    sections = torch.repeat_interleave(torch.arange(3), torch.tensor([2, 3, 3]))  # (the tiny models' [2, 3, 3])
+    interleaved = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    assert rows.component.tolist() == (interleaved if "qwen3" in str(folder) else sections).tolist()
+    monkeypatch.setattr(rows, "component", sections if "qwen3" in str(folder) else interleaved)
+    assert generate_ids(llm, QWEN_PROMPTS[:3]) != reference[:3]
+    monkeypatch.undo()
+    if "qwen3" in str(folder):
+        monkeypatch.setattr(StepImages, "add_deepstack", lambda self, layer, hidden: hidden)
+        assert generate_ids(llm, QWEN_PROMPTS[:3]) != reference[:3]
+        monkeypatch.undo()
+    assert generate_ids(llm, QWEN_PROMPTS[:3]) == reference[:3]  # (and all put back, the same LLM as before)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])

@@ -78,7 +78,7 @@ def hf_chat_text(folder, content: str, images: list[Image.Image]) -> str:
                                                    add_generation_prompt=True)
     inputs = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
     model = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    ids = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
+    ids = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)  # (as ignore_eos)
     return processor.tokenizer.decode(ids[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 

@@ -127,7 +127,8 @@ def build_tiny_model(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, extra_special_tokens={"gemma3_multimodal": GEMMA3_IMAGE_TOKENS,
-                                                              "qwen2_5_vl": QWEN_VL_IMAGE_TOKENS}.get(arch))
+                                                              "qwen2_5_vl": QWEN_VL_IMAGE_TOKENS,
+                                                              "qwen3_vl": QWEN_VL_IMAGE_TOKENS}.get(arch))
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -687,24 +688,30 @@ def build_tiny_model(
         mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
         text = {**common, "head_dim": 16, **overrides}
-        if arch == "qwen2_5_vl":  # (its image tokens the tokenizer's last four)
-            ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VL_IMAGE_TOKENS.items()}
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        # (their image tokens the tokenizer's last four)
+        ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VL_IMAGE_TOKENS.items()}
+        if arch == "qwen2_5_vl":
             config = Qwen2_5_VLConfig(text_config={**text, "rope_parameters": mrope}, vision_config=vision,
                                       tie_word_embeddings=common["tie_word_embeddings"], **ids)
             model = Qwen2_5_VLForConditionalGeneration(config)
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
             # images of 4 to 16 merged tokens (2x2 patches of 14 pixels each)
             Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
-        else:
+        else:  # (deepstack features from its one block into the first layer)
             config = Qwen3VLConfig(text_config={**text, "rope_parameters": {**mrope, "mrope_interleaved": True}},
                                    vision_config={**vision, "deepstack_visual_indexes": [0]},
-                                   tie_word_embeddings=common["tie_word_embeddings"])
+                                   tie_word_embeddings=common["tie_word_embeddings"], **ids)
             model = Qwen3VLForConditionalGeneration(config)
+            # (patches of 16 pixels, as Qwen3-VL's)
+            Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4,
+                                     max_pixels=32 * 32 * 16).save_pretrained(folder)
         with torch.no_grad():  # the qkv biases start at zero and the q/k norms at one; make them count
             for name, param in model.named_parameters():
                 if "language_model" in name and ("_proj.bias" in name or "_norm.weight" in name):
                     param.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1)
+                elif "deepstack_merger" in name and name.endswith("fc2.weight"):  # (at 0.02, features that add ~0)
+                    param.normal_(0.0, 0.3)
     elif arch == "mistral":
         model = MistralForCausalLM(MistralConfig(**{"sliding_window": None, **common}))
     elif arch == "olmoe":  # 8 experts of 32, top 2, unnormalized; q/k norms over all heads, made to count

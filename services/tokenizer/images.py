@@ -21,8 +21,8 @@ class ImagePrompts:
 
         self.model = model
         try:
-            if model.family == "qwen2_5_vl":
-                # transformers' Qwen2.5-VL processor also holds a video processor, which needs
+            if model.family in ("qwen2_5_vl", "qwen3_vl"):
+                # transformers' Qwen-VL processors also hold a video processor, which needs
                 # torchvision (not installed: its operators do not load with a CPU build of
                 # torch); its image processor and tokenizer serve alone, and its text step
                 # is one replacement (expand_image_tokens)

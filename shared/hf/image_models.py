@@ -14,9 +14,11 @@ from shared.hf.model_folder import config_or_empty
 
 # Architecture -> how llmbus encodes its images (services/worker/vision/). The families
 # whose text alone is served otherwise (Qwen3-VL, Mistral Small 3.1, ...) are not here yet.
-IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
+IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+                       "Qwen3VLForConditionalGeneration": "qwen3_vl"}
 # What a prompt writes for an image, where it is not the processor's image token itself
-MARKERS = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
+MARKERS = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+           "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +31,7 @@ class ImageModel:
     # Qwen-VL's MRoPE: how many of a head's rotary frequencies turn with each of an image
     # token's (time, height, width) positions; None: one position a token
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's: the sections' frequencies interleaved (t, h, w, t, h, w, ...)
     merge_size: int = 1  # patches merged into one token along each side (Qwen-VL's 2)
 
 
@@ -49,6 +52,7 @@ def image_model(folder: str | Path) -> ImageModel | None:
     if not section:
         raise ValueError(f"{folder}/config.json names no mrope_section: its images' positions are unknown")
     return ImageModel(family, token, bidirectional=False, mrope_section=tuple(section),
+                      mrope_interleaved=family == "qwen3_vl" or bool(rope.get("mrope_interleaved")),
                       merge_size=raw["vision_config"].get("spatial_merge_size", 2))
 
 

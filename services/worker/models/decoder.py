@@ -212,8 +212,11 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed(input_ids, positions), None
         if images is not None:  # (after the embedding's multiplier: transformers scatters them so)
             hidden = images.apply(hidden, metadata)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            if images is not None and images.deepstack > i:  # (Qwen3-VL's image features into its first layers)
+                # (the layer's output summed here, as transformers adds them to it: the same rounding)
+                hidden, residual = images.add_deepstack(i, hidden + residual), None
         if residual is None:  # no layers
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]

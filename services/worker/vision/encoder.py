@@ -121,12 +121,13 @@ def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, 
     from services.worker.vision.qwen2_5_vl import Qwen25VLImageEncoder
 
     config = AutoConfig.from_pretrained(str(folder))
-    module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder}[image.family](config)
+    module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder,
+              "qwen3_vl": Qwen25VLImageEncoder}[image.family](config)
     if load_format != "dummy":
         module.load_weights(_tensors(Path(folder), module.reads))
     encoder = ImageEncoder(module.to(device, dtype).eval(), image.bidirectional, dtype, device, folder)
     if image.mrope_section is not None:  # (`model`: the decoder, whose rotary table gets the image rows)
-        encoder.mrope = MRoPERows(model.model.rotary, image.mrope_section, image.merge_size)
+        encoder.mrope = MRoPERows(model.model.rotary, image.mrope_section, image.merge_size, image.mrope_interleaved)
     return encoder
 
 

@@ -37,13 +37,20 @@ def mrope_positions(num_prompt: int, images: list, merge_size: int) -> tuple[np.
 
 
 class MRoPERows:
-    def __init__(self, rotary, section: tuple[int, ...], merge_size: int) -> None:
+    def __init__(self, rotary, section: tuple[int, ...], merge_size: int, interleaved: bool = False) -> None:
         if sum(section) * 2 != rotary.head_dim:
             raise ValueError(f"mrope_section {list(section)} does not cover a head's {rotary.head_dim // 2} "
                              "rotary frequencies")
         self.rotary, self.merge_size = rotary, merge_size
-        # which of (time, height, width) each frequency turns with, for both halves of a head
-        self.component = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
+        # which of (time, height, width) each frequency turns with, for both halves of a head:
+        # in sections one after the other (Qwen2.5-VL), or interleaved t, h, w, t, h, w, ...
+        # over 3x the height and width sections, time after (Qwen3-VL)
+        if interleaved:
+            self.component = torch.zeros(rotary.head_dim // 2, dtype=torch.int64)
+            for axis in (1, 2):
+                self.component[axis:section[axis] * 3:3] = axis
+        else:
+            self.component = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         self.base = rotary.cos_cache.shape[0]
         dim = rotary.cos_cache.shape[1]
         rotary.cos_cache = torch.cat([rotary.cos_cache, rotary.cos_cache.new_zeros(SCRATCH_ROWS, dim)])

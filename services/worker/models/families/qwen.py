@@ -32,7 +32,9 @@ QWEN3 = Family(
     architectures=("Qwen3ForCausalLM",),
     served=("`Qwen3ForCausalLM`, and the language model of `Qwen3VLForConditionalGeneration` (Qwen3-VL, as "
             "Qwen2.5-VL's; interleaved MRoPE sections, on text the ordinary rotary too; the chat template from the"
-            " processor's `chat_template.json` where the tokenizer has none)"),
+            " processor's `chat_template.json` where the tokenizer has none; images in through its `visual.*` "
+            "tower, their deepstack features added to its first layers' outputs: "
+            "docs/features/multimodal_inputs.md)"),
     adds=("a per-head RMSNorm on queries and keys before rotary (`q_norm`, `k_norm`); a `sliding_window` with "
           "`use_sliding_window: false` is not windowed"),
     cpu=("all dtypes and int8/int4; the one-call decode layer included (it norms each query and key head in place "
