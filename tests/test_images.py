@@ -175,8 +175,8 @@ def test_a_template_that_walks_the_parts_gets_them(gemma3):
         "image": IMAGES[:1]}}], add_special_tokens=False)[0]
 
 
-# Qwen2.5-VL and Qwen3-VL: images of different sizes (4 to 16 tokens after merging), MRoPE
-# positions (Qwen3-VL's interleaved), Qwen3-VL's deepstack features into its first layer
+# Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: images of different sizes (4 to 16 tokens after
+# merging), MRoPE positions (Qwen3-VL's interleaved), its deepstack features into its first layer
 QWEN_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 QWEN_PROMPTS = [
     {"prompt": f"Describe {QWEN_MARK} now", "multi_modal_data": {"image": image(3, 90, 60)}},
@@ -186,7 +186,7 @@ QWEN_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def qwen(request, tmp_path_factory):
     """(the model's folder, transformers' greedy tokens for QWEN_PROMPTS)"""
     folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3)
@@ -202,13 +202,14 @@ def hf_qwen_generate(folder, prompts) -> list[list[int]]:
     """transformers' model on the same token ids and pixels (its processor, but for the
     video processor it holds, is what ImagePrompts runs), with the image tokens' types that
     its MRoPE positions are computed from."""
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    import transformers
 
     from services.tokenizer.images import ImagePrompts
     from shared.hf.image_models import image_model
+    from shared.hf.model_folder import read_config
 
     spec = image_model(folder)
-    model_class = Qwen3VLForConditionalGeneration if spec.family == "qwen3_vl" else Qwen2_5_VLForConditionalGeneration
+    model_class = getattr(transformers, read_config(folder)["architectures"][0])
     model = model_class.from_pretrained(folder, dtype=torch.float32)
     image_prompts, out = ImagePrompts(folder, spec), []
     for prompt in prompts:

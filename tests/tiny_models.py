@@ -128,7 +128,8 @@ def build_tiny_model(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, extra_special_tokens={"gemma3_multimodal": GEMMA3_IMAGE_TOKENS,
                                                               "qwen2_5_vl": QWEN_VL_IMAGE_TOKENS,
-                                                              "qwen3_vl": QWEN_VL_IMAGE_TOKENS}.get(arch))
+                                                              "qwen3_vl": QWEN_VL_IMAGE_TOKENS,
+                                                              "qwen3_vl_moe": QWEN_VL_IMAGE_TOKENS}.get(arch))
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -673,12 +674,18 @@ def build_tiny_model(
                                     "mrope_interleaved": True}, **overrides}
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"],
                       deepstack_visual_indexes=[0])
+        ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VL_IMAGE_TOKENS.items()}
         model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(
-            text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"]))
+            text_config=text, vision_config=vision, tie_word_embeddings=common["tie_word_embeddings"], **ids))
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        Qwen2VLImageProcessorPil(patch_size=16, min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 16).save_pretrained(folder)
         with torch.no_grad():  # the router and the q/k norms start at zero and one; make them count
             for name, param in model.named_parameters():
                 if "language_model" in name and ("mlp.gate." in name or "_norm.weight" in name):
                     param.normal_(1.0 if "norm" in name else 0.0, 0.3)
+                elif "deepstack_merger" in name and name.endswith("fc2.weight"):  # (at 0.02, features that add ~0)
+                    param.normal_(0.0, 0.3)
     elif arch in ("qwen2_5_vl", "qwen3_vl"):
         # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
         # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.

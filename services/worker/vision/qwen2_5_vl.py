@@ -22,6 +22,8 @@ class Qwen25VLImageEncoder(nn.Module):
         super().__init__()
         if config.model_type == "qwen3_vl":
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
+        elif config.model_type == "qwen3_vl_moe":  # (the same tower as Qwen3-VL's)
+            from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel as Tower
         else:
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
                 Qwen2_5_VisionTransformerPretrainedModel as Tower)

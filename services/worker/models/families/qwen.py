@@ -125,7 +125,8 @@ QWEN3_MOE = Family(
     served=("`Qwen3MoeForCausalLM`, and the language model of `Qwen3VLMoeForConditionalGeneration` "
             "(Qwen3-VL-30B-A3B, 235B-A22B: its router always renormalizes; its experts stacked in the checkpoint, "
             "`[experts, in, out]` as the Hub ships them and `[experts, out, in]` as transformers 5 saves them, "
-            "told apart by shape, the Hub's where the shape cannot tell)"),
+            "told apart by shape, the Hub's where the shape cannot tell; images in as Qwen3-VL's: "
+            "docs/features/multimodal_inputs.md)"),
     adds=("Qwen3's attention; sparse layers every `decoder_sparse_step` but `mlp_only_layers` (dense); "
           "`norm_topk_prob` chooses whether top-k weights are renormalized"),
     cpu="as Mixtral",
