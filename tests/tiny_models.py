@@ -31,7 +31,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 # Gemma 3's image tokens, as its tokenizer names them (transformers' Gemma3Processor reads them)
-GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+GEMMA3_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                       "image_token": "<image_soft_token>"}
 # Qwen2.5-VL's
 QWEN_VL_IMAGE_TOKENS = {"vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>",
                         "image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
