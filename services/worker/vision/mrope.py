@@ -53,6 +53,10 @@ class MRoPERows:
             self.component = torch.repeat_interleave(torch.arange(len(section)), torch.tensor(section))
         self.base = rotary.cos_cache.shape[0]
         dim = rotary.cos_cache.shape[1]
+        # The tables before: kept alive, as the CPU's fused decode layer (models/fused_decode.py)
+        # holds their addresses; a decode reads rows both tables hold alike (its position,
+        # shifted or not, is never past the table's), never a scratch row.
+        self._tables_before = (rotary.cos_cache, rotary.sin_signed_cache)
         rotary.cos_cache = torch.cat([rotary.cos_cache, rotary.cos_cache.new_zeros(SCRATCH_ROWS, dim)])
         rotary.sin_signed_cache = torch.cat([rotary.sin_signed_cache,
                                              rotary.sin_signed_cache.new_zeros(SCRATCH_ROWS, dim)])
