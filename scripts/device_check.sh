@@ -27,7 +27,9 @@
 #      served_gpu_busy_fraction_decode_b128: scheduling, stepping and detokenizing in
 #      processes of their own) (needs the services' wheels too, docs/design/kernels.md; about 2
 #      minutes), then
-#      scripts/sampler_times.py on the GPU: each kind of request's sampling a step
+#      scripts/sampler_times.py on the GPU: each kind of request's sampling a step, then
+#      scripts/images_gpu_check.py: images in (Gemma 3, Qwen2.5-VL, Qwen3-VL) against
+#      transformers on the GPU (images_gpu_check.json)
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
 # $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
 # docs/gpu/latest.json), served.json (its figures go into latest.json too).
@@ -79,6 +81,8 @@ if [ "$MODE" = served ]; then
     # What each kind of request's sampling costs a step on the GPU (every other figure is greedy).
     step sampler_times 40 python3 scripts/sampler_times.py --device cuda --logits random --batch 1 128 --runs 2 \
         --repeats 20
+    # Images in on the GPU: each family's greedy tokens against transformers' (Triton, CUDA graphs)
+    step images 90 python3 scripts/images_gpu_check.py --out "$OUT"
     grep -E "^== |^\{" "$LOG" | tail -n 20
     exit 0
 fi

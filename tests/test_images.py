@@ -39,15 +39,15 @@ def gemma3(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("gemma3_images"), "gemma3_multimodal", seed=3)
 
 
-def hf_generate(folder, prompts, **processing) -> list[list[int]]:
+def hf_generate(folder, prompts, device: str = "cpu", **processing) -> list[list[int]]:
     from transformers import AutoProcessor, Gemma3ForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(folder, backend="pil")
-    model = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    model = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).to(device)
     out = []
     for prompt in prompts:
         images = prompt.get("multi_modal_data", {}).get("image")
-        inputs = processor(text=prompt["prompt"], images=images, return_tensors="pt", **processing)
+        inputs = processor(text=prompt["prompt"], images=images, return_tensors="pt", **processing).to(device)
         ids = model.generate(**inputs, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None)  # (as ignore_eos)
         out.append(ids[0, inputs["input_ids"].shape[1]:].tolist())
     return out
@@ -198,7 +198,7 @@ def qwen25vl(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("qwen2_5_vl_images"), "qwen2_5_vl", seed=3)
 
 
-def hf_qwen_generate(folder, prompts) -> list[list[int]]:
+def hf_qwen_generate(folder, prompts, device: str = "cpu") -> list[list[int]]:
     """transformers' model on the same token ids and pixels (its processor, but for the
     video processor it holds, is what ImagePrompts runs), with the image tokens' types that
     its MRoPE positions are computed from."""
@@ -210,15 +210,16 @@ def hf_qwen_generate(folder, prompts) -> list[list[int]]:
 
     spec = image_model(folder)
     model_class = getattr(transformers, read_config(folder)["architectures"][0])
-    model = model_class.from_pretrained(folder, dtype=torch.float32)
+    model = model_class.from_pretrained(folder, dtype=torch.float32).to(device)
     image_prompts, out = ImagePrompts(folder, spec), []
     for prompt in prompts:
         images = prompt.get("multi_modal_data", {}).get("image", [])
         ids, features = image_prompts.encode(prompt["prompt"], images if isinstance(images, list) else [images]) \
             if images else (image_prompts.tokenizer(prompt["prompt"])["input_ids"], [])
-        ids = torch.tensor([ids])
+        ids = torch.tensor([ids], device=device)
         extra = {"pixel_values": torch.cat([torch.from_numpy(np.frombuffer(f.pixel_values, np.float32).reshape(
-            f.shape).copy()) for f in features]), "image_grid_thw": torch.tensor([f.grid for f in features]),
+            f.shape).copy()) for f in features]).to(device), "image_grid_thw": torch.tensor([f.grid for f in features],
+                                                                                           device=device),
             "mm_token_type_ids": (ids == spec.image_token_id).int()} if features else {}
         generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                    do_sample=False, eos_token_id=None, **extra)  # (as ignore_eos)
@@ -299,3 +300,4 @@ def test_image_requests_keep_speculation_and_structured_outputs(gemma3, referenc
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
     text = llm.generate(PROMPTS[1], params)[0].outputs[0].text
     assert isinstance(json.loads(text)["n"], int)
+
