@@ -217,10 +217,10 @@ def hf_qwen_generate(folder, prompts, device: str = "cpu") -> list[list[int]]:
         ids, features = image_prompts.encode(prompt["prompt"], images if isinstance(images, list) else [images]) \
             if images else (image_prompts.tokenizer(prompt["prompt"])["input_ids"], [])
         ids = torch.tensor([ids], device=device)
-        extra = {"pixel_values": torch.cat([torch.from_numpy(np.frombuffer(f.pixel_values, np.float32).reshape(
-            f.shape).copy()) for f in features]).to(device), "image_grid_thw": torch.tensor([f.grid for f in features],
-                                                                                           device=device),
-            "mm_token_type_ids": (ids == spec.image_token_id).int()} if features else {}
+        pixels = [torch.from_numpy(np.frombuffer(f.pixel_values, np.float32).reshape(f.shape).copy()) for f in features]
+        extra = {"pixel_values": torch.cat(pixels).to(device),
+                 "image_grid_thw": torch.tensor([f.grid for f in features], device=device),
+                 "mm_token_type_ids": (ids == spec.image_token_id).int()} if features else {}
         generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                    do_sample=False, eos_token_id=None, **extra)  # (as ignore_eos)
         out.append(generated[0, ids.shape[1]:].tolist())
@@ -300,4 +300,3 @@ def test_image_requests_keep_speculation_and_structured_outputs(gemma3, referenc
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
     text = llm.generate(PROMPTS[1], params)[0].outputs[0].text
     assert isinstance(json.loads(text)["n"], int)
-
