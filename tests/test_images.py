@@ -300,3 +300,11 @@ def test_image_requests_keep_speculation_and_structured_outputs(gemma3, referenc
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
     text = llm.generate(PROMPTS[1], params)[0].outputs[0].text
     assert isinstance(json.loads(text)["n"], int)
+
+
+def test_images_on_two_tensor_parallel_ranks(tmp_path):
+    """Each rank encodes the step's images itself (the tower replicated) and rotates by the
+    same MRoPE rows: Qwen3-VL on two ranks (gloo) gives transformers' tokens."""
+    folder = build_tiny_model(tmp_path / "qwen3_vl", "qwen3_vl", seed=3)
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    assert generate_ids(llm, QWEN_PROMPTS) == hf_qwen_generate(folder, QWEN_PROMPTS)
