@@ -404,6 +404,18 @@ def random_smollm2(assets: Path, dest: Path) -> None:
     print(f"random SmolLM2-shaped model in {dest}", flush=True)
 
 
+def check_device(cpu: bool) -> str | None:
+    """Where the checks run: the GPU, or with `cpu` (--cpu, to test a script) the CPU; float32
+    as float32 on both sides (no TF32). None where there is no GPU and no --cpu."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not cpu:
+        print("no GPU: nothing to check (the CPU path is what CI tests)")
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".")
@@ -418,12 +430,9 @@ def main() -> int:
     if args.random_smollm2:
         random_smollm2(Path(args.random_smollm2[0]), Path(args.random_smollm2[1]))
         return 0
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.cpu:
-        print("no GPU: nothing to check (the CPU path is what CI tests)")
+    device = check_device(args.cpu)
+    if device is None:
         return 0
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 must be float32 on both sides
-    torch.backends.cudnn.allow_tf32 = False
     import transformers
     import triton
 

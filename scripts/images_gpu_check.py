@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import kernels  # noqa: E402, F401 - Triton's interpreter with --cpu, before triton loads
+from gpu_check import check_device  # noqa: E402 - (this folder's: the script's own)
 
 FAMILIES = {"gemma3": "gemma3_multimodal", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl"}
 ENGINES = {"plain": {}, "chunked": {"max_num_batched_tokens": 20, "long_prefill_token_threshold": 7}}
@@ -59,12 +60,9 @@ def main() -> int:
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--prompts", type=int, default=None, help="the first N test prompts only (default all)")
     args = parser.parse_args()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not args.cpu:
-        print("no GPU: nothing to check (the CPU path is what CI tests)")
+    device = check_device(args.cpu)
+    if device is None:
         return 0
-    torch.backends.cuda.matmul.allow_tf32 = False  # float32 must be float32 on both sides
-    torch.backends.cudnn.allow_tf32 = False
     report = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": []}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
