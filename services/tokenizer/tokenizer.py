@@ -98,7 +98,9 @@ class Tokenizer:
             raise ValueError("this model has no chat template: give one (--chat-template)")
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         placeholder = self.image_prompts.placeholder if has_image_parts(messages) and self.image_prompts else None
-        parts = self.template_takes_parts if template is None else iterates_content(template)
+        # (a conversation without images keeps its text parts joined, as served and as before)
+        parts = placeholder is not None and (self.template_takes_parts if template is None
+                                             else iterates_content(template))
         messages = chat_messages(messages, placeholder, parts)
         if tools or has_tool_turns(messages):
             if _reads_tools(template) if template is not None else self.template_renders_tools:
