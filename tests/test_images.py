@@ -307,4 +307,7 @@ def test_images_on_two_tensor_parallel_ranks(tmp_path):
     same MRoPE rows: Qwen3-VL on two ranks (gloo) gives transformers' tokens."""
     folder = build_tiny_model(tmp_path / "qwen3_vl", "qwen3_vl", seed=3)
     llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
-    assert generate_ids(llm, QWEN_PROMPTS) == hf_qwen_generate(folder, QWEN_PROMPTS)
+    try:
+        assert generate_ids(llm, QWEN_PROMPTS) == hf_qwen_generate(folder, QWEN_PROMPTS)
+    finally:
+        llm.executor.close()  # (its ranks stopped here, as tests/test_tensor_parallel.py's)
