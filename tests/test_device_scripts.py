@@ -49,16 +49,15 @@ def test_gpu_figures_counts_greedy_cases_apart_from_the_other_checks():
 
 
 def test_images_gpu_check_passes_on_cpu(tmp_path):
-    """Its cases on the Triton backend, interpreted: Gemma 3's image masks and Qwen2.5-VL's
-    MRoPE rows through rotary_and_cache (a test prompt each here; the GPU runs every one of
-    them, Qwen3-VL too)."""
-    result = subprocess.run([sys.executable, "scripts/images_gpu_check.py", "--cpu", "--families", "gemma3",
-                             "qwen2_5_vl", "--prompts", "1", "--out", str(tmp_path)],
+    """Its cases on the Triton backend, interpreted: Qwen2.5-VL's MRoPE rows read by
+    rotary_and_cache from the table's scratch rows (one family and one test prompt here, for
+    CI's time; the GPU runs every prompt of Gemma 3, Qwen2.5-VL and Qwen3-VL)."""
+    result = subprocess.run([sys.executable, "scripts/images_gpu_check.py", "--cpu", "--families", "qwen2_5_vl",
+                             "--prompts", "1", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = json.loads((tmp_path / "images_gpu_check.json").read_text())["rows"]
-    assert [r["case"] for r in rows if r["identical"]] == ["gemma3/plain", "gemma3/chunked", "qwen2_5_vl/plain",
-                                                           "qwen2_5_vl/chunked"]
+    assert [r["case"] for r in rows if r["identical"]] == ["qwen2_5_vl/plain", "qwen2_5_vl/chunked"]
 
 
 def test_gpu_check_passes_every_check_on_cpu(tmp_path):
