@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from services.worker.vision.weights import copy_weights
+
 TOWER_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
@@ -32,23 +34,15 @@ class Gemma3ImageEncoder(nn.Module):
         return name.startswith(TOWER_PREFIXES + PROJECTOR_PREFIXES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = self.state_dict()
-        loaded = set()
-        for name, tensor in weights:
+        def local(name: str) -> str:
             if name.startswith(TOWER_PREFIXES):
                 # (the Hub's checkpoints name the tower's own module vision_model; transformers 5 saves it without)
-                local = "tower." + _strip(name, TOWER_PREFIXES).removeprefix("vision_model.")
-            else:
-                local = "projector." + _strip(name, PROJECTOR_PREFIXES)
-            if local not in params:
-                continue  # (SigLIP's pooling head: Gemma 3 reads the last hidden states)
-            if params[local].shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config says {tuple(params[local].shape)}")
-            params[local].copy_(tensor)
-            loaded.add(local)
-        missing = sorted(n for n in params if n not in loaded and not n.startswith("tower.head."))
-        if missing:
-            raise ValueError(f"the checkpoint lacks the image encoder's {missing[0]} ({len(missing)} missing)")
+                return "tower." + _strip(name, TOWER_PREFIXES).removeprefix("vision_model.")
+            return "projector." + _strip(name, PROJECTOR_PREFIXES)
+
+        # (SigLIP's pooling head goes unread: Gemma 3 reads the last hidden states)
+        copy_weights(self, ((name, local(name), tensor) for name, tensor in weights),
+                     unused=lambda name: name.startswith("tower.head."))
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

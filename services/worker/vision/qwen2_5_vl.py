@@ -14,6 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from services.worker.vision.weights import copy_weights
+
 PREFIXES = ("model.visual.", "visual.")
 
 
@@ -35,19 +37,8 @@ class Qwen25VLImageEncoder(nn.Module):
         return name.startswith(PREFIXES)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = self.state_dict()
-        loaded = set()
-        for name, tensor in weights:
-            local = "tower." + next(name[len(p):] for p in PREFIXES if name.startswith(p))
-            if local not in params:
-                raise ValueError(f"{name}: the image encoder has no such tensor")
-            if params[local].shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the config says {tuple(params[local].shape)}")
-            params[local].copy_(tensor)
-            loaded.add(local)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"the checkpoint lacks the image encoder's {missing[0]} ({len(missing)} missing)")
+        copy_weights(self, ((name, "tower." + next(name[len(p):] for p in PREFIXES if name.startswith(p)), tensor)
+                            for name, tensor in weights))
 
     @torch.inference_mode()
     def encode(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]:
