@@ -75,10 +75,10 @@ def resolve_model(model: str | None, revision: str | None = None, download_dir: 
 
 
 def with_draft_resolved(config, download_dir: str | None = None):
-    """A speculative_config whose draft model (`draft_model`'s `model`) may be named as the
+    """A speculative_config whose draft model (`draft_model`'s or `mtp`'s `model`) may be named as the
     target may (a known name, a GGUF, a Hub id): its folder, fetched or converted once here,
     as the worker reads it (a ValueError naming it where it is none of them)."""
-    if config is None or config.method != "draft_model":
+    if config is None or config.model is None:
         return config
     try:
         folder = resolve_model(config.model, None, download_dir)

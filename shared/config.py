@@ -234,6 +234,10 @@ class LoRAConfig:
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
+# vLLM's names of the MTP method from before it had one name (its config maps them so)
+MTP_METHODS = ("deepseek_mtp", "glm4_moe_mtp", "glm4_moe_lite_mtp")
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config`. "ngram" (prompt lookup): the worker proposes up to
@@ -241,10 +245,13 @@ class SpeculativeConfig:
     occurrence of the context's last n tokens, n from `prompt_lookup_max` down to
     `prompt_lookup_min`. "draft_model": `model`, a smaller model of the target's
     vocabulary (its folder, once the llmbus command or LLM resolved its name), proposes
-    them by argmax (services/worker/sample/draft_model.py)."""
+    them by argmax (services/worker/sample/draft_model.py). "mtp": the checkpoint's own
+    multi-token-prediction layer (DeepSeek-V3's, GLM-4.5's) proposes them from the target's
+    hidden states (services/worker/sample/mtp_proposer.py); vLLM's older per-family names
+    (MTP_METHODS) mean it too."""
 
     method: str = "ngram"
-    model: str | None = None  # the draft model's folder (draft_model)
+    model: str | None = None  # the draft model's folder (draft_model); mtp: the target's when None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -254,9 +261,11 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative_config method must be ngram or draft_model, got {self.method!r}")
-        if (self.method == "draft_model") != (self.model is not None):
+        if self.method in MTP_METHODS:
+            self.method = "mtp"
+        if self.method not in ("ngram", "draft_model", "mtp"):
+            raise ValueError(f"speculative_config method must be ngram, draft_model or mtp, got {self.method!r}")
+        if self.method == "draft_model" and self.model is None or self.method == "ngram" and self.model is not None:
             raise ValueError("speculative_config method draft_model takes a `model` (the draft's folder)"
                              if self.model is None else f"speculative_config method {self.method} takes no `model`")
         if not 1 <= self.num_speculative_tokens <= 16:

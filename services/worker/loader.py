@@ -4,7 +4,7 @@ repository has none, PyTorch's pytorch_model.bin)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,15 +84,22 @@ def pytorch_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("pytorch_model*.bin"))
 
 
-def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors by name: its safetensors, or where it has none (vLLM's
-    load_format auto) its pytorch_model.bin, unpickled with `weights_only` (tensors and
-    plain containers alone: a pickle that would run code is refused, not run)."""
+def language_model_part(name: str) -> bool:
+    """What the decoder reads: a vision tower is left on disk, unread."""
+    return not name.startswith(MULTIMODAL_PARTS)
+
+
+def iter_weights(folder: Path,
+                 reads: Callable[[str], bool] = language_model_part) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors by name, those `reads` keeps (the others are not read from
+    disk): its safetensors, or where it has none (vLLM's load_format auto) its
+    pytorch_model.bin, unpickled with `weights_only` (tensors and plain containers alone:
+    a pickle that would run code is refused, not run)."""
     files = safetensors_files(folder)
     for path in files:
         with open_weights(path) as f:
             for name in f.keys():
-                if not name.startswith(MULTIMODAL_PARTS):  # a vision tower is left on disk, unread
+                if reads(name):
                     yield name, f.get_tensor(name)
     if files:
         return
@@ -102,7 +109,7 @@ def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except Exception as exc:  # (a partial download, or a pickle weights_only refuses)
             raise ValueError(f"cannot read the weights in {path}: {str(exc).splitlines()[0]}") from exc
         for name, tensor in state.items():
-            if not name.startswith(MULTIMODAL_PARTS):
+            if reads(name):
                 yield name, tensor
 
 
@@ -145,14 +152,29 @@ def load_model(
             group, full = tensor_parallel
             model.shards = Shards(full, group.rank, group.world_size, config.local_experts)
             slice_vocabulary(model, model.shards, group)
-        weights = iter_weights(folder)
-        if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
-            weights = fp8_widened(weights, config.fp8_weight_block)
-        if config.quantized_weights is not None:  # (AWQ's, GPTQ's, compressed-tensors': widened as read, in float32)
-            weights = quantized_widened(weights, config.quantized_weights)
-        model.load_weights(weights)
+        model.load_weights(read_weights(folder, config))
     if tensor_parallel is not None:
         split_sums(model, tensor_parallel[0])  # (before packing: the packed copies take the zeroed biases)
+    model = ready_to_run(model, dtype, quantization, device, tensor_parallel)
+    # (the one-call C decode layer runs a whole layer: no sum between its products)
+    model.fused_decode = FusedDecode.build(model) if tensor_parallel is None else None
+    return model
+
+
+def read_weights(folder: Path, config: ModelConfig, reads: Callable[[str], bool] = language_model_part):
+    """The checkpoint's tensors `reads` keeps, widened from FP8 or a quantized format as read."""
+    weights = iter_weights(folder, reads)
+    if config.fp8_weight_block:  # (DeepSeek-V3's, Qwen3-FP8's: widened as read)
+        weights = fp8_widened(weights, config.fp8_weight_block)
+    if config.quantized_weights is not None:  # (AWQ's, GPTQ's, compressed-tensors': widened as read, in float32)
+        weights = quantized_widened(weights, config.quantized_weights)
+    return weights
+
+
+def ready_to_run(model: LlamaForCausalLM, dtype: torch.dtype, quantization: str | None, device,
+                 tensor_parallel=None) -> LlamaForCausalLM:
+    """A model whose weights are read, as it runs: quantized, cast, on its device, its
+    experts stacked and its products packed for the device's kernels."""
     if quantization is not None:
         # From the checkpoint's own precision, every matmul weight of the decoder layers.
         # The LM head (a fifth of SmolLM2's weights) in int8 either way, whose per-channel
@@ -195,8 +217,6 @@ def load_model(
             model.lm_head = PackedLinear(head, None, rows_from=choices.rows_from(head))
         choices.finish()
         move_to_huge_pages(model)
-    # (the one-call C decode layer runs a whole layer: no sum between its products)
-    model.fused_decode = FusedDecode.build(model) if tensor_parallel is None else None
     return model.eval().requires_grad_(False)
 
 

@@ -47,7 +47,6 @@ from services.worker.sample.acceptance import accept
 from services.worker.sample.spec_decode import logit_rows, make_proposer, propose_drafts
 from services.worker.step_inputs import StepInputs
 from services.worker.sample import grammar, prompt_logprobs
-from services.worker.sample.grammar import plain_greedy, split_ready
 from shared.structured_output import GrammarBackend
 from shared.config import CacheConfig, WorkerConfig
 from shared.messages import ModelRunnerOutput, SchedulerOutput, WorkerInfo
@@ -95,7 +94,7 @@ class ModelRunner:
         # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
         self.proposer = make_proposer(config.speculative_config, self.model_config, self.dtype, backend,
-                                      self.max_model_len, self.device, self.tp)
+                                      self.max_model_len, self.device, self.tp, self.model, model_path, quantization)
         self.num_blocks, self.recurrent_rows, self.snapshot_rows = size_kv_cache(
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, self.recurrent_rows, self.snapshot_rows,
@@ -113,7 +112,7 @@ class ModelRunner:
             self.model_config, backend, self.num_blocks + 1, self.block_size, self.kv_cache_dtype, self.values_are_keys,
             self.device, lambda i: recurrent_state.state_shapes(self.model, i, self.recurrent_rows + self.snapshot_rows,
                                                                self.dtype))
-        if hasattr(self.proposer, "allocate"):  # (the draft's blocks: the same ids, the pad block's too)
+        if hasattr(self.proposer, "allocate"):  # (a drafter's blocks: the same ids, the pad block's too)
             self.proposer.allocate(self.num_blocks + 1, self.block_size, self.kv_cache_dtype)
         self.kv_tier = host_kv_tier(self.kv_caches, self.cache_config, self.recurrent_rows > 0,
                                     self.model_config.architecture, config.kv_role)
@@ -170,17 +169,16 @@ class ModelRunner:
     def describe(self, worker_id: str = "", model: str = "", incarnation: int = 0) -> WorkerInfo:
         """What a scheduler needs to know of this runner (Scheduler.for_worker), as a worker
         announces it on the bus."""
-        lora = self.config.lora_config
+        lora, tier = self.config.lora_config, self.kv_tier
         return WorkerInfo(
             worker_id=worker_id, model=model, num_kv_blocks=self.num_blocks, block_size=self.block_size,
             max_model_len=self.max_model_len, vocab_size=self.vocab_size, eos_token_id=self.model_config.eos_token_id,
             incarnation=incarnation, long_rope_threshold=self.model_config.long_rope_threshold,
             generates=self.model.generates, max_loras=lora.max_loras if lora else 0,
             max_lora_rank=lora.max_lora_rank if lora else 0, recurrent_rows=self.recurrent_rows,
-            recurrent_snapshot_rows=self.snapshot_rows, kv_tier=self.kv_tier.name if self.kv_tier else "",
-            kv_tier_slots=self.kv_tier.num_slots if self.kv_tier else 0, kv_role=self.config.kv_role,
-            kv_tier_disk_slots=self.kv_tier.num_disk_slots if self.kv_tier else 0,
-            tensor_parallel_size=self.config.tensor_parallel_size)
+            recurrent_snapshot_rows=self.snapshot_rows, kv_tier=tier.name if tier else "",
+            kv_tier_slots=tier.num_slots if tier else 0, kv_tier_disk_slots=tier.num_disk_slots if tier else 0,
+            kv_role=self.config.kv_role, tensor_parallel_size=self.config.tensor_parallel_size)
 
     def drop_requests(self, req_ids) -> None:
         for req_id in req_ids:
@@ -273,6 +271,8 @@ class ModelRunner:
             if patch is not None:
                 patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, images)
+        if hasattr(self.proposer, "saw_step"):  # (an MTP layer reads the step's hidden states)
+            self.proposer.saw_step(hidden, states, num_tokens)
         if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
             self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)
         if scheduler_output.state_saves:  # the state at a block's end, for later prefix hits
@@ -295,7 +295,7 @@ class ModelRunner:
         constrained = [] if argmax_only else [i for i in sample_rows if states[i].matcher is not None]
         if any(isinstance(states[i].matcher, Future) for i in constrained):
             # (a tensor-parallel rank waits for every compile: the ranks must sample the same rows)
-            sample_rows, pending, failed = split_ready(states, sample_rows, None if self.tp else grammar.wait_s(
+            sample_rows, pending, failed = grammar.split_ready(states, sample_rows, None if self.tp else grammar.wait_s(
                 states, sample_rows, self.recurrent_rows > 0))
             output.resample_req_ids = [order[i] for i in pending]
             output.request_errors.update({order[i]: why for i, why in failed.items()})
@@ -327,7 +327,7 @@ class ModelRunner:
             valid = {}
             if jobs:
                 t_mask = time.perf_counter_ns()
-                plain = frozenset(r for r, st in enumerate(row_states) if plain_greedy(st))
+                plain = frozenset(r for r, st in enumerate(row_states) if grammar.plain_greedy(st))
                 valid = dict(zip((job[0] for job in jobs), grammar.mask(logits, jobs, self.grammars.vocab_size, plain)))
                 mask_ns = time.perf_counter_ns() - t_mask
             samples = self.sampler.argmax(logits) if argmax_only else self.sampler.sample(logits, row_states)

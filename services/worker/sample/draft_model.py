@@ -31,13 +31,13 @@ from services.worker.step_inputs import StepInputs
 from shared.config import SpeculativeConfig
 
 
-class _Caught:
-    """A request as the draft's forward sees it: its tokens, those the draft has computed."""
+class DraftView:
+    """A request as a drafter's forward sees it: its tokens, those the drafter has computed."""
 
-    __slots__ = ("req_id", "token_ids", "num_computed_tokens", "block_row", "num_pending", "pending_token")
+    __slots__ = ("state", "req_id", "token_ids", "num_computed_tokens", "block_row", "num_pending", "pending_token")
 
     def __init__(self, state: RequestState, num_computed: int, token_ids: list[int]) -> None:
-        self.req_id, self.token_ids, self.block_row = state.req_id, token_ids, state.block_row
+        self.state, self.req_id, self.token_ids, self.block_row = state, state.req_id, token_ids, state.block_row
         self.num_computed_tokens, self.num_pending, self.pending_token = num_computed, 0, None
 
 
@@ -90,11 +90,11 @@ class DraftModelProposer:
             noted = self._caught_up.get(state.req_id)
             done = noted[1] if noted is not None and noted[0] is state else 0
             done = min(done, len(state.token_ids) - 1)  # (at least its last token: it gives the first draft)
-            views.append(_Caught(state, done, state.token_ids))
+            views.append(DraftView(state, done, state.token_ids))
             self._caught_up[state.req_id] = (state, len(state.token_ids))
         self._step(views, drafts, block_size, block_table)
         for _ in range(max(slots.values()) - 1):  # each further draft: one token a request that wants more
-            views = [_Caught(state, len(state.token_ids) + len(drafts[state.req_id]) - 1,
+            views = [DraftView(state, len(state.token_ids) + len(drafts[state.req_id]) - 1,
                              state.token_ids + drafts[state.req_id]) for state in states
                      if len(drafts[state.req_id]) < slots[state.req_id]]
             if not views:
@@ -102,7 +102,7 @@ class DraftModelProposer:
             self._step(views, drafts, block_size, block_table)
         return {rid: d for rid, d in drafts.items() if d}
 
-    def _step(self, views: list[_Caught], drafts: dict[str, list[int]], block_size: int,
+    def _step(self, views: list[DraftView], drafts: dict[str, list[int]], block_size: int,
               block_table: BlockTable) -> None:
         num_tokens = {v.req_id: len(v.token_ids) - v.num_computed_tokens for v in views}
         views.sort(key=lambda v: num_tokens[v.req_id] != 1)  # (decodes first, as attention takes them)

@@ -87,21 +87,27 @@ def num_accepted(drafts: list[int], samples: list[int]) -> int:
 
 
 def make_proposer(config: SpeculativeConfig | None, target, dtype, backend, max_model_len: int, device,
-                  tensor_parallel=None):
-    """The worker's proposer for `speculative_config`'s method (None: no speculation). A
-    draft model is loaded before the KV cache is sized: its blocks come out of the same budget."""
+                  tensor_parallel=None, model=None, folder=None, quantization=None):
+    """The worker's proposer for `speculative_config`'s method (None: no speculation), for
+    the target `model` (its config `target`, read from `folder`). A drafter is loaded
+    before the KV cache is sized: its blocks come out of the same budget."""
     if config is None:
         return None
     if target.recurrent_layers:
         raise ValueError(f"speculative decoding is not supported for {target.architecture}: its "
                          "recurrent layers' state cannot take back rejected drafts")
+    if config.method != "ngram" and tensor_parallel is not None:
+        raise ValueError(f"speculative_config method {config.method} does not run with --tensor-parallel-size "
+                         f"{tensor_parallel.world_size} yet")
     if config.method == "draft_model":
-        if tensor_parallel is not None:
-            raise ValueError("speculative_config method draft_model does not run with --tensor-parallel-size "
-                             f"{tensor_parallel.world_size} yet")
         from services.worker.sample.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, target, dtype, backend, max_model_len, device)
+    if config.method == "mtp":
+        from services.worker.sample.mtp_proposer import MTPProposer
+
+        return MTPProposer(config, config.model or folder, target, model, dtype, backend, max_model_len, quantization,
+                           device)
     return NgramProposer(config)
 
 
@@ -109,8 +115,8 @@ def propose_drafts(proposer, requests: dict[str, RequestState], num_draft_slots:
                    long_rope_threshold: int | None, block_size: int, block_table) -> dict[str, list[int]]:
     """Drafts for the requests the scheduler gave slots: none for a request whose grammar
     is still compiling, or whose drafts would cross the longrope threshold."""
-    if proposer is None or not num_draft_slots:
-        return {}
+    if proposer is None or not num_draft_slots and isinstance(proposer, NgramProposer):
+        return {}  # (a model drafter catches up every step, drafting or not)
     if long_rope_threshold is not None:
         num_draft_slots = {rid: slots for rid, slots in num_draft_slots.items() if rid in requests and (
             requests[rid].long_rope or len(requests[rid].token_ids) + slots <= long_rope_threshold)}

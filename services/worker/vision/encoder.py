@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.loader import open_weights, safetensors_files
+from services.worker.loader import iter_weights
 from services.worker.vision.mrope import MRoPERows
 from services.worker.vision.step_images import StepImages
 from shared.hf.image_models import image_model, read_image
@@ -124,16 +124,8 @@ def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, 
     module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder,
               "qwen3_vl": Qwen25VLImageEncoder}[image.family](config)
     if load_format != "dummy":
-        module.load_weights(_tensors(Path(folder), module.reads))
+        module.load_weights(iter_weights(Path(folder), module.reads))
     encoder = ImageEncoder(module.to(device, dtype).eval(), image.bidirectional, dtype, device, folder)
     if image.mrope_section is not None:  # (`model`: the decoder, whose rotary table gets the image rows)
         encoder.mrope = MRoPERows(model.model.rotary, image.mrope_section, image.merge_size, image.mrope_interleaved)
     return encoder
-
-
-def _tensors(folder: Path, reads):
-    for path in safetensors_files(folder):
-        with open_weights(path) as f:
-            for name in f.keys():
-                if reads(name):
-                    yield name, f.get_tensor(name)
