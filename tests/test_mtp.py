@@ -1,5 +1,5 @@
 """Speculative decoding with a checkpoint's multi-token-prediction layer (`{"method": "mtp"}`,
-DeepSeek-V3's and GLM-4.5's layout): every draft the worker proposes is the one a reference
+DeepSeek-V3's, GLM-4.5's and GLM-4.7-Flash's layout): every draft the worker proposes is the one a reference
 MTP forward built from transformers' own decoder layer proposes for the same context (the
 catch-up's positions, KV and chained drafts held to it), and outputs are exact: greedy equals
 transformers through chunked prefill and preemption, seeded sampling with penalties and a
@@ -36,7 +36,8 @@ def with_mtp_layer(folder: Path, seed: int) -> Path:
     last, size = config["num_hidden_layers"], config["hidden_size"]
     weights = load_file(folder / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
-    prefix, before = f"model.layers.{last}.", f"model.layers.{last - 1}."
+    sparse = sorted({int(n.split(".")[2]) for n in weights if ".mlp.experts." in n})
+    prefix, before = f"model.layers.{last}.", f"model.layers.{sparse[-1]}."  # (a sparse layer's kind)
     for name in [n for n in weights if n.startswith(before)]:
         tensor = weights[name]
         noise = 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator) if tensor.dim() > 1 else 0
@@ -68,6 +69,8 @@ class ReferenceMTP:
         last = config.num_hidden_layers
         weights = {n[len(f"model.layers.{last}."):]: t for n, t in load_file(folder / "model.safetensors").items()
                    if n.startswith(f"model.layers.{last}.")}
+        if getattr(config, "mlp_layer_types", None):  # (GLM-4.7-Flash's: the MTP layer is sparse)
+            config.mlp_layer_types = [*config.mlp_layer_types, "sparse"]
         self.layer = type(self.model.model.layers[-1])(config, last).eval()
         layer = {n: t for n, t in weights.items() if n.split(".")[0] not in (
             "enorm", "hnorm", "eh_proj", "shared_head", "embed_tokens")}
@@ -109,7 +112,7 @@ class ReferenceMTP:
         return drafts
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe", "glm4_moe_lite"])
 def mtp_model(request, tmp_path_factory):
     arch = request.param
     return with_mtp_layer(build_tiny_model(tmp_path_factory.mktemp(arch) / arch, arch, seed=3), seed=5)
