@@ -247,11 +247,12 @@ class SpeculativeConfig:
     vocabulary (its folder, once the llmbus command or LLM resolved its name), proposes
     them by argmax (services/worker/sample/draft_model.py). "mtp": the checkpoint's own
     multi-token-prediction layer (DeepSeek-V3's, GLM-4.5's) proposes them from the target's
-    hidden states (services/worker/sample/mtp_proposer.py); vLLM's older per-family names
-    (MTP_METHODS) mean it too."""
+    hidden states, vLLM's older per-family names (MTP_METHODS) meaning it too; "eagle3":
+    `model`, an EAGLE-3 head trained for the target, proposes them from three of the
+    target's layers' hidden states (services/worker/sample/hidden_state_drafter.py)."""
 
     method: str = "ngram"
-    model: str | None = None  # the draft model's folder (draft_model); mtp: the target's when None
+    model: str | None = None  # the draft model's or head's folder (draft_model, eagle3); mtp: the target's when None
     num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -263,10 +264,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method in MTP_METHODS:
             self.method = "mtp"
-        if self.method not in ("ngram", "draft_model", "mtp"):
-            raise ValueError(f"speculative_config method must be ngram, draft_model or mtp, got {self.method!r}")
-        if self.method == "draft_model" and self.model is None or self.method == "ngram" and self.model is not None:
-            raise ValueError("speculative_config method draft_model takes a `model` (the draft's folder)"
+        if self.method not in ("ngram", "draft_model", "mtp", "eagle3"):
+            raise ValueError("speculative_config method must be ngram, draft_model, mtp or eagle3, got "
+                             f"{self.method!r}")
+        if self.method in ("draft_model", "eagle3") and self.model is None \
+                or self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config method {self.method} takes a `model` (the drafter's folder)"
                              if self.model is None else f"speculative_config method {self.method} takes no `model`")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")

@@ -202,7 +202,8 @@ class EngineArgs:
         None, "speculative", 'vLLM\'s speculative_config as JSON, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
         '\'{"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}\' or '
-        '\'{"method": "mtp", "num_speculative_tokens": 1}\' (the checkpoint\'s own MTP layer)', type=_speculative)
+        '\'{"method": "mtp", "num_speculative_tokens": 1}\' (the checkpoint\'s own MTP layer) or '
+        '\'{"method": "eagle3", "model": "/models/eagle3-head"}\'', type=_speculative)
 
     def __post_init__(self) -> None:
         one_device_size("pipeline_parallel_size", self.pipeline_parallel_size)

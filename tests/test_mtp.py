@@ -193,5 +193,5 @@ def test_mtp_is_refused_by_name_where_a_model_has_no_such_layer(tiny_llama, tmp_
 def test_vllm_s_older_mtp_method_names_mean_mtp():
     for name in ("deepseek_mtp", "glm4_moe_mtp"):
         assert SpeculativeConfig.of({"method": name}).method == "mtp"
-    with pytest.raises(ValueError, match="ngram, draft_model or mtp"):
+    with pytest.raises(ValueError, match="ngram, draft_model, mtp or eagle3"):
         SpeculativeConfig.of({"method": "medusa"})

@@ -113,6 +113,18 @@ def iter_weights(folder: Path,
                 yield name, tensor
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """The names of the checkpoint's tensors (a pytorch_model.bin's read whole to find them)."""
+    files = safetensors_files(folder)
+    if not files:
+        return {name for name, _ in iter_weights(folder, lambda _: True)}
+    names = set()
+    for path in files:
+        with open_weights(path) as f:
+            names.update(f.keys())
+    return names
+
+
 def open_weights(path: Path):
     """safe_open, with a file that is missing or cut short (a partial download, a shard the
     index names but the folder lacks) a ValueError naming it rather than a traceback."""

@@ -9,7 +9,6 @@ forward takes one step's flattened tokens, with no batch dimension and no paddin
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from functools import partial
 
@@ -23,7 +22,7 @@ from services.worker.layers.attention import Attention, triton_elementwise
 from services.worker.layers.gated_delta_net import (
     GatedDeltaNet,
 )
-from services.worker.layers.latent_attention import LatentAttention, rope_rows_as_halves
+from services.worker.layers.latent_attention import LatentAttention
 from services.worker.layers.layer_norm import LayerNorm
 from services.worker.layers.lora import LoRAMapping
 from services.worker.layers.mamba2 import Mamba2Mixer
@@ -31,22 +30,10 @@ from services.worker.layers.mlp import MLP, ClampedSwiGLUExpert
 from services.worker.layers.moe import CorrectedRouter, SparseMoE
 from services.worker.layers.query_scale import QueryScale
 from services.worker.layers.rms_norm import ResidualAdd, RMSNorm
-from services.worker.layers.rotary import RotaryEmbedding, interleaved_as_halves
+from services.worker.layers.rotary import RotaryEmbedding
 from services.worker.layers.short_conv import ShortConv
-from services.worker.models.checkpoints.layer_normed_names import renamed_tensors
-from services.worker.models.checkpoints.tensor_fixups import TENSOR_FIXUPS
+from services.worker.models.checkpoints.decoder_weights import load_decoder_weights
 from services.worker.models.decoder_config import ModelConfig
-from services.worker.models.families.registry import FAMILY_OF
-from services.worker.models.weight_names import (
-    ALIASES,
-    LANGUAGE_MODEL_PREFIXES,
-    PACKED_WEIGHTS,
-    STACKED_EXPERTS,
-    TRANSPOSED_FIRST,
-)
-
-log = logging.getLogger("llmbus.worker")
-
 
 # A hybrid's token mixers with a state a request in place of attention (ModelConfig.recurrent_mixer)
 RECURRENT_MIXERS = {"gated_delta_net": GatedDeltaNet, "short_conv": ShortConv, "mamba2": Mamba2Mixer}
@@ -183,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
         # vocabulary (parallel/sharding.py), set by the loader; None: the whole model.
         self.shards = None
         self.vocab_slices = None
+        # EAGLE-3's drafts read the residual stream entering these layers (`aux_hidden`, each step's, joined)
+        self.aux_layers: tuple[int, ...] = ()
         # A sequence classifier (config.num_labels): a score head, whose logits the worker
         # pools at the prompt's last token as it pools embeddings; it generates nothing.
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False) if config.num_labels else None
@@ -195,8 +184,9 @@ class LlamaForCausalLM(nn.Module):
     @property
     def eager_only(self) -> bool:
         """This step must run the modules themselves: the fast paths (captured CUDA graphs,
-        the fused C decode layer) were built without adapters, so a step with any skips them."""
-        return self.lora is not None and self.lora.active
+        the fused C decode layer) were built without adapters, so a step with any skips them,
+        and they keep no layer's input for EAGLE-3's drafts."""
+        return self.lora is not None and self.lora.active or bool(self.aux_layers)
 
     def forward(
         self,
@@ -212,11 +202,16 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed(input_ids, positions), None
         if images is not None:  # (after the embedding's multiplier: transformers scatters them so)
             hidden = images.apply(hidden, metadata)
+        aux = {}
         for i, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
+            if i in self.aux_layers:
+                aux[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
             if images is not None and images.deepstack > i:  # (Qwen3-VL's image features into its first layers)
                 # (the layer's output summed here, as transformers adds them to it: the same rounding)
                 hidden, residual = images.add_deepstack(i, hidden + residual), None
+        if aux:
+            self.aux_hidden = torch.cat([aux[i] for i in self.aux_layers], dim=-1)
         if residual is None:  # no layers
             return self.model.norm(hidden)
         return self.model.norm(hidden, residual)[0]
@@ -250,117 +245,10 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits if self.config.logits_scaling == 1.0 else logits / self.config.logits_scaling
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in by Hugging Face name; every parameter must be set."""
-        params = dict(self.named_parameters())
-        # (GLM-4.5's routers' correction biases are float32 buffers, read as weights are)
-        params.update((n, b) for n, b in self.named_buffers() if n.endswith(".e_score_correction_bias"))
-        loaded: set[str] = set()
-        family = FAMILY_OF[self.config.architecture]
-        num_layers = self.config.num_hidden_layers
-        skipped = tuple(f"model.layers.{i}." for i in range(num_layers, num_layers + self.config.skipped_layers))
-        if family.unread:
-            weights = ((n, t) for n, t in weights if not n.startswith(family.unread))
-        weights = renamed_tensors(family, weights)  # (GPT-2's, OPT's, GPT-NeoX's, Phi's layouts)
-        for fixup in family.tensor_fixups:  # (stacked experts, fused products, a layout of its own)
-            # (on the checkpoint's whole tensors: a tensor-parallel rank's config counts its heads only)
-            weights = TENSOR_FIXUPS[fixup](weights, self.config if self.shards is None else self.shards.full)
-        names = family.weight_names
-        for name, tensor in weights:
-            for theirs, ours in LANGUAGE_MODEL_PREFIXES.items():
-                if name.startswith(theirs):
-                    name = ours + name[len(theirs):]
-            if not name.startswith(("model.", "lm_head.", "score.")):
-                name = "model." + name  # a decoder saved alone (LlamaModel, MistralModel, ...)
-            if skipped and name.startswith(skipped):
-                continue  # (GLM-4.5's multi-token-prediction layers: transformers skips them too)
-            if ".experts." in name or ".block_sparse_moe." in name or self.config.recurrent_mixer == "short_conv":
-                for theirs, ours in ALIASES.items():
-                    name = name.replace(theirs, ours)
-            if "rotary_emb.inv_freq" in name:
-                continue  # old checkpoints stored the table; we compute it
-            if self.shards is not None and self.shards.local_experts:
-                name = self.shards.expert_name(name)  # (expert parallelism: another rank's expert is not read)
-                if name is None:
-                    continue
-            theirs = next((n for n in names if n in name), None)
-            name = name if theirs is None else name.replace(theirs, names[theirs])
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves
-            if name.endswith(".e_score_correction_bias") and tensor.dim() == 2 and len(tensor) == 1:
-                tensor = tensor[0]  # (ERNIE's [1, experts]: one group of statistics)
-            if self.config.kv_lora_rank and self.config.rotary_interleaved:  # (DeepSeek's interleaved rotating rows)
-                tensor = rope_rows_as_halves(name, tensor, self.config)
-            stacked = next((s for s in STACKED_EXPERTS if name.endswith(s)), None)
-            if stacked is not None:
-                prefix = name[: -len(stacked)] + ".mlp.experts"
-                for e, rows in enumerate(tensor.unbind(0)):
-                    if self.shards is not None and (e := self.shards.local_expert(e)) is None:
-                        continue  # (another rank's expert)
-                    target = f"{prefix}.{e}.{STACKED_EXPERTS[stacked]}.weight"
-                    if target not in params:
-                        raise ValueError(f"checkpoint has unexpected weight {name!r} (expert {e})")
-                    shape = params[target].shape if self.shards is None else self.shards.whole_shape(
-                        target, params[target].shape)
-                    if stacked in TRANSPOSED_FIRST and not family.stacked_experts_out_in and rows.T.shape == shape:
-                        rows = rows.T
-                    _copy(params[target].data, rows if self.shards is None else self.shards.cut(target, rows), name)
-                    loaded.add(target)
-                continue
-            for part, (fused, shard) in PACKED_WEIGHTS.items():
-                # (latent attention's q_proj is its own, not a third of a fused one)
-                if f".{part}." in name and not (part == "q_proj" and self.config.kv_lora_rank):
-                    if part == "up_proj" and not self.config.gated_mlp:
-                        shard = 0  # (the up rows are all an ungated MLP's gate_up_proj holds)
-                    target = name.replace(part, fused)
-                    if target not in params:  # (a bias the config does not announce, a layer too many)
-                        raise ValueError(f"checkpoint has unexpected weight {name!r}")
-                    module = self.get_submodule(target.rsplit(".", 2)[0])
-                    sizes = module.shard_sizes
-                    offset = sum(sizes[:shard])
-                    param = params[target]
-                    if self.config.rotary_interleaved and part in ("q_proj", "k_proj"):
-                        tensor = interleaved_as_halves(tensor, self.config.head_dim, self.config.rotary_dim)
-                    if self.shards is not None:
-                        tensor = self.shards.cut(name, tensor)
-                    _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    raise ValueError(f"checkpoint has unexpected weight {name!r}")
-                if self.config.rotary_interleaved and ".qkv_proj." in name:
-                    raise ValueError(f"checkpoint has {name!r} fused: interleaved rotary (GLM's) is reordered "
-                                     "from q_proj and k_proj apart")
-                if self.shards is not None:
-                    tensor = self.shards.cut(name, tensor)
-                _copy(params[name].data, tensor, name)
-                loaded.add(name)
-        if self.lm_head is not None and "lm_head.weight" not in loaded:
-            log.warning("the checkpoint has no LM head: this model serves embeddings, not generation")
-            self.lm_head, self.generates = None, False
-            del params["lm_head.weight"]
-        missing = []
-        for name, param in params.items():
-            if name in loaded:  # a fused weight the checkpoint holds fused too (Phi-3's qkv_proj, gate_up_proj)
-                continue
-            leaf = name.rsplit(".", 2)
-            module_name = leaf[-2] if len(leaf) > 1 else ""
-            if module_name in ("qkv_proj", "gate_up_proj"):
-                num_shards = 3 if module_name == "qkv_proj" else 2 if self.config.gated_mlp else 1
-                missing += [f"{name}#{s}" for s in range(num_shards) if f"{name}#{s}" not in loaded]
-            elif name not in loaded:
-                missing.append(name)
-        if missing:
-            raise ValueError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
-        self.fold_residual_multiplier()
-        if self.config.norm_weight_offset:
-            # Gemma's norms weigh by 1 + w, computed in float32 as transformers does (the
-            # parameters are float32 until the loader casts them): then they are plain norms.
-            for name, param in params.items():
-                if name.endswith("norm.weight"):
-                    param.add_(self.config.norm_weight_offset)
+        """Copy checkpoint tensors in by Hugging Face name; every parameter must be set
+        (checkpoints/decoder_weights.py)."""
+        load_decoder_weights(self, weights)
 
     @torch.no_grad()
     def fold_residual_multiplier(self) -> None:
@@ -387,9 +275,3 @@ class LlamaForCausalLM(nn.Module):
 # (multiplier, dtype) -> the multiplier rounded to that dtype, as a Python float: found once,
 # not in every step (nor in a captured one).
 _EMBEDDING_SCALES: dict[tuple[float, torch.dtype], float] = {}
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)

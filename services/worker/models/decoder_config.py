@@ -282,7 +282,11 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
-        raw = read_config(folder)
+        return cls.from_dict(read_config(folder))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        """From a config.json's contents (a copy the caller no longer needs: it may be changed)."""
         # (a quantization neither reads refused here, by its method)
         quantized_weights, fp8_block = quantized_weight_format(raw), fp8_weight_block(raw)
         multimodal = next((a for a in raw.get("architectures") or [] if a in TEXT_MODELS_OF), None)

@@ -60,15 +60,25 @@ class MultiTokenPredictor(LlamaForCausalLM):
         self.model.hnorm = RMSNorm(hidden, config.rms_norm_eps, triton)
         self.model.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
 
-    def predict(self, embedded: torch.Tensor, previous: torch.Tensor, positions: torch.Tensor, kv_cache,
-                metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the head's input, the layer's output) at each row: `embedded` the next tokens'
-        embeddings, `previous` the hidden states they follow (the main model's, or this
-        layer's own output for a further draft)."""
+    values_are_keys = property(lambda self: bool(self.config.kv_lora_rank))  # (latent attention: one memory)
+
+    def kept(self, target: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """What it reads of a step of the main model: its final hidden states."""
+        return hidden
+
+    def predict(self, input_ids: torch.Tensor, positions: torch.Tensor, previous: torch.Tensor, kv_cache, metadata,
+                target: LlamaForCausalLM) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's input, the layer's output) at each row: `input_ids` the next tokens,
+        `previous` the hidden states they follow (the main model's, or this layer's own
+        output for a further draft)."""
         model = self.model
-        joined = torch.cat([model.enorm(embedded), model.hnorm(previous)], dim=-1)
+        embedded = target.embed(input_ids, positions)
+        joined = torch.cat([model.enorm(embedded), model.hnorm(previous.to(embedded.dtype))], dim=-1)
         hidden, residual = model.layers[0](positions, model.eh_proj(joined), None, kv_cache, metadata)
         return model.norm(hidden, residual)
+
+    def draft_ids(self, normed: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        return target.compute_logits(normed).argmax(dim=-1)  # (the main model's head)
 
 
 def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,

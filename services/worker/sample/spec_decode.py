@@ -103,11 +103,14 @@ def make_proposer(config: SpeculativeConfig | None, target, dtype, backend, max_
         from services.worker.sample.draft_model import DraftModelProposer
 
         return DraftModelProposer(config, target, dtype, backend, max_model_len, device)
-    if config.method == "mtp":
-        from services.worker.sample.mtp_proposer import MTPProposer
+    if config.method in ("mtp", "eagle3"):
+        from services.worker.models.eagle3 import load_eagle3
+        from services.worker.models.mtp import load_mtp
+        from services.worker.sample.hidden_state_drafter import HiddenStateDrafter
 
-        return MTPProposer(config, config.model or folder, target, model, dtype, backend, max_model_len, quantization,
-                           device)
+        drafter = load_mtp(config.model or folder, target, dtype, backend, max_model_len, quantization, device) \
+            if config.method == "mtp" else load_eagle3(config.model, model, dtype, backend, max_model_len, device)
+        return HiddenStateDrafter(config, drafter, model, backend, max_model_len, device)
     return NgramProposer(config)
 
 

@@ -1,18 +1,19 @@
-"""Speculative decoding with a checkpoint's own multi-token-prediction layer (vLLM's
-`{"method": "mtp"}`; models/mtp.py has the layer): it proposes each request's drafts by
-argmax from the main model's hidden states, and the target verifies them as it verifies
-any drafts (spec_decode.py: exact, so greedy and seeded outputs are the target's alone).
+"""Speculative decoding by a drafter that reads the target's hidden states: a checkpoint's
+own multi-token-prediction layer (vLLM's `{"method": "mtp"}`, models/mtp.py) or an EAGLE-3
+head (`{"method": "eagle3"}`, models/eagle3.py). It proposes each request's drafts by
+argmax, and the target verifies them as it verifies any drafts (spec_decode.py: exact, so
+greedy and seeded outputs are the target's alone).
 
-The layer at position p reads the main model's hidden state at p and the token at p + 1,
-so it trails the main model by a token: after a step, the hidden states of the positions
-it computed are kept (`saw_step`), and at the next proposal the layer computes every
+The drafter at position p reads the target's hidden state at p and the token at p + 1,
+so it trails the target by a token: after a step, what it reads of the positions the
+target computed is kept (`saw_step`), and at the next proposal the drafter computes every
 position whose next token is now known (the catch-up, for every request that has such
 rows, whether or not it drafts this step: its KV must cover the whole context), the last
-of them giving the first draft; each further draft is one more forward, fed the layer's
-own output in place of the main model's hidden state. Rows past the tokens accepted
-(those of rejected drafts) are dropped when the main model computes those positions
-again. The layer's KV cache sits under the target's block ids (its bytes come out of the
-worker's budget); the KV of positions the main model did not compute here (a prefix-cache
+of them giving the first draft; each further draft is one more forward, fed the
+drafter's own output in place of the target's hidden state. Rows past the tokens
+accepted (those of rejected drafts) are dropped when the target computes those positions
+again. The drafter's KV cache sits under the target's block ids (its bytes come out of
+the worker's budget); the KV of positions the target did not compute here (a prefix-cache
 hit) is the one the request that filled those blocks left there: a difference there can
 cost acceptance, never a token, since every draft is verified.
 """
@@ -26,7 +27,6 @@ import torch
 
 from services.worker.block_table import BlockTable
 from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
-from services.worker.models.mtp import load_mtp
 from services.worker.request_state import RequestState
 from services.worker.sample.draft_model import DraftView
 from services.worker.step_inputs import StepInputs
@@ -34,14 +34,14 @@ from shared.config import SpeculativeConfig
 
 
 class _Rows:
-    """A request's main-model hidden states the layer has not read yet: from position
+    """What a request's drafter has not read yet of the target's hidden states: from position
     `first`, one row a position, in pieces of the steps that computed them."""
 
     __slots__ = ("state", "first", "pieces", "done")
 
     def __init__(self, state: RequestState) -> None:
         self.state, self.first, self.pieces = state, -1, []
-        self.done = -1  # the layer's KV holds positions below this (-1: none computed here yet)
+        self.done = -1  # the drafter's KV holds positions below this (-1: none computed here yet)
 
     @property
     def end(self) -> int:
@@ -70,29 +70,29 @@ class _Rows:
         return taken
 
 
-class MTPProposer:
-    def __init__(self, config: SpeculativeConfig, folder, target_config, target_model, dtype: torch.dtype,
-                 backend, max_model_len: int, quantization: str | None, device: torch.device) -> None:
-        self.mtp = load_mtp(folder, target_config, dtype, backend, max_model_len, quantization, device)
-        self.target, self.backend, self.device = target_model, backend, device
-        self.values_are_keys = bool(target_config.kv_lora_rank)  # (latent attention: one memory for both)
+class HiddenStateDrafter:
+    def __init__(self, config: SpeculativeConfig, drafter, target_model, backend, max_model_len: int,
+                 device: torch.device) -> None:
+        """`drafter`: an MTP layer or an EAGLE-3 head, loaded: its one layer's `config`,
+        `values_are_keys`, `kept`, `predict` and `draft_ids`."""
+        self.drafter, self.target, self.backend, self.device = drafter, target_model, backend, device
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
         self.kv_caches: list = []
         self._rows: dict[str, _Rows] = {}
 
     def bytes_per_block(self, block_size: int, kv_cache_dtype: torch.dtype) -> int:
-        return kv_bytes_per_block(self.mtp.config, block_size, kv_cache_dtype, self.values_are_keys)
+        return kv_bytes_per_block(self.drafter.config, block_size, kv_cache_dtype, self.drafter.values_are_keys)
 
     def allocate(self, num_blocks: int, block_size: int, kv_cache_dtype: torch.dtype) -> None:
-        """The layer's cache: as many blocks as the target's (its pad block included)."""
-        self.kv_caches = allocate_kv_caches(self.mtp.config, self.backend, num_blocks, block_size, kv_cache_dtype,
-                                            self.values_are_keys, self.device, None)
+        """The drafter's cache: as many blocks as the target's (its pad block included)."""
+        self.kv_caches = allocate_kv_caches(self.drafter.config, self.backend, num_blocks, block_size, kv_cache_dtype,
+                                            self.drafter.values_are_keys, self.device, None)
 
     def saw_step(self, hidden: torch.Tensor, states: list[RequestState], num_tokens: dict[str, int]) -> None:
-        """The main model's hidden states of a step just computed (before the states count
-        its tokens), kept for the layer: a copy (a decode graph's output is overwritten)."""
+        """What the drafter reads of a step just computed (before the states count its
+        tokens), kept: a copy (a decode graph's output is overwritten)."""
         total = sum(num_tokens[s.req_id] for s in states)
-        step = hidden[:total].clone()
+        step = self.drafter.kept(self.target, hidden)[:total].clone()
         row = 0
         for state in states:
             n = num_tokens[state.req_id]
@@ -144,18 +144,17 @@ class MTPProposer:
 
     def _step(self, views: list[DraftView], previous: torch.Tensor, drafting: list[bool], drafts: dict[str, list[int]],
               block_size: int, block_table: BlockTable) -> torch.Tensor:
-        """One forward of the layer over `views` (in order; `previous` their rows, one a
-        token); a draft for each drafting view. Returns the layer's output at each view's
+        """One forward of the drafter over `views` (in order; `previous` their rows, one a
+        token); a draft for each drafting view. Returns its output at each view's
         last token (a further draft's `previous`), in `views`' order."""
         num_tokens = {v.req_id: len(v.token_ids) - v.num_computed_tokens for v in views}
         inputs, _, last_token, _ = StepInputs.build(views, num_tokens, {}, block_size, block_table)
         input_ids, positions, metadata = inputs.to_device(self.device)
-        embedded = self.target.embed(input_ids, positions)
-        normed, out = self.mtp.predict(embedded, previous.to(embedded.dtype), positions, self.kv_caches[0], metadata)
+        normed, out = self.drafter.predict(input_ids, positions, previous, self.kv_caches[0], metadata, self.target)
         rows = torch.from_numpy(np.asarray(last_token, np.int64)).to(out.device)
         picked = [i for i, wants in enumerate(drafting) if wants]
         if picked:
-            best = self.target.compute_logits(normed[rows[picked]]).argmax(dim=-1).tolist()
+            best = self.drafter.draft_ids(normed[rows[picked]], self.target).tolist()
             for i, token in zip(picked, best):
                 drafts[views[i].req_id].append(int(token))
         return out[rows]
