@@ -35,7 +35,8 @@ DEEPSEEK_V3 = Family(
           "(vLLM's decode form, for prefill too); the interleaved rotating rows reordered at load "
           "(`rope_interleave`, its default; by halves where false); the softmax scaled by YaRN's `mscale_all_dim` "
           "squared; GLM-4.5's experts (DeepSeek-V3's router) after `first_k_dense_replace` dense layers; the "
-          "multi-token-prediction layers skipped. its FP8 checkpoints (V3's and R1's as released: "
+          "multi-token-prediction layers skipped (the first is a drafter under `--speculative-config '{\"method\": "
+          "\"mtp\"}'`); its FP8 checkpoints (V3's and R1's as released: "
           "`weight_scale_inv` block scales) widened at load (models/checkpoints/fp8_weights.py); LoRA adapters "
           "refused (`--enable-lora`, by name)"),
     cpu=("all dtypes and int8/int4 (`kv_b_proj` kept unquantized: its halves are read per head) on the module path"

@@ -51,7 +51,8 @@ GLM_4_5 = Family(
           "`n_group` groups, a group ranked by its two best; the chosen experts weighed by their plain scores, "
           "renormalized, times `routed_scaling_factor`) and `n_shared_experts` shared experts added unweighed; the"
           " checkpoint's multi-token-prediction layers (`num_nextn_predict_layers`, past the last layer) skipped "
-          "at load, as transformers skips them"),
+          "at load, as transformers skips them, or the first read as a drafter under `--speculative-config "
+          "'{\"method\": \"mtp\"}'`"),
     cpu="as Mixtral",
     gpu="as Mixtral (the router's ops on the device: CUDA graphs take it)",
     tests=("glm4_moe",),
@@ -67,7 +68,7 @@ GLM_4_7_FLASH = Family(
     served="`Glm4MoeLiteForCausalLM` (GLM-4.7-Flash)",
     adds=("DeepSeek-V3's model (latent attention, its router and shared experts), its dense and sparse layers by "
           "`mlp_layer_types`; its multi-token-prediction layer skipped (its config may not count it: one is "
-          "skipped, as transformers skips it by name)"),
+          "skipped, as transformers skips it by name; a drafter under `--speculative-config '{\"method\": \"mtp\"}'`)"),
     cpu="as DeepSeek-V3",
     gpu="as DeepSeek-V3",
     tests=("glm4_moe_lite",),
