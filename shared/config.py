@@ -260,6 +260,12 @@ class SpeculativeConfig:
     # batch's step is bound by compute, not by reading the weights, and a draft costs
     # what it saves.
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # vLLM's benchmarking knob: "synthetic" accepts each draft with a set probability
+    # (given those before it accepted) instead of checking it, so a speed figure can be
+    # read at a chosen acceptance length; the text is then not the model's.
+    rejection_sample_method: str = "strict"
+    synthetic_acceptance_length: float | None = None  # mean tokens a drafting step, in [1, k + 1]
+    synthetic_acceptance_rates: list[float] | None = None  # or each position's rate, k of them
 
     def __post_init__(self) -> None:
         if self.method in MTP_METHODS:
@@ -273,9 +279,30 @@ class SpeculativeConfig:
                              if self.model is None else f"speculative_config method {self.method} takes no `model`")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        self._check_synthetic()
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def _check_synthetic(self) -> None:
+        k, length, rates = (self.num_speculative_tokens, self.synthetic_acceptance_length,
+                            self.synthetic_acceptance_rates)
+        if self.rejection_sample_method not in ("strict", "synthetic"):
+            raise ValueError("rejection_sample_method must be strict or synthetic, got "
+                             f"{self.rejection_sample_method!r}")
+        if self.rejection_sample_method == "strict":
+            if length is not None or rates is not None:
+                raise ValueError("synthetic_acceptance_length and synthetic_acceptance_rates take "
+                                 'rejection_sample_method "synthetic"')
+        elif (length is None) == (rates is None):
+            raise ValueError('rejection_sample_method "synthetic" takes one of synthetic_acceptance_length and '
+                             "synthetic_acceptance_rates")
+        elif length is not None and not 1 <= length <= k + 1:
+            raise ValueError(f"synthetic_acceptance_length must be in [1, {k + 1}] (num_speculative_tokens + 1), "
+                             f"got {length}")
+        elif rates is not None and (len(rates) != k or not all(0 <= r <= 1 for r in rates)):
+            raise ValueError(f"synthetic_acceptance_rates must be {k} rates in [0, 1] (one a draft position), "
+                             f"got {rates}")
 
     @classmethod
     def of(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

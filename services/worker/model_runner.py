@@ -335,7 +335,7 @@ class ModelRunner:
                 # Tokens land in order: those of steps launched before this one first.
                 self.finish_launched()
                 accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs,
-                       bool(constrained))
+                       bool(constrained), getattr(self.proposer, "synthetic", None))
             else:
                 # The tokens stay on the device; the next step reads them there.
                 samples.start_copy()

@@ -7,9 +7,10 @@ from __future__ import annotations
 from services.worker.sample.spec_decode import num_accepted
 
 
-def accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs, constrained: bool) -> None:
+def accept(samples, states, sample_rows, first_row, drafts, valid, order, sampled, logprobs, constrained: bool,
+           synthetic=None) -> None:
     """On the host now: each request's accepted drafts and the token after them, its
-    grammar advanced over them."""
+    grammar advanced over them (`synthetic`: drafts accepted by chance, sample/synthetic_acceptance.py)."""
     token_ids, token_logprobs = samples.to_host()
     if not (drafts or constrained):  # (valid is only filled for constrained rows)
         for i, first in zip(sample_rows, first_row):  # one token a request, nothing to check
@@ -21,8 +22,12 @@ def accept(samples, states, sample_rows, first_row, drafts, valid, order, sample
         return
     for i, first in zip(sample_rows, first_row):
         state, d = states[i], drafts.get(order[i], [])
-        accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
-        out = token_ids[first:first + accepted + 1]
+        if synthetic is not None and d and state.matcher is None:
+            accepted = synthetic.num_accepted(len(d))
+            out = [*d[:accepted], token_ids[first + accepted]]
+        else:
+            accepted = num_accepted(d[:valid.get(first, len(d))], token_ids[first:first + len(d)])
+            out = token_ids[first:first + accepted + 1]
         if state.matcher is not None:
             for token_id in out:
                 if state.matcher.is_terminated():

@@ -89,8 +89,19 @@ def num_accepted(drafts: list[int], samples: list[int]) -> int:
 def make_proposer(config: SpeculativeConfig | None, target, dtype, backend, max_model_len: int, device,
                   tensor_parallel=None, model=None, folder=None, quantization=None):
     """The worker's proposer for `speculative_config`'s method (None: no speculation), for
-    the target `model` (its config `target`, read from `folder`). A drafter is loaded
-    before the KV cache is sized: its blocks come out of the same budget."""
+    the target `model` (its config `target`, read from `folder`), with its `synthetic`
+    acceptance where the config asks for it. A drafter is loaded before the KV cache is
+    sized: its blocks come out of the same budget."""
+    proposer = _proposer(config, target, dtype, backend, max_model_len, device, tensor_parallel, model, folder,
+                         quantization)
+    if proposer is not None and config.rejection_sample_method == "synthetic":
+        from services.worker.sample.synthetic_acceptance import SyntheticAcceptance
+
+        proposer.synthetic = SyntheticAcceptance(config)
+    return proposer
+
+
+def _proposer(config, target, dtype, backend, max_model_len, device, tensor_parallel, model, folder, quantization):
     if config is None:
         return None
     if target.recurrent_layers:
