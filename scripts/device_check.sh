@@ -29,7 +29,11 @@
 #      minutes), then
 #      scripts/sampler_times.py on the GPU: each kind of request's sampling a step, then
 #      scripts/images_gpu_check.py: images in (Gemma 3, Qwen2.5-VL, Qwen3-VL) against
-#      transformers on the GPU (images_gpu_check.json)
+#      transformers on the GPU (images_gpu_check.json), then
+#      scripts/spec_gpu_figures.py: speculation with a draft model and an EAGLE-3 head at a
+#      synthetic acceptance length (spec_figures.json); the served call's steps' limits add
+#      up to 7 minutes: on a 15-minute lease run it in a session of its own if the first
+#      call took its whole budget
 # Each step has its own time limit so one hang cannot eat the others. Everything lands in
 # $OUT: device_check.log (all output), gpu_check.json, latest.json (commit it as
 # docs/gpu/latest.json), served.json (its figures go into latest.json too).
@@ -83,6 +87,10 @@ if [ "$MODE" = served ]; then
         --repeats 20
     # Images in on the GPU: each family's greedy tokens against transformers' (Triton, CUDA graphs)
     step images 90 python3 scripts/images_gpu_check.py --out "$OUT"
+    # Speculation with models: a Llama-3-8B-shaped target's time a token with a draft model
+    # and an EAGLE-3 head at a synthetic acceptance length of 3, and the draft path at 1
+    step speculative 120 python3 scripts/spec_gpu_figures.py --assets .gpu_assets/smollm2 --out "$OUT" --tokens 96 \
+        --rounds 2
     grep -E "^== |^\{" "$LOG" | tail -n 20
     exit 0
 fi

@@ -36,6 +36,9 @@ class SchedulerConfig:
     # and the running batch beyond which no request speculates (None: never off).
     num_speculative_tokens: int = 0
     speculative_disable_by_batch_size: int | None = None
+    # Whether a request whose drafts keep failing stops speculating (not under synthetic
+    # acceptance, whose rates are set, not earned)
+    speculative_probation: bool = True
     # vLLM's: "fcfs", or "priority" (a request's `priority`, lower first, then arrival, orders
     # the waiting queue, and the running request last in that order is the one preempted).
     scheduling_policy: str = "fcfs"

@@ -269,7 +269,8 @@ class EngineArgs:
             scheduling_policy=self.scheduling_policy, max_logprobs=self.max_logprobs,
             max_local_prefill_length=self.max_local_prefill_length,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None)
+            speculative_disable_by_batch_size=spec.disable_by_batch_size if spec else None,
+            speculative_probation=not spec or spec.rejection_sample_method != "synthetic")
 
     def kwargs(self) -> dict:
         """`LLM(model, **kwargs)`'s keywords (every field but the model)."""

@@ -93,7 +93,7 @@ class ModelRunner:
         # size_kv_cache), past the pad row: a request's state at a cached block's end
         # (services/scheduler/core/state_snapshots.py).
         self.snapshot_rows = self.recurrent_rows if self.cache_config.enable_prefix_caching else 0
-        self.proposer = make_proposer(config.speculative_config, self.model_config, self.dtype, backend,
+        self.proposer = make_proposer(config, self.model_config, self.dtype, backend,
                                       self.max_model_len, self.device, self.tp, self.model, model_path, quantization)
         self.num_blocks, self.recurrent_rows, self.snapshot_rows = size_kv_cache(
             self.model_config, self.cache_config, self.block_size, self.kv_cache_dtype, self.values_are_keys,

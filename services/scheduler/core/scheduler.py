@@ -56,7 +56,8 @@ class Scheduler(RequestQueues):
         self.max_model_len = min(config.max_model_len, num_kv_blocks * block_size)
         self._step_id = 0
         self.num_generation_tokens = 0
-        self.speculation = Speculation(config.num_speculative_tokens, config.speculative_disable_by_batch_size)
+        self.speculation = Speculation(config.num_speculative_tokens, config.speculative_disable_by_batch_size,
+                                       config.speculative_probation)
         self.iteration_tokens = IterationTokens()
 
     @classmethod

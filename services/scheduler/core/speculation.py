@@ -19,6 +19,7 @@ SPEC_MIN_ACCEPTANCE = 0.2
 class Speculation:
     num_speculative_tokens: int  # k: drafts a request may have verified a step (0: none)
     disable_by_batch_size: int | None  # no drafts while more requests than this run
+    probation: bool = True  # a request whose drafts keep failing stops speculating
     # Cumulative counters (vLLM's spec_decode_*): steps with drafts, drafts, accepted ones,
     # and accepted ones by draft position.
     num_drafts: int = 0
@@ -60,6 +61,6 @@ class Speculation:
             self.accepted_per_pos[pos] += 1
         request.num_draft_tokens += num_drafted
         request.num_accepted_tokens += num_accepted
-        if request.num_draft_tokens >= SPEC_PROBATION_TOKENS and (
+        if self.probation and request.num_draft_tokens >= SPEC_PROBATION_TOKENS and (
                 request.num_accepted_tokens < SPEC_MIN_ACCEPTANCE * request.num_draft_tokens):
             request.speculate = False

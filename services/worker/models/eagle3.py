@@ -22,7 +22,7 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.layers.attention import triton_elementwise
 from services.worker.layers.rms_norm import RMSNorm
-from services.worker.loader import iter_weights, ready_to_run, tensor_names
+from services.worker.loader import dummy_weights, iter_weights, ready_to_run, tensor_names
 from services.worker.models.decoder import LlamaForCausalLM
 from services.worker.models.decoder_config import ModelConfig
 from shared.hf.model_folder import read_config
@@ -75,9 +75,10 @@ class Eagle3Head(LlamaForCausalLM):
 
 
 def load_eagle3(folder: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, backend: AttentionBackend,
-                max_position: int, device) -> Eagle3Head:
+                max_position: int, device, load_format: str = "auto") -> Eagle3Head:
     """The head in `folder`, checked against the target it drafts for (its vocabulary, its
-    width, the layers it reads); the target set to keep those layers' inputs."""
+    width, the layers it reads); the target set to keep those layers' inputs ("dummy":
+    random weights of the shape its config.json gives, its draft ids the target's)."""
     folder, goal = Path(folder), target.config
     raw = read_config(folder)
     name = f"speculative_config model {str(folder)!r}"
@@ -96,7 +97,7 @@ def load_eagle3(folder: str | Path, target: LlamaForCausalLM, dtype: torch.dtype
     if len(aux) != 3 or not all(0 <= i < layers for i in aux):
         raise ValueError(f"{name} reads the target's layers {list(aux)}: three of its {layers} "
                          "(eagle_aux_hidden_state_layer_ids)")
-    own_embedding = "embed_tokens.weight" in tensor_names(folder)
+    own_embedding = load_format != "dummy" and "embed_tokens.weight" in tensor_names(folder)
     if not own_embedding and raw["hidden_size"] != goal.hidden_size:
         raise ValueError(f"{name} is {raw['hidden_size']} wide and has no embedding of its own: the target's is "
                          f"{goal.hidden_size} wide")
@@ -114,7 +115,10 @@ def load_eagle3(folder: str | Path, target: LlamaForCausalLM, dtype: torch.dtype
                 continue
             yield tensor_name.replace("midlayer.", "layers.0."), tensor
 
-    head.load_weights(renamed())
+    if load_format == "dummy":
+        dummy_weights(head)
+    else:
+        head.load_weights(renamed())
     if d2t:  # (a head of the target's whole vocabulary has none: draft ids are target ids)
         head.d2t.copy_(d2t[0])
     head = ready_to_run(head, dtype, None, device)

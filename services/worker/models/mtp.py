@@ -25,7 +25,7 @@ from torch import nn
 from services.worker.attention.backend import AttentionBackend
 from services.worker.layers.attention import triton_elementwise
 from services.worker.layers.rms_norm import RMSNorm
-from services.worker.loader import read_weights, ready_to_run
+from services.worker.loader import dummy_weights, read_weights, ready_to_run
 from services.worker.models.decoder import LlamaForCausalLM
 from services.worker.models.decoder_config import ModelConfig
 
@@ -82,9 +82,9 @@ class MultiTokenPredictor(LlamaForCausalLM):
 
 
 def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,
-             max_position: int, quantization: str | None, device) -> MultiTokenPredictor:
+             max_position: int, quantization: str | None, device, load_format: str = "auto") -> MultiTokenPredictor:
     """The first MTP layer of the checkpoint in `folder` (`config` its main model's), read
-    alone: no other tensor of the checkpoint is read again."""
+    alone: no other tensor of the checkpoint is read again ("dummy": random weights)."""
     if not config.skipped_layers:
         raise ValueError(f"speculative_config method mtp: {config.architecture} here has no multi-token-prediction "
                          "layers (its config counts none: num_nextn_predict_layers)")
@@ -108,5 +108,8 @@ def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backen
             raise ValueError(f"speculative_config method mtp: the checkpoint in {folder} holds no "
                              f"multi-token-prediction layer ({prefix}*)")
 
-    module.load_weights(renamed())
+    if load_format == "dummy":
+        dummy_weights(module)
+    else:
+        module.load_weights(renamed())
     return ready_to_run(module, dtype, quantization, device)

@@ -43,7 +43,7 @@ class DraftView:
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype, backend,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, load_format: str = "auto") -> None:
         folder = Path(config.model)
         if not (folder / "config.json").is_file():
             raise ValueError(f"speculative_config model {config.model!r} is not a model folder (no config.json)")
@@ -55,7 +55,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config model {config.model!r} ({draft.architecture}): a draft model "
                              "must be a decoder of attention layers with plain KV heads")
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
-        self.model = load_model(folder, draft, dtype, backend, max_model_len, None, device)
+        self.model = load_model(folder, draft, dtype, backend, max_model_len, None, device, load_format)
         self.backend, self.device = backend, device
         self.kv_caches: list = []
         # Each request's state and how many of its tokens the draft's cache holds (a state

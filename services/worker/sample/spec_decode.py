@@ -86,22 +86,14 @@ def num_accepted(drafts: list[int], samples: list[int]) -> int:
     return accepted
 
 
-def make_proposer(config: SpeculativeConfig | None, target, dtype, backend, max_model_len: int, device,
-                  tensor_parallel=None, model=None, folder=None, quantization=None):
-    """The worker's proposer for `speculative_config`'s method (None: no speculation), for
-    the target `model` (its config `target`, read from `folder`), with its `synthetic`
-    acceptance where the config asks for it. A drafter is loaded before the KV cache is
-    sized: its blocks come out of the same budget."""
-    proposer = _proposer(config, target, dtype, backend, max_model_len, device, tensor_parallel, model, folder,
-                         quantization)
-    if proposer is not None and config.rejection_sample_method == "synthetic":
-        from services.worker.sample.synthetic_acceptance import SyntheticAcceptance
-
-        proposer.synthetic = SyntheticAcceptance(config)
-    return proposer
-
-
-def _proposer(config, target, dtype, backend, max_model_len, device, tensor_parallel, model, folder, quantization):
+def make_proposer(worker_config, target, dtype, backend, max_model_len: int, device, tensor_parallel=None,
+                  model=None, folder=None, quantization=None):
+    """The worker's proposer for `worker_config.speculative_config`'s method (None: no
+    speculation), for the target `model` (its config `target`, read from `folder`), with
+    its `synthetic` acceptance where the config asks for it. A drafter is loaded before
+    the KV cache is sized (its blocks come out of the same budget), by the target's
+    load_format ("dummy": random weights of its shape, for timing)."""
+    config = worker_config.speculative_config
     if config is None:
         return None
     if target.recurrent_layers:
@@ -110,19 +102,27 @@ def _proposer(config, target, dtype, backend, max_model_len, device, tensor_para
     if config.method != "ngram" and tensor_parallel is not None:
         raise ValueError(f"speculative_config method {config.method} does not run with --tensor-parallel-size "
                          f"{tensor_parallel.world_size} yet")
+    load_format = worker_config.load_format
     if config.method == "draft_model":
         from services.worker.sample.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config, target, dtype, backend, max_model_len, device)
-    if config.method in ("mtp", "eagle3"):
+        proposer = DraftModelProposer(config, target, dtype, backend, max_model_len, device, load_format)
+    elif config.method in ("mtp", "eagle3"):
         from services.worker.models.eagle3 import load_eagle3
         from services.worker.models.mtp import load_mtp
         from services.worker.sample.hidden_state_drafter import HiddenStateDrafter
 
-        drafter = load_mtp(config.model or folder, target, dtype, backend, max_model_len, quantization, device) \
-            if config.method == "mtp" else load_eagle3(config.model, model, dtype, backend, max_model_len, device)
-        return HiddenStateDrafter(config, drafter, model, backend, max_model_len, device)
-    return NgramProposer(config)
+        drafter = load_mtp(config.model or folder, target, dtype, backend, max_model_len, quantization, device,
+                           load_format) if config.method == "mtp" else \
+            load_eagle3(config.model, model, dtype, backend, max_model_len, device, load_format)
+        proposer = HiddenStateDrafter(config, drafter, model, backend, max_model_len, device)
+    else:
+        proposer = NgramProposer(config)
+    if config.rejection_sample_method == "synthetic":
+        from services.worker.sample.synthetic_acceptance import SyntheticAcceptance
+
+        proposer.synthetic = SyntheticAcceptance(config)
+    return proposer
 
 
 def propose_drafts(proposer, requests: dict[str, RequestState], num_draft_slots: dict[str, int],
