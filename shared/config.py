@@ -267,6 +267,11 @@ class SpeculativeConfig:
     # (given those before it accepted) instead of checking it, so a speed figure can be
     # read at a chosen acceptance length; the text is then not the model's.
     rejection_sample_method: str = "strict"
+    # vLLM's: a model drafter's drafts by argmax ("greedy"), or ("probabilistic") for a
+    # seeded request at temperature > 0 drawn from the drafter's distribution with the draw
+    # the target's sampler takes at that position (sample/sampler.py's draft_ids): drafts
+    # that agree with the target more often, never another output (each is verified)
+    draft_sample_method: str = "greedy"
     synthetic_acceptance_length: float | None = None  # mean tokens a drafting step, in [1, k + 1]
     synthetic_acceptance_rates: list[float] | None = None  # or each position's rate, k of them
 
@@ -283,6 +288,8 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         self._check_synthetic()
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sample_method must be greedy or probabilistic, got {self.draft_sample_method!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")

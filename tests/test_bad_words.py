@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from llmbus import LLM, SamplingParams
 from services.worker.sample.bad_words import apply_bad_words
 from services.worker.request_state import RequestState
-from services.worker.sample.spec_decode import DraftPosition
+from services.worker.sample.draft_position import DraftPosition
 from shared.sampling_params import with_bad_words_tokenized
 from test_launched_steps import overlapping, overlaps  # noqa: F401 (a fixture)
 from tiny_models import hf_greedy

@@ -127,3 +127,21 @@ def test_served_with_a_draft_model_streams_the_offline_text(tiny_llama, tmp_path
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_probabilistic_drafts_take_the_targets_draws_and_raise_acceptance_at_temperature(tiny_llama, prompts):
+    """draft_sample_method "probabilistic": a seeded request's draft is drawn from the
+    drafter's distribution with the draw the target takes at that position. The target
+    drafting itself then proposes what it will sample (nearly every draft accepted, where
+    argmax drafts are accepted only when the draw lands on the argmax); the output is the
+    run's without speculation either way."""
+    params = [SamplingParams(temperature=1.0, seed=31 + i, max_tokens=MAX_TOKENS, ignore_eos=True, top_k=40,
+                             presence_penalty=0.2) for i in range(len(prompts))]
+    expected = [o.outputs[0].token_ids for o in LLM(str(tiny_llama)).generate(prompts, params)]
+    rates = {}
+    for method in ("greedy", "probabilistic"):
+        llm = LLM(str(tiny_llama), speculative_config={**spec(tiny_llama, 3), "draft_sample_method": method})
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected, method
+        stats = llm.stats()
+        rates[method] = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    assert rates["probabilistic"] > 0.95 and rates["greedy"] < 0.8, rates

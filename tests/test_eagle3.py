@@ -176,7 +176,8 @@ def test_eagle3_drafts_are_the_reference_heads_and_greedy_equals_transformers(ta
     assert stats.kv_cache_usage == 0
 
 
-def test_eagle3_seeded_outputs_are_those_without_speculation(target, head, prompts):
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_eagle3_seeded_outputs_are_those_without_speculation(target, head, prompts, draft_sample_method):
     params = [SamplingParams(temperature=0.8, seed=21 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
                              presence_penalty=0.4) for i in range(len(prompts))]
 
@@ -185,7 +186,7 @@ def test_eagle3_seeded_outputs_are_those_without_speculation(target, head, promp
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.stats()
 
     without, _ = run()
-    with_head, stats = run(speculative_config=spec(head))
+    with_head, stats = run(speculative_config={**spec(head), "draft_sample_method": draft_sample_method})
     assert with_head == without
     assert stats.spec_decode_num_draft_tokens > 0
 

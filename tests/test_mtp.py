@@ -163,7 +163,9 @@ def test_mtp_drafts_are_the_reference_layers_and_greedy_equals_transformers(mtp_
     assert stats.kv_cache_usage == 0
 
 
-def test_mtp_seeded_penalized_and_constrained_outputs_are_those_without_speculation(mtp_model, prompts):
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_mtp_seeded_penalized_and_constrained_outputs_are_those_without_speculation(mtp_model, prompts,
+                                                                                   draft_sample_method):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
                              repetition_penalty=1.2, presence_penalty=0.3) for i in range(len(prompts))]
@@ -174,7 +176,7 @@ def test_mtp_seeded_penalized_and_constrained_outputs_are_those_without_speculat
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.stats()
 
     without, _ = run()
-    with_mtp, stats = run(speculative_config=MTP)
+    with_mtp, stats = run(speculative_config={**MTP, "draft_sample_method": draft_sample_method})
     assert with_mtp == without
     assert stats.spec_decode_num_draft_tokens > 0
 

@@ -712,7 +712,7 @@ def test_counts_kept_between_steps_equal_counts_from_the_whole_history(data):
     """Steps append tokens (some past the vocabulary), requests come and go (rows reused,
     the tables grown), rows are drafts of a request: every step's rows equal a count of
     each row's whole history."""
-    from services.worker.sample.spec_decode import DraftPosition
+    from services.worker.sample.draft_position import DraftPosition
 
     vocab = 12
     tokens = st.integers(0, vocab + 3)

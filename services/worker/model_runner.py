@@ -235,7 +235,7 @@ class ModelRunner:
         # Speculation: drafts for the requests given slots; each computes its scheduled
         # tokens less the slots its drafts leave unused.
         drafts = propose_drafts(self.proposer, self.requests, scheduler_output.num_draft_slots,
-                                self.model_config.long_rope_threshold, self.block_size, self.block_table)
+                                self.model_config.long_rope_threshold, self.block_size, self.block_table, self.sampler)
         num_tokens = {
             rid: n - scheduler_output.num_draft_slots.get(rid, 0) + len(drafts.get(rid, ()))
             for rid, n in num_scheduled.items()

@@ -73,6 +73,14 @@ class Eagle3Head(LlamaForCausalLM):
         best = self.lm_head(normed).argmax(dim=-1)  # (in the draft vocabulary)
         return best + self.d2t[best]
 
+    def draft_logits(self, normed: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """Over the target's vocabulary (a token outside the draft vocabulary: -inf), as
+        the target's sampler reads logits (probabilistic drafts)."""
+        logits = self.lm_head(normed).float()
+        full = logits.new_full((len(logits), target.config.vocab_size), float("-inf"))
+        full[:, torch.arange(len(self.d2t), device=logits.device) + self.d2t] = logits
+        return full
+
 
 def load_eagle3(folder: str | Path, target: LlamaForCausalLM, dtype: torch.dtype, backend: AttentionBackend,
                 max_position: int, device, load_format: str = "auto") -> Eagle3Head:

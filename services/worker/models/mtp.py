@@ -77,8 +77,11 @@ class MultiTokenPredictor(LlamaForCausalLM):
         hidden, residual = model.layers[0](positions, model.eh_proj(joined), None, kv_cache, metadata)
         return model.norm(hidden, residual)
 
+    def draft_logits(self, normed: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        return target.compute_logits(normed)  # (the main model's head)
+
     def draft_ids(self, normed: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
-        return target.compute_logits(normed).argmax(dim=-1)  # (the main model's head)
+        return self.draft_logits(normed, target).argmax(dim=-1)
 
 
 def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,

@@ -27,6 +27,7 @@ from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.loader import load_model
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.request_state import RequestState
+from services.worker.sample.draft_position import DraftPosition
 from services.worker.step_inputs import StepInputs
 from shared.config import SpeculativeConfig
 
@@ -55,6 +56,7 @@ class DraftModelProposer:
             raise ValueError(f"speculative_config model {config.model!r} ({draft.architecture}): a draft model "
                              "must be a decoder of attention layers with plain KV heads")
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
+        self.sample_drafts = config.draft_sample_method == "probabilistic"
         self.model = load_model(folder, draft, dtype, backend, max_model_len, None, device, load_format)
         self.backend, self.device = backend, device
         self.kv_caches: list = []
@@ -72,7 +74,7 @@ class DraftModelProposer:
 
     @torch.no_grad()
     def propose(self, requests: dict[str, RequestState], num_draft_slots: dict[str, int], block_size: int,
-                block_table: BlockTable) -> dict[str, list[int]]:
+                block_table: BlockTable, sampler=None) -> dict[str, list[int]]:
         """Up to `num_draft_slots[rid]` drafts for each request given slots (none for one
         whose grammar is still compiling)."""
         for rid in [rid for rid in self._caught_up if rid not in requests]:
@@ -92,24 +94,26 @@ class DraftModelProposer:
             done = min(done, len(state.token_ids) - 1)  # (at least its last token: it gives the first draft)
             views.append(DraftView(state, done, state.token_ids))
             self._caught_up[state.req_id] = (state, len(state.token_ids))
-        self._step(views, drafts, block_size, block_table)
+        self._step(views, drafts, block_size, block_table, sampler)
         for _ in range(max(slots.values()) - 1):  # each further draft: one token a request that wants more
             views = [DraftView(state, len(state.token_ids) + len(drafts[state.req_id]) - 1,
                              state.token_ids + drafts[state.req_id]) for state in states
                      if len(drafts[state.req_id]) < slots[state.req_id]]
             if not views:
                 break
-            self._step(views, drafts, block_size, block_table)
+            self._step(views, drafts, block_size, block_table, sampler)
         return {rid: d for rid, d in drafts.items() if d}
 
     def _step(self, views: list[DraftView], drafts: dict[str, list[int]], block_size: int,
-              block_table: BlockTable) -> None:
+              block_table: BlockTable, sampler) -> None:
         num_tokens = {v.req_id: len(v.token_ids) - v.num_computed_tokens for v in views}
         views.sort(key=lambda v: num_tokens[v.req_id] != 1)  # (decodes first, as attention takes them)
         inputs, _, last_token, _ = StepInputs.build(views, num_tokens, {}, block_size, block_table)
         input_ids, positions, metadata = inputs.to_device(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         rows = torch.from_numpy(np.asarray(last_token, np.int64)).to(hidden.device)
-        best = self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist()
+        logits = self.model.compute_logits(hidden[rows])
+        best = (sampler.draft_ids(logits, [DraftPosition(v.state, list(drafts[v.req_id])) for v in views])
+                if self.sample_drafts and sampler is not None else logits.argmax(dim=-1)).tolist()
         for view, token in zip(views, best):
             drafts[view.req_id].append(int(token))

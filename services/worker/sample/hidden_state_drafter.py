@@ -29,6 +29,7 @@ from services.worker.block_table import BlockTable
 from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.request_state import RequestState
 from services.worker.sample.draft_model import DraftView
+from services.worker.sample.draft_position import DraftPosition
 from services.worker.step_inputs import StepInputs
 from shared.config import SpeculativeConfig
 
@@ -77,6 +78,7 @@ class HiddenStateDrafter:
         `values_are_keys`, `kept`, `predict` and `draft_ids`."""
         self.drafter, self.target, self.backend, self.device = drafter, target_model, backend, device
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
+        self.sample_drafts = config.draft_sample_method == "probabilistic"
         self.kv_caches: list = []
         self._rows: dict[str, _Rows] = {}
 
@@ -104,7 +106,7 @@ class HiddenStateDrafter:
 
     @torch.no_grad()
     def propose(self, requests: dict[str, RequestState], num_draft_slots: dict[str, int], block_size: int,
-                block_table: BlockTable) -> dict[str, list[int]]:
+                block_table: BlockTable, sampler=None) -> dict[str, list[int]]:
         """The catch-up of every request with rows, and up to `num_draft_slots[rid]`
         drafts for each request given slots (none for one whose grammar is compiling)."""
         for rid in [rid for rid, rows in self._rows.items() if requests.get(rid) is not rows.state]:
@@ -131,7 +133,7 @@ class HiddenStateDrafter:
         views = [c[0] for c in caught]
         drafts = {rid: [] for rid in slots}
         outputs = self._step(views, torch.cat([c[1] for c in caught]), [c[2] for c in caught], drafts, block_size,
-                             block_table)
+                             block_table, sampler)
         for _ in range(max(slots.values(), default=1) - 1):  # each further draft: one token a request that wants more
             wanted = [i for i, view in enumerate(views) if view.req_id in drafts
                       and 0 < len(drafts[view.req_id]) < slots[view.req_id]]
@@ -139,11 +141,12 @@ class HiddenStateDrafter:
                 break
             views = [DraftView(v.state, len(v.token_ids), v.token_ids + [drafts[v.req_id][-1]])
                      for v in map(views.__getitem__, wanted)]
-            outputs = self._step(views, outputs[wanted], [True] * len(views), drafts, block_size, block_table)
+            outputs = self._step(views, outputs[wanted], [True] * len(views), drafts, block_size, block_table,
+                                 sampler)
         return {rid: d for rid, d in drafts.items() if d}
 
     def _step(self, views: list[DraftView], previous: torch.Tensor, drafting: list[bool], drafts: dict[str, list[int]],
-              block_size: int, block_table: BlockTable) -> torch.Tensor:
+              block_size: int, block_table: BlockTable, sampler) -> torch.Tensor:
         """One forward of the drafter over `views` (in order; `previous` their rows, one a
         token); a draft for each drafting view. Returns its output at each view's
         last token (a further draft's `previous`), in `views`' order."""
@@ -154,7 +157,12 @@ class HiddenStateDrafter:
         rows = torch.from_numpy(np.asarray(last_token, np.int64)).to(out.device)
         picked = [i for i, wants in enumerate(drafting) if wants]
         if picked:
-            best = self.drafter.draft_ids(normed[rows[picked]], self.target).tolist()
+            normed = normed[rows[picked]]
+            if self.sample_drafts and sampler is not None:
+                positions = [DraftPosition(views[i].state, list(drafts[views[i].req_id])) for i in picked]
+                best = sampler.draft_ids(self.drafter.draft_logits(normed, self.target), positions).tolist()
+            else:
+                best = self.drafter.draft_ids(normed, self.target).tolist()
             for i, token in zip(picked, best):
                 drafts[views[i].req_id].append(int(token))
         return out[rows]

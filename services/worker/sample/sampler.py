@@ -226,6 +226,22 @@ class Sampler:
             sampled = self._sample_random(logits, states, greedy)
         return self._samples(raw, sampled, params)
 
+    def draft_ids(self, logits: torch.Tensor, positions: Sequence) -> torch.Tensor:
+        """A model drafter's drafts at `positions` (spec_decode.DraftPosition: a request and
+        the drafts before): the argmax, but for a seeded request at temperature > 0 a draw
+        from the drafter's distribution processed as the target's will be, with the very
+        draw u(seed, position) the target's sampler takes there. Where the drafter's
+        distribution is the target's, the target samples the draft itself; where it is
+        near, mostly (coupled draws). It cannot change a token: each draft is verified."""
+        best = logits.argmax(-1)
+        coupled = [i for i, p in enumerate(positions) if not p.sampling_params.greedy
+                   and p.sampling_params.seed is not None]
+        if coupled:
+            index = to_device(coupled, logits.device)
+            rows = [positions[i] for i in coupled]
+            best[index] = self._sample_random(self._process(logits[index], rows), rows, [False] * len(rows))
+        return best
+
     def _process(self, logits: torch.Tensor, states: Sequence[RequestState]) -> torch.Tensor:
         """Penalties, logit bias, min_tokens, allowed_token_ids and bad words, which change
         the distribution greedy picks from too: each for all the rows that ask for it at

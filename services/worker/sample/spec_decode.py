@@ -20,6 +20,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from services.worker.request_state import RequestState
+from services.worker.sample.draft_position import DraftPosition
 from shared.config import SpeculativeConfig
 
 
@@ -44,38 +45,6 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return tokens[start : start + num].tolist()
         return []
-
-
-class DraftPosition:
-    """A request as the sampler sees it at one draft position: its tokens so far plus the
-    drafts before this position."""
-
-    __slots__ = ("state", "drafts")
-    matcher = None  # the request's grammar masks this position's row (GrammarBackend.mask)
-
-    def __init__(self, state: RequestState, drafts: list[int]) -> None:
-        self.state = state
-        self.drafts = drafts
-
-    @property
-    def sampling_params(self):
-        return self.state.sampling_params
-
-    @property
-    def eos_token_id(self):
-        return self.state.eos_token_id
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.state.num_output_tokens + len(self.drafts)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.state.token_ids + self.drafts
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.state.output_token_ids + self.drafts
 
 
 def num_accepted(drafts: list[int], samples: list[int]) -> int:
@@ -126,16 +95,18 @@ def make_proposer(worker_config, target, dtype, backend, max_model_len: int, dev
 
 
 def propose_drafts(proposer, requests: dict[str, RequestState], num_draft_slots: dict[str, int],
-                   long_rope_threshold: int | None, block_size: int, block_table) -> dict[str, list[int]]:
+                   long_rope_threshold: int | None, block_size: int, block_table,
+                   sampler=None) -> dict[str, list[int]]:
     """Drafts for the requests the scheduler gave slots: none for a request whose grammar
-    is still compiling, or whose drafts would cross the longrope threshold."""
+    is still compiling, or whose drafts would cross the longrope threshold (`sampler`: the
+    target's, whose draws a model drafter's probabilistic drafts take)."""
     if proposer is None or not num_draft_slots and isinstance(proposer, NgramProposer):
         return {}  # (a model drafter catches up every step, drafting or not)
     if long_rope_threshold is not None:
         num_draft_slots = {rid: slots for rid, slots in num_draft_slots.items() if rid in requests and (
             requests[rid].long_rope or len(requests[rid].token_ids) + slots <= long_rope_threshold)}
     if not isinstance(proposer, NgramProposer):  # (a draft model: every request's drafts in a few forwards)
-        return proposer.propose(requests, num_draft_slots, block_size, block_table)
+        return proposer.propose(requests, num_draft_slots, block_size, block_table, sampler)
     drafts = {}
     for rid, slots in num_draft_slots.items():
         state = requests.get(rid)
