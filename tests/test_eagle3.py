@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from llmbus import LLM, SamplingParams
+from draft_recorder import recorded
 from tiny_models import build_tiny_model, hf_greedy
 
 TEXTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "1 2 3 4 5 1 2 3 4 5 1 2 3",
@@ -152,15 +153,7 @@ def spec(head: Path, k: int = 3) -> dict:
 ], ids=["plain", "chunked", "preempted"])
 def test_eagle3_drafts_are_the_reference_heads_and_greedy_equals_transformers(target, head, prompts, options):
     llm = LLM(str(target), speculative_config=spec(head), **options)
-    proposer, calls = llm.runner.proposer, []
-    propose = proposer.propose
-
-    def record(requests, slots, *args):
-        drafts = propose(requests, slots, *args)
-        calls.extend((list(requests[rid].token_ids), d) for rid, d in drafts.items())
-        return drafts
-
-    proposer.propose = record
+    calls = recorded(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(
         prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
     assert got == hf_greedy(target, prompts, MAX_TOKENS)

@@ -16,6 +16,7 @@ import torch
 
 from llmbus import LLM, SamplingParams
 from shared.config import SpeculativeConfig
+from draft_recorder import recorded
 from tiny_models import build_tiny_model, hf_greedy
 
 TEXTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "1 2 3 4 5 1 2 3 4 5 1 2 3",
@@ -126,20 +127,6 @@ def prompts(mtp_model):
     return [tokenizer.encode(text) for text in TEXTS]
 
 
-def recorded(llm) -> list[tuple[list[int], list[int]]]:
-    """Every (context, drafts) the worker's MTP proposer gives, as it gives them."""
-    proposer, calls = llm.runner.proposer, []
-    propose = proposer.propose
-
-    def record(requests, slots, *args):
-        drafts = propose(requests, slots, *args)
-        calls.extend((list(requests[rid].token_ids), d) for rid, d in drafts.items())
-        return drafts
-
-    proposer.propose = record
-    return calls
-
-
 @pytest.mark.parametrize("options", [
     {},
     {"max_num_batched_tokens": 16},  # chunked prefill: the catch-up spans chunks
@@ -164,8 +151,8 @@ def test_mtp_drafts_are_the_reference_layers_and_greedy_equals_transformers(mtp_
 
 
 @pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
-def test_mtp_seeded_penalized_and_constrained_outputs_are_those_without_speculation(mtp_model, prompts,
-                                                                                   draft_sample_method):
+def test_mtp_seeded_penalized_and_constrained_outputs_are_those_without_speculation(
+        mtp_model, prompts, draft_sample_method):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = [SamplingParams(temperature=0.8, seed=11 + i, max_tokens=MAX_TOKENS, ignore_eos=True,
                              repetition_penalty=1.2, presence_penalty=0.3) for i in range(len(prompts))]

@@ -1,0 +1,16 @@
+"""What a model drafter proposes, recorded as it proposes it (tests/test_mtp.py,
+tests/test_eagle3.py hold each proposal to a reference forward)."""
+
+
+def recorded(llm) -> list[tuple[list[int], list[int]]]:
+    """Every (context, drafts) the worker's proposer gives from now on, as it gives them."""
+    proposer, calls = llm.runner.proposer, []
+    propose = proposer.propose
+
+    def record(requests, slots, *args):
+        drafts = propose(requests, slots, *args)
+        calls.extend((list(requests[rid].token_ids), d) for rid, d in drafts.items())
+        return drafts
+
+    proposer.propose = record
+    return calls
