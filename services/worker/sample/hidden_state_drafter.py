@@ -75,7 +75,7 @@ class HiddenStateDrafter:
     def __init__(self, config: SpeculativeConfig, drafter, target_model, backend, max_model_len: int,
                  device: torch.device) -> None:
         """`drafter`: an MTP layer or an EAGLE-3 head, loaded: its one layer's `config`,
-        `values_are_keys`, `kept`, `predict` and `draft_ids`."""
+        `values_are_keys`, `kept`, `predict`, `draft_ids` and `draft_logits`."""
         self.drafter, self.target, self.backend, self.device = drafter, target_model, backend, device
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
         self.sample_drafts = config.draft_sample_method == "probabilistic"
