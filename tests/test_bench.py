@@ -145,13 +145,19 @@ def test_bench_agreement_of_float32_with_itself_and_with_transformers_is_total(t
     assert result["transformers"] == {"identical": 16, "matching_prefix_tokens": result["tokens"]}
 
 
-def test_bench_speculative_compares_both_sides_on_the_same_tokens(tiny_llama, capsys):
+def test_bench_speculative_compares_every_side_with_none_on_the_same_tokens(tiny_llama, capsys):
     # Float32: the exit status says whether speculation changed any token.
-    assert main(["bench", "speculative", "--model", str(tiny_llama), "--workload", "copy", "--workload", "w1",
-                 "--num-requests", "3", "--max-tokens", "24", "--repeat", "2"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if "on/off" in line]
-    assert [line.split(" ")[0] for line in lines] == ["copy", "w1"]
-    assert all("outputs identical" in line and "2 pairs" in line for line in lines)
+    draft = json.dumps({"method": "draft_model", "model": str(tiny_llama), "num_speculative_tokens": 2})
+    assert main(["bench", "speculative", "--model", str(tiny_llama), "--workload", "copy", "--workload", "chat",
+                 "--num-requests", "3", "--max-tokens", "24", "--repeat", "2",
+                 "--compare", '{"method": "ngram", "num_speculative_tokens": 3}', "--compare", draft]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(" ")[0] for line in out if "rounds)" in line] == ["copy", "chat"]
+    sides = [line.split(": ")[0].strip() for line in out if "x off" in line]
+    assert sides == ["ngram", f"draft_model:{tiny_llama.name}"] * 2
+    # (the model drafting itself: every draft accepted, k + 1 tokens a drafting step but at the ends)
+    drafted = [line for line in out if line.strip().startswith("draft_model")]
+    assert all("acceptance 1.00 of" in line and "outputs identical" in line for line in drafted), drafted
 
 
 def test_bench_moe_compares_sparse_dense_and_transformers_on_the_same_tokens(capsys):
