@@ -109,8 +109,11 @@ def load_eagle3(folder: str | Path, target: LlamaForCausalLM, dtype: torch.dtype
     if not own_embedding and raw["hidden_size"] != goal.hidden_size:
         raise ValueError(f"{name} is {raw['hidden_size']} wide and has no embedding of its own: the target's is "
                          f"{goal.hidden_size} wide")
+    # (built with no head and, where the target's serves, a one-row embedding: a
+    # vocabulary-sized table made only to be replaced is gigabytes at Llama 3's size)
     config = ModelConfig.from_dict({**raw, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
-                                    "tie_word_embeddings": False})
+                                    "tie_word_embeddings": True,
+                                    "vocab_size": raw["vocab_size"] if own_embedding else 1})
     with torch.device("cpu"):
         head = Eagle3Head(config, backend, max_position, raw.get("draft_vocab_size") or raw["vocab_size"],
                           3 * target_hidden, own_embedding, bool(raw.get("norm_before_residual")))
