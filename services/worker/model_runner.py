@@ -271,7 +271,7 @@ class ModelRunner:
             if patch is not None:
                 patch(input_ids)
             hidden = self.model(input_ids, positions, self.kv_caches, metadata, images)
-        if hasattr(self.proposer, "saw_step"):  # (an MTP layer reads the step's hidden states)
+        if hasattr(self.proposer, "saw_step"):  # (an MTP layer or EAGLE-3 head reads the step's hidden states)
             self.proposer.saw_step(hidden, states, num_tokens)
         if scheduler_output.kv_stores:  # blocks this forward filled, to the host's tier
             self.kv_tier.store(scheduler_output.kv_stores, scheduler_output.kv_tier_moves)

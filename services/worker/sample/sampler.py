@@ -227,7 +227,7 @@ class Sampler:
         return self._samples(raw, sampled, params)
 
     def draft_ids(self, logits: torch.Tensor, positions: Sequence) -> torch.Tensor:
-        """A model drafter's drafts at `positions` (spec_decode.DraftPosition: a request and
+        """A model drafter's drafts at `positions` (draft_position.DraftPosition: a request and
         the drafts before): the argmax, but for a seeded request at temperature > 0 a draw
         from the drafter's distribution processed as the target's will be, with the very
         draw u(seed, position) the target's sampler takes there. Where the drafter's

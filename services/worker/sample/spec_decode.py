@@ -105,7 +105,7 @@ def propose_drafts(proposer, requests: dict[str, RequestState], num_draft_slots:
     if long_rope_threshold is not None:
         num_draft_slots = {rid: slots for rid, slots in num_draft_slots.items() if rid in requests and (
             requests[rid].long_rope or len(requests[rid].token_ids) + slots <= long_rope_threshold)}
-    if not isinstance(proposer, NgramProposer):  # (a draft model: every request's drafts in a few forwards)
+    if not isinstance(proposer, NgramProposer):  # (a model drafter: every request's drafts in a few forwards)
         return proposer.propose(requests, num_draft_slots, block_size, block_table, sampler)
     drafts = {}
     for rid, slots in num_draft_slots.items():
