@@ -7,7 +7,7 @@ whole engine step (host_step_times.py), whose forward dominates on a CPU.
     python scripts/scheduler_step_times.py [--batch 128] [--steps 600] [--runs 3]
 
 Requests ask for vLLM's FINAL_ONLY outputs, as `LLM.generate` does, where the checkout has
-them.
+them; `--output-kind delta` for a served stream's (an output a request a step).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
+def run(batch: int, steps: int, prompt_len: int, output_kind: str = "final_only") -> dict[str, float]:
     """Medians in microseconds; the steps of 4000-token requests in a 4096-token context."""
     import shared.sampling_params as sp
     from services.scheduler.core.scheduler import Scheduler
@@ -33,7 +33,7 @@ def run(batch: int, steps: int, prompt_len: int) -> dict[str, float]:
     scheduler = Scheduler(config, num_kv_blocks=8192, block_size=16, vocab_size=1000)
     kind = getattr(sp, "RequestOutputKind", None)  # (an older checkout has none)
     params = sp.SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True,
-                               **({"output_kind": kind.FINAL_ONLY} if kind else {}))
+                               **({"output_kind": kind[output_kind.upper()]} if kind else {}))
     for i in range(batch):
         scheduler.add_request(EngineCoreRequest(request_id=str(i), sampling_params=params, eos_token_id=0,
                                                 prompt_token_ids=[(i * 7 + j) % 900 + 1 for j in range(prompt_len)]))
@@ -58,9 +58,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--output-kind", choices=("final_only", "delta"), default="final_only",
+                        help="delta: a served stream's outputs (one a request a step)")
     args = parser.parse_args()
     for _ in range(args.runs):
-        print(json.dumps({"batch": args.batch, **run(args.batch, args.steps, args.prompt_len)}), flush=True)
+        print(json.dumps({"batch": args.batch, "output_kind": args.output_kind,
+                          **run(args.batch, args.steps, args.prompt_len, args.output_kind)}), flush=True)
 
 
 if __name__ == "__main__":
