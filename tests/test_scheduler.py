@@ -590,7 +590,7 @@ def test_outputs_are_grouped_by_reply_subject():
     assert sorted(outputs) == ["gw1", "gw2"]
     assert [o.request_id for o in outputs["gw1"].outputs] == ["a", "c"]
     assert [o.request_id for o in outputs["gw2"].outputs] == ["b"]
-    assert outputs["gw1"].scheduler_stats.num_running_reqs == 3
+    assert outputs["gw1"].scheduler_stats is None  # (the shell adds its fleet's figures, once a step)
 
 
 def test_a_prefix_hit_is_reported_as_cached_tokens():

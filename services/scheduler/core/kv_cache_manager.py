@@ -35,6 +35,12 @@ class KVCacheManager:
         # 2.5 ms of a batch-128 decode step at 512 tokens of context; the GPU's whole step is
         # about 1.5 ms).
         self.num_cached_blocks: dict[str, int] = {}
+        # How many computed tokens a request's blocks hold with no block to add and none
+        # newly full to register: allocate_slots would change nothing below it, so the
+        # scheduler does not call it for a decode there (most of a step's requests). Set as
+        # allocate_slots returns; the blocks and registered count only grow until `free`, so
+        # a bound from an earlier step is never above the true one.
+        self.quiet_until: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up, cumulative
         self.prefix_cache_hits = 0  # tokens found, cumulative
         # The host's KV tier (--kv-offloading-size; kv_tier_index.py), shared with the other
@@ -197,6 +203,7 @@ class KVCacheManager:
                 if self.enable_caching and min(num_after, len(request.all_token_ids)) // self.block_size > \
                         self.num_cached_blocks.get(request.request_id, 0):
                     self._cache_full_blocks(request, req_blocks, num_after)
+                self._note_quiet(request.request_id, req_blocks)
                 return []
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -223,7 +230,14 @@ class KVCacheManager:
             # may hit them in this same step: the worker writes every token's K/V of a layer
             # before any attention of that layer reads the cache, so that is safe.
             self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        self._note_quiet(request.request_id, req_blocks)
         return new_blocks
+
+    def _note_quiet(self, request_id: str, req_blocks: list[KVCacheBlock]) -> None:
+        room = len(req_blocks) * self.block_size
+        if self.enable_caching:  # (below the end of the block after the registered ones, none fills)
+            room = min(room, (self.num_cached_blocks.get(request_id, 0) + 1) * self.block_size - 1)
+        self.quiet_until[request_id] = room
 
     def _cache_full_blocks(
         self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int
@@ -310,6 +324,7 @@ class KVCacheManager:
         may hit them (blocks shared with others were computed earlier and stay)."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
+        self.quiet_until.pop(request.request_id, None)
         if forget_cached:
             for block in blocks:
                 if block.ref_cnt == 1:

@@ -107,20 +107,26 @@ class Scheduler(RequestQueues):
         # Running requests first, oldest first; the newest is the first to be preempted.
         # With steps in flight (async scheduling), a request is scheduled as if the tokens
         # it will sample there were known: the worker has them by the time it runs this step.
-        speculating = self.speculation.active(len(self.running))  # (once a step: this loop runs for every request)
+        # (This loop runs for every request a step: what it reads is read once, lengths directly.)
+        speculating, running, max_len = self.speculation.active(len(self.running)), self.running, self.max_model_len
+        allocate, quiet_until = self.kv_cache_manager.allocate_slots, self.kv_cache_manager.quiet_until
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._will_finish(request) or (request.awaiting_grammar and request.num_output_placeholders) or (
+        while index < len(running) and budget > 0:
+            request = running[index]
+            pending = request.num_output_placeholders
+            if pending and (len(request.output_token_ids) + pending >= request.max_tokens
+                            or len(request.all_token_ids) + pending >= max_len or request.awaiting_grammar) or (
                     request.decode_elsewhere and request.num_computed_tokens >= request.num_prompt_tokens):
-                # Its last token is in flight (a further step would be discarded), or its
-                # first token there may come back unsampled, or it decodes on another worker.
+                # The tokens in flight take it to its length limit (a further step would be
+                # discarded), or its first token there may come back unsampled (a grammar's),
+                # or it decodes on another worker.
                 index += 1
                 continue
-            num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
-            if threshold:
-                num_new = min(num_new, threshold)
-            num_new = min(num_new, budget)
+            num_new = len(request.all_token_ids) + pending - request.num_computed_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
             if request.mm_features:  # (an image's placeholders go in one step)
                 num_new = request.whole_images(request.num_computed_tokens, num_new, budget)
             if request.snapshot_points:
@@ -130,8 +136,9 @@ class Scheduler(RequestQueues):
                 continue
             slots = self.speculation.draft_slots(request, num_new, budget, self.max_model_len) if speculating else 0
             num_new += slots
-            while True:
-                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while True:  # (no call where it would change nothing: KVCacheManager.quiet_until)
+                quiet = request.num_computed_tokens + num_new <= quiet_until.get(request.request_id, -1)
+                blocks = [] if quiet else allocate(request, num_new)
                 if blocks is not None:
                     break
                 victim = self._victim(index)
@@ -254,14 +261,6 @@ class Scheduler(RequestQueues):
         engine waits for the landing, and the step after it carries drafts again."""
         return not (self.speculation.active(len(self.running)) and any(r.speculate and not r.awaiting_grammar for r in self.running))
 
-    def _will_finish(self, request: Request) -> bool:
-        """Whether the tokens in flight already take the request to its length limit."""
-        pending = request.num_output_placeholders
-        return pending > 0 and (  # (lengths read directly: this runs for every request a step)
-            len(request.output_token_ids) + pending >= request.max_tokens
-            or len(request.all_token_ids) + pending >= self.max_model_len
-        )
-
     def _make_output(
         self,
         scheduled: list[Request],
@@ -303,7 +302,7 @@ class Scheduler(RequestQueues):
                 outputs[request.reply_subject].append(EngineCoreOutput(
                     req_id, [], FinishReason.ERROR, error=runner_output.error, index=request.num_output_tokens,
                 ))
-            return pack(outputs, self.make_stats)
+            return pack(outputs)
 
         for req_id, why in runner_output.request_errors.items():
             request = self.requests.get(req_id)
@@ -331,27 +330,28 @@ class Scheduler(RequestQueues):
             request = self.requests.get(req_id)
             if request is None or not sampled:
                 continue  # finished meanwhile (aborted, or ended by an earlier step's token), or a prompt chunk
-            request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             if request.num_discarded_tokens:  # computed before a longrope restart
                 request.num_discarded_tokens -= 1
                 continue
             request.awaiting_grammar = False
             if draft_slots and (slots := draft_slots.get(req_id, 0)):
                 self.speculation.land(request, slots, drafted, len(sampled) - 1)
-            index = len(request.output_token_ids)
-            new_tokens = []
+            output_ids, all_ids = request.output_token_ids, request.all_token_ids  # (append_output_token, inline)
+            index = len(output_ids)
             num_generated += len(sampled)
             reason = stop_reason = None
             for token_id in sampled:
-                request.append_output_token(token_id)
-                new_tokens.append(token_id)
+                output_ids.append(token_id)
+                all_ids.append(token_id)
                 # (Almost every token: not one that may stop it, nor its last; run for every
                 # token of a step, so the whole test only where it can say stop.)
-                if (token_id in request.stop_ids or len(request.output_token_ids) >= request.max_tokens
-                        or len(request.all_token_ids) >= max_len):
+                if token_id in request.stop_ids or len(output_ids) >= request.max_tokens or len(all_ids) >= max_len:
                     reason, stop_reason = check_stop(request, token_id, max_len)
                     if reason is not None:
                         break
+            new_tokens = sampled[:len(output_ids) - index]  # (its own list: a held output's grows)
             new_logprobs = lps[:len(new_tokens)] if lps else lps
             output = request.held_output
             if output is not None:  # FINAL_ONLY: this step's tokens join the ones held
@@ -389,8 +389,8 @@ class Scheduler(RequestQueues):
                         request.held_output = output
                     continue
             outputs[request.reply_subject].append(output)
-        self.num_generation_tokens += num_generated  # (before pack: its figures count them)
-        return pack(outputs, self.make_stats)
+        self.num_generation_tokens += num_generated
+        return pack(outputs)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False, changing nothing, while a request holds blocks."""

@@ -61,13 +61,11 @@ class IterationTokens:
             self.total += num_tokens
 
 
-def pack(outputs: dict[str, list[EngineCoreOutput]], stats: Callable[[], SchedulerStats]) -> dict[str, EngineCoreOutputs]:
-    """Each gateway's outputs, with the scheduler's figures (none asked for when no one
-    gets outputs: a step of held outputs only)."""
-    if not outputs:
-        return {}
-    figures, now = stats(), time.time()
-    return {subject: EngineCoreOutputs(outs, scheduler_stats=figures, timestamp=now) for subject, outs in outputs.items()}
+def pack(outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, EngineCoreOutputs]:
+    """Each gateway's outputs. The figures that go with them are the shell's to add (a
+    fleet's, once a step: services/scheduler/shell/service.py)."""
+    now = time.time()
+    return {subject: EngineCoreOutputs(outs, timestamp=now) for subject, outs in outputs.items()}
 
 
 def adapter_names(requests) -> list[str]:
