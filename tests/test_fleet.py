@@ -3,12 +3,14 @@ bound, with exact request ids and clocks instead of processes and timeouts."""
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import pytest
 
 from services.scheduler.shell.fleet import Fleet
 from shared.config import SchedulerConfig
-from shared.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput, WorkerInfo
+from shared.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput, SchedulerStats, WorkerInfo
 from shared.sampling_params import SamplingParams
 from services.scheduler.shell.wakefulness import Wakefulness
 
@@ -288,3 +290,38 @@ def test_an_answered_step_is_proof_of_life_for_that_handle_only():
     fleet.heard_from(worker("w1"), now=4.0)  # rejoins as a new handle
     fleet.saw(handle, now=5.0)  # the old handle's step says nothing of the new one
     assert fleet.workers["w1"].last_seen == 4.0
+
+
+class PublishedStats:
+    """A NATS client that keeps what is published on the stats subject."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject, self.stats = subject, []
+
+    async def publish(self, subject: str, data: bytes, **kwargs) -> None:
+        if subject == self.subject:
+            self.stats.append(msgspec.msgpack.decode(data, type=SchedulerStats))
+
+
+def test_stats_go_out_at_most_every_interval_and_the_last_change_always():
+    """A step or a request changes the figures: the first change goes out at once, the
+    ones within STATS_INTERVAL_S of it once, after it, as they are then; no change, no
+    publish."""
+    from services.scheduler.shell.service import STATS_INTERVAL_S, SchedulerService
+    from shared.bus import Subjects
+
+    async def main():
+        subjects = Subjects("tiny")
+        nc = PublishedStats(subjects.scheduler_stats)
+        service = SchedulerService(nc, subjects, SchedulerConfig(max_model_len=512))
+        for i in range(5):  # (no worker: each waits, and the waiting count grows)
+            service.fleet.submit(request(f"r{i}"), now=0.0)
+            await service._stats_changed()
+        assert [s.num_waiting_reqs for s in nc.stats] == [1]
+        await asyncio.sleep(STATS_INTERVAL_S * 3)
+        assert [s.num_waiting_reqs for s in nc.stats] == [1, 5]
+        await service._stats_changed()  # (nothing changed since)
+        await asyncio.sleep(STATS_INTERVAL_S * 3)
+        assert len(nc.stats) == 2
+
+    asyncio.run(main())

@@ -70,6 +70,8 @@ class SchedulerStats(msgspec.Struct, **WIRE):
     @classmethod
     def combine(cls, parts: list["SchedulerStats"], num_waiting_elsewhere: int = 0) -> "SchedulerStats":
         """Several cores as one: counts add up, KV usage is the mean of their fractions."""
+        if len(parts) == 1:  # (a shard of one worker, every step: its figures as they are)
+            return msgspec.structs.replace(parts[0], num_waiting_reqs=parts[0].num_waiting_reqs + num_waiting_elsewhere)
         total = cls(num_waiting_reqs=num_waiting_elsewhere)
         for name in _SUMMED_STATS:
             setattr(total, name, getattr(total, name) + sum(getattr(p, name) for p in parts))

@@ -68,8 +68,8 @@ class Fleet:
         self.unplaced: deque[tuple[EngineCoreRequest | Request, float]] = deque()
         # The cumulative counts of removed workers' cores (tokens generated, prefix-cache
         # lookups, drafts, ...): the fleet's counters must never go back, or a gateway
-        # would take the drop for a new scheduler and count everything again.
-        self.retired_counts = SchedulerStats()
+        # would take the drop for a new scheduler and count everything again. (None: none yet.)
+        self.retired_counts: SchedulerStats | None = None
         self.affinity = PrefixAffinity()  # where recent prompts' blocks were sent
         # The index of each host KV tier its workers map (--kv-offloading-size), by the tier's name
         self.kv_tiers: dict[str, KVTierIndex] = {}
@@ -137,6 +137,8 @@ class Fleet:
         moved = handle.core.take_unfinished()
         if handle.core.kv_cache_manager.tier is not None:
             handle.core.kv_cache_manager.drop_tier_orders()
+        if self.retired_counts is None:
+            self.retired_counts = SchedulerStats()
         self.retired_counts.add_counts(handle.core.make_stats())
         log.warning("worker %s removed (%s); moving %d request(s); %d worker(s) left",
                     worker_id, reason, len(moved), len(self.workers))
@@ -325,7 +327,8 @@ class Fleet:
 
     def stats(self) -> SchedulerStats:
         total = SchedulerStats.combine([h.core.make_stats() for h in self.workers.values()], len(self.unplaced))
-        total.add_counts(self.retired_counts)
+        if self.retired_counts is not None:
+            total.add_counts(self.retired_counts)
         return total
 
 

@@ -41,6 +41,8 @@ from shared.tracing import setup_tracing, shutdown_tracing, tracing_enabled
 
 log = logging.getLogger("llmbus.scheduler")
 
+STATS_INTERVAL_S = 0.05  # the stats subject's most frequent publish (_stats_changed)
+
 
 class SchedulerService:
     def __init__(
@@ -76,6 +78,9 @@ class SchedulerService:
         self.wake = asyncio.Event()
         self.engines: dict[str, EngineCore] = {}  # worker id -> the engine core driving it
         self._stats_sent: tuple | None = None  # (running, waiting, kv usage) last published
+        self._stats_sent_at = 0.0
+        self._stats_timer: asyncio.TimerHandle | None = None  # a changed figure's publish, due
+        self._stats_task: asyncio.Future | None = None  # (held: the loop keeps only weak references)
         self.epoch = 0  # reconnections to NATS, in every heartbeat
         self._request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._abort_decoder = msgspec.msgpack.Decoder(AbortRequests)
@@ -104,7 +109,7 @@ class SchedulerService:
             return
         await self._publish_rejections(self.fleet.submit(request, time.monotonic()))
         self._wake_all()
-        await self._publish_stats(only_if_changed=True)
+        await self._stats_changed()
 
     async def on_abort(self, msg) -> None:
         try:
@@ -113,7 +118,7 @@ class SchedulerService:
             return
         self.fleet.abort(ids)
         self._wake_all()  # so the worker hears of it at the next step
-        await self._publish_stats(only_if_changed=True)
+        await self._stats_changed()
 
     async def on_announce(self, msg) -> None:
         try:
@@ -205,6 +210,8 @@ class SchedulerService:
         finally:
             for _, task in tasks.values():
                 task.cancel()
+            if self._stats_timer is not None:
+                self._stats_timer.cancel()
 
     def _drop_silent_gateways(self, now: float, awake: Wakefulness) -> None:
         for subject in self.gateways.silent(now, awake):
@@ -229,24 +236,43 @@ class SchedulerService:
                 await self._publish_rejections(self.fleet.remove(handle.worker_id, str(exc)))
             self._wake_all()
 
-    def _fleet_stats(self):
+    def _fleet_stats(self, **step):
         return msgspec.structs.replace(self.fleet.stats(), scheduler_id=self.scheduler_id,
-                                       data_parallel_rank=self.rank)
+                                       data_parallel_rank=self.rank, **step)
 
-    async def _publish_stats(self, only_if_changed: bool = False, stats=None) -> None:
+    async def _publish_stats(self, only_if_changed: bool = False) -> None:
         """The fleet's stats on their own subject: every gateway renders the latest, so
         /metrics is right between requests too, not only when an output passes by."""
-        stats = stats or self._fleet_stats()
+        stats = self._fleet_stats()
         key = (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage)
         if only_if_changed and key == self._stats_sent:
             return
-        self._stats_sent = key
+        self._stats_sent, self._stats_sent_at = key, time.monotonic()
         await self.nc.publish(self.subjects.scheduler_stats, encode(stats))
+
+    async def _stats_changed(self) -> None:
+        """Something the stats count changed (a step landed, a request came or went): they
+        go out at most every STATS_INTERVAL_S, the last change always (a timer). A gateway
+        with requests here has them with every step's outputs already; the others route by
+        these (shard_router.py counts what it sent since) — a publish, and every gateway's
+        decoding of it, a step would cost more than that lag is worth (vLLM's DP
+        coordinator publishes its engines' counts every 100 ms)."""
+        if self._stats_timer is not None:
+            return  # (one is due: it will read the figures then)
+        wait = self._stats_sent_at + STATS_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            await self._publish_stats(only_if_changed=True)
+        else:
+            self._stats_timer = asyncio.get_running_loop().call_later(wait, self._stats_due)
+
+    def _stats_due(self) -> None:
+        self._stats_timer = None
+        self._stats_task = asyncio.ensure_future(self._publish_stats(only_if_changed=True))
 
     async def _publish(self, handle: WorkerHandle, landed: LandedStep) -> None:
         self.fleet.saw(handle, time.monotonic())  # a step it answered: alive
-        fleet_stats = self._fleet_stats()  # once a step, for the outputs and the stats subject
-        step_stats = msgspec.structs.replace(fleet_stats, worker_id=handle.worker_id, step_time_s=landed.step_time_s)
+        if landed.outputs:  # (the fleet's figures, with each step's worker and time: the gateways' metrics)
+            step_stats = self._fleet_stats(worker_id=handle.worker_id, step_time_s=landed.step_time_s)
         for subject, outputs in landed.outputs.items():
             outputs.scheduler_stats = step_stats
             for output in outputs.outputs:
@@ -254,7 +280,7 @@ class SchedulerService:
                     self.fleet.finished(output.request_id)
             if subject:
                 await self.nc.publish(subject, encode(outputs))
-        await self._publish_stats(only_if_changed=True, stats=fleet_stats)
+        await self._stats_changed()
         if handle.core.handoffs:  # prefilled here, decoded elsewhere (disaggregation), or drained
             targets, rejected = self.fleet.hand_off(handle)
             for target in targets:
