@@ -27,7 +27,7 @@ from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.loader import load_model
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.request_state import RequestState
-from services.worker.sample.draft_position import DraftPosition
+from services.worker.sample.draft_position import next_drafts
 from services.worker.step_inputs import StepInputs
 from shared.config import SpeculativeConfig
 
@@ -113,7 +113,6 @@ class DraftModelProposer:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)
         rows = torch.from_numpy(np.asarray(last_token, np.int64)).to(hidden.device)
         logits = self.model.compute_logits(hidden[rows])
-        best = (sampler.draft_ids(logits, [DraftPosition(v.state, list(drafts[v.req_id])) for v in views])
-                if self.sample_drafts and sampler is not None else logits.argmax(dim=-1)).tolist()
+        best = next_drafts(views, drafts, sampler, self.sample_drafts, lambda: logits, lambda: logits.argmax(dim=-1))
         for view, token in zip(views, best):
             drafts[view.req_id].append(int(token))

@@ -4,6 +4,10 @@ drafts are drawn for (sampler.draft_ids), so both take the same draw there."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
 from services.worker.request_state import RequestState
 
 
@@ -37,3 +41,15 @@ class DraftPosition:
     @property
     def output_token_ids(self) -> list[int]:
         return self.state.output_token_ids + self.drafts
+
+
+def next_drafts(views, drafts: dict[str, list[int]], sampler, probabilistic: bool,
+                logits: Callable[[], torch.Tensor], argmax: Callable[[], torch.Tensor]) -> list[int]:
+    """Each view's next draft (a model drafter's, one row of its output each, in `views`'
+    order): under draft_sample_method "probabilistic" drawn from `logits()` as the target
+    would draw it there (Sampler.draft_ids: the request's own per-position draw), else
+    `argmax()` — its own callable, as an EAGLE-3 head takes the argmax in its draft
+    vocabulary without widening the logits to the target's."""
+    if probabilistic and sampler is not None:
+        return sampler.draft_ids(logits(), [DraftPosition(v.state, list(drafts[v.req_id])) for v in views]).tolist()
+    return argmax().tolist()

@@ -29,7 +29,7 @@ from services.worker.block_table import BlockTable
 from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.request_state import RequestState
 from services.worker.sample.draft_model import DraftView
-from services.worker.sample.draft_position import DraftPosition
+from services.worker.sample.draft_position import next_drafts
 from services.worker.step_inputs import StepInputs
 from shared.config import SpeculativeConfig
 
@@ -158,11 +158,9 @@ class HiddenStateDrafter:
         picked = [i for i, wants in enumerate(drafting) if wants]
         if picked:
             normed = normed[rows[picked]]
-            if self.sample_drafts and sampler is not None:
-                positions = [DraftPosition(views[i].state, list(drafts[views[i].req_id])) for i in picked]
-                best = sampler.draft_ids(self.drafter.draft_logits(normed, self.target), positions).tolist()
-            else:
-                best = self.drafter.draft_ids(normed, self.target).tolist()
+            best = next_drafts([views[i] for i in picked], drafts, sampler, self.sample_drafts,
+                               lambda: self.drafter.draft_logits(normed, self.target),
+                               lambda: self.drafter.draft_ids(normed, self.target))
             for i, token in zip(picked, best):
                 drafts[views[i].req_id].append(int(token))
         return out[rows]
