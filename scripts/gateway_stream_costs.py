@@ -98,6 +98,7 @@ async def one(app, body: bytes) -> int:
 
 async def main(args) -> None:
     from services.gateway.app import create_app
+    from shared.gc_heap import freeze_heap
     from services.tokenizer.tokenizer import Tokenizer
     from shared.config import GatewayConfig
 
@@ -113,6 +114,7 @@ async def main(args) -> None:
     await into.put({"type": "lifespan.startup"})
     await out.get()
     body = json.dumps({"model": "bench", "prompt": "hi", "max_tokens": args.tokens, "stream": True}).encode()
+    freeze_heap("gateway_stream_costs")  # (as the gateway's process does once ready)
     runs = []
     for _ in range(args.runs):
         engine.pending = []
