@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import math
 import threading
 import time
 import weakref
@@ -74,6 +75,7 @@ class LLM(GenerateBasedAPIs):
         self.runner = self.executor.runner
         self.tokenizer = Tokenizer(tokenizer_path or path)
         self.model_path, self._images = path, None  # (images: _image_prompts)
+        self.image_limit = args.limit_mm_per_prompt.get("image", math.inf)  # (0: the runner has no encoder)
         self.scheduler = Scheduler.for_worker(args.scheduler_config(self.runner.max_model_len),
                                               self.runner.describe())
         self.engine = EngineCore(self.scheduler, self.executor, 2 if args.async_scheduling else 1)
@@ -265,6 +267,10 @@ class LLM(GenerateBasedAPIs):
                 self.executor.call(self.runner.grammars.check, params.structured_outputs)
             parsed = parse_prompt(prompt)
             features = []
+            images = len(prompt.mm_features) if isinstance(prompt, PromptWithImages) else len(parsed.images or ())
+            if images > self.image_limit:
+                raise ValueError(f"a prompt holds {images} image(s), more than limit_mm_per_prompt's "
+                                 f"{self.image_limit}")
             if isinstance(prompt, PromptWithImages):  # (a chat with images: chat() encoded them)
                 token_ids, features = list(prompt), prompt.mm_features
             elif parsed.images:  # (preprocessed as a tokenizer replica does)

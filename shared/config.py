@@ -204,10 +204,16 @@ class GatewayConfig:
             raise ValueError("responses_store_bytes must not be negative")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError("max_log_len must not be negative")
-        other = sorted(set(self.limit_mm_per_prompt) - {"image"})
-        if other or not all(isinstance(n, int) and n >= 0 for n in self.limit_mm_per_prompt.values()):
-            raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (N >= 0) only, got "
-                             f"{self.limit_mm_per_prompt}")
+        check_limit_mm(self.limit_mm_per_prompt)
+
+
+def check_limit_mm(limit: dict) -> dict:
+    """vLLM's limit_mm_per_prompt: {"image": N}, N >= 0 ({}: no limit); anything else is a
+    ValueError naming it."""
+    other = sorted(set(limit) - {"image"})
+    if other or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in limit.values()):
+        raise ValueError(f"limit_mm_per_prompt takes {{\"image\": N}} (N >= 0) only, got {limit}")
+    return limit
 
 
 @dataclass(slots=True)
@@ -356,3 +362,6 @@ class WorkerConfig:
     # hosts' workers ("": every interface, the host's address announced; 0: a free port)
     kv_ip: str = ""
     kv_port: int = 0
+    # vLLM's limit_mm_per_prompt: {"image": 0} serves the language model alone (no image
+    # encoder loaded: vision/encoder.py), as vLLM does; the gateway holds a prompt to N.
+    limit_mm_per_prompt: dict = field(default_factory=dict)

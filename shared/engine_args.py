@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from shared.config import (DTYPE_CHOICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, CacheConfig, LoRAConfig,
-                           SchedulerConfig, SpeculativeConfig, WorkerConfig, scheduler_context)
+                           SchedulerConfig, SpeculativeConfig, WorkerConfig, check_limit_mm, scheduler_context)
 from shared.flags import env, env_flag, human_int, json_object, one_device, one_device_size
 from shared.hf.generation_config import SOURCES_HELP
 from shared.kv_events import KVEventsConfig
@@ -95,6 +95,10 @@ class EngineArgs:
                                    "(vLLM's)")
     hf_overrides: dict | None = arg(None, "model", 'vLLM\'s: JSON over the model\'s config.json, e.g. '
                                     '\'{"max_position_embeddings": 8192}\'', type=json_object, from_cli=_json)
+    # vLLM's: the gateway holds a prompt to N images, and at 0 the workers load no image encoder
+    limit_mm_per_prompt: dict | None = arg(
+        None, "model", 'the most images a prompt may hold, as \'{"image": N}\' (default: no limit); 0: the language '
+        'model alone, its image encoder not loaded', type=json_object, from_cli=_json)
     # vLLM's, so its command lines run as typed: llmbus runs no code from a checkpoint (an
     # architecture it does not implement is refused by name), so there is nothing to trust.
     trust_remote_code: bool = arg(False, "model", "accepted for vLLM's command lines; llmbus runs no code from the "
@@ -218,6 +222,7 @@ class EngineArgs:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: llmbus takes auto only (the fast tokenizer)")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         KVEventsConfig.parse(self.kv_events_config)  # (a key or publisher it does not know: a ValueError)
+        self.limit_mm_per_prompt = check_limit_mm(self.limit_mm_per_prompt or {})
         kv_role(self.kv_transfer_config)  # (a key or role it does not know: a ValueError)
         if (self.kv_offloading_disk_path is None) != (self.kv_offloading_disk_size is None) or \
                 self.kv_offloading_disk_path is not None and self.kv_offloading_size is None:
@@ -255,7 +260,8 @@ class EngineArgs:
             kv_role=kv_role(self.kv_transfer_config), tensor_parallel_size=self.tensor_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             kv_ip=kv_transfer(self.kv_transfer_config).get("kv_ip", ""),
-            kv_port=kv_transfer(self.kv_transfer_config).get("kv_port", 0))
+            kv_port=kv_transfer(self.kv_transfer_config).get("kv_port", 0),
+            limit_mm_per_prompt=self.limit_mm_per_prompt)
 
     def scheduler_config(self, model_max_len: int | None = None) -> SchedulerConfig:
         """`model_max_len`: the model's, when known here; served, each worker caps it later."""

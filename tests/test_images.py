@@ -12,7 +12,7 @@ from PIL import Image
 
 from llmbus import LLM, SamplingParams
 from services.scheduler.core.request import Request
-from shared.messages import ImageFeature
+from shared.messages import EngineCoreRequest, FinishReason, ImageFeature
 from shared.sampling_params import SamplingParams as Params
 from tiny_models import build_tiny_model
 
@@ -134,6 +134,31 @@ def test_bad_image_inputs_are_refused_by_name(gemma3, tiny_llama):
     with pytest.raises(ValueError, match=r"content\[0\].image_url: image 0 cannot be read"):
         bad = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         llm.chat([{"role": "user", "content": [bad]}], GREEDY)
+
+
+def test_the_language_model_alone_loads_no_image_encoder(gemma3, reference):
+    """vLLM's limit_mm_per_prompt {"image": 0}: no image encoder (its weights never read),
+    text prompts as with one, image prompts refused by name, and a worker so built that is
+    sent one anyway (another deployment's gateway) fails that request alone; a limit of 1
+    holds a prompt to one image."""
+    llm = LLM(str(gemma3), dtype="float32", limit_mm_per_prompt={"image": 0})
+    full = LLM(str(gemma3), dtype="float32", limit_mm_per_prompt={"image": 1})
+    assert llm.runner.images is None and full.runner.images is not None
+    text = [i for i, p in enumerate(PROMPTS) if "multi_modal_data" not in p]
+    assert generate_ids(llm, [PROMPTS[i] for i in text]) == [reference[i] for i in text]
+    with pytest.raises(ValueError, match="1 image.s., more than limit_mm_per_prompt's 0"):
+        llm.generate(PROMPTS[0], GREEDY)
+    with pytest.raises(ValueError, match="more than limit_mm_per_prompt's 0"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES[0]}]}], GREEDY)
+    assert generate_ids(full, PROMPTS[:1]) == reference[:1]
+    with pytest.raises(ValueError, match="2 image.s., more than limit_mm_per_prompt's 1"):
+        full.generate(PROMPTS[1], GREEDY)
+    token_ids, features = full._image_prompts().encode(PROMPTS[0]["prompt"], [IMAGES[0]])
+    llm.scheduler.add_request(EngineCoreRequest("img", token_ids, Params(max_tokens=2), mm_features=features))
+    landed = llm.run_in_engine(llm.engine.step())
+    [out] = [o for outs in landed.outputs.values() for o in outs.outputs]
+    assert out.finish_reason == FinishReason.ERROR and "no image encoder" in out.error
+    assert generate_ids(llm, [PROMPTS[text[0]]]) == [reference[text[0]]]  # (it serves on)
 
 
 def test_chat_with_image_parts_gives_transformers_tokens(gemma3):

@@ -104,7 +104,7 @@ def gateway_config(args: argparse.Namespace, model_name: str, model_path: str) -
                          log_request_inputs=args.enable_log_requests, log_outputs=args.enable_log_outputs,
                          max_log_len=args.max_log_len, allowed_media_domains=tuple(args.allowed_media_domains),
                          allowed_local_media_path=args.allowed_local_media_path,
-                         limit_mm_per_prompt=json.loads(args.limit_mm_per_prompt),
+                         limit_mm_per_prompt=json.loads(args.limit_mm_per_prompt or "{}"),
                          no_images_why=None if image_model(model_path) else no_images_why(model_path))
 
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import os
 
-from shared.flags import env, env_flag, json_object
+from shared.flags import env, env_flag
 from shared.bus import BusAuth
 from shared.config import STRUCTURED_CHECK_TIMEOUT_S
 
@@ -86,14 +86,12 @@ def add_gateway_args(parser: argparse.ArgumentParser) -> None:
                         help='vLLM\'s: LoRA adapters clients name as their `model`, each name=path or '
                              '\'{"name": ..., "path": ...}\' (the workers need --enable-lora)')
     parser.add_argument("--max-body-bytes", type=int, default=int(env("--max-body-bytes", 4 << 20)))
-    # vLLM's media flags: where a chat's image_url parts may be read from, and how many a prompt holds
+    # vLLM's media flags: where a chat's image_url parts may be read from (--limit-mm-per-prompt: the engine's)
     parser.add_argument("--allowed-media-domains", nargs="+", action="extend",
                         default=[d for d in env("--allowed-media-domains", "").split("\n") if d],
                         help="http(s) image URLs are fetched from these hosts only (default: any host)")
     parser.add_argument("--allowed-local-media-path", default=env("--allowed-local-media-path", None),
                         help="file:// image URLs are read from under this folder only (default: none are)")
-    parser.add_argument("--limit-mm-per-prompt", type=json_object, default=env("--limit-mm-per-prompt", "{}"),
-                        help='the most images a prompt may hold, as \'{"image": N}\' (default: no limit)')
     # vLLM's API server flags
     for flag, what in (
             ("--return-tokens-as-token-ids", "logprobs name every token as token_id:N (the request field's default)"),

@@ -38,7 +38,7 @@ from services.worker.models.quantization import choose_quantization
 from services.worker.parallel.group import current_group
 from services.worker.parallel.sharding import local_config
 from services.worker.pooling import EMBED_PLACEHOLDER, pool
-from services.worker.vision.encoder import image_encoder
+from services.worker.vision.encoder import image_encoder, image_refusal
 from services.worker import recurrent_state
 from services.worker.step_log import StepLog
 from services.worker.request_state import RequestState
@@ -80,7 +80,7 @@ class ModelRunner:
         backend = get_attention_backend(attention_backend)
         self.model = load_model(model_path, self.model_config, self.dtype, backend, self.max_model_len, quantization,
                                 self.device, config.load_format, self.tp and (self.tp, full_config))
-        self.images = image_encoder(model_path, self.dtype, self.device, config.load_format, self.model)  # (or None)
+        self.images = image_encoder(model_path, self.dtype, self.device, config, self.model)  # (or None)
         # Latent attention caches one latent a token, read as its keys and its values: one
         # memory for both (layers/latent_attention.py)
         self.values_are_keys = bool(self.model_config.kv_lora_rank)
@@ -375,8 +375,8 @@ class ModelRunner:
             refusal = recurrent_state.refusal(
                 new, so.state_restores.get(new.req_id), self.recurrent_rows, self.snapshot_rows,
                 self.block_table.num_rows_in_use, self.model_config.architecture) if self.recurrent_rows else None
-            adapter = refusal or (adapter_or_why(self.loras, new.lora_request)
-                                  if new.lora_request is not None else None)
+            adapter = refusal or image_refusal(new, self.images) or (
+                adapter_or_why(self.loras, new.lora_request) if new.lora_request is not None else None)
             if isinstance(adapter, str):  # it fails alone; the step goes on without it
                 self._arrival_errors[new.req_id] = adapter
                 self._unschedule(so, new.req_id)

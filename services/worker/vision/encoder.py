@@ -18,7 +18,9 @@ import torch
 from services.worker.loader import iter_weights
 from services.worker.vision.mrope import MRoPERows
 from services.worker.vision.step_images import StepImages
+from shared.config import WorkerConfig
 from shared.hf.image_models import image_model, read_image
+from shared.messages import NewRequestData
 from shared.messages.images import pixel_hash
 
 # Embedding rows the cache keeps: 64 of Gemma 3's 256-token images (gemma-3-27b: 5376
@@ -106,13 +108,14 @@ class ImageEncoder:
         return StepImages(rows.to(self.device), values, spans)
 
 
-def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, load_format: str = "auto",
+def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, config: WorkerConfig,
                   model=None) -> ImageEncoder | None:
     """The encoder of a checkpoint that takes images (shared/hf/image_models.py), its
     weights read from the checkpoint (random ones with load_format "dummy"); None for one
-    that takes none."""
+    that takes none, or where `--limit-mm-per-prompt '{"image": 0}'` asks for the language
+    model alone (vLLM's: the tower's weights are never read, its memory left to the KV cache)."""
     image = image_model(folder)
-    if image is None:
+    if image is None or config.limit_mm_per_prompt.get("image") == 0:
         return None
     from transformers import AutoConfig
 
@@ -120,12 +123,21 @@ def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, 
 
     from services.worker.vision.qwen2_5_vl import Qwen25VLImageEncoder
 
-    config = AutoConfig.from_pretrained(str(folder))
+    hf_config = AutoConfig.from_pretrained(str(folder))
     module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder,
-              "qwen3_vl": Qwen25VLImageEncoder}[image.family](config)
-    if load_format != "dummy":
+              "qwen3_vl": Qwen25VLImageEncoder}[image.family](hf_config)
+    if config.load_format != "dummy":
         module.load_weights(iter_weights(Path(folder), module.reads))
     encoder = ImageEncoder(module.to(device, dtype).eval(), image.bidirectional, dtype, device, folder)
     if image.mrope_section is not None:  # (`model`: the decoder, whose rotary table gets the image rows)
         encoder.mrope = MRoPERows(model.model.rotary, image.mrope_section, image.merge_size, image.mrope_interleaved)
     return encoder
+
+
+def image_refusal(new: NewRequestData, encoder: ImageEncoder | None) -> str | None:
+    """Why a request with images cannot run on a worker with no image encoder (the gateway
+    refuses them first; a worker of another deployment's flags may still be sent one)."""
+    if new.mm_features and encoder is None:
+        return ("this worker has no image encoder (a model that takes no images, or --limit-mm-per-prompt "
+                "'{\"image\": 0}': the language model alone)")
+    return None
