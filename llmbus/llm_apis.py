@@ -113,6 +113,7 @@ class GenerateBasedAPIs:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         tools: list[dict] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """vLLM's: `continue_final_message` goes on from a last assistant message (with
         add_generation_prompt=False); `chat_template_kwargs` are the template's own
@@ -121,14 +122,18 @@ class GenerateBasedAPIs:
         served chat shows them (the output is the model's text: calls are not parsed).
         Messages are OpenAI's, as served: content a string or parts - text, and images
         (`image_url` with a data: or http(s): URL, or vLLM's `image_pil`) where the model
-        takes them (chat_images.py)."""
+        takes them (chat_images.py). `chat_template_content_format`: "string" or "auto", as
+        the flag (services/tokenizer/tokenizer.py's render_chat)."""
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format={chat_template_content_format!r}: auto or string")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         texts, prompts = [], []
         for conv in conversations:  # type: ignore[union-attr]
             conv, images = take_images(conv)
             image_prompts = self._image_prompts() if images else None  # (a model that takes none says so here)
             text = self.tokenizer.render_chat(conv, add_generation_prompt, tools, continue_final_message,
-                                              chat_template_kwargs, chat_template)
+                                              chat_template_kwargs, chat_template,
+                                              content_format=chat_template_content_format)
             texts.append(text)
             # Token ids, as the template rendered them (its special tokens its own: no BOS added)
             prompts.append(PromptWithImages(*image_prompts.encode(text, images, add_special_tokens=False))

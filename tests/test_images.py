@@ -198,6 +198,12 @@ def test_a_template_that_walks_the_parts_gets_them(gemma3):
     assert out.prompt == "<|im_start|>user\nLook<start_of_image>here<|im_end|>\n<|im_start|>assistant\n"
     assert out.outputs[0].token_ids == hf_generate(gemma3, [{"prompt": out.prompt, "multi_modal_data": {
         "image": IMAGES[:1]}}], add_special_tokens=False)[0]
+    # vLLM's "string" content format: the parts one string all the same, the image its marker
+    joined = llm.chat([{"role": "user", "content": parts}], GREEDY, chat_template=PARTS_TEMPLATE,
+                      chat_template_content_format="string")[0]
+    assert joined.prompt == "<|im_start|>user\nLook\n<start_of_image>\nhere<|im_end|>\n<|im_start|>assistant\n"
+    assert joined.outputs[0].token_ids == hf_generate(gemma3, [{"prompt": joined.prompt, "multi_modal_data": {
+        "image": IMAGES[:1]}}], add_special_tokens=False)[0]
 
 
 # Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: images of different sizes (4 to 16 tokens after

@@ -66,7 +66,9 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's: the chat template, a file or the Jinja text itself, in place of the model's")
     parser.add_argument("--chat-template-content-format", default=env("--chat-template-content-format", "auto"),
                         choices=["auto", "string"],
-                        help="vLLM's: a message's text parts reach the template as one string (joined by newlines)")
+                        help="vLLM's: string, a message's parts reach the template as one string (joined by newlines, "
+                             "an image as the model's marker); auto, the same unless the conversation holds images "
+                             "and the template walks a message's parts")
 
 
 def add_gateway_args(parser: argparse.ArgumentParser) -> None:

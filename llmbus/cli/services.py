@@ -106,7 +106,8 @@ def cmd_tokenizer(args) -> int:
     run(serve(tokenizer_folder(args, path), args.nats_url, name,
                       compile_timeout_s=args.structured_outputs_compile_timeout,
                       tool_chat_template=args.tool_chat_template, chat_template=args.chat_template,
-                      auth=bus_auth(args), ready=_FreezeWhenReady("tokenizer")))
+                      auth=bus_auth(args), ready=_FreezeWhenReady("tokenizer"),
+                      content_format=args.chat_template_content_format))
     return 0
 
 

@@ -42,7 +42,8 @@ def load_chat_template(value: str | Path) -> str:
 
 class Tokenizer:
     def __init__(self, model_path: str | Path, tool_chat_template: str | Path | None = None,
-                 chat_template: str | Path | None = None) -> None:
+                 chat_template: str | Path | None = None, content_format: str = "auto") -> None:
+        """`content_format`: vLLM's --chat-template-content-format (render_chat)."""
         from transformers import AutoTokenizer  # heavy; only where a tokenizer is needed
 
         try:
@@ -57,6 +58,7 @@ class Tokenizer:
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.tool_template = load_chat_template(tool_chat_template) if tool_chat_template else None
+        self.content_format = content_format
         self.template_renders_tools = self.tool_template is not None or _reads_tools(self.hf.chat_template)
         self.path = Path(model_path)
         # Whether the template walks a message's content parts itself (Gemma 3's puts its
@@ -88,19 +90,22 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
                     chat_template_kwargs: dict[str, Any] | None = None, chat_template: str | None = None,
-                    documents: list[dict] | None = None) -> str:
+                    documents: list[dict] | None = None, content_format: str | None = None) -> str:
         """`chat_template_kwargs`: variables the template reads besides the messages (vLLM's
         field; Qwen3's `enable_thinking`), never the ones set here. `chat_template`: this
         call's own template text (LLM.chat's), over the tokenizer's and the tool template.
-        `documents`: vLLM's, what a RAG template (Granite's, Command R's) shows the model."""
+        `documents`: vLLM's, what a RAG template (Granite's, Command R's) shows the model.
+        `content_format` (vLLM's; default the tokenizer's): "string" joins a message's parts
+        into one string, an image's as the model's marker; "auto" gives a conversation with
+        images to a template that walks the parts as parts."""
         template = chat_template
         if template is None and not self.hf.chat_template and self.tool_template is None:
             raise ValueError("this model has no chat template: give one (--chat-template)")
         check_chat_options(add_generation_prompt, continue_final_message, chat_template_kwargs)
         placeholder = self.image_prompts.placeholder if has_image_parts(messages) and self.image_prompts else None
         # (a conversation without images keeps its text parts joined, as served and as before)
-        parts = placeholder is not None and (self.template_takes_parts if template is None
-                                             else iterates_content(template))
+        parts = placeholder is not None and (content_format or self.content_format) == "auto" and (
+            self.template_takes_parts if template is None else iterates_content(template))
         messages = chat_messages(messages, placeholder, parts)
         if tools or has_tool_turns(messages):
             if _reads_tools(template) if template is not None else self.template_renders_tools:

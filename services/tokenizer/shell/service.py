@@ -52,9 +52,10 @@ def tokenize(tokenizer: Tokenizer, request: TokenizeRequest) -> TokenizeResponse
 
 async def serve(tokenizer_path: str, nats_url: str, model_name: str, ready: asyncio.Event | None = None,
                 compile_timeout_s: float = 5.0, tool_chat_template: str | None = None,
-                chat_template: str | None = None, auth: BusAuth | None = None) -> None:
-    """`tokenizer_path`: the folder the tokenizer is read from (the model's, or --tokenizer's)."""
-    tokenizer = Tokenizer(tokenizer_path, tool_chat_template, chat_template)
+                chat_template: str | None = None, auth: BusAuth | None = None, content_format: str = "auto") -> None:
+    """`tokenizer_path`: the folder the tokenizer is read from (the model's, or --tokenizer's);
+    `content_format`: --chat-template-content-format."""
+    tokenizer = Tokenizer(tokenizer_path, tool_chat_template, chat_template, content_format)
     # Started at the first spec (a child process with the vocabulary), not by every replica.
     grammars = GrammarChecker(tokenizer_path, compile_timeout_s)
     loop = asyncio.get_running_loop()
