@@ -203,6 +203,36 @@ def test_two_ranks_sample_what_one_rank_samples(folders):
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", runs[1][3][1])
 
 
+def test_two_ranks_draft_with_a_draft_model_as_one_rank_does(folders):
+    """A draft model under --tensor-parallel-size 2, cut as the target is: the target
+    drafting for itself (every draft right where its cut and cache are right), greedy output
+    transformers', the same drafts and acceptances as with one rank, seeded draws drawn
+    alike on both ranks (draft_sample_method "probabilistic")."""
+    folder = folders("llama")
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    seeded = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=s) for s in range(len(PROMPTS))]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    runs, held = [], []
+    for size in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=size, max_model_len=256, num_kv_blocks=64, speculative_config={
+            "method": "draft_model", "model": str(folder), "num_speculative_tokens": 3,
+            "draft_sample_method": "probabilistic"})
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            drawn = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
+            stats = llm.stats()
+            runner = getattr(llm.runner, "runner", llm.runner)  # (rank 0's, behind its group's front)
+            held.append(sum(p.numel() for p in runner.proposer.model.parameters()))
+        finally:
+            llm.executor.close()
+        runs.append((got, drawn, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens))
+    assert held[1] < 0.75 * held[0]  # (a rank holds its cut of the draft, not all of it)
+    assert runs[0] == runs[1]
+    got, _, drafted, accepted = runs[1]
+    assert got == hf_greedy(folder, PROMPTS, 16)
+    assert drafted > 0 and accepted == drafted  # (a model drafting itself: every draft is right)
+
+
 @pytest.mark.slow
 def test_served_a_rank_s_death_takes_its_worker_down_and_no_stream_is_lost(folders, tmp_path):
     """`llmbus serve --tensor-parallel-size 2`: streams equal offline; the second rank

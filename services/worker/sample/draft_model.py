@@ -26,6 +26,7 @@ from services.worker.block_table import BlockTable
 from services.worker.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from services.worker.loader import load_model
 from services.worker.models.decoder_config import ModelConfig
+from services.worker.parallel.sharding import local_config
 from services.worker.request_state import RequestState
 from services.worker.sample.draft_position import next_drafts
 from services.worker.step_inputs import StepInputs
@@ -44,11 +45,14 @@ class DraftView:
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, target: ModelConfig, dtype: torch.dtype, backend,
-                 max_model_len: int, device: torch.device, load_format: str = "auto") -> None:
+                 max_model_len: int, device: torch.device, load_format: str = "auto", tensor_parallel=None) -> None:
+        """`tensor_parallel`: a rank's group, where the target is sharded: the draft is cut as
+        the target is (each rank its heads and its slice of each MLP, its KV heads' cache),
+        every rank drafts alike (logits gathered: the same argmax, the same seeded draws)."""
         folder = Path(config.model)
         if not (folder / "config.json").is_file():
             raise ValueError(f"speculative_config model {config.model!r} is not a model folder (no config.json)")
-        self.config = draft = ModelConfig.from_folder(folder)
+        draft = ModelConfig.from_folder(folder)
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config model {config.model!r} has a vocabulary of {draft.vocab_size} "
                              f"tokens, the target's {target.vocab_size}: a draft must share the target's")
@@ -57,7 +61,9 @@ class DraftModelProposer:
                              "must be a decoder of attention layers with plain KV heads")
         self.num_speculative_tokens, self.max_model_len = config.num_speculative_tokens, max_model_len
         self.sample_drafts = config.draft_sample_method == "probabilistic"
-        self.model = load_model(folder, draft, dtype, backend, max_model_len, None, device, load_format)
+        self.config = draft if tensor_parallel is None else local_config(draft, tensor_parallel.world_size)
+        self.model = load_model(folder, self.config, dtype, backend, max_model_len, None, device, load_format,
+                                tensor_parallel and (tensor_parallel, draft))
         self.backend, self.device = backend, device
         self.kv_caches: list = []
         # Each request's state and how many of its tokens the draft's cache holds (a state

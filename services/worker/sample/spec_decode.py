@@ -68,14 +68,15 @@ def make_proposer(worker_config, target, dtype, backend, max_model_len: int, dev
     if target.recurrent_layers:
         raise ValueError(f"speculative decoding is not supported for {target.architecture}: its "
                          "recurrent layers' state cannot take back rejected drafts")
-    if config.method != "ngram" and tensor_parallel is not None:
+    if config.method not in ("ngram", "draft_model") and tensor_parallel is not None:
         raise ValueError(f"speculative_config method {config.method} does not run with --tensor-parallel-size "
                          f"{tensor_parallel.world_size} yet")
     load_format = worker_config.load_format
     if config.method == "draft_model":
         from services.worker.sample.draft_model import DraftModelProposer
 
-        proposer = DraftModelProposer(config, target, dtype, backend, max_model_len, device, load_format)
+        proposer = DraftModelProposer(config, target, dtype, backend, max_model_len, device, load_format,
+                                      tensor_parallel)
     elif config.method in ("mtp", "eagle3"):
         from services.worker.models.eagle3 import load_eagle3
         from services.worker.models.mtp import load_mtp
