@@ -53,11 +53,13 @@ def hash_root(long_rope: bool, lora: LoRARequest | None, cache_salt: str | None 
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                lora: LoRARequest | None = None) -> list[BlockHash]:
+                lora: LoRARequest | None = None, mm_features=()) -> list[BlockHash]:
     """The hashes of the prompt's full blocks as the scheduler chains them (a short prompt's:
-    longrope's long root is the scheduler's to pick)."""
+    longrope's long root is the scheduler's to pick), its images' keys folded in."""
     chain, parent = [], hash_root(False, lora, cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        end = start + block_size
+        parent = hash_block_tokens(parent, token_ids[start:end],
+                                   image_keys(mm_features, start, end) if mm_features else b"")
         chain.append(parent)
     return chain

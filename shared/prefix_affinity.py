@@ -14,17 +14,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
+from shared.block_hashes import image_keys
+
 BLOCK_TOKENS = 16  # the prefix cache's block (--block-size's default)
 MAX_BLOCKS = 64  # a prompt's first 1,024 tokens say where it is cached
 
 
-def block_chain(token_ids: Sequence[int], salt: Hashable = None, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+def block_chain(token_ids: Sequence[int], salt: Hashable = None, block_tokens: int = BLOCK_TOKENS,
+                mm_features=()) -> list[int]:
     """Hashes of a prompt's full blocks, each over the blocks before it (its prefix), as
-    the prefix cache keys them; `salt` (a LoRA adapter, a cache salt) starts another chain."""
+    the prefix cache keys them; `salt` (a LoRA adapter, a cache salt) starts another chain,
+    and the images whose placeholders lie in a block are part of it (other images, other K/V)."""
     chain, parent = [], hash(salt)
     end = min(len(token_ids), MAX_BLOCKS * block_tokens)
     for start in range(0, end - block_tokens + 1, block_tokens):
-        parent = hash((parent, tuple(token_ids[start:start + block_tokens])))
+        images = image_keys(mm_features, start, start + block_tokens) if mm_features else b""
+        parent = hash((parent, tuple(token_ids[start:start + block_tokens]), images))
         chain.append(parent)
     return chain
 

@@ -60,6 +60,31 @@ def test_a_request_goes_where_its_prefix_is_cached():
     assert owner_of(fleet, "d") != owner_of(fleet, "a")
 
 
+def test_a_request_goes_where_its_prefix_with_its_images_is_cached():
+    """The image keys folded into the pool's block hashes are folded into placement's
+    count too: the same tokens with the same image go where it is cached, with another
+    image nowhere in particular (the least loaded), not after a hit that would miss."""
+    from shared.block_hashes import prompt_block_hashes
+    from shared.messages import ImageFeature
+
+    fleet = make_fleet()
+    fleet.heard_from(worker("w1"), now=0.0)
+    fleet.heard_from(worker("w2"), now=0.0)
+    prompt = (1, 9, 9, 9, 9, 6, 7, 8, 40)  # an image's placeholders at positions 1-4
+    cat, dog = [ImageFeature("cat", 1, 4, [1])], [ImageFeature("dog", 1, 4, [1])]
+    fleet.submit(msgspec.structs.replace(request("a", prompt), mm_features=cat), now=0.0)
+    core = fleet.owner["a"].core
+    core.schedule()  # prefill: its two full blocks registered, the cat's key in the first
+    assert core.num_cached_prefix_blocks(list(prompt), None, None, cat) == 2
+    assert core.num_cached_prefix_blocks(list(prompt), None, None, dog) == 0
+    # (the gateways' chain for KV events, shared/block_hashes.py, is the pool's)
+    assert prompt_block_hashes(prompt, BLOCK_SIZE, mm_features=cat) == core.requests["a"].block_hashes
+    fleet.submit(msgspec.structs.replace(request("same", prompt), mm_features=cat), now=0.0)
+    assert owner_of(fleet, "same") == owner_of(fleet, "a")
+    fleet.submit(msgspec.structs.replace(request("other", prompt), mm_features=dog), now=0.0)
+    assert owner_of(fleet, "other") != owner_of(fleet, "a")
+
+
 def test_a_burst_sharing_a_prefix_lands_together_before_any_of_it_is_computed():
     fleet = make_fleet()
     for name in ("w1", "w2", "w3"):

@@ -179,3 +179,18 @@ def test_missed_kv_event_batches_ask_for_a_snapshot_and_a_new_scheduler_s_are_fo
     assert not r.caches.apply(KVEventBatch(1.0, [stored], 0, "w", 3))  # (2 never came)
     r.heard(SchedulerHeartbeat("another", 1, 0, 0, 0), now=0.2)  # a new scheduler took shard 0 over
     assert 0 not in r.caches.indexes
+
+
+def test_a_prompt_s_images_chain_apart_and_route_apart():
+    """Two prompts of the same tokens with other images hold other K/V: their chains part
+    at the image's block, and the second does not follow the first's shard."""
+    from shared.messages import ImageFeature
+
+    tokens = prompt(5, 128)
+    cat, dog = [ImageFeature("cat", 20, 8, [1])], [ImageFeature("dog", 20, 8, [1])]
+    assert block_chain(tokens, None, mm_features=cat)[:1] == block_chain(tokens, None)[:1]  # (before it: alike)
+    assert set(block_chain(tokens, None, mm_features=cat)[1:]).isdisjoint(block_chain(tokens, None, mm_features=dog))
+    r = router()
+    first = r.route(tokens, None, now=0.1, mm_features=cat)
+    assert r.route(tokens, None, now=0.1, mm_features=cat) == first  # (its prefix, images and all)
+    assert r.route(tokens, None, now=0.1, mm_features=dog) != first  # (the least loaded: nothing shared past block 0)

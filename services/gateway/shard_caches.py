@@ -34,14 +34,15 @@ class ShardCaches:
         """A shard a new scheduler took over, or one gone: what it said no longer holds."""
         self.indexes.pop(rank, None)
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None, mm_features=()) -> list[bytes]:
         """The prompt's leading block hashes as the shards' caches key them ([] before any
         event): its first MAX_BLOCKS, as the gateway's memory of sent prompts keeps (a
         digest a block on every request's path: a 32k-token prompt's whole chain would be
         2,000 of them)."""
         if self.block_size is None:
             return []
-        return prompt_block_hashes(token_ids[:MAX_BLOCKS * self.block_size], self.block_size, cache_salt)
+        return prompt_block_hashes(token_ids[:MAX_BLOCKS * self.block_size], self.block_size, cache_salt,
+                                   mm_features=mm_features)
 
     def cached_blocks(self, rank: int, chain: list[bytes]) -> int:
         """How many leading blocks of `chain` one worker of shard `rank` holds (the most any does)."""

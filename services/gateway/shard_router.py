@@ -99,10 +99,10 @@ class ShardRouter:
         return gone
 
     def route(self, prompt_token_ids: list[int], lora_name: str | None, now: float,
-              held: Mapping[int, int] | None = None, cache_salt: str | None = None) -> int:
+              held: Mapping[int, int] | None = None, cache_salt: str | None = None, mm_features=()) -> int:
         """The shard for a request: a live one with workers (else any live one, which holds
         it until a worker joins; none heard yet: shard 0). `held`: this gateway's open
-        requests by shard (its stream ledger's)."""
+        requests by shard (its stream ledger's); `mm_features`: its images, part of its blocks."""
         live = self.live(now)
         for shard in live:
             shard.held = (held or {}).get(shard.rank, 0)
@@ -110,8 +110,9 @@ class ShardRouter:
         if not candidates:
             return 0
         self._rng.shuffle(candidates)  # (ties at random: gateways do not all pick the same)
-        chain = block_chain(prompt_token_ids, lora_name)
-        chosen = None if lora_name is not None else self._cached(prompt_token_ids, cache_salt, candidates)
+        chain = block_chain(prompt_token_ids, lora_name, mm_features=mm_features)
+        chosen = None if lora_name is not None else self._cached(prompt_token_ids, cache_salt, candidates,
+                                                                 mm_features)
         if chosen is None:
             chosen = self.affinity.choose(chain, candidates, key=lambda s: s.rank, load=lambda s: s.load)
         else:
@@ -119,11 +120,12 @@ class ShardRouter:
         chosen.sent_since += 1
         return chosen.rank
 
-    def _cached(self, prompt_token_ids: list[int], cache_salt: str | None, candidates: list[Shard]) -> Shard | None:
+    def _cached(self, prompt_token_ids: list[int], cache_salt: str | None, candidates: list[Shard],
+                mm_features=()) -> Shard | None:
         """The shard whose cache (its KV events) holds the longest prefix of the prompt, at
         least half its blocks, within the imbalance bound; None: none does. (An adapter's
         blocks are keyed by its id on the scheduler: those go by this gateway's memory.)"""
-        chain = self.caches.chain(prompt_token_ids, cache_salt)
+        chain = self.caches.chain(prompt_token_ids, cache_salt, mm_features)
         if not chain:
             return None
         depth = {s.rank: self.caches.cached_blocks(s.rank, chain) for s in candidates}

@@ -159,7 +159,8 @@ class EngineClient:
     def _route(self, request: EngineCoreRequest) -> int:
         lora = request.lora_request.lora_name if request.lora_request is not None else None
         held = Counter(self.ledger.shard.values())  # (this gateway's open requests, by shard)
-        return self.router.route(request.prompt_token_ids, lora, time.monotonic(), held, request.cache_salt)
+        return self.router.route(request.prompt_token_ids, lora, time.monotonic(), held, request.cache_salt,
+                                 request.mm_features)
 
     def _fail_open_requests(self, reason: str) -> None:
         for request_id, queue in list(self._queues.items()):

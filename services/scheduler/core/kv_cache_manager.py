@@ -159,13 +159,14 @@ class KVCacheManager:
             request.kv_tail = key, num_tokens
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
-                                 cache_salt: str | None = None) -> int:
-        """How many leading full blocks of these tokens are cached here (for placement)."""
+                                 cache_salt: str | None = None, mm_features=()) -> int:
+        """How many leading full blocks of these tokens (and images) are cached here (for placement)."""
         if not self.enable_caching:
             return 0
         parent, bs = hash_root(False, lora, cache_salt), self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs],
+                                       image_keys(mm_features, i * bs, (i + 1) * bs) if mm_features else b"")
             if self.block_pool.get_cached_block(parent) is None:
                 return i
         return max(0, (len(token_ids) - 1) // bs)

@@ -85,9 +85,9 @@ class Scheduler(RequestQueues):
         self._enqueue(request)
 
     def num_cached_prefix_blocks(self, token_ids: list[int], lora: LoRARequest | None = None,
-                                 cache_salt: str | None = None) -> int:
-        """How many leading full blocks of these tokens this core's prefix cache holds."""
-        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids, lora, cache_salt)
+                                 cache_salt: str | None = None, mm_features=()) -> int:
+        """How many leading full blocks of these tokens (and images) this core's prefix cache holds."""
+        return self.kv_cache_manager.num_cached_prefix_blocks(token_ids, lora, cache_salt, mm_features)
 
     # ---- one step ------------------------------------------------------------------
 

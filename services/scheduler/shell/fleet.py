@@ -235,13 +235,13 @@ class Fleet:
         disaggregate = fresh and bool(producers) and any(h.info.kv_role == "kv_consumer" for h in consumers)
         if disaggregate and self.config.max_local_prefill_length:
             # (Dynamo's conditional disaggregation: little left to compute where it would decode)
-            left = min(len(tokens) - h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt)
+            left = min(len(tokens) - h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt, item.mm_features)
                        * h.info.block_size for h in consumers)
             disaggregate = left > self.config.max_local_prefill_length
         able = producers if disaggregate else (consumers or able)
         block_size = able[0].info.block_size
-        chain = block_chain(tokens, (lora.lora_int_id if lora else None, item.cache_salt), block_size)
-        cached = {h: h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt) for h in able}
+        chain = block_chain(tokens, (lora.lora_int_id if lora else None, item.cache_salt), block_size, item.mm_features)
+        cached = {h: h.core.num_cached_prefix_blocks(tokens, lora, item.cache_salt, item.mm_features) for h in able}
         best = max(able, key=lambda h: (cached[h], -h.core.load()))
         if cached[best]:  # (what a pool holds outranks what was sent: the pool knows)
             self.affinity.record(chain[:cached[best]], best.worker_id)
