@@ -3,8 +3,9 @@ tests/test_eagle3.py hold each proposal to a reference forward)."""
 
 
 def recorded(llm) -> list[tuple[list[int], list[int]]]:
-    """Every (context, drafts) the worker's proposer gives from now on, as it gives them."""
-    proposer, calls = llm.runner.proposer, []
+    """Every (context, drafts) the worker's proposer gives from now on, as it gives them
+    (rank 0's, behind a tensor-parallel group's front)."""
+    proposer, calls = getattr(llm.runner, "runner", llm.runner).proposer, []
     propose = proposer.propose
 
     def record(requests, slots, *args):

@@ -184,3 +184,30 @@ def test_vllm_s_older_mtp_method_names_mean_mtp():
         assert SpeculativeConfig.of({"method": name}).method == "mtp"
     with pytest.raises(ValueError, match="ngram, draft_model, mtp or eagle3"):
         SpeculativeConfig.of({"method": "medusa"})
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_draft_with_the_mtp_layer_as_one_rank_does(mtp_model, prompts):
+    """Under --tensor-parallel-size 2 the MTP layer is cut as the main model's layers are
+    (its fusion whole on each rank): every draft the reference layer's, one rank's drafts
+    and acceptances, transformers' greedy tokens, each rank holding part of the layer."""
+    runs, held = [], []
+    for size in (1, 2):
+        llm = LLM(str(mtp_model), tensor_parallel_size=size, speculative_config=MTP, max_model_len=256)
+        calls = recorded(llm)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+            stats = llm.stats()
+            runner = getattr(llm.runner, "runner", llm.runner)  # (rank 0's, behind its group's front)
+            held.append(sum(t.numel() for t in runner.proposer.drafter.state_dict().values()))
+        finally:
+            llm.executor.close()
+        runs.append((got, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens))
+    assert runs[0] == runs[1]
+    assert runs[1][0] == hf_greedy(mtp_model, prompts, MAX_TOKENS) and runs[1][2] > 0
+    assert held[1] < 0.85 * held[0]  # (its eh_proj and norms whole on each rank; the rest cut)
+    reference = ReferenceMTP(mtp_model)
+    assert len(calls) >= len(prompts)
+    for context, drafts in calls:  # (the two ranks' run's)
+        assert drafts == reference.drafts(context, len(drafts)), context

@@ -28,6 +28,7 @@ from services.worker.layers.rms_norm import RMSNorm
 from services.worker.loader import dummy_weights, read_weights, ready_to_run
 from services.worker.models.decoder import LlamaForCausalLM
 from services.worker.models.decoder_config import ModelConfig
+from services.worker.parallel.sharding import Shards, split_sums
 
 # The tensors of an MTP layer that join its input to the decoder layer it holds
 FUSION = ("enorm.", "hnorm.", "eh_proj.")
@@ -85,9 +86,13 @@ class MultiTokenPredictor(LlamaForCausalLM):
 
 
 def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backend: AttentionBackend,
-             max_position: int, quantization: str | None, device, load_format: str = "auto") -> MultiTokenPredictor:
+             max_position: int, quantization: str | None, device, load_format: str = "auto",
+             tensor_parallel=None) -> MultiTokenPredictor:
     """The first MTP layer of the checkpoint in `folder` (`config` its main model's), read
-    alone: no other tensor of the checkpoint is read again ("dummy": random weights)."""
+    alone: no other tensor of the checkpoint is read again ("dummy": random weights).
+    `tensor_parallel`: (a rank's group, the whole main model's config) where `config` is a
+    rank's slice: its layer cut as the main model's layers are (by name: the fusion,
+    `eh_proj` and the norms, whole on every rank), its products summed over the ranks."""
     if not config.skipped_layers:
         raise ValueError(f"speculative_config method mtp: {config.architecture} here has no multi-token-prediction "
                          "layers (its config counts none: num_nextn_predict_layers)")
@@ -95,6 +100,9 @@ def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backen
     shared = tuple(prefix + name for name in SHARED)
     with torch.device("cpu"):
         module = MultiTokenPredictor(config, backend, max_position)
+    if tensor_parallel is not None:
+        group, full = tensor_parallel
+        module.shards = Shards(full, group.rank, group.world_size, config.local_experts)
 
     def renamed():
         found = False
@@ -115,4 +123,6 @@ def load_mtp(folder: str | Path, config: ModelConfig, dtype: torch.dtype, backen
         dummy_weights(module)
     else:
         module.load_weights(renamed())
-    return ready_to_run(module, dtype, quantization, device)
+    if tensor_parallel is not None:
+        split_sums(module, tensor_parallel[0])
+    return ready_to_run(module, dtype, quantization, device, tensor_parallel)

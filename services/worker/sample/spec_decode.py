@@ -68,7 +68,7 @@ def make_proposer(worker_config, target, dtype, backend, max_model_len: int, dev
     if target.recurrent_layers:
         raise ValueError(f"speculative decoding is not supported for {target.architecture}: its "
                          "recurrent layers' state cannot take back rejected drafts")
-    if config.method not in ("ngram", "draft_model") and tensor_parallel is not None:
+    if config.method == "eagle3" and tensor_parallel is not None:
         raise ValueError(f"speculative_config method {config.method} does not run with --tensor-parallel-size "
                          f"{tensor_parallel.world_size} yet")
     load_format = worker_config.load_format
@@ -83,7 +83,8 @@ def make_proposer(worker_config, target, dtype, backend, max_model_len: int, dev
         from services.worker.sample.hidden_state_drafter import HiddenStateDrafter
 
         drafter = load_mtp(config.model or folder, target, dtype, backend, max_model_len, quantization, device,
-                           load_format) if config.method == "mtp" else \
+                           load_format, tensor_parallel and (tensor_parallel, model.shards.full)) \
+            if config.method == "mtp" else \
             load_eagle3(config.model, model, dtype, backend, max_model_len, device, load_format)
         proposer = HiddenStateDrafter(config, drafter, model, backend, max_model_len, device)
     else:
