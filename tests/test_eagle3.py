@@ -201,3 +201,27 @@ def test_a_head_for_another_model_is_refused_at_start_up_by_name(target, head, t
         LLM(str(target), speculative_config=spec(tiny_llama))
     with pytest.raises(ValueError, match="eagle3 takes a `model`"):
         LLM(str(target), speculative_config={"method": "eagle3"})
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_draft_with_the_head_as_one_rank_does(target, head, prompts):
+    """Under --tensor-parallel-size 2 each rank holds the whole head and drafts from the
+    target's hidden states, whole on every rank: every draft the reference head's, one
+    rank's drafts and acceptances, transformers' greedy tokens."""
+    runs = []
+    for size in (1, 2):
+        llm = LLM(str(target), tensor_parallel_size=size, speculative_config=spec(head), max_model_len=256)
+        calls = recorded(llm)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+            stats = llm.stats()
+        finally:
+            llm.executor.close()
+        runs.append((got, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens))
+    assert runs[0] == runs[1]
+    assert runs[1][0] == hf_greedy(target, prompts, MAX_TOKENS)
+    reference = ReferenceHead(target, head)
+    assert len(calls) >= len(prompts)
+    for context, drafts in calls:  # (the two ranks' run's)
+        assert drafts == reference.drafts(context, len(drafts)), context

@@ -10,6 +10,11 @@ attention's q/k/v read both, 2H wide. Its head scores a draft vocabulary (`draft
 tokens, the target's most frequent), mapped to the target's ids by `d2t` (draft id i is
 target id i + d2t[i]). A further draft reads the layer's own output in place of `fc`'s.
 The embedding is the head's own where it ships one, else the target's.
+
+Under --tensor-parallel-size every rank holds the whole head (one layer, a draft
+vocabulary's head: a small share of the target's weights) and drafts alike from the
+target's hidden states, which are whole on every rank; only the target's embedding, where
+the head reads it, is cut (and summed) as the target's.
 """
 
 from __future__ import annotations

@@ -68,9 +68,6 @@ def make_proposer(worker_config, target, dtype, backend, max_model_len: int, dev
     if target.recurrent_layers:
         raise ValueError(f"speculative decoding is not supported for {target.architecture}: its "
                          "recurrent layers' state cannot take back rejected drafts")
-    if config.method == "eagle3" and tensor_parallel is not None:
-        raise ValueError(f"speculative_config method {config.method} does not run with --tensor-parallel-size "
-                         f"{tensor_parallel.world_size} yet")
     load_format = worker_config.load_format
     if config.method == "draft_model":
         from services.worker.sample.draft_model import DraftModelProposer
