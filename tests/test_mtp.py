@@ -187,10 +187,17 @@ def test_vllm_s_older_mtp_method_names_mean_mtp():
 
 
 @pytest.mark.timeout(600)
-def test_two_ranks_draft_with_the_mtp_layer_as_one_rank_does(mtp_model, prompts):
+def test_two_ranks_draft_with_the_mtp_layer_as_one_rank_does(tmp_path):
     """Under --tensor-parallel-size 2 the MTP layer is cut as the main model's layers are
     (its fusion whole on each rank): every draft the reference layer's, one rank's drafts
-    and acceptances, transformers' greedy tokens, each rank holding part of the layer."""
+    and acceptances, transformers' greedy tokens, each rank holding part of the layer.
+    DeepSeek-V3's shape: its latent attention and experts cut (GLM's as other ranks'
+    layers are, tests/test_tensor_parallel.py)."""
+    from services.tokenizer.tokenizer import Tokenizer
+
+    mtp_model = with_mtp_layer(build_tiny_model(tmp_path / "deepseek_v3", "deepseek_v3", seed=3), seed=5)
+    tokenizer = Tokenizer(mtp_model)
+    prompts = [tokenizer.encode(text) for text in TEXTS]
     runs, held = [], []
     for size in (1, 2):
         llm = LLM(str(mtp_model), tensor_parallel_size=size, speculative_config=MTP, max_model_len=256)
