@@ -5,7 +5,7 @@ which of a prompt's blocks a worker holds: a gateway routing by cached prefix do
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -53,13 +53,18 @@ def hash_root(long_rope: bool, lora: LoRARequest | None, cache_salt: str | None 
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
-                lora: LoRARequest | None = None, mm_features=()) -> list[BlockHash]:
+                        lora: LoRARequest | None = None, mm_features=()) -> list[BlockHash]:
     """The hashes of the prompt's full blocks as the scheduler chains them (a short prompt's:
     longrope's long root is the scheduler's to pick), its images' keys folded in."""
-    chain, parent = [], hash_root(False, lora, cache_salt)
+    return list(iter_block_hashes(token_ids, block_size, cache_salt, lora, mm_features))
+
+
+def iter_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None,
+                      lora: LoRARequest | None = None, mm_features=()) -> Iterator[BlockHash]:
+    """prompt_block_hashes' one at a time (a lookup that stops at its first miss computes no more)."""
+    parent = hash_root(False, lora, cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         parent = hash_block_tokens(parent, token_ids[start:end],
                                    image_keys(mm_features, start, end) if mm_features else b"")
-        chain.append(parent)
-    return chain
+        yield parent

@@ -6,7 +6,7 @@ The scheduler asks in tokens; this turns tokens into blocks over one `BlockPool`
 from __future__ import annotations
 
 from services.scheduler.core.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
-from shared.block_hashes import hash_root, image_keys
+from shared.block_hashes import hash_root, image_keys, iter_block_hashes
 from services.scheduler.core.kv_tier_index import KVTierIndex
 from shared.kv_transfer_tokens import sign
 from shared.messages import RemoteKVLoad, SchedulerOutput
@@ -163,13 +163,12 @@ class KVCacheManager:
         """How many leading full blocks of these tokens (and images) are cached here (for placement)."""
         if not self.enable_caching:
             return 0
-        parent, bs = hash_root(False, lora, cache_salt), self.block_size
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs],
-                                       image_keys(mm_features, i * bs, (i + 1) * bs) if mm_features else b"")
-            if self.block_pool.get_cached_block(parent) is None:
-                return i
-        return max(0, (len(token_ids) - 1) // bs)
+        found = 0  # (one token short, as get_computed_blocks: the last is always computed)
+        for block_hash in iter_block_hashes(token_ids[:-1], self.block_size, cache_salt, lora, mm_features):
+            if self.block_pool.get_cached_block(block_hash) is None:
+                break
+            found += 1
+        return found
 
     def record_prefix_lookup(self, num_queried: int, num_hit: int, num_loaded: int = 0) -> None:
         """`num_hit` tokens found of `num_queried`, `num_loaded` of them from the tier."""
