@@ -217,7 +217,7 @@ QWEN_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def qwen(request, tmp_path_factory):
     """(the model's folder, transformers' greedy tokens for QWEN_PROMPTS)"""
     folder = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=3)

@@ -128,6 +128,7 @@ def build_tiny_model(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(folder, extra_special_tokens={"gemma3_multimodal": GEMMA3_IMAGE_TOKENS,
+                                                              "qwen2_vl": QWEN_VL_IMAGE_TOKENS,
                                                               "qwen2_5_vl": QWEN_VL_IMAGE_TOKENS,
                                                               "qwen3_vl": QWEN_VL_IMAGE_TOKENS,
                                                               "qwen3_vl_moe": QWEN_VL_IMAGE_TOKENS}.get(arch))
@@ -687,11 +688,11 @@ def build_tiny_model(
                     param.normal_(1.0 if "norm" in name else 0.0, 0.3)
                 elif "deepstack_merger" in name and name.endswith("fc2.weight"):  # (at 0.02, features that add ~0)
                     param.normal_(0.0, 0.3)
-    elif arch in ("qwen2_5_vl", "qwen3_vl"):
+    elif arch in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         # Qwen2.5-VL's and Qwen3-VL's shape of files: a Qwen2 (Qwen3) text_config whose rotary
         # is MRoPE (sections of 2, 3, 3 of a head's 8 frequencies), a vision tower beside it.
-        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3VLConfig,
-                                  Qwen3VLForConditionalGeneration)
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                                  Qwen2VLForConditionalGeneration, Qwen3VLConfig, Qwen3VLForConditionalGeneration)
 
         mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=common["hidden_size"])
@@ -700,7 +701,14 @@ def build_tiny_model(
 
         # (their image tokens the tokenizer's last four)
         ids = {f"{name}_id": tokenizer.convert_tokens_to_ids(token) for name, token in QWEN_VL_IMAGE_TOKENS.items()}
-        if arch == "qwen2_5_vl":
+        if arch == "qwen2_vl":  # (its tower's width is embed_dim; hidden_size is the language model's)
+            config = Qwen2VLConfig(text_config={**text, "rope_parameters": mrope},
+                                   vision_config=dict(depth=1, embed_dim=32, hidden_size=common["hidden_size"],
+                                                      mlp_ratio=2, num_heads=2),
+                                   tie_word_embeddings=common["tie_word_embeddings"], **ids)
+            model = Qwen2VLForConditionalGeneration(config)
+            Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16).save_pretrained(folder)
+        elif arch == "qwen2_5_vl":
             config = Qwen2_5_VLConfig(text_config={**text, "rope_parameters": mrope}, vision_config=vision,
                                       tie_word_embeddings=common["tie_word_embeddings"], **ids)
             model = Qwen2_5_VLForConditionalGeneration(config)

@@ -21,7 +21,7 @@ class ImagePrompts:
 
         self.model = model
         try:
-            if model.family in ("qwen2_5_vl", "qwen3_vl"):
+            if model.family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
                 # transformers' Qwen-VL processors also hold a video processor, which needs
                 # torchvision (not installed: its operators do not load with a CPU build of
                 # torch); its image processor and tokenizer serve alone, and its text step

@@ -13,11 +13,13 @@ from pathlib import Path
 from shared.hf.model_folder import config_or_empty
 
 # Architecture -> how llmbus encodes its images (services/worker/vision/). The families
-# whose text alone is served otherwise (Qwen3-VL, Mistral Small 3.1, ...) are not here yet.
-IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+# whose text alone is served otherwise (Mistral Small 3.1, EXAONE 4.5, Qwen3.5) are not here yet.
+IMAGE_ARCHITECTURES = {"Gemma3ForConditionalGeneration": "gemma3", "Qwen2VLForConditionalGeneration": "qwen2_vl",
+                       "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
                        "Qwen3VLForConditionalGeneration": "qwen3_vl", "Qwen3VLMoeForConditionalGeneration": "qwen3_vl"}
 # What a prompt writes for an image, where it is not the processor's image token itself
-MARKERS = {"qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+MARKERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+           "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
            "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>"}
 
 

@@ -124,7 +124,7 @@ def image_encoder(folder: str | Path, dtype: torch.dtype, device: torch.device, 
     from services.worker.vision.qwen2_5_vl import Qwen25VLImageEncoder
 
     hf_config = AutoConfig.from_pretrained(str(folder))
-    module = {"gemma3": Gemma3ImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder,
+    module = {"gemma3": Gemma3ImageEncoder, "qwen2_vl": Qwen25VLImageEncoder, "qwen2_5_vl": Qwen25VLImageEncoder,
               "qwen3_vl": Qwen25VLImageEncoder}[image.family](hf_config)
     if config.load_format != "dummy":
         module.load_weights(iter_weights(Path(folder), module.reads))

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's and Qwen3-VL's image encoders: the ViT (Qwen2.5-VL's with window attention,
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image encoders: the ViT (Qwen2.5-VL's with window attention,
 2D rotary positions within each image) and the patch merger (2x2 patches into one token of
 the language model's width), transformers' own modules loaded from the checkpoint's
 `visual.*` tensors (gemma3.py says why transformers' modules). Qwen3-VL's also gives
@@ -20,9 +20,11 @@ PREFIXES = ("model.visual.", "visual.")
 
 
 class Qwen25VLImageEncoder(nn.Module):
-    def __init__(self, config) -> None:  # a transformers Qwen2_5_VLConfig or Qwen3VLConfig
+    def __init__(self, config) -> None:  # a transformers Qwen2VLConfig, Qwen2_5_VLConfig or Qwen3VLConfig
         super().__init__()
-        if config.model_type == "qwen3_vl":
+        if config.model_type == "qwen2_vl":  # (Qwen2.5-VL's without its windows: every patch sees its image)
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as Tower
+        elif config.model_type == "qwen3_vl":
             from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as Tower
         elif config.model_type == "qwen3_vl_moe":  # (the same tower as Qwen3-VL's)
             from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel as Tower

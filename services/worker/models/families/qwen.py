@@ -17,8 +17,8 @@ QWEN2 = Family(
             "`Qwen2_5_VLForConditionalGeneration` checkpoints (Qwen2-VL, Qwen2.5-VL: the config read through "
             "transformers' class, so the first releases' top-level keys serve as a `text_config` does; their "
             "MRoPE on text, where a token's time, height and width positions are all its index, is the ordinary "
-            "rotary); Qwen2.5-VL's images in through its `visual.*` tower, an image's tokens at MRoPE's three "
-            "positions (docs/features/multimodal_inputs.md); Qwen2-VL's tower unread, an image for it a 400)"),
+            "rotary); their images in through the `visual.*` tower, an image's tokens at MRoPE's three "
+            "positions (docs/features/multimodal_inputs.md))"),
     adds="q/k/v biases",
     cpu="as Llama",
     gpu="as Llama",
