@@ -2,10 +2,15 @@
 tests/test_eagle3.py hold each proposal to a reference forward)."""
 
 
+def rank0_runner(llm):
+    """The LLM's model runner: rank 0's, behind a tensor-parallel group's front."""
+    return getattr(llm.runner, "runner", llm.runner)
+
+
 def recorded(llm) -> list[tuple[list[int], list[int]]]:
     """Every (context, drafts) the worker's proposer gives from now on, as it gives them
-    (rank 0's, behind a tensor-parallel group's front)."""
-    proposer, calls = getattr(llm.runner, "runner", llm.runner).proposer, []
+    (rank 0's, under tensor parallelism)."""
+    proposer, calls = rank0_runner(llm).proposer, []
     propose = proposer.propose
 
     def record(requests, slots, *args):

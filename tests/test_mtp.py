@@ -16,7 +16,7 @@ import torch
 
 from llmbus import LLM, SamplingParams
 from shared.config import SpeculativeConfig
-from draft_recorder import recorded
+from draft_recorder import rank0_runner, recorded
 from tiny_models import build_tiny_model, hf_greedy
 
 TEXTS = ["the cat sat on the mat, the cat sat on the mat, the cat", "1 2 3 4 5 1 2 3 4 5 1 2 3",
@@ -206,7 +206,7 @@ def test_two_ranks_draft_with_the_mtp_layer_as_one_rank_does(tmp_path):
             got = [o.outputs[0].token_ids for o in llm.generate(
                 prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))]
             stats = llm.stats()
-            runner = getattr(llm.runner, "runner", llm.runner)  # (rank 0's, behind its group's front)
+            runner = rank0_runner(llm)
             held.append(sum(t.numel() for t in runner.proposer.drafter.state_dict().values()))
         finally:
             llm.executor.close()

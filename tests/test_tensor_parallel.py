@@ -18,6 +18,7 @@ import torch
 from llmbus import LLM, SamplingParams
 from services.worker.models.decoder_config import ModelConfig
 from services.worker.parallel.sharding import Shards, local_config
+from draft_recorder import rank0_runner
 from tiny_models import build_tiny_model, hf_greedy, random_prompts
 
 pytestmark = pytest.mark.timeout(600)
@@ -221,7 +222,7 @@ def test_two_ranks_draft_with_a_draft_model_as_one_rank_does(folders):
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             drawn = [o.outputs[0].token_ids for o in llm.generate(prompts, seeded)]
             stats = llm.stats()
-            runner = getattr(llm.runner, "runner", llm.runner)  # (rank 0's, behind its group's front)
+            runner = rank0_runner(llm)
             held.append(sum(p.numel() for p in runner.proposer.model.parameters()))
         finally:
             llm.executor.close()
